@@ -1,0 +1,136 @@
+//! Per-generation metrics with the field's common definitions (GUIDE section 1).
+
+use std::time::Duration;
+
+/// Counters and timings of one generation.
+///
+/// Tokens cut by a stop condition are not counted. Proposed drafts are all the drafts that were
+/// verified (each verify step's `k`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Metrics {
+    /// Draft tokens proposed and verified.
+    pub proposed: usize,
+    /// Draft tokens accepted (and emitted).
+    pub accepted: usize,
+    /// Tokens emitted (accepted drafts plus corrections / bonus tokens).
+    pub emitted: usize,
+    /// Verify forwards of the target (one per step; prefill not included).
+    pub target_calls: usize,
+    /// Steps whose draft was empty (plain decoding steps).
+    pub plain_steps: usize,
+    /// `reached_at[i]`: steps in which draft position `i` (0-based) was tested, that is, steps
+    /// with `k > i` whose positions `0..i` were all accepted.
+    pub reached_at: Vec<usize>,
+    /// `accepted_at[i]`: steps in which draft position `i` was accepted.
+    pub accepted_at: Vec<usize>,
+    /// Time spent in the prompt prefill forward.
+    pub prefill_time: Duration,
+    /// Time spent in [`crate::Proposer::propose`] and [`crate::Proposer::observe`].
+    pub propose_time: Duration,
+    /// Time spent in target verify forwards.
+    pub forward_time: Duration,
+    /// Time spent in verification (processing + acceptance), excluding the forward.
+    pub verify_time: Duration,
+    /// Wall time from the start of the generation to its end.
+    pub total_time: Duration,
+    /// Time from the start to the first emitted token.
+    pub time_to_first_token: Option<Duration>,
+}
+
+impl Metrics {
+    /// Acceptance rate = accepted drafts / proposed drafts (0 when nothing was proposed).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.proposed == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.proposed as f64
+        }
+    }
+
+    /// Mean accepted length = emitted tokens / target verify calls (includes the bonus token;
+    /// 1.0 for plain decoding).
+    pub fn mean_accepted_length(&self) -> f64 {
+        if self.target_calls == 0 {
+            0.0
+        } else {
+            self.emitted as f64 / self.target_calls as f64
+        }
+    }
+
+    /// Per-position acceptance: `accepted_at[i] / reached_at[i]`, the probability that draft
+    /// position `i` is accepted given that positions `0..i` were.
+    pub fn position_acceptance(&self) -> Vec<f64> {
+        self.reached_at
+            .iter()
+            .zip(&self.accepted_at)
+            .map(|(&p, &a)| if p == 0 { 0.0 } else { a as f64 / p as f64 })
+            .collect()
+    }
+
+    /// Output tokens per second over the whole generation (prefill included in the time).
+    pub fn tokens_per_second(&self) -> f64 {
+        let s = self.total_time.as_secs_f64();
+        if s > 0.0 {
+            self.emitted as f64 / s
+        } else {
+            0.0
+        }
+    }
+
+    /// Decode-phase tokens per second (prefill excluded).
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        let s = (self.total_time.saturating_sub(self.prefill_time)).as_secs_f64();
+        if s > 0.0 {
+            self.emitted as f64 / s
+        } else {
+            0.0
+        }
+    }
+
+    /// Records one verify step: `k` drafts proposed, `verified` accepted by the verifier, of which
+    /// `kept` survived the stop conditions (`kept <= verified`), `emitted` tokens kept.
+    pub(crate) fn record_step(&mut self, k: usize, verified: usize, kept: usize, emitted: usize) {
+        self.target_calls += 1;
+        self.proposed += k;
+        self.accepted += kept;
+        self.emitted += emitted;
+        if k == 0 {
+            self.plain_steps += 1;
+        }
+        if self.reached_at.len() < k {
+            self.reached_at.resize(k, 0);
+            self.accepted_at.resize(k, 0);
+        }
+        for i in 0..kept {
+            self.reached_at[i] += 1;
+            self.accepted_at[i] += 1;
+        }
+        // The rejection position counts only when no stop cut the block before it.
+        if kept == verified && verified < k {
+            self.reached_at[verified] += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn definitions() {
+        let mut m = Metrics::default();
+        m.record_step(3, 1, 1, 2);
+        m.record_step(3, 3, 3, 4);
+        m.record_step(0, 0, 0, 1);
+        // A stop inside the accepted block: nothing after it is counted.
+        let mut cut = Metrics::default();
+        cut.record_step(4, 4, 2, 3);
+        assert_eq!((cut.accepted, cut.emitted, cut.reached_at[2]), (2, 3, 0));
+        assert_eq!(m.proposed, 6);
+        assert_eq!(m.accepted, 4);
+        assert!((m.acceptance_rate() - 4.0 / 6.0).abs() < 1e-12);
+        assert!((m.mean_accepted_length() - 7.0 / 3.0).abs() < 1e-12);
+        assert_eq!(m.position_acceptance(), vec![1.0, 0.5, 1.0]);
+        assert_eq!(m.plain_steps, 1);
+    }
+}

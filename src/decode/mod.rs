@@ -1,0 +1,17 @@
+//! The decoding loop, the [`TargetModel`] trait, stop conditions, draft length policies and
+//! metrics.
+//!
+//! [`Generator`] runs speculative decoding over any [`TargetModel`] and [`crate::Proposer`]:
+//! propose, one target forward over `[last token, d_1 .. d_k]`, verify, commit, truncate.
+
+mod generator;
+mod metrics;
+mod model;
+mod policy;
+mod stop;
+
+pub use generator::{Generation, GenerationParams, Generator, Session};
+pub use metrics::Metrics;
+pub use model::TargetModel;
+pub use policy::{AdaptiveConfig, AdaptiveState, DraftLength};
+pub use stop::{FinishReason, StopConditions};

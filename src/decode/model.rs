@@ -1,0 +1,135 @@
+//! The [`TargetModel`] trait: what the decoding loop needs from an inference engine.
+
+use crate::error::Result;
+
+/// A causal language model with a KV cache that can be rolled back.
+///
+/// The decoding loop ([`crate::decode::Generator`]) calls [`TargetModel::forward`] exactly once
+/// per speculative step with `[last token, d_1 .. d_k]` and reads back the logits of every
+/// appended position (`[k + 1, vocab]`). After verification it calls
+/// [`TargetModel::truncate`] to drop the KV entries of rejected drafts.
+///
+/// The trait is object safe, so engines can hold a `Box<dyn TargetModel>`.
+///
+/// # Example
+///
+/// A toy "model" whose next token is always `(last + 1) % vocab`:
+///
+/// ```
+/// use speculative::{Result, TargetModel};
+///
+/// struct Counter { tokens: Vec<u32>, vocab: usize }
+///
+/// impl TargetModel for Counter {
+///     fn vocab_size(&self) -> usize { self.vocab }
+///     fn max_context(&self) -> usize { 1 << 20 }
+///     fn seq_len(&self) -> usize { self.tokens.len() }
+///     fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+///         logits.clear();
+///         for &t in tokens {
+///             self.tokens.push(t);
+///             let next = (t as usize + 1) % self.vocab;
+///             logits.extend((0..self.vocab).map(|v| if v == next { 10.0 } else { 0.0 }));
+///         }
+///         Ok(())
+///     }
+///     fn truncate(&mut self, len: usize) -> Result<()> {
+///         self.tokens.truncate(len);
+///         Ok(())
+///     }
+/// }
+///
+/// let mut m = Counter { tokens: vec![], vocab: 8 };
+/// let mut logits = Vec::new();
+/// m.forward(&[3, 4], &mut logits).unwrap();
+/// assert_eq!(logits.len(), 2 * 8);
+/// assert_eq!(logits[4], 10.0); // row 0 follows token 3, so it predicts 4
+/// assert_eq!(logits[8 + 5], 10.0); // row 1 follows token 4
+/// ```
+pub trait TargetModel {
+    /// Number of logits per position (the output head's width), in tokens.
+    fn vocab_size(&self) -> usize;
+
+    /// Maximum number of tokens the model can hold in its context (prompt + generated).
+    fn max_context(&self) -> usize;
+
+    /// Number of tokens currently in the sequence (the KV cache length).
+    fn seq_len(&self) -> usize;
+
+    /// Appends `tokens` (`n >= 1` of them) to the sequence and writes the logits of every
+    /// appended position into `logits`, which is cleared first: row `i` (`[vocab]`) holds the
+    /// logits for the token that follows `tokens[i]`. Shape `[n, vocab]`, row-major.
+    ///
+    /// # Errors
+    /// Implementations return [`crate::Error::Model`] for engine failures and when the
+    /// sequence would exceed [`TargetModel::max_context`].
+    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()>;
+
+    /// Drops every position at index `>= len` (KV-cache rollback). `len` greater than
+    /// [`TargetModel::seq_len`] is an error.
+    ///
+    /// # Errors
+    /// [`crate::Error::Model`] when `len > seq_len()` or the engine fails.
+    fn truncate(&mut self, len: usize) -> Result<()>;
+
+    /// Width of the hidden states returned by [`TargetModel::last_hidden`]; 0 when the model
+    /// does not expose hidden states (the default).
+    fn hidden_size(&self) -> usize {
+        0
+    }
+
+    /// The final hidden states (after the last norm, before the output head) of the positions
+    /// appended by the most recent [`TargetModel::forward`] call, shape `[n, hidden_size]`.
+    /// Heads proposers (MTP / Medusa) read the last row. `None` when not supported.
+    fn last_hidden(&self) -> Option<&[f32]> {
+        None
+    }
+}
+
+impl<T: TargetModel + ?Sized> TargetModel for Box<T> {
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        (**self).max_context()
+    }
+    fn seq_len(&self) -> usize {
+        (**self).seq_len()
+    }
+    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        (**self).forward(tokens, logits)
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        (**self).truncate(len)
+    }
+    fn hidden_size(&self) -> usize {
+        (**self).hidden_size()
+    }
+    fn last_hidden(&self) -> Option<&[f32]> {
+        (**self).last_hidden()
+    }
+}
+
+impl<T: TargetModel + ?Sized> TargetModel for &mut T {
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        (**self).max_context()
+    }
+    fn seq_len(&self) -> usize {
+        (**self).seq_len()
+    }
+    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        (**self).forward(tokens, logits)
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        (**self).truncate(len)
+    }
+    fn hidden_size(&self) -> usize {
+        (**self).hidden_size()
+    }
+    fn last_hidden(&self) -> Option<&[f32]> {
+        (**self).last_hidden()
+    }
+}

@@ -1,0 +1,275 @@
+//! Draft length policies: fixed `k`, or adaptive `k` that maximises expected tokens per second.
+
+use crate::error::{Error, Result};
+
+/// How many draft tokens to ask for at each step.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum DraftLength {
+    /// No speculation: every step is a plain decoding step (per-request opt-out).
+    Off,
+    /// Always ask for `k` drafts (capped by budget and context).
+    Fixed(usize),
+    /// Pick `k` in `0..=max_k` each step from online estimates (see [`AdaptiveConfig`]).
+    Adaptive(AdaptiveConfig),
+}
+
+impl Default for DraftLength {
+    fn default() -> Self {
+        DraftLength::Fixed(4)
+    }
+}
+
+/// Configuration of the adaptive draft-length policy.
+///
+/// The policy keeps, per draft position `i`, an estimate `a_i` of the probability that position
+/// `i` is accepted given that positions `0..i` were (a Beta(1, 1) prior with exponentially
+/// decayed counts), and an estimate `t(n)` of the wall time of a target forward over `n` tokens
+/// (exponential moving average per `n`, a least-squares line through the measured `n` for the
+/// others), plus the proposer's time per draft token. It picks the `k` that maximises
+///
+/// `E[tokens](k) / (t(k + 1) + k * t_propose)`, with `E[tokens](k) = 1 + sum_{j=1..k} prod_{i<j} a_i`
+///
+/// (the expected number of tokens per step, Leviathan et al. 2023, section 3.1, with per-position
+/// rates). `k = 0` (plain decoding) wins when speculation does not pay; then every
+/// `probe_interval` steps it tries `k = probe_k` so that the estimates keep learning.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdaptiveConfig {
+    /// Largest draft length considered.
+    pub max_k: usize,
+    /// Decay of the acceptance counts per observation, in `(0, 1]` (1 = no forgetting).
+    pub decay: f64,
+    /// Weight of a new timing in the moving averages, in `(0, 1]`.
+    pub time_smoothing: f64,
+    /// After this many consecutive `k = 0` steps, probe with `k = probe_k`.
+    pub probe_interval: usize,
+    /// Draft length of a probe step.
+    pub probe_k: usize,
+}
+
+impl Default for AdaptiveConfig {
+    fn default() -> Self {
+        AdaptiveConfig {
+            max_k: 8,
+            decay: 0.98,
+            time_smoothing: 0.2,
+            probe_interval: 16,
+            probe_k: 2,
+        }
+    }
+}
+
+impl AdaptiveConfig {
+    /// Checks the ranges documented on each field.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for `decay` or `time_smoothing` outside `(0, 1]` or
+    /// `probe_interval == 0`.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.decay > 0.0 && self.decay <= 1.0) {
+            return Err(Error::config("decay", self.decay, "must be in (0, 1]"));
+        }
+        if !(self.time_smoothing > 0.0 && self.time_smoothing <= 1.0) {
+            return Err(Error::config("time_smoothing", self.time_smoothing, "must be in (0, 1]"));
+        }
+        if self.probe_interval == 0 {
+            return Err(Error::config("probe_interval", 0, "must be >= 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Online state of the adaptive policy for one generator (kept across generations, since the
+/// target's cost curve does not change between requests).
+#[derive(Debug, Clone, Default)]
+pub struct AdaptiveState {
+    acc: Vec<f64>,
+    seen: Vec<f64>,
+    /// EMA of forward seconds by number of tokens fed (index n).
+    cost: Vec<Option<f64>>,
+    propose_per_token: Option<f64>,
+    zero_run: usize,
+    steps: usize,
+}
+
+impl AdaptiveState {
+    /// Estimated acceptance probability of position `i` given that `0..i` were accepted.
+    pub fn acceptance(&self, i: usize) -> f64 {
+        let a = self.acc.get(i).copied().unwrap_or(0.0);
+        let s = self.seen.get(i).copied().unwrap_or(0.0);
+        (a + 1.0) / (s + 2.0)
+    }
+
+    /// Estimated seconds of a target forward over `n >= 1` tokens, if anything was measured.
+    pub fn forward_cost(&self, n: usize) -> Option<f64> {
+        if let Some(Some(c)) = self.cost.get(n) {
+            return Some(*c);
+        }
+        let pts: Vec<(f64, f64)> = self
+            .cost
+            .iter()
+            .enumerate()
+            .filter_map(|(n, c)| c.map(|c| (n as f64, c)))
+            .collect();
+        match pts.len() {
+            0 => None,
+            1 => Some(pts[0].1),
+            _ => {
+                let m = pts.len() as f64;
+                let mx = pts.iter().map(|p| p.0).sum::<f64>() / m;
+                let my = pts.iter().map(|p| p.1).sum::<f64>() / m;
+                let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+                let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+                let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+                Some((my + slope * (n as f64 - mx)).max(1e-12))
+            }
+        }
+    }
+
+    /// Expected tokens per step with `k` drafts: `1 + sum_{j=1..k} prod_{i<j} a_i`.
+    pub fn expected_tokens(&self, k: usize) -> f64 {
+        let mut e = 1.0;
+        let mut prod = 1.0;
+        for i in 0..k {
+            prod *= self.acceptance(i);
+            e += prod;
+        }
+        e
+    }
+
+    /// The draft length to use, at most `cap`.
+    pub fn choose(&mut self, cfg: &AdaptiveConfig, cap: usize) -> usize {
+        let max_k = cfg.max_k.min(cap);
+        if max_k == 0 {
+            return 0;
+        }
+        // Warm-up: measure a full-length forward and a single-token forward first.
+        if self.cost_at(max_k + 1).is_none() && self.steps == 0 {
+            return max_k;
+        }
+        if self.cost_at(1).is_none() {
+            return 0;
+        }
+        let tp = self.propose_per_token.unwrap_or(0.0);
+        let mut best = (0usize, f64::NEG_INFINITY);
+        for k in 0..=max_k {
+            let t = self.forward_cost(k + 1).unwrap_or(f64::INFINITY) + k as f64 * tp;
+            let rate = self.expected_tokens(k) / t;
+            if rate > best.1 {
+                best = (k, rate);
+            }
+        }
+        if best.0 == 0 {
+            if self.zero_run + 1 >= cfg.probe_interval {
+                self.zero_run = 0;
+                return cfg.probe_k.min(max_k);
+            }
+            self.zero_run += 1;
+        } else {
+            self.zero_run = 0;
+        }
+        best.0
+    }
+
+    fn cost_at(&self, n: usize) -> Option<f64> {
+        self.cost.get(n).copied().flatten()
+    }
+
+    /// Records one step: `k` drafts verified, `accepted` accepted, forward over `k + 1` tokens
+    /// took `forward_secs`, proposing took `propose_secs`.
+    pub fn observe(
+        &mut self,
+        cfg: &AdaptiveConfig,
+        k: usize,
+        accepted: usize,
+        forward_secs: f64,
+        propose_secs: f64,
+    ) {
+        self.steps += 1;
+        let n = k + 1;
+        if self.cost.len() <= n {
+            self.cost.resize(n + 1, None);
+        }
+        let w = cfg.time_smoothing;
+        self.cost[n] = Some(match self.cost[n] {
+            Some(c) => (1.0 - w) * c + w * forward_secs,
+            None => forward_secs,
+        });
+        if k > 0 {
+            let per = propose_secs / k as f64;
+            self.propose_per_token = Some(match self.propose_per_token {
+                Some(c) => (1.0 - w) * c + w * per,
+                None => per,
+            });
+        }
+        if self.acc.len() < k {
+            self.acc.resize(k, 0.0);
+            self.seen.resize(k, 0.0);
+        }
+        let reached = (accepted + 1).min(k);
+        for i in 0..reached {
+            self.acc[i] *= cfg.decay;
+            self.seen[i] *= cfg.decay;
+            self.seen[i] += 1.0;
+            if i < accepted {
+                self.acc[i] += 1.0;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picks_zero_when_speculation_cannot_pay() {
+        let cfg = AdaptiveConfig::default();
+        let mut s = AdaptiveState::default();
+        // Forward cost linear in n (no batching benefit) and nothing accepted.
+        for _ in 0..50 {
+            let k = s.choose(&cfg, 100);
+            s.observe(&cfg, k, 0, 0.01 * (k + 1) as f64, 0.0);
+        }
+        assert_eq!(s.choose(&cfg, 100), 0);
+    }
+
+    #[test]
+    fn picks_long_drafts_when_all_accepted_and_verify_is_cheap() {
+        let cfg = AdaptiveConfig::default();
+        let mut s = AdaptiveState::default();
+        for _ in 0..50 {
+            let k = s.choose(&cfg, 100);
+            s.observe(&cfg, k, k, 0.01 + 0.0005 * k as f64, 0.0);
+        }
+        assert_eq!(s.choose(&cfg, 100), cfg.max_k);
+        assert_eq!(s.choose(&cfg, 3), 3);
+    }
+
+    #[test]
+    fn probes_after_a_run_of_plain_steps() {
+        let cfg = AdaptiveConfig {
+            probe_interval: 4,
+            ..Default::default()
+        };
+        let mut s = AdaptiveState::default();
+        let mut ks = Vec::new();
+        for _ in 0..40 {
+            let k = s.choose(&cfg, 100);
+            ks.push(k);
+            s.observe(&cfg, k, 0, 0.01 * (k + 1) as f64, 0.0);
+        }
+        assert!(ks[10..].iter().filter(|&&k| k == cfg.probe_k).count() >= 5);
+    }
+
+    #[test]
+    fn validates() {
+        assert!(AdaptiveConfig {
+            decay: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(AdaptiveConfig::default().validate().is_ok());
+    }
+}

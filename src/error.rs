@@ -1,0 +1,145 @@
+//! The crate's error type.
+//!
+//! Every fallible function in `speculative` returns [`Error`]. Bad user input (a malformed
+//! configuration, logits of the wrong shape, a draft token outside the vocabulary, NaN logits)
+//! is always reported through one of these variants, never through a panic, a NaN or a token id
+//! outside the vocabulary.
+
+use std::fmt;
+
+/// Which side of a verify step a row belongs to, used in error messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RowKind {
+    /// A row of target logits (`[k + 1, vocab]` per sequence).
+    Target,
+    /// A row of draft logits or draft probabilities q (`[k, draft_vocab]` per sequence).
+    Draft,
+}
+
+impl fmt::Display for RowKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RowKind::Target => f.write_str("target"),
+            RowKind::Draft => f.write_str("draft"),
+        }
+    }
+}
+
+/// Errors returned by `speculative`.
+///
+/// The enum is `#[non_exhaustive]`: match with a wildcard arm.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A sampling configuration value is out of its documented range (for example a negative
+    /// temperature or `top_p > 1`). `field` names the builder method.
+    #[error("invalid sampling configuration: {field} = {value} ({reason})")]
+    InvalidConfig {
+        /// The offending field.
+        field: &'static str,
+        /// The value given, formatted.
+        value: String,
+        /// Which range was expected.
+        reason: &'static str,
+    },
+    /// A buffer does not have the length its shape requires.
+    #[error("shape mismatch for {what}: expected {expected} elements, got {actual}")]
+    ShapeMismatch {
+        /// Which input (for example `"target_logits"`).
+        what: &'static str,
+        /// Expected number of elements (or rows).
+        expected: usize,
+        /// Number found.
+        actual: usize,
+    },
+    /// A token id is not smaller than the vocabulary size.
+    #[error("token id {token} is outside the vocabulary of size {vocab_size} ({what})")]
+    TokenOutOfVocab {
+        /// Where the token came from (for example `"draft token"`).
+        what: &'static str,
+        /// The token id.
+        token: u32,
+        /// The vocabulary size it was checked against.
+        vocab_size: usize,
+    },
+    /// The draft vocabulary is larger than the target vocabulary. A shorter draft vocabulary
+    /// (padded embedding rows) is fine; missing draft entries count as probability 0.
+    #[error("draft vocabulary ({draft}) is larger than the target vocabulary ({target})")]
+    DraftVocabTooLarge {
+        /// Draft vocabulary size.
+        draft: usize,
+        /// Target vocabulary size.
+        target: usize,
+    },
+    /// A logit is NaN or `+inf`. (`-inf` is allowed and means "banned".)
+    #[error("non-finite logit ({value}) in {kind} row {row} at token {token}")]
+    NonFiniteLogits {
+        /// Target or draft.
+        kind: RowKind,
+        /// Row index within the sequence (`0..=k`).
+        row: usize,
+        /// Token index of the first offending entry.
+        token: usize,
+        /// The offending value.
+        value: f32,
+    },
+    /// Every token of a row was removed by masks, bans, `-inf` logits or filtering, so the row
+    /// has no token to sample.
+    #[error("no allowed token in {kind} row {row}: every logit is -inf after masking")]
+    NoAllowedToken {
+        /// Target or draft.
+        kind: RowKind,
+        /// Row index within the sequence.
+        row: usize,
+    },
+    /// Draft probabilities q are not a valid distribution: a negative or non-finite entry, or
+    /// probability 0 for the token the proposer claims to have sampled.
+    #[error("invalid draft probabilities in row {row}: {reason}")]
+    InvalidDraftProbs {
+        /// Draft row index (`0..k`).
+        row: usize,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// The model adapter failed (I/O, tensor op, out of context, ...).
+    #[error("model error: {0}")]
+    Model(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// The proposer failed.
+    #[error("proposer error: {0}")]
+    Proposer(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// A generation request is invalid (empty prompt, prompt longer than the context, ...).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// A backend (for example `cuda` or `wgpu`) was not compiled in or has no usable device.
+    #[error("backend {backend} unavailable: {reason}")]
+    BackendUnavailable {
+        /// Backend name.
+        backend: &'static str,
+        /// Why it is unavailable.
+        reason: String,
+    },
+}
+
+impl Error {
+    /// Wraps any error from a model adapter as [`Error::Model`].
+    pub fn model<E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>>(e: E) -> Self {
+        Error::Model(e.into())
+    }
+
+    /// Wraps any error from a proposer as [`Error::Proposer`].
+    pub fn proposer<E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>>(e: E) -> Self {
+        Error::Proposer(e.into())
+    }
+
+    pub(crate) fn config(field: &'static str, value: impl fmt::Display, reason: &'static str) -> Self {
+        Error::InvalidConfig {
+            field,
+            value: value.to_string(),
+            reason,
+        }
+    }
+}
+
+/// Shorthand for `Result<T, speculative::Error>`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,73 @@
+//! # speculative
+//!
+//! Lossless speculative decoding for any LLM inference engine.
+//!
+//! A cheap **proposer** guesses `k` draft tokens; the **target** model scores them in one forward
+//! over `[last token, d_1 .. d_k]`, giving logits `[k + 1, vocab]`; the **verifier** accepts the
+//! longest valid prefix and emits one corrected or bonus token. The emitted sequence has exactly
+//! the distribution of plain sampling from the processed target (Leviathan, Kalman & Matias 2023;
+//! Chen et al. 2023), and in greedy mode it is token-identical to plain greedy decoding.
+//!
+//! The crate never asks for your tensor types: logits are `&[f32]` slices with documented shapes.
+//!
+//! ## Quick start: verify logits you already have
+//!
+//! ```
+//! use speculative::{DraftProbs, SamplingConfig, Verifier, VerifyRequest};
+//!
+//! let vocab = 3;
+//! // k = 1 draft token (token 0) sampled by a draft model from q = [0.5, 0.4, 0.1].
+//! let q = [0.5f32, 0.4, 0.1];
+//! // Target logits [k + 1, vocab].
+//! let target = [0.6f32.ln(), 0.3f32.ln(), 0.1f32.ln(), 0.0, 0.0, 0.0];
+//! let cfg = SamplingConfig::builder().temperature(1.0).top_p(0.9).build()?;
+//! let mut verifier = Verifier::new();
+//! let out = verifier.verify(
+//!     &VerifyRequest::new(&cfg, &target, vocab, &[0])
+//!         .draft_probs(DraftProbs::Probs { probs: &q, vocab })
+//!         .seed(7),
+//! )?;
+//! assert_eq!(out.tokens.len(), out.accepted + 1);
+//! # Ok::<(), speculative::Error>(())
+//! ```
+//!
+//! ## The guarantee
+//!
+//! For any proposer, each verify step emits tokens distributed exactly as plain sampling from
+//! the processed target distribution. The processing pipeline (see [`sampling`]) is applied to
+//! target rows and draft rows by the same code, with the same history. Greedy verification
+//! compares argmaxes (ties to the lowest id) and is token-identical to plain greedy decoding.
+//! Random draws come from a counter-based stream keyed by `(seed, position)` ([`rng`]), so a
+//! sequence's result never depends on batch order or composition.
+//!
+//! ## Layers
+//!
+//! - [`sampling`]: configuration and logits processing.
+//! - [`verify`]: greedy and stochastic verification, the batch API, closed forms.
+//! - [`propose`]: the [`Proposer`] trait and the shipped proposers.
+//! - [`decode`]: the [`TargetModel`] trait and the decoding loop.
+//! - [`rng`]: the counter-based random stream.
+//!
+//! ## Features
+//!
+//! - `test-util`: toy targets and proposers ([`test_util`]) for your own tests.
+
+#![warn(missing_docs)]
+
+pub mod decode;
+pub mod error;
+pub mod propose;
+pub mod rng;
+pub mod sampling;
+#[cfg(feature = "test-util")]
+pub mod test_util;
+pub mod verify;
+
+pub use decode::TargetModel;
+pub use error::{Error, Result, RowKind};
+pub use propose::{Draft, NoProposer, ProposeRequest, Proposer};
+pub use sampling::{SamplingConfig, SamplingConfigBuilder, TokenDist, TokenMask};
+pub use verify::{
+    DraftProbs, SequenceParams, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyBatch,
+    VerifyRequest,
+};

@@ -1,0 +1,148 @@
+//! A draft model proposer: a smaller model samples the draft (Leviathan et al. 2023; Chen et al.
+//! 2023).
+
+use super::{Draft, ProposeRequest, Proposer};
+use crate::decode::TargetModel;
+use crate::error::{Error, Result, RowKind};
+use crate::rng::{lane, Stream};
+use crate::sampling::{History, RowProcessor, TokenCounts, TokenDist};
+
+/// Wraps any [`TargetModel`] as a draft model.
+///
+/// At each step it samples `k` tokens one at a time from its processed distribution (the
+/// request's [`crate::SamplingConfig`], penalties counting the context plus earlier drafts),
+/// drawing uniforms from [`Stream`] keyed by the request seed on lane [`lane::DRAFT`], and returns
+/// the probabilities q it sampled from (`[k, draft_vocab]`). In greedy mode it proposes the
+/// argmax chain and returns no q.
+///
+/// Its KV cache is kept in step with the context: before proposing it truncates to the longest
+/// common prefix of what it has seen and the current context (rollback after a rejection) and
+/// feeds the missing tokens (catch-up on the correction or bonus token). Costs `k` draft
+/// forwards per step (the first one feeds every token not yet seen).
+#[derive(Debug)]
+pub struct DraftModelProposer<M> {
+    model: M,
+    seen: Vec<u32>,
+    proc: RowProcessor,
+    dist: TokenDist,
+    logits: Vec<f32>,
+}
+
+impl<M: TargetModel> DraftModelProposer<M> {
+    /// Wraps `model` (its sequence is reset at the start of each generation).
+    pub fn new(model: M) -> Self {
+        DraftModelProposer {
+            model,
+            seen: Vec::new(),
+            proc: RowProcessor::new(),
+            dist: TokenDist::default(),
+            logits: Vec::new(),
+        }
+    }
+
+    /// The wrapped model.
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    /// Gives back the wrapped model.
+    pub fn into_inner(self) -> M {
+        self.model
+    }
+
+    /// Feeds `tokens` and keeps the last row of logits in `self.logits`.
+    fn feed(&mut self, tokens: &[u32]) -> Result<()> {
+        self.model.forward(tokens, &mut self.logits)?;
+        self.seen.extend_from_slice(tokens);
+        let v = self.model.vocab_size();
+        let n = self.logits.len();
+        if n != tokens.len() * v || n < v {
+            return Err(Error::ShapeMismatch {
+                what: "draft model logits ([n, vocab])",
+                expected: tokens.len() * v,
+                actual: n,
+            });
+        }
+        self.logits.drain(..n - v);
+        Ok(())
+    }
+}
+
+impl<M: TargetModel> Proposer for DraftModelProposer<M> {
+    fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
+        self.model.truncate(0)?;
+        self.seen.clear();
+        Ok(())
+    }
+
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        draft.clear();
+        let ctx = req.context;
+        if req.max_draft == 0 || ctx.is_empty() {
+            return Ok(());
+        }
+        let vocab = self.model.vocab_size();
+        let room = self.model.max_context().saturating_sub(ctx.len());
+        let k = req.max_draft.min(room);
+        if k == 0 {
+            return Ok(());
+        }
+        // Roll back to the common prefix, keeping at least one token to feed.
+        let common = self
+            .seen
+            .iter()
+            .zip(ctx)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(ctx.len() - 1);
+        self.model.truncate(common)?;
+        self.seen.truncate(common);
+        self.feed(&ctx[common..])?;
+
+        let cfg = req.config;
+        let greedy = cfg.is_greedy();
+        let mut counts = if cfg.has_penalties() {
+            Some(TokenCounts::from_tokens(ctx, vocab)?)
+        } else {
+            None
+        };
+        let mut prefix = if cfg.mask().is_some() { ctx.to_vec() } else { Vec::new() };
+        let stream = Stream::new(req.seed);
+        let mut q = Vec::new();
+        for i in 0..k {
+            let hist = History {
+                counts: counts.as_ref(),
+                prefix: &prefix,
+            };
+            let t = if greedy {
+                self.proc.argmax(cfg, &self.logits, &hist, RowKind::Draft, i)?
+            } else {
+                self.proc
+                    .distribution(cfg, &self.logits, &hist, RowKind::Draft, i, &mut self.dist)?;
+                let u = stream.uniform((ctx.len() + i) as u64, lane::DRAFT);
+                let t = self.dist.sample(u);
+                let row = q.len();
+                q.resize(row + vocab, 0.0f32);
+                for (&id, &p) in self.dist.ids().iter().zip(self.dist.probs()) {
+                    q[row + id as usize] = p;
+                }
+                t
+            };
+            draft.tokens.push(t);
+            if let Some(c) = counts.as_mut() {
+                c.add(t, vocab)?;
+            }
+            if cfg.mask().is_some() {
+                prefix.push(t);
+            }
+            if i + 1 < k {
+                self.feed(&[t])?;
+            }
+        }
+        if !greedy {
+            draft.q = Some(q);
+            draft.q_vocab = vocab;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,165 @@
+//! Proposers: cheap guessers of the next `k` tokens.
+//!
+//! A [`Proposer`] looks at the context (prompt plus generated tokens) and returns up to
+//! `max_draft` draft tokens, optionally with the draft probabilities q they were sampled from.
+//! The verifier then accepts the longest valid prefix (Leviathan et al. 2023, section 2.3).
+//!
+//! Shipped proposers:
+//! - [`PromptLookup`]: n-gram match against the prompt and generated text (prompt lookup
+//!   decoding, Saxena 2023).
+//! - [`SuffixProposer`]: suffix-tree proposer over the sequence and a bounded corpus of earlier
+//!   generations (SuffixDecoding, Oliaro et al. 2024).
+//! - [`DraftModelProposer`]: a smaller model implementing [`crate::TargetModel`] samples the draft
+//!   (Leviathan et al. 2023; Chen et al. 2023).
+//! - [`HeadsProposer`]: MTP / Medusa heads on the target's last hidden state (Cai et al. 2024).
+
+use crate::error::Result;
+use crate::sampling::SamplingConfig;
+
+mod draft_model;
+mod heads;
+mod prompt_lookup;
+mod suffix;
+
+pub use draft_model::DraftModelProposer;
+pub use heads::{DraftHeads, HeadsProposer};
+pub use prompt_lookup::PromptLookup;
+pub use suffix::{SuffixConfig, SuffixProposer};
+
+/// What a proposer is asked for at one step.
+#[derive(Debug, Clone, Copy)]
+pub struct ProposeRequest<'a> {
+    /// The whole sequence so far: prompt followed by every emitted token. The target will be fed
+    /// `context.last()` followed by the draft.
+    pub context: &'a [u32],
+    /// The request's sampling configuration. Proposers that sample (draft model, heads) process
+    /// their logits with exactly this configuration, so that q matches what the verifier expects.
+    pub config: &'a SamplingConfig,
+    /// Maximum number of draft tokens to return (the draft length k). May be 0.
+    pub max_draft: usize,
+    /// The request's seed. Proposers that sample draw from the counter-based stream
+    /// [`crate::rng::Stream`] keyed by this seed and the absolute token position.
+    pub seed: u64,
+    /// The target's final hidden state for the position that predicts the next token
+    /// (`[hidden_size]`), when the target exposes hidden states. Used by [`HeadsProposer`].
+    pub target_hidden: Option<&'a [f32]>,
+}
+
+/// A proposal: draft tokens and, for sampling proposers, the draft probabilities q.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Draft {
+    /// Draft tokens `d_1 .. d_k` (`k <= max_draft`).
+    pub tokens: Vec<u32>,
+    /// Probabilities (not logits) the tokens were sampled from, shape `[k, q_vocab]` row-major,
+    /// or `None` for deterministic proposers (a point mass on each draft token).
+    pub q: Option<Vec<f32>>,
+    /// Width of each q row, in tokens (may be smaller than the target vocabulary; missing entries
+    /// count as probability 0).
+    pub q_vocab: usize,
+}
+
+impl Draft {
+    /// Empties the draft, keeping its allocations.
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.q = None;
+        self.q_vocab = 0;
+    }
+
+    /// Number of draft tokens k.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// `true` when there are no draft tokens.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+}
+
+/// A source of draft tokens.
+///
+/// Object safe: engines can hold `Box<dyn Proposer>`. The decoding loop calls
+/// [`Proposer::begin`] once per generation, then for each step [`Proposer::propose`] followed by
+/// [`Proposer::observe`] with the verified outcome.
+///
+/// # Example
+///
+/// A proposer that always guesses the last token again:
+///
+/// ```
+/// use speculative::{Draft, ProposeRequest, Proposer, Result};
+///
+/// struct Repeat;
+///
+/// impl Proposer for Repeat {
+///     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+///         draft.clear();
+///         if let Some(&last) = req.context.last() {
+///             draft.tokens.extend(std::iter::repeat(last).take(req.max_draft));
+///         }
+///         Ok(())
+///     }
+/// }
+/// ```
+pub trait Proposer {
+    /// Fills `draft` with at most `req.max_draft` tokens (clear it first). An empty draft is
+    /// allowed and makes the step a plain decoding step.
+    ///
+    /// # Errors
+    /// [`crate::Error::Proposer`] or [`crate::Error::Model`] when the proposer's own model fails.
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()>;
+
+    /// Told after verification: `accepted` of the proposed drafts were accepted and `emitted`
+    /// (the accepted drafts plus the correction or bonus token, possibly cut by a stop) was
+    /// appended to the context. Proposers with state roll back or update here. The default does
+    /// nothing.
+    ///
+    /// # Errors
+    /// Implementation defined.
+    fn observe(&mut self, accepted: usize, emitted: &[u32]) -> Result<()> {
+        let _ = (accepted, emitted);
+        Ok(())
+    }
+
+    /// Called once at the start of a generation with the prompt. The default does nothing.
+    ///
+    /// # Errors
+    /// Implementation defined.
+    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+        let _ = prompt;
+        Ok(())
+    }
+
+    /// Called once when a generation ends with the full sequence (prompt + output), so that
+    /// proposers with a shared corpus (suffix) can learn from it. The default does nothing.
+    fn finish(&mut self, sequence: &[u32]) {
+        let _ = sequence;
+    }
+}
+
+impl<P: Proposer + ?Sized> Proposer for Box<P> {
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        (**self).propose(req, draft)
+    }
+    fn observe(&mut self, accepted: usize, emitted: &[u32]) -> Result<()> {
+        (**self).observe(accepted, emitted)
+    }
+    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+        (**self).begin(prompt)
+    }
+    fn finish(&mut self, sequence: &[u32]) {
+        (**self).finish(sequence)
+    }
+}
+
+/// The proposer that never proposes: every step is a plain decoding step.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoProposer;
+
+impl Proposer for NoProposer {
+    fn propose(&mut self, _req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        draft.clear();
+        Ok(())
+    }
+}

@@ -1,0 +1,63 @@
+//! Logits processing: one implementation for target rows and draft rows.
+//!
+//! The pipeline (GUIDE section 1), applied by [`RowProcessor`] to one row of logits `[vocab]`:
+//!
+//! 1. penalties: repetition (CTRL), frequency and presence (OpenAI), counted over the context
+//!    plus the earlier drafts of the same block ([`TokenCounts`]);
+//! 2. logit bias;
+//! 3. allowed / banned token sets and the caller's per-position [`TokenMask`];
+//! 4. temperature (0 = greedy: argmax, ties to the lowest id, no softmax);
+//! 5. top-k (selection, no sort);
+//! 6. softmax;
+//! 7. top-p (quickselect on mass, no sort);
+//! 8. min-p;
+//! 9. renormalise.
+//!
+//! The verifier processes target row `i` and (when it is given draft logits) draft row `i` with
+//! the same [`SamplingConfig`] and the same history, so both sides of the acceptance ratio
+//! `p(x) / q(x)` obey the same rules (case C01 of the team's regression cases).
+
+mod config;
+mod penalties;
+mod process;
+mod top_k;
+mod top_p;
+
+pub use config::{SamplingConfig, SamplingConfigBuilder, TokenMask};
+pub use penalties::{apply_penalties, TokenCounts};
+pub use process::{History, RowProcessor, TokenDist};
+pub use top_k::select_top_k;
+pub use top_p::{apply_min_p, apply_top_p};
+pub(crate) use process::sample_weighted;
+
+use std::cmp::Ordering;
+
+/// One candidate token of a row: id, processed logit (the ranking key) and its unnormalised or
+/// normalised probability.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cand {
+    /// Token id.
+    pub id: u32,
+    /// Processed logit (after penalties, bias and masks), the ranking key.
+    pub logit: f32,
+    /// Probability (unnormalised until the final renormalisation).
+    pub p: f32,
+}
+
+impl Cand {
+    /// A candidate with probability 0 (to be filled by the softmax).
+    pub fn new(id: u32, logit: f32) -> Self {
+        Cand { id, logit, p: 0.0 }
+    }
+
+    /// The ranking used everywhere: higher logit first, ties to the lower id.
+    /// `Less` means `self` ranks before `other`.
+    #[inline]
+    pub fn rank(&self, other: &Cand) -> Ordering {
+        other
+            .logit
+            .partial_cmp(&self.logit)
+            .unwrap_or(Ordering::Equal)
+            .then(self.id.cmp(&other.id))
+    }
+}

@@ -1,0 +1,518 @@
+//! The row processor: raw logits `[vocab]` -> greedy argmax or a processed distribution.
+
+use super::{apply_min_p, apply_penalties, apply_top_p, select_top_k, Cand, SamplingConfig, TokenCounts};
+use crate::error::{Error, Result, RowKind};
+
+/// A processed distribution over the vocabulary: probabilities (not logits) that sum to 1, stored
+/// sparsely as the tokens with non-zero probability in increasing id order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenDist {
+    ids: Vec<u32>,
+    probs: Vec<f32>,
+    /// Processed logits (after penalties, bias, masks and temperature scaling relative to the
+    /// row maximum), aligned with `ids`; `ln(prob) = scaled - ln(sum)`.
+    log_norm: f64,
+    scaled: Vec<f32>,
+    vocab: usize,
+}
+
+impl TokenDist {
+    /// A distribution from `(id, probability)` pairs over a vocabulary of `vocab` tokens.
+    /// Probabilities are normalised; zero entries are dropped.
+    ///
+    /// # Errors
+    /// [`Error::TokenOutOfVocab`] for an id `>= vocab`, [`Error::InvalidDraftProbs`] for a
+    /// negative or non-finite probability or when every probability is 0.
+    pub fn from_pairs(pairs: impl IntoIterator<Item = (u32, f32)>, vocab: usize) -> Result<Self> {
+        let mut v: Vec<(u32, f32)> = pairs.into_iter().collect();
+        v.sort_unstable_by_key(|&(t, _)| t);
+        v.dedup_by_key(|&mut (t, _)| t);
+        let mut total = 0.0f64;
+        for &(t, p) in &v {
+            if t as usize >= vocab {
+                return Err(Error::TokenOutOfVocab {
+                    what: "distribution entry",
+                    token: t,
+                    vocab_size: vocab,
+                });
+            }
+            if !(p.is_finite() && p >= 0.0) {
+                return Err(Error::InvalidDraftProbs {
+                    row: 0,
+                    reason: "probability is negative or not finite",
+                });
+            }
+            total += p as f64;
+        }
+        if total <= 0.0 {
+            return Err(Error::InvalidDraftProbs {
+                row: 0,
+                reason: "all probabilities are zero",
+            });
+        }
+        v.retain(|&(_, p)| p > 0.0);
+        let mut d = TokenDist {
+            vocab,
+            ..Default::default()
+        };
+        for (t, p) in v {
+            d.ids.push(t);
+            d.probs.push((p as f64 / total) as f32);
+            d.scaled.push(((p as f64 / total).ln()) as f32);
+        }
+        Ok(d)
+    }
+
+    /// A point mass on `token`.
+    pub fn point_mass(token: u32, vocab: usize) -> Self {
+        TokenDist {
+            ids: vec![token],
+            probs: vec![1.0],
+            log_norm: 0.0,
+            scaled: vec![0.0],
+            vocab,
+        }
+    }
+
+    /// Vocabulary size the distribution is over.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    /// Tokens with non-zero probability, increasing.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// Probabilities aligned with [`TokenDist::ids`].
+    pub fn probs(&self) -> &[f32] {
+        &self.probs
+    }
+
+    /// Number of tokens with non-zero probability.
+    pub fn support_len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Probability of `token` (0 outside the support). O(log support).
+    pub fn prob(&self, token: u32) -> f32 {
+        match self.ids.binary_search(&token) {
+            Ok(i) => self.probs[i],
+            Err(_) => 0.0,
+        }
+    }
+
+    /// Natural log-probability of `token` (`-inf` outside the support), computed from the
+    /// processed logits so that it stays accurate for tiny probabilities.
+    pub fn logprob(&self, token: u32) -> f32 {
+        match self.ids.binary_search(&token) {
+            Ok(i) => (self.scaled[i] as f64 - self.log_norm) as f32,
+            Err(_) => f32::NEG_INFINITY,
+        }
+    }
+
+    /// The `n` most likely tokens with their log-probabilities, most likely first (ties: lower id).
+    pub fn top_logprobs(&self, n: usize) -> Vec<(u32, f32)> {
+        let mut c: Vec<Cand> = self
+            .ids
+            .iter()
+            .zip(&self.scaled)
+            .map(|(&id, &s)| Cand::new(id, s))
+            .collect();
+        let n = n.min(c.len());
+        if n == 0 {
+            return Vec::new();
+        }
+        if n < c.len() {
+            c.select_nth_unstable_by(n - 1, Cand::rank);
+            c.truncate(n);
+        }
+        c.sort_unstable_by(Cand::rank);
+        c.iter()
+            .map(|c| (c.id, (c.logit as f64 - self.log_norm) as f32))
+            .collect()
+    }
+
+    /// The token whose cumulative probability interval (in id order) contains `u * total`,
+    /// for a uniform `u` in `[0, 1)`. Never returns a token outside the support.
+    pub fn sample(&self, u: f32) -> u32 {
+        sample_weighted(self.ids.iter().copied().zip(self.probs.iter().map(|&p| p as f64)), u)
+            .unwrap_or(self.ids[0])
+    }
+}
+
+/// Inverse-CDF sampling over `(token, weight)` pairs in the order given (weights need not be
+/// normalised). Returns `None` when the total weight is 0. The result always has weight > 0.
+pub(crate) fn sample_weighted(pairs: impl Iterator<Item = (u32, f64)> + Clone, u: f32) -> Option<u32> {
+    let total: f64 = pairs.clone().map(|(_, w)| w).sum();
+    if total.is_nan() || total <= 0.0 {
+        return None;
+    }
+    let target = u as f64 * total;
+    let mut acc = 0.0f64;
+    let mut last = None;
+    for (t, w) in pairs {
+        if w <= 0.0 {
+            continue;
+        }
+        acc += w;
+        last = Some(t);
+        if acc > target {
+            return Some(t);
+        }
+    }
+    last
+}
+
+/// What the penalties and the mask of a row see: token counts and the token prefix that the row
+/// follows (context plus earlier drafts of the block).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct History<'a> {
+    /// Occurrence counts for the penalties; `None` means no earlier tokens.
+    pub counts: Option<&'a TokenCounts>,
+    /// The full prefix, passed to the caller's [`super::TokenMask`].
+    pub prefix: &'a [u32],
+}
+
+/// Reusable buffers for processing rows; one per thread. Processing never allocates once the
+/// buffers have grown to the vocabulary size.
+#[derive(Debug, Default, Clone)]
+pub struct RowProcessor {
+    scratch: Vec<f32>,
+    cands: Vec<Cand>,
+    work: Vec<Cand>,
+}
+
+/// Maximum and "saw NaN / +inf" over a row, vectorisable (no early exit).
+#[inline]
+fn scan(row: &[f32]) -> (f32, bool) {
+    const L: usize = 16;
+    let mut m = [f32::NEG_INFINITY; L];
+    let mut bad = [false; L];
+    let chunks = row.chunks_exact(L);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for j in 0..L {
+            let v = c[j];
+            bad[j] |= !(v < f32::INFINITY);
+            m[j] = if v > m[j] { v } else { m[j] };
+        }
+    }
+    let mut mx = f32::NEG_INFINITY;
+    let mut b = false;
+    for j in 0..L {
+        mx = mx.max(m[j]);
+        b |= bad[j];
+    }
+    for &v in rem {
+        b |= !(v < f32::INFINITY);
+        mx = mx.max(v);
+    }
+    (mx, b)
+}
+
+fn non_finite(row: &[f32], kind: RowKind, row_idx: usize) -> Error {
+    let (token, value) = row
+        .iter()
+        .enumerate()
+        .find(|(_, v)| v.is_nan() || **v == f32::INFINITY)
+        .map(|(i, v)| (i, *v))
+        .unwrap_or((0, f32::NAN));
+    Error::NonFiniteLogits {
+        kind,
+        row: row_idx,
+        token,
+        value,
+    }
+}
+
+impl RowProcessor {
+    /// A processor with empty buffers.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Steps 1-3 of the pipeline. Returns the row to read: `logits` itself when no processor of
+    /// those steps is active (no copy), else the internal scratch buffer.
+    fn effective<'s>(
+        scratch: &'s mut Vec<f32>,
+        cfg: &SamplingConfig,
+        logits: &'s [f32],
+        hist: &History<'_>,
+    ) -> &'s [f32] {
+        let penalties = cfg.has_penalties() && hist.counts.is_some_and(|c| !c.is_empty());
+        let copy = penalties
+            || !cfg.logit_bias.is_empty()
+            || cfg.allowed.is_some()
+            || !cfg.banned.is_empty()
+            || cfg.mask.is_some();
+        if !copy {
+            return logits;
+        }
+        let v = logits.len();
+        scratch.clear();
+        if let Some(allowed) = &cfg.allowed {
+            scratch.resize(v, f32::NEG_INFINITY);
+            for &t in allowed {
+                if let Some(&l) = logits.get(t as usize) {
+                    scratch[t as usize] = l;
+                }
+            }
+        } else {
+            scratch.extend_from_slice(logits);
+        }
+        if penalties {
+            if let Some(c) = hist.counts {
+                apply_penalties(cfg, c, scratch);
+            }
+        }
+        for &(t, b) in &cfg.logit_bias {
+            if let Some(l) = scratch.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        for &t in &cfg.banned {
+            if let Some(l) = scratch.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        if let Some(m) = &cfg.mask {
+            m.apply(hist.prefix, scratch);
+        }
+        scratch
+    }
+
+    /// Greedy decision for one row: the argmax of the logits after penalties, bias and masks
+    /// (temperature, top-k, top-p and min-p never change the argmax). Ties go to the lowest id.
+    /// No softmax is computed.
+    ///
+    /// # Errors
+    /// [`Error::NonFiniteLogits`] for a NaN or `+inf` entry, [`Error::NoAllowedToken`] when every
+    /// entry is `-inf` after masking. `kind` and `row` only label the error.
+    pub fn argmax(
+        &mut self,
+        cfg: &SamplingConfig,
+        logits: &[f32],
+        hist: &History<'_>,
+        kind: RowKind,
+        row: usize,
+    ) -> Result<u32> {
+        let eff = Self::effective(&mut self.scratch, cfg, logits, hist);
+        let (mx, bad) = scan(eff);
+        if bad {
+            return Err(non_finite(eff, kind, row));
+        }
+        if mx == f32::NEG_INFINITY {
+            return Err(Error::NoAllowedToken { kind, row });
+        }
+        let i = eff.iter().position(|&v| v == mx).unwrap_or(0);
+        Ok(i as u32)
+    }
+
+    /// Log-probability of `token` and the `top_n` best tokens under the softmax of the logits
+    /// after penalties, bias and masks at temperature 1. Used for greedy rows, whose processed
+    /// distribution is a point mass (log-probability 0), to report informative values.
+    ///
+    /// # Errors
+    /// As [`RowProcessor::argmax`].
+    pub fn greedy_logprobs(
+        &mut self,
+        cfg: &SamplingConfig,
+        logits: &[f32],
+        hist: &History<'_>,
+        token: u32,
+        top_n: usize,
+    ) -> Result<(f32, Vec<(u32, f32)>)> {
+        let eff = Self::effective(&mut self.scratch, cfg, logits, hist);
+        let (mx, bad) = scan(eff);
+        if bad {
+            return Err(non_finite(eff, RowKind::Target, 0));
+        }
+        if mx == f32::NEG_INFINITY {
+            return Err(Error::NoAllowedToken {
+                kind: RowKind::Target,
+                row: 0,
+            });
+        }
+        let lse = mx as f64
+            + eff
+                .iter()
+                .map(|&v| ((v - mx) as f64).exp())
+                .sum::<f64>()
+                .ln();
+        let lp = eff
+            .get(token as usize)
+            .map(|&v| (v as f64 - lse) as f32)
+            .unwrap_or(f32::NEG_INFINITY);
+        let mut top = Vec::new();
+        if top_n > 0 {
+            select_top_k(eff, top_n, &mut self.cands);
+            self.cands.sort_unstable_by(Cand::rank);
+            top = self
+                .cands
+                .iter()
+                .map(|c| (c.id, (c.logit as f64 - lse) as f32))
+                .collect();
+        }
+        Ok((lp, top))
+    }
+
+    /// The full pipeline for one row at temperature > 0: writes the processed distribution of
+    /// `logits` (`[vocab]`) into `out`.
+    ///
+    /// For a greedy configuration (temperature 0) the result is the point mass on
+    /// [`RowProcessor::argmax`].
+    ///
+    /// # Errors
+    /// [`Error::NonFiniteLogits`] for a NaN or `+inf` entry, [`Error::NoAllowedToken`] when every
+    /// entry is `-inf` after masking. `kind` and `row` only label the error.
+    pub fn distribution(
+        &mut self,
+        cfg: &SamplingConfig,
+        logits: &[f32],
+        hist: &History<'_>,
+        kind: RowKind,
+        row: usize,
+        out: &mut TokenDist,
+    ) -> Result<()> {
+        let vocab = logits.len();
+        if cfg.is_greedy() {
+            let t = self.argmax(cfg, logits, hist, kind, row)?;
+            *out = TokenDist::point_mass(t, vocab);
+            return Ok(());
+        }
+        let eff = Self::effective(&mut self.scratch, cfg, logits, hist);
+        let (mx, bad) = scan(eff);
+        if bad {
+            return Err(non_finite(eff, kind, row));
+        }
+        if mx == f32::NEG_INFINITY {
+            return Err(Error::NoAllowedToken { kind, row });
+        }
+        // Temperature: z = (l - max) / T <= 0, so tiny T gives -inf (probability 0), never NaN.
+        let inv_t = (1.0 / cfg.temperature).min(f32::MAX);
+        let cands = &mut self.cands;
+        if cfg.top_k > 0 && cfg.top_k < vocab {
+            select_top_k(eff, cfg.top_k, cands);
+        } else {
+            cands.clear();
+            cands.extend(
+                eff.iter()
+                    .enumerate()
+                    .filter(|(_, &l)| l > f32::NEG_INFINITY)
+                    .map(|(i, &l)| Cand::new(i as u32, l)),
+            );
+        }
+        for c in cands.iter_mut() {
+            let d = c.logit - mx;
+            let z = if d == 0.0 { 0.0 } else { d * inv_t };
+            c.logit = z;
+            c.p = z.exp();
+        }
+        apply_top_p(cands, cfg.top_p, &mut self.work);
+        apply_min_p(cands, cfg.min_p);
+        let total: f64 = cands.iter().map(|c| c.p as f64).sum();
+        out.vocab = vocab;
+        out.ids.clear();
+        out.probs.clear();
+        out.scaled.clear();
+        out.log_norm = total.ln();
+        for c in cands.iter() {
+            if c.p > 0.0 {
+                out.ids.push(c.id);
+                out.probs.push((c.p as f64 / total) as f32);
+                out.scaled.push(c.logit);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dist(cfg: &SamplingConfig, logits: &[f32]) -> TokenDist {
+        let mut d = TokenDist::default();
+        RowProcessor::new()
+            .distribution(cfg, logits, &History::default(), RowKind::Target, 0, &mut d)
+            .unwrap();
+        d
+    }
+
+    #[test]
+    fn softmax_and_filters() {
+        let l: Vec<f32> = [0.6f32, 0.3, 0.1].iter().map(|p| p.ln()).collect();
+        let d = dist(&SamplingConfig::sampling(1.0).unwrap(), &l);
+        assert!((d.prob(0) - 0.6).abs() < 1e-6);
+        let c = SamplingConfig::builder().temperature(1.0).top_p(0.8).build().unwrap();
+        let d = dist(&c, &l);
+        assert_eq!(d.ids(), &[0, 1]);
+        assert!((d.prob(0) - 2.0 / 3.0).abs() < 1e-6);
+        let c = SamplingConfig::builder().temperature(1.0).top_k(1).build().unwrap();
+        assert_eq!(dist(&c, &l).ids(), &[0]);
+        let c = SamplingConfig::builder().temperature(1.0).min_p(0.4).build().unwrap();
+        assert_eq!(dist(&c, &l).ids(), &[0, 1]);
+    }
+
+    #[test]
+    fn tiny_temperature_and_huge_logits_are_finite() {
+        for t in [1e-6f32, 1e-3, 1e-30] {
+            let c = SamplingConfig::sampling(t).unwrap();
+            let d = dist(&c, &[3.0e38, -3.0e38, 3.0e38, 1.0]);
+            assert!(d.probs().iter().all(|p| p.is_finite()));
+            assert!((d.prob(0) - 0.5).abs() < 1e-6, "{:?}", d);
+            assert!(d.logprob(0).is_finite());
+        }
+    }
+
+    #[test]
+    fn non_finite_and_empty_rows_are_errors() {
+        let c = SamplingConfig::sampling(1.0).unwrap();
+        let mut p = RowProcessor::new();
+        let mut d = TokenDist::default();
+        let h = History::default();
+        let e = p.distribution(&c, &[0.0, f32::NAN], &h, RowKind::Target, 2, &mut d);
+        assert!(matches!(e, Err(Error::NonFiniteLogits { row: 2, token: 1, .. })));
+        let e = p.argmax(&c, &[f32::INFINITY, 0.0], &h, RowKind::Draft, 0);
+        assert!(matches!(e, Err(Error::NonFiniteLogits { kind: RowKind::Draft, .. })));
+        let e = p.argmax(&c, &[f32::NEG_INFINITY; 3], &h, RowKind::Target, 0);
+        assert!(matches!(e, Err(Error::NoAllowedToken { .. })));
+        let banned = SamplingConfig::builder().temperature(1.0).banned_tokens([0, 1]).build().unwrap();
+        let e = p.distribution(&banned, &[1.0, 2.0], &h, RowKind::Target, 0, &mut d);
+        assert!(matches!(e, Err(Error::NoAllowedToken { .. })));
+    }
+
+    #[test]
+    fn argmax_ties_go_to_lowest_id() {
+        let c = SamplingConfig::greedy();
+        let mut p = RowProcessor::new();
+        let h = History::default();
+        assert_eq!(p.argmax(&c, &[1.0, 1.0, 0.0], &h, RowKind::Target, 0).unwrap(), 0);
+        let row: Vec<f32> = (0..1000).map(|i| if i % 100 == 37 { 5.0 } else { 0.0 }).collect();
+        assert_eq!(p.argmax(&c, &row, &h, RowKind::Target, 0).unwrap(), 37);
+    }
+
+    #[test]
+    fn masks_and_bias() {
+        let c = SamplingConfig::builder()
+            .allowed_tokens([1, 2])
+            .logit_bias(2, 10.0)
+            .build()
+            .unwrap();
+        let mut p = RowProcessor::new();
+        let h = History::default();
+        assert_eq!(p.argmax(&c, &[9.0, 1.0, 0.0], &h, RowKind::Target, 0).unwrap(), 2);
+        let m = std::sync::Arc::new(|prefix: &[u32], l: &mut [f32]| {
+            if prefix.last() == Some(&7) {
+                l[0] = f32::NEG_INFINITY;
+            }
+        });
+        let c = SamplingConfig::builder().mask(m).build().unwrap();
+        let h = History {
+            counts: None,
+            prefix: &[7],
+        };
+        assert_eq!(p.argmax(&c, &[9.0, 1.0, 0.0], &h, RowKind::Target, 0).unwrap(), 1);
+    }
+}

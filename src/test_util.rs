@@ -1,0 +1,236 @@
+//! Toy targets and proposers for tests (feature `test-util`).
+//!
+//! They implement the crate's traits exactly as a real engine would, with logits that are cheap,
+//! deterministic functions of the prefix, so that the exact conditional distributions are known
+//! and tests can compare generated sequences with plain decoding or with exact probabilities.
+
+use std::sync::Arc;
+
+use crate::decode::TargetModel;
+use crate::error::{Error, Result};
+use crate::propose::{Draft, ProposeRequest, Proposer};
+use crate::rng::Stream;
+
+/// The logits function of a toy model: prefix -> logits `[vocab]`.
+pub type LogitsFn = Arc<dyn Fn(&[u32]) -> Vec<f32> + Send + Sync>;
+
+/// A toy [`TargetModel`] whose logits at each position are `f(prefix)`, where `prefix` is every
+/// token up to and including the position's input token.
+#[derive(Clone)]
+pub struct ToyModel {
+    f: LogitsFn,
+    vocab: usize,
+    max_context: usize,
+    tokens: Vec<u32>,
+    /// Number of [`TargetModel::forward`] calls so far.
+    pub forward_calls: usize,
+    /// Total number of tokens passed to [`TargetModel::forward`].
+    pub forward_tokens: usize,
+}
+
+impl std::fmt::Debug for ToyModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ToyModel")
+            .field("vocab", &self.vocab)
+            .field("len", &self.tokens.len())
+            .finish()
+    }
+}
+
+impl ToyModel {
+    /// A model with logits function `f` over `vocab` tokens and a context limit.
+    pub fn new(vocab: usize, max_context: usize, f: LogitsFn) -> Self {
+        ToyModel {
+            f,
+            vocab,
+            max_context,
+            tokens: Vec::new(),
+            forward_calls: 0,
+            forward_tokens: 0,
+        }
+    }
+
+    /// A deterministic "next token" model: logit 10 on `next(prefix)`, 0 elsewhere.
+    pub fn deterministic(
+        vocab: usize,
+        max_context: usize,
+        next: impl Fn(&[u32]) -> u32 + Send + Sync + 'static,
+    ) -> Self {
+        let f: LogitsFn = Arc::new(move |prefix: &[u32]| {
+            let n = next(prefix) as usize % vocab;
+            (0..vocab).map(|v| if v == n { 10.0 } else { 0.0 }).collect()
+        });
+        Self::new(vocab, max_context, f)
+    }
+
+    /// The model of case C10: next token = `(sum(prefix) * 31 + len(prefix)) mod 7`, vocab 7.
+    pub fn c10() -> Self {
+        Self::deterministic(7, 4096, |p: &[u32]| {
+            let s: u64 = p.iter().map(|&t| t as u64).sum();
+            ((s * 31 + p.len() as u64) % 7) as u32
+        })
+    }
+
+    /// A random Markov model of order `order`: the logits after a prefix are pseudo-random
+    /// normals (scale `scale`) keyed by the last `order` tokens and `seed`. The exact conditional
+    /// distribution of every prefix is available through [`ToyModel::logits`].
+    pub fn markov(vocab: usize, order: usize, scale: f32, seed: u64) -> Self {
+        let stream = Stream::new(seed);
+        let f: LogitsFn = Arc::new(move |prefix: &[u32]| {
+            let start = prefix.len().saturating_sub(order);
+            let mut h: u64 = 0x9E37_79B9_7F4A_7C15 ^ (prefix.len().min(order) as u64);
+            for &t in &prefix[start..] {
+                h = (h ^ t as u64).wrapping_mul(0x1000_0000_01B3).rotate_left(17);
+            }
+            (0..vocab)
+                .map(|v| {
+                    let b = stream.bits(h, v as u32);
+                    // Box-Muller from two 24-bit uniforms (never exactly 0).
+                    let u1 = ((b[0] >> 8) as f32 + 0.5) / 16_777_216.0;
+                    let u2 = (b[1] >> 8) as f32 / 16_777_216.0;
+                    scale * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+                })
+                .collect()
+        });
+        Self::new(vocab, 1 << 20, f)
+    }
+
+    /// The logits after `prefix` (`[vocab]`).
+    pub fn logits(&self, prefix: &[u32]) -> Vec<f32> {
+        (self.f)(prefix)
+    }
+
+    /// The tokens currently in the sequence.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
+impl TargetModel for ToyModel {
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+    fn max_context(&self) -> usize {
+        self.max_context
+    }
+    fn seq_len(&self) -> usize {
+        self.tokens.len()
+    }
+    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        if self.tokens.len() + tokens.len() > self.max_context {
+            return Err(Error::model(format!(
+                "context overflow: {} + {} > {}",
+                self.tokens.len(),
+                tokens.len(),
+                self.max_context
+            )));
+        }
+        self.forward_calls += 1;
+        self.forward_tokens += tokens.len();
+        logits.clear();
+        for &t in tokens {
+            if t as usize >= self.vocab {
+                return Err(Error::TokenOutOfVocab {
+                    what: "model input",
+                    token: t,
+                    vocab_size: self.vocab,
+                });
+            }
+            self.tokens.push(t);
+            logits.extend((self.f)(&self.tokens));
+        }
+        Ok(())
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.tokens.len() {
+            return Err(Error::model(format!(
+                "truncate to {len} beyond length {}",
+                self.tokens.len()
+            )));
+        }
+        self.tokens.truncate(len);
+        Ok(())
+    }
+}
+
+/// A proposer of uniformly random tokens (point masses), keyed by seed and position.
+#[derive(Debug, Clone)]
+pub struct RandomProposer {
+    vocab: usize,
+    salt: u64,
+}
+
+impl RandomProposer {
+    /// Proposes tokens uniformly from `0..vocab`; `salt` varies the stream.
+    pub fn new(vocab: usize, salt: u64) -> Self {
+        RandomProposer { vocab, salt }
+    }
+}
+
+impl Proposer for RandomProposer {
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        draft.clear();
+        let s = Stream::new(req.seed ^ self.salt.rotate_left(29) ^ 0xA5A5);
+        let pos = req.context.len() as u64;
+        for i in 0..req.max_draft {
+            let b = s.bits(pos + i as u64, 7)[0];
+            draft.tokens.push((b as u64 % self.vocab as u64) as u32);
+        }
+        Ok(())
+    }
+}
+
+/// A proposer that always proposes a token the greedy target would not emit:
+/// `(greedy_next(context) + 1) mod vocab`, continuing on its own wrong path.
+pub struct WrongProposer {
+    next: Box<dyn Fn(&[u32]) -> u32 + Send + Sync>,
+    vocab: u32,
+}
+
+impl WrongProposer {
+    /// `next` is the target's greedy next-token function.
+    pub fn new(vocab: u32, next: impl Fn(&[u32]) -> u32 + Send + Sync + 'static) -> Self {
+        WrongProposer {
+            next: Box::new(next),
+            vocab,
+        }
+    }
+}
+
+impl Proposer for WrongProposer {
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        draft.clear();
+        let mut ctx = req.context.to_vec();
+        for _ in 0..req.max_draft {
+            let t = ((self.next)(&ctx) + 1) % self.vocab;
+            draft.tokens.push(t);
+            ctx.push(t);
+        }
+        Ok(())
+    }
+}
+
+/// A proposer that replays a fixed list of drafts, one per step (then empty drafts).
+#[derive(Debug, Clone, Default)]
+pub struct ScriptedProposer {
+    steps: Vec<Vec<u32>>,
+    next: usize,
+}
+
+impl ScriptedProposer {
+    /// Replays `steps` in order, each capped at the step's `max_draft`.
+    pub fn new(steps: Vec<Vec<u32>>) -> Self {
+        ScriptedProposer { steps, next: 0 }
+    }
+}
+
+impl Proposer for ScriptedProposer {
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        draft.clear();
+        if let Some(s) = self.steps.get(self.next) {
+            draft.tokens.extend(s.iter().take(req.max_draft));
+        }
+        self.next += 1;
+        Ok(())
+    }
+}

@@ -1,0 +1,143 @@
+//! The batch API for engines: many sequences, ragged draft lengths, one call.
+
+use super::{DraftProbs, StepOutput, Verifier, VerifyRequest};
+use crate::error::{Error, Result};
+use crate::sampling::SamplingConfig;
+
+/// Per-sequence parameters of a [`VerifyBatch`].
+#[derive(Debug, Clone, Copy)]
+pub struct SequenceParams<'a> {
+    /// The sequence's sampling configuration.
+    pub config: &'a SamplingConfig,
+    /// The sequence's seed.
+    pub seed: u64,
+    /// Tokens before the block (prompt + generated) for penalties and masks; may be empty when
+    /// the configuration uses neither.
+    pub context: &'a [u32],
+    /// Absolute position of the token emitted at the sequence's first row; `None` means
+    /// `context.len()`.
+    pub position: Option<u64>,
+}
+
+impl<'a> SequenceParams<'a> {
+    /// Parameters with an empty context and `position = None`.
+    pub fn new(config: &'a SamplingConfig, seed: u64) -> Self {
+        SequenceParams {
+            config,
+            seed,
+            context: &[],
+            position: None,
+        }
+    }
+}
+
+/// A batch of sequences with ragged draft lengths, flattened.
+///
+/// Sequence `b` has `k_b = draft_offsets[b + 1] - draft_offsets[b]` drafts
+/// `draft_tokens[draft_offsets[b]..draft_offsets[b + 1]]`; its target rows are
+/// `draft_offsets[b] + b ..= draft_offsets[b + 1] + b` of `target_logits`
+/// (`[sum_b (k_b + 1), vocab_size]` row-major), and its q rows (if any) are
+/// `draft_offsets[b]..draft_offsets[b + 1]` of the `[sum_b k_b, draft_vocab]` array in
+/// `draft_probs`.
+///
+/// A sequence's result depends only on its own rows, parameters and seed, never on its place in
+/// the batch or on the other sequences (case C08).
+#[derive(Debug, Clone, Copy)]
+pub struct VerifyBatch<'a> {
+    /// Width of a target row, in tokens.
+    pub vocab_size: usize,
+    /// Target logits `[sum_b (k_b + 1), vocab_size]`.
+    pub target_logits: &'a [f32],
+    /// All draft tokens, `[sum_b k_b]`.
+    pub draft_tokens: &'a [u32],
+    /// `[batch + 1]` offsets into `draft_tokens`: starts at 0, non-decreasing, ends at
+    /// `draft_tokens.len()`.
+    pub draft_offsets: &'a [usize],
+    /// q for all sequences: `[sum_b k_b, draft_vocab]`, or point masses.
+    pub draft_probs: DraftProbs<'a>,
+    /// One entry per sequence.
+    pub sequences: &'a [SequenceParams<'a>],
+}
+
+impl Verifier {
+    /// Verifies every sequence of a batch.
+    ///
+    /// Greedy sequences take the argmax-only path (no softmax, no random draw); a batch whose
+    /// sequences are all greedy never touches the distribution buffers.
+    ///
+    /// # Errors
+    /// The outer `Err` is for a malformed batch: [`Error::ShapeMismatch`] when the offsets,
+    /// sequences and arrays disagree, [`Error::DraftVocabTooLarge`]. Each inner `Result` is that
+    /// sequence's own outcome with the errors of [`Verifier::verify`]; one bad sequence does not
+    /// fail the others.
+    pub fn verify_batch(&mut self, batch: &VerifyBatch<'_>) -> Result<Vec<Result<StepOutput>>> {
+        let off = batch.draft_offsets;
+        let n = batch.sequences.len();
+        if off.len() != n + 1 {
+            return Err(Error::ShapeMismatch {
+                what: "draft_offsets ([batch + 1])",
+                expected: n + 1,
+                actual: off.len(),
+            });
+        }
+        if off[0] != 0 || off.windows(2).any(|w| w[1] < w[0]) || off[n] != batch.draft_tokens.len() {
+            return Err(Error::ShapeMismatch {
+                what: "draft_offsets (0, non-decreasing, ending at draft_tokens.len())",
+                expected: batch.draft_tokens.len(),
+                actual: off[n],
+            });
+        }
+        let v = batch.vocab_size;
+        let rows = batch.draft_tokens.len() + n;
+        if batch.target_logits.len() != rows * v {
+            return Err(Error::ShapeMismatch {
+                what: "target_logits ([sum(k + 1), vocab])",
+                expected: rows * v,
+                actual: batch.target_logits.len(),
+            });
+        }
+        let qv = match batch.draft_probs {
+            DraftProbs::PointMass => 0,
+            DraftProbs::Probs { probs: d, vocab } | DraftProbs::Logits { logits: d, vocab } => {
+                if vocab > v {
+                    return Err(Error::DraftVocabTooLarge { draft: vocab, target: v });
+                }
+                if d.len() != batch.draft_tokens.len() * vocab {
+                    return Err(Error::ShapeMismatch {
+                        what: "draft probabilities ([sum k, draft_vocab])",
+                        expected: batch.draft_tokens.len() * vocab,
+                        actual: d.len(),
+                    });
+                }
+                vocab
+            }
+        };
+        let mut out = Vec::with_capacity(n);
+        for (b, s) in batch.sequences.iter().enumerate() {
+            let (lo, hi) = (off[b], off[b + 1]);
+            let draft_probs = match batch.draft_probs {
+                DraftProbs::PointMass => DraftProbs::PointMass,
+                DraftProbs::Probs { probs, .. } => DraftProbs::Probs {
+                    probs: &probs[lo * qv..hi * qv],
+                    vocab: qv,
+                },
+                DraftProbs::Logits { logits, .. } => DraftProbs::Logits {
+                    logits: &logits[lo * qv..hi * qv],
+                    vocab: qv,
+                },
+            };
+            let req = VerifyRequest {
+                config: s.config,
+                target_logits: &batch.target_logits[(lo + b) * v..(hi + b + 1) * v],
+                vocab_size: v,
+                draft_tokens: &batch.draft_tokens[lo..hi],
+                draft_probs,
+                context: s.context,
+                seed: s.seed,
+                position: s.position,
+            };
+            out.push(self.verify(&req));
+        }
+        Ok(out)
+    }
+}

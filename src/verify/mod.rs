@@ -1,0 +1,401 @@
+//! Verification: accept the longest valid prefix of a draft and emit one more token.
+//!
+//! Given the target logits of one verify forward over `[last token, d_1 .. d_k]` (shape
+//! `[k + 1, vocab]`, row `i` predicts the token after `d_i`, row 0 the token after the last
+//! context token), the verifier returns the accepted drafts plus one corrected or bonus token.
+//!
+//! - **Greedy** (temperature 0): accept `d_i` while it equals the argmax of processed target row
+//!   `i`; at the first mismatch emit that argmax; if all `k` are accepted emit the argmax of row
+//!   `k` (the bonus token). Ties go to the lowest id. No softmax, no random draw.
+//! - **Stochastic** (speculative sampling, Leviathan, Kalman & Matias 2023, section 2.3 and
+//!   appendix A.1; Chen et al. 2023, algorithm 2): accept `d_i` with probability
+//!   `min(1, p(d_i) / q(d_i))`; at the first rejection emit a sample of the residual distribution
+//!   `normalise(max(0, p - q))`; after `k` acceptances emit a bonus token sampled from row `k`.
+//!   `p` is the processed target row, `q` the distribution the draft was really sampled from.
+//!   A proposer without `q` (prompt lookup, suffix) is a point mass: accept with `p(d_i)`, else
+//!   sample `p` with `d_i` removed.
+//!
+//! Every emitted token is distributed exactly as plain sampling from the processed target
+//! (the losslessness theorem of both papers); in greedy mode the tokens are identical to plain
+//! greedy decoding. Random draws come from [`crate::rng::Stream`] keyed by the request's seed and
+//! the absolute position of the token, so results never depend on batch order or composition.
+
+mod batch;
+pub mod exact;
+mod greedy;
+mod stochastic;
+
+pub use batch::{SequenceParams, VerifyBatch};
+
+use crate::error::{Error, Result};
+use crate::sampling::{History, RowProcessor, SamplingConfig, TokenCounts, TokenDist};
+
+/// The draft probabilities q handed to the verifier.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum DraftProbs<'a> {
+    /// Deterministic proposer (prompt lookup, suffix): each draft token is a point mass.
+    PointMass,
+    /// Probabilities the drafts were sampled from, `[k, vocab]` row-major, already processed
+    /// (the proposer applied the request's [`SamplingConfig`]). `vocab` may be smaller than the
+    /// target's (padded embeddings): missing entries are probability 0.
+    Probs {
+        /// `[k, vocab]` probabilities.
+        probs: &'a [f32],
+        /// Width of a row, in tokens.
+        vocab: usize,
+    },
+    /// Raw draft-model logits `[k, vocab]`. The verifier processes row `i` with the request's
+    /// configuration and the same history as target row `i`; the proposer must have sampled
+    /// `d_i` from exactly that processed distribution.
+    Logits {
+        /// `[k, vocab]` logits.
+        logits: &'a [f32],
+        /// Width of a row, in tokens.
+        vocab: usize,
+    },
+}
+
+/// One draft row's q, as used by the acceptance rule and the residual.
+#[derive(Debug, Clone, Copy)]
+pub enum DraftRow<'a> {
+    /// q is a point mass on the draft token.
+    PointMass,
+    /// Dense probabilities `[q_vocab]`; entries beyond the slice are 0.
+    Dense(&'a [f32]),
+    /// A processed draft distribution.
+    Dist(&'a TokenDist),
+}
+
+impl DraftRow<'_> {
+    /// `q(token)`, where `draft` is the drafted token (needed for the point mass).
+    #[inline]
+    pub fn prob(&self, token: u32, draft: u32) -> f32 {
+        match self {
+            DraftRow::PointMass => (token == draft) as u8 as f32,
+            DraftRow::Dense(q) => q.get(token as usize).copied().unwrap_or(0.0),
+            DraftRow::Dist(d) => d.prob(token),
+        }
+    }
+}
+
+/// The acceptance probability `min(1, p(x) / q(x))` of a draft token (Leviathan et al. 2023,
+/// section 2.3). `q(x) > 0` is required (the caller checks it).
+#[inline]
+pub fn acceptance_probability(p_x: f32, q_x: f32) -> f64 {
+    (p_x as f64 / q_x as f64).min(1.0)
+}
+
+/// Residual weights `max(0, p(v) - q(v))` over the support of `p`, in id order, unnormalised.
+/// Written into `out` as `(token, weight)`; returns the total weight (f64).
+pub fn residual_weights(p: &TokenDist, q: &DraftRow<'_>, draft: u32, out: &mut Vec<(u32, f64)>) -> f64 {
+    out.clear();
+    let mut total = 0.0f64;
+    for (&v, &pv) in p.ids().iter().zip(p.probs()) {
+        let w = (pv as f64 - q.prob(v, draft) as f64).max(0.0);
+        if w > 0.0 {
+            out.push((v, w));
+            total += w;
+        }
+    }
+    total
+}
+
+/// Why a verify step ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StepEnd {
+    /// Draft `index` (0-based) was rejected; the last emitted token is the correction sampled
+    /// from the residual (or the target argmax in greedy mode).
+    Rejected {
+        /// Index of the rejected draft token.
+        index: usize,
+    },
+    /// All `k >= 1` drafts were accepted; the last emitted token is the bonus token from row `k`.
+    AllAccepted,
+    /// There was no draft (`k = 0`): a plain decoding step.
+    NoDraft,
+}
+
+/// Log-probabilities of one emitted token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The emitted token.
+    pub token: u32,
+    /// Natural log-probability of `token` under the processed target row. For greedy rows (a
+    /// point mass) it is taken under the softmax at temperature 1 of the logits after penalties,
+    /// bias and masks, which is what users expect to see.
+    pub logprob: f32,
+    /// The most likely tokens of the same distribution, most likely first, as
+    /// `(token, logprob)`; as many as [`SamplingConfig::logprobs`] asked for.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The result of one verify step for one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutput {
+    /// Number of accepted draft tokens (the leading run; the bonus token is not counted).
+    pub accepted: usize,
+    /// Emitted tokens: the accepted drafts followed by one correction or bonus token, so
+    /// `tokens.len() == accepted + 1` always.
+    pub tokens: Vec<u32>,
+    /// Per emitted token, when the configuration asked for log-probabilities.
+    pub logprobs: Option<Vec<TokenLogprob>>,
+    /// Why the step ended.
+    pub end: StepEnd,
+}
+
+/// Number of accepted drafts given per-position acceptance flags: the length of the leading run
+/// of `true`, never the count of `true` (case C06).
+pub fn leading_accepted(flags: &[bool]) -> usize {
+    flags.iter().take_while(|&&f| f).count()
+}
+
+/// One verify request: one sequence, `k >= 0` drafts.
+#[derive(Debug, Clone, Copy)]
+pub struct VerifyRequest<'a> {
+    /// Sampling configuration; the same one the proposer used.
+    pub config: &'a SamplingConfig,
+    /// Target logits `[k + 1, vocab_size]` row-major.
+    pub target_logits: &'a [f32],
+    /// Width of a target row, in tokens.
+    pub vocab_size: usize,
+    /// Draft tokens `d_1 .. d_k`.
+    pub draft_tokens: &'a [u32],
+    /// The draft probabilities q.
+    pub draft_probs: DraftProbs<'a>,
+    /// Tokens before the block (prompt + generated), for penalties and masks. May be empty when
+    /// neither is used.
+    pub context: &'a [u32],
+    /// Seed of the request's random stream.
+    pub seed: u64,
+    /// Absolute position of the token emitted at row 0 (keys the random stream). `None` means
+    /// `context.len()`.
+    pub position: Option<u64>,
+}
+
+impl<'a> VerifyRequest<'a> {
+    /// A request with point-mass drafts, empty context, seed 0.
+    pub fn new(
+        config: &'a SamplingConfig,
+        target_logits: &'a [f32],
+        vocab_size: usize,
+        draft_tokens: &'a [u32],
+    ) -> Self {
+        VerifyRequest {
+            config,
+            target_logits,
+            vocab_size,
+            draft_tokens,
+            draft_probs: DraftProbs::PointMass,
+            context: &[],
+            seed: 0,
+            position: None,
+        }
+    }
+
+    /// Sets the draft probabilities.
+    pub fn draft_probs(mut self, q: DraftProbs<'a>) -> Self {
+        self.draft_probs = q;
+        self
+    }
+
+    /// Sets the context (prompt + generated tokens before the block).
+    pub fn context(mut self, context: &'a [u32]) -> Self {
+        self.context = context;
+        self
+    }
+
+    /// Sets the seed.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Sets the absolute position of the first emitted token.
+    pub fn position(mut self, position: u64) -> Self {
+        self.position = Some(position);
+        self
+    }
+
+    fn k(&self) -> usize {
+        self.draft_tokens.len()
+    }
+
+    /// Checks shapes, vocabularies and token ids.
+    fn validate(&self) -> Result<()> {
+        let v = self.vocab_size;
+        let k = self.k();
+        if v == 0 {
+            return Err(Error::ShapeMismatch {
+                what: "vocab_size",
+                expected: 1,
+                actual: 0,
+            });
+        }
+        let expected = (k + 1).checked_mul(v).ok_or(Error::ShapeMismatch {
+            what: "target_logits",
+            expected: usize::MAX,
+            actual: self.target_logits.len(),
+        })?;
+        if self.target_logits.len() != expected {
+            return Err(Error::ShapeMismatch {
+                what: "target_logits ([k + 1, vocab])",
+                expected,
+                actual: self.target_logits.len(),
+            });
+        }
+        for &t in self.draft_tokens {
+            if t as usize >= v {
+                return Err(Error::TokenOutOfVocab {
+                    what: "draft token",
+                    token: t,
+                    vocab_size: v,
+                });
+            }
+        }
+        self.config.check_vocab(v)?;
+        match self.draft_probs {
+            DraftProbs::PointMass => {}
+            DraftProbs::Probs { probs: data, vocab } | DraftProbs::Logits { logits: data, vocab } => {
+                if vocab > v {
+                    return Err(Error::DraftVocabTooLarge { draft: vocab, target: v });
+                }
+                if vocab == 0 && k > 0 {
+                    return Err(Error::ShapeMismatch {
+                        what: "draft vocab",
+                        expected: 1,
+                        actual: 0,
+                    });
+                }
+                if data.len() != k * vocab {
+                    return Err(Error::ShapeMismatch {
+                        what: "draft probabilities ([k, draft_vocab])",
+                        expected: k * vocab,
+                        actual: data.len(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Penalty counts and mask prefix for the rows of one block, built once per request and
+/// extended by one draft token per row.
+#[derive(Debug, Default)]
+struct BlockHistory {
+    counts: Option<TokenCounts>,
+    prefix: Vec<u32>,
+    use_prefix: bool,
+}
+
+impl BlockHistory {
+    fn begin(&mut self, cfg: &SamplingConfig, context: &[u32], vocab: usize) -> Result<()> {
+        self.counts = if cfg.has_penalties() {
+            Some(TokenCounts::from_tokens(context, vocab)?)
+        } else {
+            None
+        };
+        self.use_prefix = cfg.mask.is_some();
+        self.prefix.clear();
+        if self.use_prefix {
+            self.prefix.extend_from_slice(context);
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, token: u32, vocab: usize) -> Result<()> {
+        if let Some(c) = self.counts.as_mut() {
+            c.add(token, vocab)?;
+        }
+        if self.use_prefix {
+            self.prefix.push(token);
+        }
+        Ok(())
+    }
+
+    fn view(&self) -> History<'_> {
+        History {
+            counts: self.counts.as_ref(),
+            prefix: &self.prefix,
+        }
+    }
+}
+
+/// The verifier. Holds reusable buffers; create one per thread and call it for every step.
+///
+/// # Example
+///
+/// ```
+/// use speculative::{SamplingConfig, Verifier, VerifyRequest, StepEnd};
+///
+/// // vocab 4, k = 2 drafts [1, 2]; the target's argmaxes are 1, 3, 0.
+/// let logits = [
+///     0.0, 5.0, 1.0, 0.0, // row 0: argmax 1 (accepts d_1 = 1)
+///     0.0, 0.0, 1.0, 4.0, // row 1: argmax 3 (rejects d_2 = 2)
+///     9.0, 0.0, 0.0, 0.0, // row 2: would give the bonus token
+/// ];
+/// let cfg = SamplingConfig::greedy();
+/// let mut verifier = Verifier::new();
+/// let out = verifier.verify(&VerifyRequest::new(&cfg, &logits, 4, &[1, 2])).unwrap();
+/// assert_eq!(out.accepted, 1);
+/// assert_eq!(out.tokens, vec![1, 3]);
+/// assert_eq!(out.end, StepEnd::Rejected { index: 1 });
+/// ```
+#[derive(Debug, Default)]
+pub struct Verifier {
+    proc: RowProcessor,
+    p: TokenDist,
+    q: TokenDist,
+    hist: BlockHistory,
+    residual: Vec<(u32, f64)>,
+}
+
+impl Verifier {
+    /// A verifier with empty buffers.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Verifies one sequence's block.
+    ///
+    /// # Errors
+    /// - [`Error::ShapeMismatch`]: `target_logits` is not `[k + 1, vocab]`, or q is not
+    ///   `[k, draft_vocab]`.
+    /// - [`Error::TokenOutOfVocab`]: a draft or context token (or a token of the configuration)
+    ///   is outside the vocabulary.
+    /// - [`Error::DraftVocabTooLarge`]: the draft vocabulary is wider than the target's.
+    /// - [`Error::NonFiniteLogits`], [`Error::NoAllowedToken`]: a row that is read has a NaN /
+    ///   `+inf` logit, or no token left after masking.
+    /// - [`Error::InvalidDraftProbs`]: a q row is not a distribution, or gives its own draft
+    ///   token probability 0.
+    pub fn verify(&mut self, req: &VerifyRequest<'_>) -> Result<StepOutput> {
+        req.validate()?;
+        self.hist.begin(req.config, req.context, req.vocab_size)?;
+        if req.config.is_greedy() {
+            greedy::verify(self, req)
+        } else {
+            stochastic::verify(self, req)
+        }
+    }
+}
+
+#[inline]
+fn row(logits: &[f32], vocab: usize, i: usize) -> &[f32] {
+    &logits[i * vocab..(i + 1) * vocab]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn c06_accepted_is_the_leading_run() {
+        let flags = [[true, false, true], [true, true, true]];
+        let accepted: Vec<usize> = flags.iter().map(|f| leading_accepted(f)).collect();
+        assert_eq!(accepted, vec![1, 3]);
+        let emitted: Vec<usize> = accepted.iter().map(|a| a + 1).collect();
+        assert_eq!(emitted, vec![2, 4]);
+    }
+}
