@@ -71,3 +71,8 @@ pub use verify::{
     DraftProbs, SequenceParams, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyBatch,
     VerifyRequest,
 };
+
+/// The code blocks of README.md, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
