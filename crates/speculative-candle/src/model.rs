@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::quantized::gguf_file::{self, Value};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
 
 use crate::error::{CandleError, Result};
@@ -55,6 +55,11 @@ pub enum WeightFormat {
     /// Dequantise every matrix to f32 at load: the exact model of the file (4x the memory of
     /// Q8_0: about 0.6 GB for SmolLM2-135M).
     F32,
+    /// Keep the matrices as stored in the file (Q4_1 for SmolLM2): exact weights, activations
+    /// quantised per 32 values as in llama.cpp; candle's Q4_1 kernel has no x86 SIMD path, so
+    /// this is the slowest option. Matrices that would have to be concatenated across
+    /// different storage types are dequantised to f32.
+    AsStored,
 }
 
 /// Options for [`LlamaWeights::load_with`].
@@ -352,13 +357,32 @@ impl<R: Read + Seek> Loader<'_, R> {
             parts.push(self.qtensor(name, &[rows, cols])?);
         }
         let all_q8 = parts.iter().all(|q| q.dtype() == GgmlDType::Q8_0);
-        if format == WeightFormat::Q8_0 && all_q8 && parts.len() == 1 {
+        let keep = match format {
+            WeightFormat::Q8_0 => all_q8,
+            WeightFormat::AsStored => true,
+            WeightFormat::F32 => false,
+        };
+        if keep && parts.len() == 1 {
             let q = parts.pop().ok_or_else(|| CandleError::InvalidArgument("no part".into()))?;
             return Ok(QMatMul::from_arc(Arc::new(q))?);
         }
+        let same_dtype = parts.iter().all(|q| q.dtype() == parts[0].dtype());
         let is_float = parts
             .iter()
             .all(|q| matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16));
+        if format == WeightFormat::AsStored && same_dtype && !is_float {
+            // Rows of a GGUF block-quantised matrix are whole blocks, so stacking matrices
+            // along rows is a concatenation of their bytes.
+            let dtype = parts[0].dtype();
+            let rows: usize = names.iter().map(|&(_, r)| r).sum();
+            let mut bytes = Vec::new();
+            for q in &parts {
+                bytes.extend_from_slice(&q.data()?);
+            }
+            let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), self.device, dtype)?;
+            let q = QTensor::new(storage, (rows, cols))?;
+            return Ok(QMatMul::from_arc(Arc::new(q))?);
+        }
         let deq = parts
             .iter()
             .map(|q| q.dequantize(self.device))
@@ -369,7 +393,7 @@ impl<R: Read + Seek> Loader<'_, R> {
             Tensor::cat(&deq, 0)?
         };
         match format {
-            WeightFormat::F32 => Ok(QMatMul::Tensor(full)),
+            WeightFormat::F32 | WeightFormat::AsStored => Ok(QMatMul::Tensor(full)),
             WeightFormat::Q8_0 if is_float => Ok(QMatMul::Tensor(full)),
             WeightFormat::Q8_0 => Ok(QMatMul::from_arc(Arc::new(QTensor::quantize(
                 &full,
