@@ -81,7 +81,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.runs,
         threads
     );
-    println!("| format | load s | 1-token ms | {} |", args.ns.iter().map(|n| format!("c({n})")).collect::<Vec<_>>().join(" | "));
+    println!(
+        "| format | load s | 1-token ms | {} |",
+        args.ns
+            .iter()
+            .map(|n| format!("c({n})"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
     println!("|---|---|---|{}", "---|".repeat(args.ns.len()));
     for &f in &args.format {
         let format = match f {
@@ -116,7 +123,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for &n in &args.ns {
             cells.push(format!("{:.2}", time_n(n)? / one));
         }
-        println!("| {format:?} | {load_s:.2} | {one:.1} | {} |", cells.join(" | "));
+        println!(
+            "| {format:?} | {load_s:.2} | {one:.1} | {} |",
+            cells.join(" | ")
+        );
     }
     Ok(())
 }

@@ -166,11 +166,10 @@ pub(crate) fn open_gguf(path: &Path) -> Result<(gguf_file::Content, BufReader<Fi
         }
     })?;
     let mut reader = BufReader::new(file);
-    let content =
-        gguf_file::Content::read(&mut reader).map_err(|e| CandleError::CorruptModel {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+    let content = gguf_file::Content::read(&mut reader).map_err(|e| CandleError::CorruptModel {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
     Ok((content, reader))
 }
 
@@ -240,7 +239,10 @@ impl LlamaConfig {
         let hidden_size = meta_usize(content, "llama.embedding_length")?;
         let ffn_size = meta_usize(content, "llama.feed_forward_length")?;
         let n_heads = meta_usize(content, "llama.attention.head_count")?;
-        let n_kv_heads = if content.metadata.contains_key("llama.attention.head_count_kv") {
+        let n_kv_heads = if content
+            .metadata
+            .contains_key("llama.attention.head_count_kv")
+        {
             meta_usize(content, "llama.attention.head_count_kv")?
         } else {
             n_heads
@@ -259,7 +261,10 @@ impl LlamaConfig {
                     .into(),
             ));
         }
-        if n_heads == 0 || n_kv_heads == 0 || hidden_size % n_heads != 0 || n_heads % n_kv_heads != 0
+        if n_heads == 0
+            || n_kv_heads == 0
+            || hidden_size % n_heads != 0
+            || n_heads % n_kv_heads != 0
         {
             return Err(inconsistent(
                 "llama.attention.head_count",
@@ -351,7 +356,12 @@ impl<R: Read + Seek> Loader<'_, R> {
 
     /// Loads the named `[rows_i, cols]` matrices, concatenates them along rows and converts
     /// the result to `format`.
-    fn matmul(&mut self, names: &[(&str, usize)], cols: usize, format: WeightFormat) -> Result<QMatMul> {
+    fn matmul(
+        &mut self,
+        names: &[(&str, usize)],
+        cols: usize,
+        format: WeightFormat,
+    ) -> Result<QMatMul> {
         let mut parts = Vec::with_capacity(names.len());
         for &(name, rows) in names {
             parts.push(self.qtensor(name, &[rows, cols])?);
@@ -363,7 +373,9 @@ impl<R: Read + Seek> Loader<'_, R> {
             WeightFormat::F32 => false,
         };
         if keep && parts.len() == 1 {
-            let q = parts.pop().ok_or_else(|| CandleError::InvalidArgument("no part".into()))?;
+            let q = parts
+                .pop()
+                .ok_or_else(|| CandleError::InvalidArgument("no part".into()))?;
             return Ok(QMatMul::from_arc(Arc::new(q))?);
         }
         let same_dtype = parts.iter().all(|q| q.dtype() == parts[0].dtype());
@@ -388,7 +400,9 @@ impl<R: Read + Seek> Loader<'_, R> {
             .map(|q| q.dequantize(self.device))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let full = if deq.len() == 1 {
-            deq.into_iter().next().ok_or_else(|| CandleError::InvalidArgument("no part".into()))?
+            deq.into_iter()
+                .next()
+                .ok_or_else(|| CandleError::InvalidArgument("no part".into()))?
         } else {
             Tensor::cat(&deq, 0)?
         };
@@ -735,7 +749,9 @@ impl CandleTarget {
             let qkv = layer.wqkv.forward(&a)?; // [n, (nh + 2 nkv) d]
             let q = qkv.narrow(1, 0, nh * d)?.reshape((n, nh, d))?;
             let k = qkv.narrow(1, nh * d, nkv * d)?.reshape((n, nkv, d))?;
-            let v = qkv.narrow(1, (nh + nkv) * d, nkv * d)?.reshape((n, nkv, d))?;
+            let v = qkv
+                .narrow(1, (nh + nkv) * d, nkv * d)?
+                .reshape((n, nkv, d))?;
             let q = (rope(&q, &cos, &sin)? * scale)?;
             let k = rope(&k, &cos, &sin)?;
             let k = k.transpose(0, 1)?.contiguous()?; // [nkv, n, d]
@@ -744,7 +760,10 @@ impl CandleTarget {
             let k_all = cache.k.narrow(1, 0, total)?; // [nkv, total, d]
             let v_all = cache.v.narrow(1, 0, total)?;
             // Query head h uses kv head h / group: [nh, n, d] -> [nkv, group * n, d].
-            let q = q.transpose(0, 1)?.contiguous()?.reshape((nkv, group * n, d))?;
+            let q = q
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((nkv, group * n, d))?;
             let scores = q.matmul(&k_all.t()?)?; // [nkv, group * n, total]
             let scores = match &mask {
                 Some(m) => scores

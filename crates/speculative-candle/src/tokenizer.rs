@@ -75,7 +75,8 @@ fn byte_level_decode_table() -> HashMap<char, u8> {
     let mut table = HashMap::with_capacity(256);
     let mut extra = 0u32;
     for b in 0u32..=255 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         let c = if printable {
             b
         } else {
@@ -94,7 +95,9 @@ fn string_array(content: &gguf_file::Content, key: &str) -> Result<Vec<String>> 
         key: key.into(),
         reason,
     };
-    let arr = meta(content, key)?.to_vec().map_err(|e| bad(e.to_string()))?;
+    let arr = meta(content, key)?
+        .to_vec()
+        .map_err(|e| bad(e.to_string()))?;
     arr.iter()
         .map(|v| v.to_string().cloned().map_err(|e| bad(e.to_string())))
         .collect()
@@ -339,12 +342,15 @@ impl GgufTokenizer {
         let mut env = minijinja::Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
         env.add_template("chat", src)
             .map_err(|e| CandleError::Template(e.to_string()))?;
         let tmpl = env

@@ -19,7 +19,11 @@ fn prompt_tokens() -> Vec<u32> {
 
 /// Compares one forward over `tokens[split..]` with one-token forwards, both after the same
 /// prefix `tokens[..split]`. Returns (max abs diff of logits, argmax mismatches, rows).
-fn batch_vs_sequential(mut model: CandleTarget, tokens: &[u32], split: usize) -> (f32, usize, usize) {
+fn batch_vs_sequential(
+    mut model: CandleTarget,
+    tokens: &[u32],
+    split: usize,
+) -> (f32, usize, usize) {
     let vocab = model.vocab_size();
     let mut logits = Vec::new();
     model.forward(&tokens[..split], &mut logits).unwrap();
@@ -76,7 +80,10 @@ fn check_batch(format: WeightFormat, layers: Option<usize>) {
         println!("{format:?} layers={layers:?} rows={rows}: max |logit diff| = {diff:e}, argmax mismatches = {mism}");
         let (tol, max_mism) = tolerance(format);
         assert!(diff < tol, "max abs logit diff {diff} exceeds {tol}");
-        assert!(mism <= max_mism, "argmax differs at {mism} of {rows} positions");
+        assert!(
+            mism <= max_mism,
+            "argmax differs at {mism} of {rows} positions"
+        );
     }
 }
 
@@ -114,7 +121,11 @@ fn truncate_then_rerun_equals_fresh_run() {
     let mut got = Vec::new();
     m.forward(&tokens[n - 5..], &mut got).unwrap();
     let vocab = m.vocab_size();
-    assert_eq!(got[..], want[(n - 5) * vocab..], "truncate + re-run must equal a fresh run");
+    assert_eq!(
+        got[..],
+        want[(n - 5) * vocab..],
+        "truncate + re-run must equal a fresh run"
+    );
 
     // Roll back to 0 and run everything again.
     m.truncate(0).unwrap();

@@ -107,7 +107,10 @@ fn stream_decoder_yields_whole_characters() {
     }
     assert_eq!(pieces.concat(), "🦀");
     if ids.len() > 1 {
-        assert!(pieces[..ids.len() - 1].iter().all(String::is_empty), "{pieces:?}");
+        assert!(
+            pieces[..ids.len() - 1].iter().all(String::is_empty),
+            "{pieces:?}"
+        );
     }
     // Cut in the middle: finish() flushes a replacement character.
     if ids.len() > 1 {

@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-use speculative_candle::{default_model_path, GgufTokenizer, LlamaWeights, LoadOptions, WeightFormat};
+use speculative_candle::{
+    default_model_path, GgufTokenizer, LlamaWeights, LoadOptions, WeightFormat,
+};
 
 /// The model path; panics (fails the test) with instructions when the file is missing.
 pub fn model_path() -> PathBuf {
@@ -35,7 +37,8 @@ pub fn weights(format: WeightFormat) -> Arc<LlamaWeights> {
 pub fn tokenizer() -> &'static GgufTokenizer {
     static TOK: OnceLock<GgufTokenizer> = OnceLock::new();
     TOK.get_or_init(|| {
-        GgufTokenizer::load(model_path()).unwrap_or_else(|e| panic!("loading the tokenizer failed: {e}"))
+        GgufTokenizer::load(model_path())
+            .unwrap_or_else(|e| panic!("loading the tokenizer failed: {e}"))
     })
 }
 
