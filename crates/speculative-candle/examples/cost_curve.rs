@@ -50,6 +50,10 @@ struct Args {
     /// Numbers of new tokens per forward, comma separated (1 is always measured).
     #[arg(long, value_delimiter = ',', default_values_t = [2, 3, 5, 9, 17])]
     ns: Vec<usize>,
+    /// Also compare each format's logits over the prefix with the exact f32 model (argmax
+    /// agreement, mean and max |logit difference|).
+    #[arg(long)]
+    accuracy: bool,
     /// Early-exit depth to measure instead of the full model (number of layers).
     #[arg(long)]
     layers: Option<usize>,
@@ -90,6 +94,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .join(" | ")
     );
     println!("|---|---|---|{}", "---|".repeat(args.ns.len()));
+    let mut exact: Option<Vec<f32>> = None;
+    if args.accuracy {
+        let w = LlamaWeights::load_with(&path, &LoadOptions::with_format(WeightFormat::F32))?;
+        let mut m = CandleTarget::new(w);
+        let mut logits = Vec::new();
+        m.forward(prefix, &mut logits)?;
+        exact = Some(logits);
+    }
+    let mut accuracy_lines = Vec::new();
     for &f in &args.format {
         let format = match f {
             Format::Q8 => WeightFormat::Q8_0,
@@ -105,6 +118,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         let mut logits = Vec::new();
         m.forward(prefix, &mut logits)?;
+        if let Some(want) = &exact {
+            let vocab = m.vocab_size();
+            let argmax = |r: &[f32]| {
+                r.iter()
+                    .enumerate()
+                    .fold(0, |b, (i, &v)| if v > r[b] { i } else { b })
+            };
+            let (mut agree, mut max_d, mut sum_d) = (0, 0f32, 0f64);
+            for (a, b) in want.chunks(vocab).zip(logits.chunks(vocab)) {
+                agree += usize::from(argmax(a) == argmax(b));
+                for (x, y) in a.iter().zip(b) {
+                    max_d = max_d.max((x - y).abs());
+                    sum_d += f64::from((x - y).abs());
+                }
+            }
+            accuracy_lines.push(format!(
+                "{format:?} vs exact f32 over {} prefix positions: argmax agrees at {agree}, \
+                 mean |logit diff| {:.3}, max {:.2}",
+                args.prefix,
+                sum_d / want.len() as f64,
+                max_d
+            ));
+        }
         let mut time_n = |n: usize| -> Result<f64, Box<dyn std::error::Error>> {
             let mut v = Vec::with_capacity(args.runs);
             for r in 0..=args.runs {
@@ -127,6 +163,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "| {format:?} | {load_s:.2} | {one:.1} | {} |",
             cells.join(" | ")
         );
+    }
+    for line in accuracy_lines {
+        println!("{line}");
     }
     Ok(())
 }
