@@ -538,6 +538,19 @@ fn rope_tables(cfg: &LlamaConfig, device: &Device) -> Result<(Tensor, Tensor)> {
     ))
 }
 
+/// `x · W^T` for `x: [n, in]`, `W: [out, in]`, giving `[n, out]`.
+///
+/// For f32 weights this computes `(W · x^T)^T`: gemm with the large weight matrix as the left
+/// operand handles a few rows much better than the other way round (measured on 2-core x86,
+/// SmolLM2-135M, 100-token prefix: c(2) 3.3 -> 2.1-2.4, c(9) 4.5 -> 3.0) and is as fast for one
+/// row. Quantised weights use candle's quantised matmul.
+fn linear(w: &QMatMul, x: &Tensor) -> candle_core::Result<Tensor> {
+    match w {
+        QMatMul::Tensor(wt) => wt.matmul(&x.t()?)?.t()?.contiguous(),
+        _ => w.forward(x),
+    }
+}
+
 /// `x * w / sqrt(mean(x^2) + eps)` over the last dimension of `x: [n, h]`, `w: [h]`.
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
@@ -746,7 +759,7 @@ impl CandleTarget {
         let scale = 1.0 / (d as f64).sqrt();
         for (li, layer) in w.layers[..self.n_layers].iter().enumerate() {
             let a = rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
-            let qkv = layer.wqkv.forward(&a)?; // [n, (nh + 2 nkv) d]
+            let qkv = linear(&layer.wqkv, &a)?; // [n, (nh + 2 nkv) d]
             let q = qkv.narrow(1, 0, nh * d)?.reshape((n, nh, d))?;
             let k = qkv.narrow(1, nh * d, nkv * d)?.reshape((n, nkv, d))?;
             let v = qkv
@@ -781,16 +794,16 @@ impl CandleTarget {
                 .transpose(0, 1)?
                 .contiguous()?
                 .reshape((n, nh * d))?;
-            x = (x + layer.wo.forward(&o)?)?;
+            x = (x + linear(&layer.wo, &o)?)?;
             let m = rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
-            let gu = layer.w_gate_up.forward(&m)?; // [n, 2 ffn]
+            let gu = linear(&layer.w_gate_up, &m)?; // [n, 2 ffn]
             let gate = gu.narrow(1, 0, cfg.ffn_size)?;
             let up = gu.narrow(1, cfg.ffn_size, cfg.ffn_size)?;
             let act = (gate.silu()? * up)?;
-            x = (x + layer.w_down.forward(&act)?)?;
+            x = (x + linear(&layer.w_down, &act)?)?;
         }
         let hidden = rms_norm(&x, &w.output_norm, cfg.rms_eps)?;
-        let logits = w.head.forward(&hidden)?;
+        let logits = linear(&w.head, &hidden)?;
         self.hidden = hidden.flatten_all()?.to_vec1::<f32>()?;
         self.seq_len = total;
         Ok(logits)
