@@ -50,6 +50,8 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 mod error;
 mod model;
 mod tokenizer;
