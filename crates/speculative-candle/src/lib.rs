@@ -103,3 +103,6 @@ pub fn use_single_thread_if_unset() -> usize {
     }
     candle_core::utils::get_num_threads()
 }
+
+pub mod fast;
+pub use fast::{FastFormat, FastTarget, FastWeights, KernelPath};

@@ -13,7 +13,7 @@
 //! q,k,v  = a · W_qkv_l^T  (q, k, v fused into one matmul)       [n, heads*d], [n, kv_heads*d] x 2
 //! q,k    = rope(q, k)     (adjacent pairs (2i, 2i+1), the layout llama GGUF files use)
 //! K,V    = cache[0 .. p] ++ (k, v)                              [kv_heads, p + n, d]
-//! o      = softmax(q K^T / sqrt(d) + causal mask) V             grouped-query attention
+//! o[i]   = softmax(q[i] K[0 ..= p+i]^T / sqrt(d)) V[0 ..= p+i]    grouped-query attention, row by row
 //! x     += o · W_o_l^T
 //! m      = rms_norm(x) * ffn_norm_l
 //! x     += (silu(m · W_gate_l^T) * (m · W_up_l^T)) · W_down_l^T   (gate and up fused)
@@ -557,6 +557,45 @@ fn linear(w: &QMatMul, x: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
+/// Causal grouped-query attention of `n` new query rows at positions `p .. p + n`.
+///
+/// `q: [n, nkv, group, d]` (already scaled by `1 / sqrt(d)`), `k, v: [nkv, p + n, d]`;
+/// returns `[n, nkv * group * d]`. Row `i` attends to keys `0 ..= p + i`.
+///
+/// Each row is computed on its own, with exactly the tensor shapes a one-token forward at that
+/// position uses, so a row's arithmetic (summation order included) does not depend on how many
+/// rows are in the call. This is what makes the Q8_0 path batch-invariant: one forward over
+/// `n` tokens gives bit-identical logits to `n` one-token forwards (a single batched
+/// `[group * n, p + n]` score matmul with a mask differed by up to 1e-6, which Q8_0 activation
+/// rounding amplified to logit differences of 1-3). On 2 cores the per-row loop cost no
+/// measurable time at n <= 17 next to the weight matmuls.
+fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    p: usize,
+    group: usize,
+) -> candle_core::Result<Tensor> {
+    let (n, nkv, _, d) = q.dims4()?;
+    let mut rows = Vec::with_capacity(n);
+    for i in 0..n {
+        let len = p + i + 1;
+        let qi = q.narrow(0, i, 1)?.reshape((nkv, group, d))?;
+        let scores = qi.matmul(&k.narrow(1, 0, len)?.t()?)?; // [nkv, group, len]
+        let max = scores.max_keepdim(D::Minus1)?;
+        let e = scores.broadcast_sub(&max)?.exp()?;
+        let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+        let o = probs.matmul(&v.narrow(1, 0, len)?)?; // [nkv, group, d]
+        rows.push(o.reshape((1, nkv * group * d))?);
+    }
+    if rows.len() == 1 {
+        rows.pop()
+            .ok_or_else(|| candle_core::Error::Msg("no rows".into()))
+    } else {
+        Tensor::cat(&rows, 0)
+    }
+}
+
 /// `x * w / sqrt(mean(x^2) + eps)` over the last dimension of `x: [n, h]`, `w: [h]`.
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
@@ -592,6 +631,12 @@ struct KvCache {
 /// Implements [`speculative::TargetModel`]: `forward` appends tokens and writes `[n, vocab]`
 /// logits for every appended position, `truncate` rolls the KV cache back, `last_hidden`
 /// returns the `[n, hidden]` final hidden states (after the final norm) of the last forward.
+///
+/// # Batch invariance
+/// With [`WeightFormat::Q8_0`] (and [`WeightFormat::AsStored`]) one forward over `n` tokens
+/// gives bit-identical logits to `n` one-token forwards (tested), so greedy speculative
+/// decoding reproduces plain greedy decoding exactly. With [`WeightFormat::F32`] the f32 gemm
+/// sums in a row-count-dependent order: logits differ by up to about 1e-4.
 ///
 /// [`CandleTarget::fork`] copies an instance with its KV cache (not the weights).
 ///
@@ -752,17 +797,6 @@ impl CandleTarget {
         let mut x = w.embed.embedding(&ids)?; // [n, h]
         let cos = w.rope_cos.narrow(0, p, n)?.reshape((n, 1, d / 2, 1))?;
         let sin = w.rope_sin.narrow(0, p, n)?.reshape((n, 1, d / 2, 1))?;
-        let mask = if n > 1 {
-            let mut m = vec![0f32; n * total];
-            for i in 0..n {
-                for j in (p + i + 1)..total {
-                    m[i * total + j] = f32::NEG_INFINITY;
-                }
-            }
-            Some(Tensor::from_vec(m, (1, 1, n, total), &w.device)?)
-        } else {
-            None
-        };
         let scale = 1.0 / (d as f64).sqrt();
         for (li, layer) in w.layers[..self.n_layers].iter().enumerate() {
             let a = rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
@@ -779,28 +813,9 @@ impl CandleTarget {
             let cache = self.append_kv(li, &k, &v, p, total)?;
             let k_all = cache.k.narrow(1, 0, total)?; // [nkv, total, d]
             let v_all = cache.v.narrow(1, 0, total)?;
-            // Query head h uses kv head h / group: [nh, n, d] -> [nkv, group * n, d].
-            let q = q
-                .transpose(0, 1)?
-                .contiguous()?
-                .reshape((nkv, group * n, d))?;
-            let scores = q.matmul(&k_all.t()?)?; // [nkv, group * n, total]
-            let scores = match &mask {
-                Some(m) => scores
-                    .reshape((nkv, group, n, total))?
-                    .broadcast_add(m)?
-                    .reshape((nkv, group * n, total))?,
-                None => scores,
-            };
-            let max = scores.max_keepdim(D::Minus1)?;
-            let e = scores.broadcast_sub(&max)?.exp()?;
-            let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-            let o = probs.matmul(&v_all)?; // [nkv, group * n, d]
-            let o = o
-                .reshape((nh, n, d))?
-                .transpose(0, 1)?
-                .contiguous()?
-                .reshape((n, nh * d))?;
+            // Query head h uses kv head h / group: [n, nh, d] -> [n, nkv, group, d].
+            let q = q.reshape((n, nkv, group, d))?;
+            let o = attention(&q, &k_all, &v_all, p, group)?; // [n, nh * d]
             x = (x + linear(&layer.wo, &o)?)?;
             let m = rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
             let gu = linear(&layer.w_gate_up, &m)?; // [n, 2 ffn]

@@ -93,14 +93,10 @@ impl KernelPath {
 
     /// Every path available on this CPU, the scalar one first.
     pub fn available() -> Vec<KernelPath> {
-        [
-            KernelPath::Scalar,
-            KernelPath::Avx2,
-            KernelPath::Avx512Vnni,
-        ]
-        .into_iter()
-        .filter(|p| p.is_available())
-        .collect()
+        [KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512Vnni]
+            .into_iter()
+            .filter(|p| p.is_available())
+            .collect()
     }
 }
 
@@ -252,7 +248,10 @@ impl Q8Matrix {
     /// # Panics
     /// When `j >= rows` or `out.len() != cols`.
     pub fn dequantize_row(&self, j: usize, out: &mut [f32]) {
-        assert!(j < self.rows && out.len() == self.cols, "row or length out of range");
+        assert!(
+            j < self.rows && out.len() == self.cols,
+            "row or length out of range"
+        );
         for (b, chunk) in out.chunks_mut(BLOCK).enumerate() {
             let o = self.q_offset(j, b);
             let s = self.scales[self.s_offset(j, b)];
@@ -482,12 +481,9 @@ mod x86 {
         )
     }
 
-    /// AVX2 tile kernel (see the module docs).
-    ///
-    /// # Safety
-    /// The CPU must support AVX2.
+    /// AVX2 tile kernel (see the module docs). Callers must check that the CPU has AVX2.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn tile_avx2(m: &Q8Matrix, t: usize, x: &Q8Act, acc: &mut [[f32; TILE]]) {
+    pub(super) fn tile_avx2(m: &Q8Matrix, t: usize, x: &Q8Act, acc: &mut [[f32; TILE]]) {
         let ones = _mm256_set1_epi16(1);
         let nb = m.nb;
         for b in 0..nb {
@@ -541,17 +537,24 @@ mod x86 {
         }
     }
 
+    /// Interleaves and adds 32-bit lanes of `a` and `b` (first step of an 8-way reduction).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn r2(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+    }
+
+    /// Interleaves and adds 64-bit lanes of `a` and `b` (second step).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn r4(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
+    }
+
     /// AVX-512 VNNI tile kernel: two blocks (64 bytes) per `vpdpbusd` (see the module docs).
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512 F, BW, VNNI and AVX2.
+    /// Callers must check that the CPU has AVX-512 F, BW, VNNI and AVX2.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
-    pub(super) unsafe fn tile_avx512vnni(
-        m: &Q8Matrix,
-        t: usize,
-        x: &Q8Act,
-        acc: &mut [[f32; TILE]],
-    ) {
+    pub(super) fn tile_avx512vnni(m: &Q8Matrix, t: usize, x: &Q8Act, acc: &mut [[f32; TILE]]) {
         let nb = m.nb;
         let c128 = _mm512_set1_epi8(-128); // 0x80 = 128 as the unsigned operand
         let zero = _mm512_setzero_si512();
@@ -578,12 +581,6 @@ mod x86 {
                     d[f] = _mm512_dpbusd_epi32(nc[f], xv, w[f]);
                 }
                 // Lanes 0..8 of d[f] belong to block 2p, lanes 8..16 to block 2p + 1.
-                let r2 = |a: __m512i, b: __m512i| {
-                    _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
-                };
-                let r4 = |a: __m512i, b: __m512i| {
-                    _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
-                };
                 // Per 128-bit chunk: [f0, f1, f2, f3] and [f4 .. f7] partial sums.
                 let q0 = r4(r2(d[0], d[1]), r2(d[2], d[3]));
                 let q1 = r4(r2(d[4], d[5]), r2(d[6], d[7]));

@@ -1,0 +1,769 @@
+//! A batch-invariant llama forward pass in plain Rust on our own kernels.
+//!
+//! Same model as [`crate::CandleTarget`] (see `model.rs` for the layer equations; RoPE on
+//! adjacent pairs `(2i, 2i + 1)` with angles `pos · theta^(-2i/d)`, grouped-query attention,
+//! SiLU-gated MLP, tied output head), computed so that **the arithmetic of one row never
+//! depends on the other rows of the call**:
+//!
+//! - matmuls: [`Q8Matrix::matmul`] / [`F32Matrix::matmul`] (fixed per-output accumulation);
+//! - RMSNorm and attention dot products: 8 running partial sums over the index modulo 8, combined
+//!   in a fixed tree, then the tail in order ([`dot`]);
+//! - attention: query row `i` (position `p + i`) attends to positions `0 ..= p + i` in increasing
+//!   order: scores, max, `exp`, a running sum and a running weighted sum of values, all in that
+//!   order; the keys and values of the new rows come from the same per-row code.
+//!
+//! So a forward over `[t, d1 .. dk]` gives, bit for bit, the logits of `k + 1` single-token
+//! forwards, and greedy speculative decoding emits exactly the plain greedy tokens.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Device;
+
+use super::f32mat::F32Matrix;
+use super::q8::{KernelPath, Q8Act, Q8Matrix};
+use crate::error::{CandleError, Result};
+use crate::model::open_gguf;
+use crate::LlamaConfig;
+
+/// In-memory weight format of [`FastWeights`].
+///
+/// | format | weights | activations | accuracy |
+/// |---|---|---|---|
+/// | [`FastFormat::Q8`] | our 8-bit blocks (32 values, f32 scale); Q8_0 tensors of the file (the tied embedding/head) imported exactly, Q4_1 tensors dequantised and re-quantised | quantised to 8 bits per 32 values before every matmul | an approximation of the shipped model |
+/// | [`FastFormat::F32`] | every tensor dequantised to f32 without re-rounding | f32 | the exact shipped model (up to f32 summation order) |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum FastFormat {
+    /// 8-bit blocks and int8 dot products (default, fastest).
+    #[default]
+    Q8,
+    /// f32 weights (about 4x the memory of `Q8`; the exact model).
+    F32,
+}
+
+/// One weight matrix in either format.
+#[derive(Debug, Clone)]
+enum Matrix {
+    Q8(Q8Matrix),
+    F32(F32Matrix),
+}
+
+impl Matrix {
+    fn from_f32(rows: usize, cols: usize, data: &[f32], format: FastFormat) -> Result<Self> {
+        Ok(match format {
+            FastFormat::Q8 => Matrix::Q8(Q8Matrix::quantize(rows, cols, data)?),
+            FastFormat::F32 => Matrix::F32(F32Matrix::new(rows, cols, data)?),
+        })
+    }
+
+    fn row(&self, j: usize, out: &mut [f32]) {
+        match self {
+            Matrix::Q8(m) => m.dequantize_row(j, out),
+            Matrix::F32(m) => m.row(j, out),
+        }
+    }
+
+    fn memory_bytes(&self) -> usize {
+        match self {
+            Matrix::Q8(m) => m.memory_bytes(),
+            Matrix::F32(m) => m.memory_bytes(),
+        }
+    }
+
+    fn matmul(&self, x: &[f32], out: &mut Vec<f32>, s: &mut Exec) -> Result<()> {
+        match self {
+            Matrix::Q8(m) => {
+                s.act.quantize(x, m.cols())?;
+                m.matmul(&s.act, out, s.path, s.threads)
+            }
+            Matrix::F32(m) => m.matmul(x, out, s.threads),
+        }
+    }
+}
+
+/// Kernel choice and reusable quantised-activation buffer.
+#[derive(Debug)]
+struct Exec {
+    path: KernelPath,
+    threads: usize,
+    act: Q8Act,
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>,
+    /// Fused `[q; k; v]`, `[(heads + 2 kv_heads) d, h]`.
+    wqkv: Matrix,
+    wo: Matrix,
+    ffn_norm: Vec<f32>,
+    /// Fused `[gate; up]`, `[2 ffn, h]`.
+    w_gate_up: Matrix,
+    w_down: Matrix,
+}
+
+/// The weights of a llama GGUF model in a [`FastFormat`], shared (via [`Arc`]) by every
+/// [`FastTarget`] built from them.
+#[derive(Debug)]
+pub struct FastWeights {
+    config: LlamaConfig,
+    format: FastFormat,
+    path: Option<PathBuf>,
+    layers: Vec<Layer>,
+    output_norm: Vec<f32>,
+    head: Matrix,
+    /// `None` when the embedding is tied to the head.
+    embed: Option<Matrix>,
+    /// `[context_length, head_dim / 2]`.
+    rope_cos: Vec<f32>,
+    rope_sin: Vec<f32>,
+}
+
+/// Sizes and seed of a random-weight model ([`FastWeights::random`]), for tests and benches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RandomSpec {
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Hidden size (a multiple of `n_heads`; `hidden / n_heads` must be even).
+    pub hidden: usize,
+    /// MLP inner size.
+    pub ffn: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (divides `n_heads`).
+    pub n_kv_heads: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Maximum context in tokens.
+    pub context: usize,
+    /// Seed of the weights.
+    pub seed: u64,
+}
+
+impl Default for RandomSpec {
+    fn default() -> Self {
+        RandomSpec {
+            n_layers: 2,
+            hidden: 96,
+            ffn: 160,
+            n_heads: 6,
+            n_kv_heads: 2,
+            vocab: 301,
+            context: 256,
+            seed: 1,
+        }
+    }
+}
+
+/// Reads GGUF tensors as f32 or raw Q8_0 bytes.
+struct Reader<'a> {
+    content: &'a candle_core::quantized::gguf_file::Content,
+    reader: &'a mut std::io::BufReader<std::fs::File>,
+    path: &'a Path,
+}
+
+impl Reader<'_> {
+    fn qtensor(&mut self, name: &str, dims: &[usize]) -> Result<QTensor> {
+        let info = self
+            .content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| CandleError::Tensor {
+                name: name.into(),
+                reason: "missing".into(),
+            })?;
+        if info.shape.dims() != dims {
+            return Err(CandleError::Tensor {
+                name: name.into(),
+                reason: format!("shape {:?}, expected {dims:?}", info.shape.dims()),
+            });
+        }
+        self.content
+            .tensor(self.reader, name, &Device::Cpu)
+            .map_err(|e| CandleError::CorruptModel {
+                path: self.path.to_path_buf(),
+                reason: format!("reading `{name}`: {e}"),
+            })
+    }
+
+    fn f32s(&mut self, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
+        let q = self.qtensor(name, dims)?;
+        Ok(q.dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    }
+
+    /// Loads `[rows_i, cols]` tensors stacked along rows. With [`FastFormat::Q8`], when every
+    /// part is Q8_0 the blocks are imported exactly; otherwise the parts are dequantised to
+    /// f32 (and re-quantised for `Q8`).
+    fn matrix(
+        &mut self,
+        names: &[(&str, usize)],
+        cols: usize,
+        format: FastFormat,
+    ) -> Result<Matrix> {
+        let rows: usize = names.iter().map(|&(_, r)| r).sum();
+        let mut parts = Vec::with_capacity(names.len());
+        for &(name, r) in names {
+            parts.push(self.qtensor(name, &[r, cols])?);
+        }
+        if format == FastFormat::Q8 && parts.iter().all(|q| q.dtype() == GgmlDType::Q8_0) {
+            let mut bytes = Vec::new();
+            for q in &parts {
+                bytes.extend_from_slice(&q.data()?);
+            }
+            return Ok(Matrix::Q8(Q8Matrix::from_ggml_q8_0(rows, cols, &bytes)?));
+        }
+        let mut data = Vec::with_capacity(rows * cols);
+        for q in &parts {
+            data.extend(
+                q.dequantize(&Device::Cpu)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?,
+            );
+        }
+        Matrix::from_f32(rows, cols, &data, format)
+    }
+}
+
+fn rope_tables(cfg: &LlamaConfig) -> (Vec<f32>, Vec<f32>) {
+    let half = cfg.head_dim / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
+        .collect();
+    let mut cos = Vec::with_capacity(cfg.context_length * half);
+    let mut sin = Vec::with_capacity(cfg.context_length * half);
+    for pos in 0..cfg.context_length {
+        for &f in &inv_freq {
+            let a = pos as f32 * f;
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    (cos, sin)
+}
+
+impl FastWeights {
+    /// Loads a llama-architecture GGUF file (the tensors listed in
+    /// [`crate::LlamaWeights::load_with`]) into `format`. Takes about 1-2 s for SmolLM2-135M.
+    ///
+    /// # Errors
+    /// [`CandleError::ModelNotFound`] when the file does not exist, [`CandleError::CorruptModel`]
+    /// when it cannot be read, [`CandleError::Metadata`] / [`CandleError::Tensor`] for an
+    /// unsupported architecture or missing or mis-shaped weights, and
+    /// [`CandleError::InvalidArgument`] when a Q8_0 tensor's width is not a multiple of 32.
+    pub fn load(path: impl AsRef<Path>, format: FastFormat) -> Result<Arc<Self>> {
+        let path = path.as_ref();
+        let (content, mut reader) = open_gguf(path)?;
+        let config = LlamaConfig::from_gguf(&content)?;
+        let mut rd = Reader {
+            content: &content,
+            reader: &mut reader,
+            path,
+        };
+        let (h, d) = (config.hidden_size, config.head_dim);
+        let (nh, nkv, ffn) = (config.n_heads, config.n_kv_heads, config.ffn_size);
+        let mut layers = Vec::with_capacity(config.n_layers);
+        for i in 0..config.n_layers {
+            let p = |s: &str| format!("blk.{i}.{s}.weight");
+            let (q, k, v) = (p("attn_q"), p("attn_k"), p("attn_v"));
+            let (g, u) = (p("ffn_gate"), p("ffn_up"));
+            layers.push(Layer {
+                attn_norm: rd.f32s(&p("attn_norm"), &[h])?,
+                wqkv: rd.matrix(&[(&q, nh * d), (&k, nkv * d), (&v, nkv * d)], h, format)?,
+                wo: rd.matrix(&[(&p("attn_output"), h)], nh * d, format)?,
+                ffn_norm: rd.f32s(&p("ffn_norm"), &[h])?,
+                w_gate_up: rd.matrix(&[(&g, ffn), (&u, ffn)], h, format)?,
+                w_down: rd.matrix(&[(&p("ffn_down"), h)], ffn, format)?,
+            });
+        }
+        let output_norm = rd.f32s("output_norm.weight", &[h])?;
+        let tied = !content.tensor_infos.contains_key("output.weight");
+        let head_name = if tied {
+            "token_embd.weight"
+        } else {
+            "output.weight"
+        };
+        let head = rd.matrix(&[(head_name, config.vocab_size)], h, format)?;
+        let embed = if tied {
+            None
+        } else {
+            Some(rd.matrix(&[("token_embd.weight", config.vocab_size)], h, format)?)
+        };
+        let (rope_cos, rope_sin) = rope_tables(&config);
+        Ok(Arc::new(FastWeights {
+            config,
+            format,
+            path: Some(path.to_path_buf()),
+            layers,
+            output_norm,
+            head,
+            embed,
+            rope_cos,
+            rope_sin,
+        }))
+    }
+
+    /// A model with uniformly random weights (scaled by `1 / sqrt(fan_in)`, norms near 1,
+    /// tied embedding), for tests and benches.
+    ///
+    /// # Errors
+    /// [`CandleError::InvalidArgument`] for a zero size, `hidden` not divisible by `n_heads`,
+    /// an odd head width or `n_heads` not divisible by `n_kv_heads`.
+    pub fn random(spec: &RandomSpec, format: FastFormat) -> Result<Arc<Self>> {
+        let s = spec;
+        if [
+            s.n_layers,
+            s.hidden,
+            s.ffn,
+            s.n_heads,
+            s.n_kv_heads,
+            s.vocab,
+            s.context,
+        ]
+        .contains(&0)
+            || s.hidden % s.n_heads != 0
+            || (s.hidden / s.n_heads) % 2 != 0
+            || s.n_heads % s.n_kv_heads != 0
+        {
+            return Err(CandleError::InvalidArgument(format!(
+                "inconsistent random model sizes {spec:?}"
+            )));
+        }
+        let config = LlamaConfig {
+            n_layers: s.n_layers,
+            hidden_size: s.hidden,
+            ffn_size: s.ffn,
+            n_heads: s.n_heads,
+            n_kv_heads: s.n_kv_heads,
+            head_dim: s.hidden / s.n_heads,
+            context_length: s.context,
+            rope_theta: 10_000.0,
+            rms_eps: 1e-5,
+            vocab_size: s.vocab,
+        };
+        let mut state = s.seed ^ 0x9e37_79b9_7f4a_7c15;
+        let mut uni = move || {
+            // splitmix64
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            (z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let (h, d, f) = (s.hidden, config.head_dim, s.ffn);
+        let mut mat = |rows: usize, cols: usize| {
+            let sc = 1.0 / (cols as f32).sqrt();
+            let data: Vec<f32> = (0..rows * cols).map(|_| uni() * sc).collect();
+            Matrix::from_f32(rows, cols, &data, format)
+        };
+        let mut layers = Vec::with_capacity(s.n_layers);
+        for _ in 0..s.n_layers {
+            layers.push(Layer {
+                attn_norm: Vec::new(),
+                wqkv: mat((s.n_heads + 2 * s.n_kv_heads) * d, h)?,
+                wo: mat(h, s.n_heads * d)?,
+                ffn_norm: Vec::new(),
+                w_gate_up: mat(2 * f, h)?,
+                w_down: mat(h, f)?,
+            });
+        }
+        let head = mat(s.vocab, h)?;
+        let mut norm = |len: usize| (0..len).map(|_| 1.0 + 0.1 * uni()).collect::<Vec<f32>>();
+        for l in &mut layers {
+            l.attn_norm = norm(h);
+            l.ffn_norm = norm(h);
+        }
+        let output_norm = norm(h);
+        let (rope_cos, rope_sin) = rope_tables(&config);
+        Ok(Arc::new(FastWeights {
+            config,
+            format,
+            path: None,
+            layers,
+            output_norm,
+            head,
+            embed: None,
+            rope_cos,
+            rope_sin,
+        }))
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The in-memory weight format.
+    pub fn format(&self) -> FastFormat {
+        self.format
+    }
+
+    /// The file the weights came from (`None` for [`FastWeights::random`]).
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// Bytes of matrix weights held in memory (norms and RoPE tables not counted).
+    pub fn memory_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.wqkv.memory_bytes()
+                    + l.wo.memory_bytes()
+                    + l.w_gate_up.memory_bytes()
+                    + l.w_down.memory_bytes()
+            })
+            .sum();
+        layers + self.head.memory_bytes() + self.embed.as_ref().map_or(0, Matrix::memory_bytes)
+    }
+}
+
+/// `Σ a[i] · b[i]` in a fixed order: 8 partial sums over `i mod 8` (element-wise, so the
+/// compiler may vectorise it without changing a bit), combined as
+/// `((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))`, then the tail `i >= 8 ⌊len/8⌋` in
+/// order. Panics never; extra elements of the longer slice are ignored.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let len = a.len().min(b.len());
+    let (a, b) = (&a[..len], &b[..len]);
+    let mut s = [0f32; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for i in 0..8 {
+            s[i] += x[i] * y[i];
+        }
+    }
+    let mut t = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        t += x * y;
+    }
+    t
+}
+
+/// RMSNorm of each row of `x` (`[n, h]`, `h = w.len()`) into `out`:
+/// `x · w / sqrt(mean(x²) + eps)` with the sum of squares from [`dot`].
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
+    let h = w.len();
+    out.clear();
+    for row in x.chunks_exact(h) {
+        let ms = dot(row, row) / h as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        out.extend(row.iter().zip(w).map(|(v, g)| (v * inv) * g));
+    }
+}
+
+/// Rotates adjacent pairs of one head vector `v` (`[d]`) by the angles of one position.
+#[inline]
+fn rope(v: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for ((pair, &c), &s) in v.chunks_exact_mut(2).zip(cos).zip(sin) {
+        let (x0, x1) = (pair[0], pair[1]);
+        pair[0] = x0 * c - x1 * s;
+        pair[1] = x0 * s + x1 * c;
+    }
+}
+
+/// A model instance with its own KV cache over shared [`FastWeights`]: the full model or an
+/// early-exit model (first `n` layers, then the final norm and head; LayerSkip, Elhoushi et al.
+/// 2024). Implements [`speculative::TargetModel`]; forwards are batch-invariant (module docs).
+#[derive(Debug)]
+pub struct FastTarget {
+    weights: Arc<FastWeights>,
+    n_layers: usize,
+    exec: Exec,
+    /// Per layer `[seq_len][kv_heads][d]`.
+    k_cache: Vec<Vec<f32>>,
+    v_cache: Vec<Vec<f32>>,
+    seq_len: usize,
+    hidden: Vec<f32>,
+}
+
+impl FastTarget {
+    /// The full model over shared weights, with the fastest kernel path of this CPU
+    /// ([`KernelPath::detect`]) and one thread.
+    pub fn new(weights: Arc<FastWeights>) -> Self {
+        let n = weights.config.n_layers;
+        Self::with_layers(weights, n)
+    }
+
+    /// Loads `path` in `format` and returns the full model.
+    ///
+    /// # Errors
+    /// See [`FastWeights::load`].
+    pub fn load(path: impl AsRef<Path>, format: FastFormat) -> Result<Self> {
+        Ok(Self::new(FastWeights::load(path, format)?))
+    }
+
+    /// An early-exit model running the first `n_layers` blocks, sharing `weights`.
+    ///
+    /// # Errors
+    /// [`CandleError::InvalidArgument`] unless `1 <= n_layers <= config.n_layers`.
+    pub fn early_exit(weights: Arc<FastWeights>, n_layers: usize) -> Result<Self> {
+        let total = weights.config.n_layers;
+        if n_layers == 0 || n_layers > total {
+            return Err(CandleError::InvalidArgument(format!(
+                "early-exit depth {n_layers} must be in 1..={total}"
+            )));
+        }
+        Ok(Self::with_layers(weights, n_layers))
+    }
+
+    fn with_layers(weights: Arc<FastWeights>, n_layers: usize) -> Self {
+        FastTarget {
+            weights,
+            n_layers,
+            exec: Exec {
+                path: KernelPath::detect(),
+                threads: 1,
+                act: Q8Act::default(),
+            },
+            k_cache: vec![Vec::new(); n_layers],
+            v_cache: vec![Vec::new(); n_layers],
+            seq_len: 0,
+            hidden: Vec::new(),
+        }
+    }
+
+    /// Chooses the int8 kernel path (all paths give the same bits; for tests and benches).
+    ///
+    /// # Errors
+    /// [`CandleError::InvalidArgument`] when this CPU cannot run `path`.
+    pub fn with_kernel(mut self, path: KernelPath) -> Result<Self> {
+        if !path.is_available() {
+            return Err(CandleError::InvalidArgument(format!(
+                "kernel path {path:?} is not available on this CPU"
+            )));
+        }
+        self.exec.path = path;
+        Ok(self)
+    }
+
+    /// Splits every matmul between `threads` scoped threads (`0` is treated as 1). Results are
+    /// identical for every count. On the 2-core test machine one thread is the default; see the
+    /// crate docs for the measured figures.
+    pub fn with_threads(mut self, threads: usize) -> Self {
+        self.exec.threads = threads.max(1);
+        self
+    }
+
+    /// The kernel path in use.
+    pub fn kernel(&self) -> KernelPath {
+        self.exec.path
+    }
+
+    /// The shared weights.
+    pub fn weights(&self) -> &Arc<FastWeights> {
+        &self.weights
+    }
+
+    /// Number of blocks this instance runs.
+    pub fn n_layers(&self) -> usize {
+        self.n_layers
+    }
+
+    /// A copy with the same weights (shared) and a deep copy of the KV cache.
+    pub fn fork(&self) -> Self {
+        FastTarget {
+            weights: Arc::clone(&self.weights),
+            n_layers: self.n_layers,
+            exec: Exec {
+                path: self.exec.path,
+                threads: self.exec.threads,
+                act: Q8Act::default(),
+            },
+            k_cache: self.k_cache.clone(),
+            v_cache: self.v_cache.clone(),
+            seq_len: self.seq_len,
+            hidden: self.hidden.clone(),
+        }
+    }
+
+    /// Appends `tokens` (`n` of them) and writes their `[n, vocab]` logits into `logits`
+    /// (cleared first); keeps the `[n, hidden]` final hidden states for
+    /// [`speculative::TargetModel::last_hidden`]. On error the sequence is unchanged.
+    ///
+    /// # Errors
+    /// [`CandleError::InvalidArgument`] for an empty slice, [`CandleError::TokenOutOfVocab`],
+    /// [`CandleError::ContextOverflow`] when `seq_len + n > context_length`.
+    pub fn forward_logits(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        let cfg = &self.weights.config;
+        let n = tokens.len();
+        if n == 0 {
+            return Err(CandleError::InvalidArgument(
+                "forward needs at least one token".into(),
+            ));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(CandleError::TokenOutOfVocab {
+                token: t,
+                vocab_size: cfg.vocab_size,
+            });
+        }
+        if self.seq_len + n > cfg.context_length {
+            return Err(CandleError::ContextOverflow {
+                seq_len: self.seq_len,
+                added: n,
+                max_context: cfg.context_length,
+            });
+        }
+        let saved = self.seq_len;
+        let out = self.run(tokens, logits);
+        if out.is_err() {
+            self.truncate_caches(saved);
+            self.seq_len = saved;
+        }
+        out
+    }
+
+    fn truncate_caches(&mut self, len: usize) {
+        let kvd = self.weights.config.n_kv_heads * self.weights.config.head_dim;
+        for c in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
+            c.truncate(len * kvd);
+        }
+    }
+
+    fn run(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        let w = Arc::clone(&self.weights);
+        let cfg = &w.config;
+        let n = tokens.len();
+        let p = self.seq_len;
+        let (h, nh, nkv, d) = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+        let (kvd, half, group) = (nkv * d, d / 2, nh / nkv);
+        let eps = cfg.rms_eps as f32;
+        let scale = (1.0 / (d as f64).sqrt()) as f32;
+        self.truncate_caches(p);
+
+        let embed = w.embed.as_ref().unwrap_or(&w.head);
+        let mut x = vec![0f32; n * h];
+        for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
+            embed.row(t as usize, row);
+        }
+        let (mut a, mut qkv, mut o, mut proj, mut gu, mut act) = (
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+        );
+        let mut scores = Vec::new();
+        for (li, layer) in w.layers[..self.n_layers].iter().enumerate() {
+            rms_norm(&x, &layer.attn_norm, eps, &mut a);
+            layer.wqkv.matmul(&a, &mut qkv, &mut self.exec)?;
+            let width = (nh + 2 * nkv) * d;
+            let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
+            for (i, row) in qkv.chunks_exact_mut(width).enumerate() {
+                let cos = &w.rope_cos[(p + i) * half..(p + i + 1) * half];
+                let sin = &w.rope_sin[(p + i) * half..(p + i + 1) * half];
+                let (q, kv) = row.split_at_mut(nh * d);
+                for head in q.chunks_exact_mut(d) {
+                    rope(head, cos, sin);
+                    head.iter_mut().for_each(|v| *v *= scale);
+                }
+                let (k, v) = kv.split_at_mut(kvd);
+                for head in k.chunks_exact_mut(d) {
+                    rope(head, cos, sin);
+                }
+                kc.extend_from_slice(k);
+                vc.extend_from_slice(v);
+            }
+            o.clear();
+            o.resize(n * nh * d, 0.0);
+            for i in 0..n {
+                let len = p + i + 1;
+                for hq in 0..nh {
+                    let kvh = hq / group;
+                    let q = &qkv[i * width + hq * d..i * width + (hq + 1) * d];
+                    scores.clear();
+                    scores.extend(
+                        (0..len).map(|j| dot(q, &kc[j * kvd + kvh * d..j * kvd + (kvh + 1) * d])),
+                    );
+                    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                    let mut sum = 0f32;
+                    let out = &mut o[(i * nh + hq) * d..(i * nh + hq + 1) * d];
+                    for (j, s) in scores.iter().enumerate() {
+                        let e = (s - max).exp();
+                        sum += e;
+                        let vj = &vc[j * kvd + kvh * d..j * kvd + (kvh + 1) * d];
+                        for (ov, &vv) in out.iter_mut().zip(vj) {
+                            *ov += e * vv;
+                        }
+                    }
+                    let inv = 1.0 / sum;
+                    out.iter_mut().for_each(|v| *v *= inv);
+                }
+            }
+            layer.wo.matmul(&o, &mut proj, &mut self.exec)?;
+            x.iter_mut().zip(&proj).for_each(|(xv, pv)| *xv += pv);
+            rms_norm(&x, &layer.ffn_norm, eps, &mut a);
+            layer.w_gate_up.matmul(&a, &mut gu, &mut self.exec)?;
+            let f = cfg.ffn_size;
+            act.clear();
+            for row in gu.chunks_exact(2 * f) {
+                let (g, u) = row.split_at(f);
+                act.extend(g.iter().zip(u).map(|(&g, &u)| (g / (1.0 + (-g).exp())) * u));
+            }
+            layer.w_down.matmul(&act, &mut proj, &mut self.exec)?;
+            x.iter_mut().zip(&proj).for_each(|(xv, pv)| *xv += pv);
+        }
+        rms_norm(&x, &w.output_norm, eps, &mut self.hidden);
+        w.head.matmul(&self.hidden, logits, &mut self.exec)?;
+        self.seq_len = p + n;
+        Ok(())
+    }
+
+    /// Drops every position at index `>= len`.
+    ///
+    /// # Errors
+    /// [`CandleError::TruncateBeyondEnd`] when `len > seq_len`.
+    pub fn truncate_to(&mut self, len: usize) -> Result<()> {
+        if len > self.seq_len {
+            return Err(CandleError::TruncateBeyondEnd {
+                len,
+                seq_len: self.seq_len,
+            });
+        }
+        self.truncate_caches(len);
+        self.seq_len = len;
+        Ok(())
+    }
+}
+
+impl speculative::TargetModel for FastTarget {
+    fn vocab_size(&self) -> usize {
+        self.weights.config.vocab_size
+    }
+
+    fn max_context(&self) -> usize {
+        self.weights.config.context_length
+    }
+
+    fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+
+    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> speculative::Result<()> {
+        logits.clear();
+        Ok(self.forward_logits(tokens, logits)?)
+    }
+
+    fn truncate(&mut self, len: usize) -> speculative::Result<()> {
+        Ok(self.truncate_to(len)?)
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.weights.config.hidden_size
+    }
+
+    fn last_hidden(&self) -> Option<&[f32]> {
+        if self.hidden.is_empty() {
+            None
+        } else {
+            Some(&self.hidden)
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! A fast, batch-invariant CPU forward pass: our own int8 block matmul that reads each weight
+//! block once for all rows of a verify call, and a plain-Rust llama forward on it.
+//!
+//! - [`q8`]: the 8-bit block weight format ([`Q8Matrix`]), activation quantisation
+//!   ([`Q8Act`]) and the multi-row matmul with AVX-512 VNNI, AVX2 and portable kernels that
+//!   give bit-identical results ([`KernelPath`]).
+//! - [`f32mat`]: the exact path ([`F32Matrix`]): f32 weights, same multi-row structure.
+//! - [`forward`]: [`FastWeights`] (loaded from a GGUF file, shared through an `Arc`) and
+//!   [`FastTarget`], which implements [`speculative::TargetModel`].
+//!
+//! **Batch invariance.** Every row of a forward is computed by arithmetic that does not depend
+//! on how many rows are in the call (fixed accumulation orders everywhere), so the logits of
+//! one forward over `n` tokens equal, bit for bit, those of `n` one-token forwards. Greedy
+//! speculative decoding with [`FastTarget`] therefore emits exactly the tokens of plain greedy
+//! decoding with [`FastTarget`].
+//!
+//! **Accuracy.** [`FastFormat::F32`] is the exact shipped model (Q4_1 weights dequantised
+//! without re-rounding). [`FastFormat::Q8`] re-quantises the Q4_1 weights to 8-bit blocks
+//! (the tied Q8_0 embedding/head is imported exactly) and quantises activations to 8 bits per
+//! 32 values before each matmul, like candle's and llama.cpp's Q8_0 paths: an approximation.
+//!
+//! **Threads.** `FastTarget::with_threads(2)` splits each matmul's output features between two
+//! scoped threads (same results). See the crate README / `examples/fast_cost_curve.rs` for
+//! the one- versus two-thread figures; one thread is the default.
+
+pub mod f32mat;
+pub mod forward;
+pub mod q8;
+
+pub use f32mat::F32Matrix;
+pub use forward::{FastFormat, FastTarget, FastWeights, RandomSpec};
+pub use q8::{KernelPath, Q8Act, Q8Matrix};
