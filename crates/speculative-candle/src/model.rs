@@ -41,8 +41,8 @@ use crate::error::{CandleError, Result};
 ///
 /// | format | what runs | accuracy vs the exact model (100 positions) | 1-token step, c(9) |
 /// |---|---|---|---|
-/// | [`WeightFormat::Q8_0`] | int8 dot products, activations quantised to Q8_0 per 32 values | approximation: weights re-rounded, activations quantised; argmax agrees at 95 of 100, mean abs logit diff 0.26 | 13-33 ms, 6.2-7.4 |
-/// | [`WeightFormat::F32`] | weights dequantised to f32, gemm | exact (the shipped Q4_1 weights dequantised without re-rounding) | 34-46 ms, 3.0 |
+/// | [`WeightFormat::Q8_0`] | int8 dot products, activations quantised to Q8_0 per 32 values | approximation: weights re-rounded, activations quantised; argmax agrees at 95 of 100, mean abs logit diff 0.26 | 13-34 ms, 6.2-7.6 |
+/// | [`WeightFormat::F32`] | weights dequantised to f32, gemm | exact (the shipped Q4_1 weights dequantised without re-rounding) | 33-46 ms, 2.7-3.3 |
 /// | [`WeightFormat::AsStored`] | Q4_1 kernel (no x86 SIMD), activations quantised | exact weights, quantised activations; 100 of 100, mean diff 0.20 | 49-128 ms, 6.9-11 |
 ///
 /// (2-core x86 shared with other jobs, one thread, 100-token prefix; c(9) is the cost of a
