@@ -26,7 +26,11 @@ impl ZeroCost {
             })
             .take(64)
             .collect();
-        ZeroCost { vocab, len: 0, rows }
+        ZeroCost {
+            vocab,
+            len: 0,
+            rows,
+        }
     }
 }
 
@@ -62,7 +66,14 @@ fn bench_loop(c: &mut Criterion) {
         let prompt: Vec<u32> = (0..200).map(|i| (i % 64) as u32).collect();
         for (name, sampling) in [
             ("greedy", SamplingConfig::greedy()),
-            ("t=0.8,top_p=0.9", SamplingConfig::builder().temperature(0.8).top_p(0.9).build().unwrap()),
+            (
+                "t=0.8,top_p=0.9",
+                SamplingConfig::builder()
+                    .temperature(0.8)
+                    .top_p(0.9)
+                    .build()
+                    .unwrap(),
+            ),
         ] {
             let steps = 64usize;
             let params = GenerationParams {

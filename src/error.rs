@@ -132,7 +132,11 @@ impl Error {
         Error::Proposer(e.into())
     }
 
-    pub(crate) fn config(field: &'static str, value: impl fmt::Display, reason: &'static str) -> Self {
+    pub(crate) fn config(
+        field: &'static str,
+        value: impl fmt::Display,
+        reason: &'static str,
+    ) -> Self {
         Error::InvalidConfig {
             field,
             value: value.to_string(),

@@ -65,7 +65,10 @@ pub mod verify;
 
 pub use decode::TargetModel;
 pub use error::{Error, Result, RowKind};
-pub use propose::{Draft, NoProposer, ProposeRequest, Proposer};
+pub use propose::{
+    Draft, DraftModelProposer, NoProposer, PromptLookup, ProposeRequest, Proposer, SuffixConfig,
+    SuffixProposer,
+};
 pub use sampling::{SamplingConfig, SamplingConfigBuilder, TokenDist, TokenMask};
 pub use verify::{
     DraftProbs, SequenceParams, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyBatch,

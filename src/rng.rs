@@ -65,7 +65,10 @@ impl Stream {
     /// 128 random bits for `(position, lane)`.
     #[inline]
     pub fn bits(&self, position: u64, lane: u32) -> [u32; 4] {
-        philox4x32_10([position as u32, (position >> 32) as u32, lane, 0], self.key)
+        philox4x32_10(
+            [position as u32, (position >> 32) as u32, lane, 0],
+            self.key,
+        )
     }
 
     /// A uniform in `[0, 1)` with 24 bits of resolution (exactly representable in `f32`, so a GPU
@@ -111,7 +114,13 @@ mod tests {
         }
         assert!((sum / 10_000.0 - 0.5).abs() < 0.01);
         assert_ne!(s.uniform(7, lane::ACCEPT), s.uniform(7, lane::SAMPLE));
-        assert_ne!(s.uniform(7, lane::ACCEPT), Stream::new(43).uniform(7, lane::ACCEPT));
-        assert_eq!(s.uniform(7, lane::ACCEPT), Stream::new(42).uniform(7, lane::ACCEPT));
+        assert_ne!(
+            s.uniform(7, lane::ACCEPT),
+            Stream::new(43).uniform(7, lane::ACCEPT)
+        );
+        assert_eq!(
+            s.uniform(7, lane::ACCEPT),
+            Stream::new(42).uniform(7, lane::ACCEPT)
+        );
     }
 }

@@ -58,7 +58,9 @@ impl ToyModel {
     ) -> Self {
         let f: LogitsFn = Arc::new(move |prefix: &[u32]| {
             let n = next(prefix) as usize % vocab;
-            (0..vocab).map(|v| if v == n { 10.0 } else { 0.0 }).collect()
+            (0..vocab)
+                .map(|v| if v == n { 10.0 } else { 0.0 })
+                .collect()
         });
         Self::new(vocab, max_context, f)
     }
@@ -80,7 +82,9 @@ impl ToyModel {
             let start = prefix.len().saturating_sub(order);
             let mut h: u64 = 0x9E37_79B9_7F4A_7C15 ^ (prefix.len().min(order) as u64);
             for &t in &prefix[start..] {
-                h = (h ^ t as u64).wrapping_mul(0x1000_0000_01B3).rotate_left(17);
+                h = (h ^ t as u64)
+                    .wrapping_mul(0x1000_0000_01B3)
+                    .rotate_left(17);
             }
             (0..vocab)
                 .map(|v| {
@@ -180,10 +184,13 @@ impl Proposer for RandomProposer {
     }
 }
 
+/// A greedy next-token function: prefix -> token.
+pub type NextFn = Box<dyn Fn(&[u32]) -> u32 + Send + Sync>;
+
 /// A proposer that always proposes a token the greedy target would not emit:
 /// `(greedy_next(context) + 1) mod vocab`, continuing on its own wrong path.
 pub struct WrongProposer {
-    next: Box<dyn Fn(&[u32]) -> u32 + Send + Sync>,
+    next: NextFn,
     vocab: u32,
 }
 

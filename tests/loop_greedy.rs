@@ -40,7 +40,12 @@ fn plain_greedy(model: &mut ToyModel, prompt: &[u32], n: usize) -> Vec<u32> {
     out
 }
 
-fn run<P: Proposer>(proposer: P, draft: DraftLength, prompt: &[u32], n: usize) -> (Vec<u32>, speculative::decode::Metrics) {
+fn run<P: Proposer>(
+    proposer: P,
+    draft: DraftLength,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, speculative::decode::Metrics) {
     let mut g = Generator::new(ToyModel::c10(), proposer);
     let params = GenerationParams {
         draft,
@@ -83,28 +88,66 @@ fn c10_greedy_speculation_equals_plain_greedy_for_every_proposer() {
     let prompt = vec![3u32; 48];
     let expected = plain_greedy(&mut ToyModel::c10(), &prompt, 32);
     for n in 2..=5 {
-        let (t, m) = run(PromptLookup::new(n, n).unwrap(), DraftLength::Fixed(4), &prompt, 32);
+        let (t, m) = run(
+            PromptLookup::new(n, n).unwrap(),
+            DraftLength::Fixed(4),
+            &prompt,
+            32,
+        );
         assert_eq!(t, expected, "prompt lookup n={n}");
         assert_eq!(m.emitted, 32);
     }
     for k in 1..=6 {
-        let (t, _) = run(RandomProposer::new(7, k as u64), DraftLength::Fixed(k), &prompt, 32);
+        let (t, _) = run(
+            RandomProposer::new(7, k as u64),
+            DraftLength::Fixed(k),
+            &prompt,
+            32,
+        );
         assert_eq!(t, expected, "random k={k}");
     }
-    let (t, m) = run(WrongProposer::new(7, c10_next), DraftLength::Fixed(4), &prompt, 32);
+    let (t, m) = run(
+        WrongProposer::new(7, c10_next),
+        DraftLength::Fixed(4),
+        &prompt,
+        32,
+    );
     assert_eq!(t, expected, "always wrong");
     assert_eq!(m.accepted, 0);
     assert_eq!(m.target_calls, 32);
     // A length-1 draft can be rejected too.
-    let (t, m) = run(WrongProposer::new(7, c10_next), DraftLength::Fixed(1), &prompt, 32);
+    let (t, m) = run(
+        WrongProposer::new(7, c10_next),
+        DraftLength::Fixed(1),
+        &prompt,
+        32,
+    );
     assert_eq!(t, expected);
     assert_eq!((m.proposed, m.accepted), (31, 0));
-    let (t, _) = run(SuffixProposer::new(SuffixConfig::default()).unwrap(), DraftLength::Fixed(4), &prompt, 32);
+    let (t, _) = run(
+        SuffixProposer::new(SuffixConfig::default()).unwrap(),
+        DraftLength::Fixed(4),
+        &prompt,
+        32,
+    );
     assert_eq!(t, expected, "suffix");
-    let (t, m) = run(DraftModelProposer::new(ToyModel::c10()), DraftLength::Fixed(4), &prompt, 32);
+    let (t, m) = run(
+        DraftModelProposer::new(ToyModel::c10()),
+        DraftLength::Fixed(4),
+        &prompt,
+        32,
+    );
     assert_eq!(t, expected, "same-model draft");
-    assert_eq!(m.accepted, m.proposed, "same-model draft: every draft accepted");
-    let (t, _) = run(DraftModelProposer::new(ToyModel::markov(7, 2, 2.0, 5)), DraftLength::Fixed(3), &prompt, 32);
+    assert_eq!(
+        m.accepted, m.proposed,
+        "same-model draft: every draft accepted"
+    );
+    let (t, _) = run(
+        DraftModelProposer::new(ToyModel::markov(7, 2, 2.0, 5)),
+        DraftLength::Fixed(3),
+        &prompt,
+        32,
+    );
     assert_eq!(t, expected, "unrelated draft model");
     let (t, _) = run(NoProposer, DraftLength::Fixed(4), &prompt, 32);
     assert_eq!(t, expected, "no proposer");
@@ -153,7 +196,10 @@ fn heads_proposer_with_synthetic_hidden_states_is_lossless() {
     }
     let prompt = vec![3u32; 20];
     let expected = plain_greedy(&mut ToyModel::c10(), &prompt, 40);
-    let mut g = Generator::new(WithHidden(ToyModel::c10(), vec![]), HeadsProposer::new(TableHeads));
+    let mut g = Generator::new(
+        WithHidden(ToyModel::c10(), vec![]),
+        HeadsProposer::new(TableHeads),
+    );
     let out = g.generate(&prompt, &GenerationParams::greedy(40)).unwrap();
     assert_eq!(out.tokens, expected);
     assert!(out.metrics.proposed > 0);
@@ -249,22 +295,34 @@ fn cancellation_by_flag_and_by_callback() {
             std::ops::ControlFlow::Break(())
         })
         .unwrap();
-    assert_eq!((calls, out.tokens.len(), out.finish), (1, 1, FinishReason::Cancelled));
+    assert_eq!(
+        (calls, out.tokens.len(), out.finish),
+        (1, 1, FinishReason::Cancelled)
+    );
 }
 
 #[test]
 fn bad_requests_are_typed_errors() {
     let mut g = Generator::new(ToyModel::c10(), NoProposer);
     let p = GenerationParams::greedy(4);
-    assert!(matches!(g.generate(&[], &p), Err(speculative::Error::InvalidRequest(_))));
+    assert!(matches!(
+        g.generate(&[], &p),
+        Err(speculative::Error::InvalidRequest(_))
+    ));
     assert!(matches!(
         g.generate(&[9], &p),
         Err(speculative::Error::TokenOutOfVocab { token: 9, .. })
     ));
     let mut g = Generator::new(ToyModel::deterministic(5, 4, |_| 0), NoProposer);
-    assert!(matches!(g.generate(&[0; 5], &p), Err(speculative::Error::InvalidRequest(_))));
+    assert!(matches!(
+        g.generate(&[0; 5], &p),
+        Err(speculative::Error::InvalidRequest(_))
+    ));
     let bad = GenerationParams {
-        sampling: SamplingConfig::builder().banned_tokens([77]).build().unwrap(),
+        sampling: SamplingConfig::builder()
+            .banned_tokens([77])
+            .build()
+            .unwrap(),
         ..GenerationParams::greedy(4)
     };
     assert!(g.generate(&[0], &bad).is_err());

@@ -102,7 +102,10 @@ fn sequence_counts<P: Proposer, T: TargetModel>(
         };
         let out = g.generate(&PROMPT, &params).unwrap();
         assert_eq!(out.tokens.len(), LEN);
-        let cell = out.tokens.iter().fold(0usize, |a, &t| a * VOCAB + t as usize);
+        let cell = out
+            .tokens
+            .iter()
+            .fold(0usize, |a, &t| a * VOCAB + t as usize);
         counts[cell] += 1;
     }
     counts
@@ -143,21 +146,42 @@ fn check<P: Proposer, T: TargetModel>(name: &str, make: impl Fn() -> Generator<T
 
 #[test]
 fn plain_sampling_matches_exact() {
-    check("no proposer", || Generator::new(target(), speculative::NoProposer), 0);
+    check(
+        "no proposer",
+        || Generator::new(target(), speculative::NoProposer),
+        0,
+    );
 }
 
 #[test]
 fn draft_model_is_lossless() {
-    check("draft model", || Generator::new(target(), DraftModelProposer::new(draft_model())), 3);
+    check(
+        "draft model",
+        || Generator::new(target(), DraftModelProposer::new(draft_model())),
+        3,
+    );
 }
 
 #[test]
 fn point_mass_proposers_are_lossless() {
-    check("prompt lookup", || Generator::new(target(), PromptLookup::new(1, 3).unwrap()), 3);
-    check("random", || Generator::new(target(), RandomProposer::new(VOCAB, 3)), 2);
+    check(
+        "prompt lookup",
+        || Generator::new(target(), PromptLookup::new(1, 3).unwrap()),
+        3,
+    );
+    check(
+        "random",
+        || Generator::new(target(), RandomProposer::new(VOCAB, 3)),
+        2,
+    );
     check(
         "suffix",
-        || Generator::new(target(), SuffixProposer::new(SuffixConfig::default()).unwrap()),
+        || {
+            Generator::new(
+                target(),
+                SuffixProposer::new(SuffixConfig::default()).unwrap(),
+            )
+        },
         3,
     );
 }
@@ -216,7 +240,12 @@ impl DraftHeads for SynthHeads {
 fn heads_proposer_is_lossless() {
     check(
         "heads",
-        || Generator::new(WithHidden(target(), Vec::new()), HeadsProposer::new(SynthHeads)),
+        || {
+            Generator::new(
+                WithHidden(target(), Vec::new()),
+                HeadsProposer::new(SynthHeads),
+            )
+        },
         3,
     );
 }
@@ -236,7 +265,14 @@ impl Proposer for RawQ {
         for &t in &draft.tokens {
             let mut d = TokenDist::default();
             RowProcessor::new()
-                .distribution(&raw, &self.1.logits(&ctx), &History::default(), RowKind::Draft, 0, &mut d)
+                .distribution(
+                    &raw,
+                    &self.1.logits(&ctx),
+                    &History::default(),
+                    RowKind::Draft,
+                    0,
+                    &mut d,
+                )
                 .unwrap();
             q.extend((0..VOCAB as u32).map(|v| d.prob(v)));
             ctx.push(t);
@@ -257,7 +293,10 @@ fn negative_control_raw_q_is_rejected() {
         .build()
         .unwrap();
     let counts = sequence_counts(
-        Generator::new(target(), RawQ(DraftModelProposer::new(draft_model()), draft_model())),
+        Generator::new(
+            target(),
+            RawQ(DraftModelProposer::new(draft_model()), draft_model()),
+        ),
         &cfg,
         3,
     );
@@ -265,7 +304,11 @@ fn negative_control_raw_q_is_rejected() {
     // zero-probability assertion is part of what may fire; count that as a rejection too.
     let probs = exact(&cfg);
     let impossible = counts.iter().zip(&probs).any(|(&c, &p)| p == 0.0 && c > 0);
-    let p = if impossible { 0.0 } else { g_test(&counts, &probs) };
+    let p = if impossible {
+        0.0
+    } else {
+        g_test(&counts, &probs)
+    };
     eprintln!("negative control: impossible outputs seen: {impossible}, p = {p:.3e}");
     assert!(p < ALPHA, "the faulty q was not detected: p = {p:.3}");
 }
@@ -274,7 +317,12 @@ fn negative_control_raw_q_is_rejected() {
 fn negative_control_wrong_target_is_rejected() {
     // Sampling plainly from an unprocessed target (temperature 1, no filters) while the exact
     // distribution is the processed one.
-    let cfg = SamplingConfig::builder().temperature(0.7).top_p(0.9).top_k(3).build().unwrap();
+    let cfg = SamplingConfig::builder()
+        .temperature(0.7)
+        .top_p(0.9)
+        .top_k(3)
+        .build()
+        .unwrap();
     let counts = sequence_counts(
         Generator::new(target(), speculative::NoProposer),
         &SamplingConfig::sampling(1.0).unwrap(),
@@ -282,7 +330,14 @@ fn negative_control_wrong_target_is_rejected() {
     );
     let probs = exact(&cfg);
     let impossible = counts.iter().zip(&probs).any(|(&c, &p)| p == 0.0 && c > 0);
-    let p = if impossible { 0.0 } else { g_test(&counts, &probs) };
+    let p = if impossible {
+        0.0
+    } else {
+        g_test(&counts, &probs)
+    };
     eprintln!("negative control: impossible outputs seen: {impossible}, p = {p:.3e}");
-    assert!(p < ALPHA, "the unprocessed target was not detected: p = {p:.3}");
+    assert!(
+        p < ALPHA,
+        "the unprocessed target was not detected: p = {p:.3}"
+    );
 }

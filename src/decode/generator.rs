@@ -195,7 +195,8 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         let mut metrics = Metrics::default();
         if prompt.len() > 1 {
             let t = Instant::now();
-            self.target.forward(&prompt[..prompt.len() - 1], &mut self.logits)?;
+            self.target
+                .forward(&prompt[..prompt.len() - 1], &mut self.logits)?;
             metrics.prefill_time = t.elapsed();
             self.capture_hidden(prompt.len() - 2);
         }
@@ -300,7 +301,11 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         let params = self.params;
         let generated = self.context.len() - self.prompt_len;
         let remaining = params.stop.max_new_tokens.saturating_sub(generated);
-        let room = self.g.target.max_context().saturating_sub(self.context.len());
+        let room = self
+            .g
+            .target
+            .max_context()
+            .saturating_sub(self.context.len());
         if remaining == 0 {
             self.end(FinishReason::MaxTokens);
             return Ok(None);
@@ -346,7 +351,10 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                     });
                 }
                 q.truncate(k * qv);
-                DraftProbs::Probs { probs: q, vocab: qv }
+                DraftProbs::Probs {
+                    probs: q,
+                    vocab: qv,
+                }
             }
         };
         let propose_time = t.elapsed();

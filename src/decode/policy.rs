@@ -70,7 +70,11 @@ impl AdaptiveConfig {
             return Err(Error::config("decay", self.decay, "must be in (0, 1]"));
         }
         if !(self.time_smoothing > 0.0 && self.time_smoothing <= 1.0) {
-            return Err(Error::config("time_smoothing", self.time_smoothing, "must be in (0, 1]"));
+            return Err(Error::config(
+                "time_smoothing",
+                self.time_smoothing,
+                "must be in (0, 1]",
+            ));
         }
         if self.probe_interval == 0 {
             return Err(Error::config("probe_interval", 0, "must be >= 1"));

@@ -106,7 +106,11 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
         } else {
             None
         };
-        let mut prefix = if cfg.mask().is_some() { ctx.to_vec() } else { Vec::new() };
+        let mut prefix = if cfg.mask().is_some() {
+            ctx.to_vec()
+        } else {
+            Vec::new()
+        };
         let stream = Stream::new(req.seed);
         let mut q = Vec::new();
         for i in 0..k {
@@ -115,10 +119,17 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
                 prefix: &prefix,
             };
             let t = if greedy {
-                self.proc.argmax(cfg, &self.logits, &hist, RowKind::Draft, i)?
-            } else {
                 self.proc
-                    .distribution(cfg, &self.logits, &hist, RowKind::Draft, i, &mut self.dist)?;
+                    .argmax(cfg, &self.logits, &hist, RowKind::Draft, i)?
+            } else {
+                self.proc.distribution(
+                    cfg,
+                    &self.logits,
+                    &hist,
+                    RowKind::Draft,
+                    i,
+                    &mut self.dist,
+                )?;
                 let u = stream.uniform((ctx.len() + i) as u64, lane::DRAFT);
                 let t = self.dist.sample(u);
                 let row = q.len();

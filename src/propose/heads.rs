@@ -97,7 +97,11 @@ impl<H: DraftHeads> Proposer for HeadsProposer<H> {
         } else {
             None
         };
-        let mut prefix = if cfg.mask().is_some() { ctx.to_vec() } else { Vec::new() };
+        let mut prefix = if cfg.mask().is_some() {
+            ctx.to_vec()
+        } else {
+            Vec::new()
+        };
         let stream = Stream::new(req.seed);
         let mut q = Vec::new();
         for i in 0..k {

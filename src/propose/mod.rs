@@ -153,6 +153,21 @@ impl<P: Proposer + ?Sized> Proposer for Box<P> {
     }
 }
 
+impl<P: Proposer + ?Sized> Proposer for &mut P {
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        (**self).propose(req, draft)
+    }
+    fn observe(&mut self, accepted: usize, emitted: &[u32]) -> Result<()> {
+        (**self).observe(accepted, emitted)
+    }
+    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+        (**self).begin(prompt)
+    }
+    fn finish(&mut self, sequence: &[u32]) {
+        (**self).finish(sequence)
+    }
+}
+
 /// The proposer that never proposes: every step is a plain decoding step.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoProposer;

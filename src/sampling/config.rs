@@ -285,7 +285,11 @@ impl SamplingConfigBuilder {
     pub fn build(self) -> Result<SamplingConfig> {
         let mut c = self.cfg;
         if !(c.temperature.is_finite() && c.temperature >= 0.0) {
-            return Err(Error::config("temperature", c.temperature, "must be finite and >= 0"));
+            return Err(Error::config(
+                "temperature",
+                c.temperature,
+                "must be finite and >= 0",
+            ));
         }
         if !(c.top_p > 0.0 && c.top_p <= 1.0) {
             return Err(Error::config("top_p", c.top_p, "must be in (0, 1]"));
@@ -301,10 +305,18 @@ impl SamplingConfigBuilder {
             ));
         }
         if !c.frequency_penalty.is_finite() {
-            return Err(Error::config("frequency_penalty", c.frequency_penalty, "must be finite"));
+            return Err(Error::config(
+                "frequency_penalty",
+                c.frequency_penalty,
+                "must be finite",
+            ));
         }
         if !c.presence_penalty.is_finite() {
-            return Err(Error::config("presence_penalty", c.presence_penalty, "must be finite"));
+            return Err(Error::config(
+                "presence_penalty",
+                c.presence_penalty,
+                "must be finite",
+            ));
         }
         let mut bias: HashMap<u32, f32> = HashMap::new();
         for &(t, b) in &c.logit_bias {
@@ -335,14 +347,29 @@ mod tests {
     #[test]
     fn rejects_bad_values() {
         assert!(SamplingConfig::builder().temperature(-1.0).build().is_err());
-        assert!(SamplingConfig::builder().temperature(f32::NAN).build().is_err());
+        assert!(SamplingConfig::builder()
+            .temperature(f32::NAN)
+            .build()
+            .is_err());
         assert!(SamplingConfig::builder().top_p(0.0).build().is_err());
         assert!(SamplingConfig::builder().top_p(1.5).build().is_err());
         assert!(SamplingConfig::builder().min_p(-0.1).build().is_err());
-        assert!(SamplingConfig::builder().repetition_penalty(0.0).build().is_err());
-        assert!(SamplingConfig::builder().frequency_penalty(f32::INFINITY).build().is_err());
-        assert!(SamplingConfig::builder().logit_bias(3, f32::NAN).build().is_err());
-        assert!(SamplingConfig::builder().allowed_tokens([]).build().is_err());
+        assert!(SamplingConfig::builder()
+            .repetition_penalty(0.0)
+            .build()
+            .is_err());
+        assert!(SamplingConfig::builder()
+            .frequency_penalty(f32::INFINITY)
+            .build()
+            .is_err());
+        assert!(SamplingConfig::builder()
+            .logit_bias(3, f32::NAN)
+            .build()
+            .is_err());
+        assert!(SamplingConfig::builder()
+            .allowed_tokens([])
+            .build()
+            .is_err());
     }
 
     #[test]
@@ -359,6 +386,9 @@ mod tests {
         assert_eq!(c.banned_tokens(), &[1, 4]);
         assert_eq!(c.allowed_tokens(), Some(&[3, 9][..]));
         assert!(c.check_vocab(10).is_ok());
-        assert!(matches!(c.check_vocab(9), Err(Error::TokenOutOfVocab { token: 9, .. })));
+        assert!(matches!(
+            c.check_vocab(9),
+            Err(Error::TokenOutOfVocab { token: 9, .. })
+        ));
     }
 }

@@ -25,10 +25,10 @@ mod top_p;
 
 pub use config::{SamplingConfig, SamplingConfigBuilder, TokenMask};
 pub use penalties::{apply_penalties, TokenCounts};
+pub(crate) use process::sample_weighted;
 pub use process::{History, RowProcessor, TokenDist};
 pub use top_k::select_top_k;
 pub use top_p::{apply_min_p, apply_top_p};
-pub(crate) use process::sample_weighted;
 
 use std::cmp::Ordering;
 

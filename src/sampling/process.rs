@@ -1,6 +1,8 @@
 //! The row processor: raw logits `[vocab]` -> greedy argmax or a processed distribution.
 
-use super::{apply_min_p, apply_penalties, apply_top_p, select_top_k, Cand, SamplingConfig, TokenCounts};
+use super::{
+    apply_min_p, apply_penalties, apply_top_p, select_top_k, Cand, SamplingConfig, TokenCounts,
+};
 use crate::error::{Error, Result, RowKind};
 
 /// A processed distribution over the vocabulary: probabilities (not logits) that sum to 1, stored
@@ -136,14 +138,23 @@ impl TokenDist {
     /// The token whose cumulative probability interval (in id order) contains `u * total`,
     /// for a uniform `u` in `[0, 1)`. Never returns a token outside the support.
     pub fn sample(&self, u: f32) -> u32 {
-        sample_weighted(self.ids.iter().copied().zip(self.probs.iter().map(|&p| p as f64)), u)
-            .unwrap_or(self.ids[0])
+        sample_weighted(
+            self.ids
+                .iter()
+                .copied()
+                .zip(self.probs.iter().map(|&p| p as f64)),
+            u,
+        )
+        .unwrap_or(self.ids[0])
     }
 }
 
 /// Inverse-CDF sampling over `(token, weight)` pairs in the order given (weights need not be
 /// normalised). Returns `None` when the total weight is 0. The result always has weight > 0.
-pub(crate) fn sample_weighted(pairs: impl Iterator<Item = (u32, f64)> + Clone, u: f32) -> Option<u32> {
+pub(crate) fn sample_weighted(
+    pairs: impl Iterator<Item = (u32, f64)> + Clone,
+    u: f32,
+) -> Option<u32> {
     let total: f64 = pairs.clone().map(|(_, w)| w).sum();
     if total.is_nan() || total <= 0.0 {
         return None;
@@ -194,7 +205,7 @@ fn scan(row: &[f32]) -> (f32, bool) {
     for c in chunks {
         for j in 0..L {
             let v = c[j];
-            bad[j] |= !(v < f32::INFINITY);
+            bad[j] |= v.is_nan() | (v == f32::INFINITY);
             m[j] = if v > m[j] { v } else { m[j] };
         }
     }
@@ -205,10 +216,54 @@ fn scan(row: &[f32]) -> (f32, bool) {
         b |= bad[j];
     }
     for &v in rem {
-        b |= !(v < f32::INFINITY);
+        b |= v.is_nan() | (v == f32::INFINITY);
         mx = mx.max(v);
     }
     (mx, b)
+}
+
+/// Maximum, index of its first occurrence, and "saw NaN / +inf", in one vectorisable pass.
+/// Each of the 16 lanes keeps its first strict maximum; the lowest index among the lanes that
+/// hold the global maximum is the first occurrence (ties go to the lowest id).
+#[inline]
+fn scan_argmax(row: &[f32]) -> (f32, usize, bool) {
+    const L: usize = 16;
+    let mut m = [f32::NEG_INFINITY; L];
+    let mut idx = [0u32; L];
+    let mut bad = [false; L];
+    let chunks = row.chunks_exact(L);
+    let rem = chunks.remainder();
+    for (ci, c) in chunks.enumerate() {
+        let base = (ci * L) as u32;
+        for j in 0..L {
+            let v = c[j];
+            bad[j] |= v.is_nan() | (v == f32::INFINITY);
+            let gt = v > m[j];
+            m[j] = if gt { v } else { m[j] };
+            idx[j] = if gt { base + j as u32 } else { idx[j] };
+        }
+    }
+    let mut mx = f32::NEG_INFINITY;
+    let mut b = false;
+    for j in 0..L {
+        mx = mx.max(m[j]);
+        b |= bad[j];
+    }
+    let mut best = usize::MAX;
+    for j in 0..L {
+        if m[j] == mx && mx > f32::NEG_INFINITY {
+            best = best.min(idx[j] as usize);
+        }
+    }
+    let base = row.len() - rem.len();
+    for (j, &v) in rem.iter().enumerate() {
+        b |= v.is_nan() | (v == f32::INFINITY);
+        if v > mx {
+            mx = v;
+            best = base + j;
+        }
+    }
+    (mx, best, b)
 }
 
 fn non_finite(row: &[f32], kind: RowKind, row_idx: usize) -> Error {
@@ -298,14 +353,13 @@ impl RowProcessor {
         row: usize,
     ) -> Result<u32> {
         let eff = Self::effective(&mut self.scratch, cfg, logits, hist);
-        let (mx, bad) = scan(eff);
+        let (mx, i, bad) = scan_argmax(eff);
         if bad {
             return Err(non_finite(eff, kind, row));
         }
         if mx == f32::NEG_INFINITY {
             return Err(Error::NoAllowedToken { kind, row });
         }
-        let i = eff.iter().position(|&v| v == mx).unwrap_or(0);
         Ok(i as u32)
     }
 
@@ -445,13 +499,25 @@ mod tests {
         let l: Vec<f32> = [0.6f32, 0.3, 0.1].iter().map(|p| p.ln()).collect();
         let d = dist(&SamplingConfig::sampling(1.0).unwrap(), &l);
         assert!((d.prob(0) - 0.6).abs() < 1e-6);
-        let c = SamplingConfig::builder().temperature(1.0).top_p(0.8).build().unwrap();
+        let c = SamplingConfig::builder()
+            .temperature(1.0)
+            .top_p(0.8)
+            .build()
+            .unwrap();
         let d = dist(&c, &l);
         assert_eq!(d.ids(), &[0, 1]);
         assert!((d.prob(0) - 2.0 / 3.0).abs() < 1e-6);
-        let c = SamplingConfig::builder().temperature(1.0).top_k(1).build().unwrap();
+        let c = SamplingConfig::builder()
+            .temperature(1.0)
+            .top_k(1)
+            .build()
+            .unwrap();
         assert_eq!(dist(&c, &l).ids(), &[0]);
-        let c = SamplingConfig::builder().temperature(1.0).min_p(0.4).build().unwrap();
+        let c = SamplingConfig::builder()
+            .temperature(1.0)
+            .min_p(0.4)
+            .build()
+            .unwrap();
         assert_eq!(dist(&c, &l).ids(), &[0, 1]);
     }
 
@@ -473,12 +539,29 @@ mod tests {
         let mut d = TokenDist::default();
         let h = History::default();
         let e = p.distribution(&c, &[0.0, f32::NAN], &h, RowKind::Target, 2, &mut d);
-        assert!(matches!(e, Err(Error::NonFiniteLogits { row: 2, token: 1, .. })));
+        assert!(matches!(
+            e,
+            Err(Error::NonFiniteLogits {
+                row: 2,
+                token: 1,
+                ..
+            })
+        ));
         let e = p.argmax(&c, &[f32::INFINITY, 0.0], &h, RowKind::Draft, 0);
-        assert!(matches!(e, Err(Error::NonFiniteLogits { kind: RowKind::Draft, .. })));
+        assert!(matches!(
+            e,
+            Err(Error::NonFiniteLogits {
+                kind: RowKind::Draft,
+                ..
+            })
+        ));
         let e = p.argmax(&c, &[f32::NEG_INFINITY; 3], &h, RowKind::Target, 0);
         assert!(matches!(e, Err(Error::NoAllowedToken { .. })));
-        let banned = SamplingConfig::builder().temperature(1.0).banned_tokens([0, 1]).build().unwrap();
+        let banned = SamplingConfig::builder()
+            .temperature(1.0)
+            .banned_tokens([0, 1])
+            .build()
+            .unwrap();
         let e = p.distribution(&banned, &[1.0, 2.0], &h, RowKind::Target, 0, &mut d);
         assert!(matches!(e, Err(Error::NoAllowedToken { .. })));
     }
@@ -488,8 +571,14 @@ mod tests {
         let c = SamplingConfig::greedy();
         let mut p = RowProcessor::new();
         let h = History::default();
-        assert_eq!(p.argmax(&c, &[1.0, 1.0, 0.0], &h, RowKind::Target, 0).unwrap(), 0);
-        let row: Vec<f32> = (0..1000).map(|i| if i % 100 == 37 { 5.0 } else { 0.0 }).collect();
+        assert_eq!(
+            p.argmax(&c, &[1.0, 1.0, 0.0], &h, RowKind::Target, 0)
+                .unwrap(),
+            0
+        );
+        let row: Vec<f32> = (0..1000)
+            .map(|i| if i % 100 == 37 { 5.0 } else { 0.0 })
+            .collect();
         assert_eq!(p.argmax(&c, &row, &h, RowKind::Target, 0).unwrap(), 37);
     }
 
@@ -502,7 +591,11 @@ mod tests {
             .unwrap();
         let mut p = RowProcessor::new();
         let h = History::default();
-        assert_eq!(p.argmax(&c, &[9.0, 1.0, 0.0], &h, RowKind::Target, 0).unwrap(), 2);
+        assert_eq!(
+            p.argmax(&c, &[9.0, 1.0, 0.0], &h, RowKind::Target, 0)
+                .unwrap(),
+            2
+        );
         let m = std::sync::Arc::new(|prefix: &[u32], l: &mut [f32]| {
             if prefix.last() == Some(&7) {
                 l[0] = f32::NEG_INFINITY;
@@ -513,6 +606,10 @@ mod tests {
             counts: None,
             prefix: &[7],
         };
-        assert_eq!(p.argmax(&c, &[9.0, 1.0, 0.0], &h, RowKind::Target, 0).unwrap(), 1);
+        assert_eq!(
+            p.argmax(&c, &[9.0, 1.0, 0.0], &h, RowKind::Target, 0)
+                .unwrap(),
+            1
+        );
     }
 }

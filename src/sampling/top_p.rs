@@ -101,7 +101,9 @@ mod tests {
             let n = 1 + (trial * 13) % 500;
             let ps: Vec<f32> = (0..n)
                 .map(|_| {
-                    s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    s = s
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
                     ((s >> 40) % 50 + 1) as f32 / 64.0
                 })
                 .collect();

@@ -80,7 +80,8 @@ impl Verifier {
                 actual: off.len(),
             });
         }
-        if off[0] != 0 || off.windows(2).any(|w| w[1] < w[0]) || off[n] != batch.draft_tokens.len() {
+        if off[0] != 0 || off.windows(2).any(|w| w[1] < w[0]) || off[n] != batch.draft_tokens.len()
+        {
             return Err(Error::ShapeMismatch {
                 what: "draft_offsets (0, non-decreasing, ending at draft_tokens.len())",
                 expected: batch.draft_tokens.len(),
@@ -100,7 +101,10 @@ impl Verifier {
             DraftProbs::PointMass => 0,
             DraftProbs::Probs { probs: d, vocab } | DraftProbs::Logits { logits: d, vocab } => {
                 if vocab > v {
-                    return Err(Error::DraftVocabTooLarge { draft: vocab, target: v });
+                    return Err(Error::DraftVocabTooLarge {
+                        draft: vocab,
+                        target: v,
+                    });
                 }
                 if d.len() != batch.draft_tokens.len() * vocab {
                     return Err(Error::ShapeMismatch {

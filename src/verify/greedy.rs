@@ -9,11 +9,17 @@ pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOu
     let want_lp = req.config.logprobs();
     let mut tokens = Vec::with_capacity(k + 1);
     let mut logprobs = want_lp.map(|_| Vec::with_capacity(k + 1));
-    let mut end = if k == 0 { StepEnd::NoDraft } else { StepEnd::AllAccepted };
+    let mut end = if k == 0 {
+        StepEnd::NoDraft
+    } else {
+        StepEnd::AllAccepted
+    };
     for i in 0..=k {
         let logits = row(req.target_logits, vocab, i);
         let hist = v.hist.view();
-        let best = v.proc.argmax(req.config, logits, &hist, RowKind::Target, i)?;
+        let best = v
+            .proc
+            .argmax(req.config, logits, &hist, RowKind::Target, i)?;
         let emit = if i < k {
             let d = req.draft_tokens[i];
             if d != best {

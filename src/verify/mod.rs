@@ -88,7 +88,12 @@ pub fn acceptance_probability(p_x: f32, q_x: f32) -> f64 {
 
 /// Residual weights `max(0, p(v) - q(v))` over the support of `p`, in id order, unnormalised.
 /// Written into `out` as `(token, weight)`; returns the total weight (f64).
-pub fn residual_weights(p: &TokenDist, q: &DraftRow<'_>, draft: u32, out: &mut Vec<(u32, f64)>) -> f64 {
+pub fn residual_weights(
+    p: &TokenDist,
+    q: &DraftRow<'_>,
+    draft: u32,
+    out: &mut Vec<(u32, f64)>,
+) -> f64 {
     out.clear();
     let mut total = 0.0f64;
     for (&v, &pv) in p.ids().iter().zip(p.probs()) {
@@ -257,9 +262,16 @@ impl<'a> VerifyRequest<'a> {
         self.config.check_vocab(v)?;
         match self.draft_probs {
             DraftProbs::PointMass => {}
-            DraftProbs::Probs { probs: data, vocab } | DraftProbs::Logits { logits: data, vocab } => {
+            DraftProbs::Probs { probs: data, vocab }
+            | DraftProbs::Logits {
+                logits: data,
+                vocab,
+            } => {
                 if vocab > v {
-                    return Err(Error::DraftVocabTooLarge { draft: vocab, target: v });
+                    return Err(Error::DraftVocabTooLarge {
+                        draft: vocab,
+                        target: v,
+                    });
                 }
                 if vocab == 0 && k > 0 {
                     return Err(Error::ShapeMismatch {

@@ -128,6 +128,10 @@ pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOu
         accepted: k,
         tokens,
         logprobs,
-        end: if k == 0 { StepEnd::NoDraft } else { StepEnd::AllAccepted },
+        end: if k == 0 {
+            StepEnd::NoDraft
+        } else {
+            StepEnd::AllAccepted
+        },
     })
 }

@@ -1,0 +1,295 @@
+//! `spec-bench`: benchmark speculative decoding on a GGUF model, or simulate batch sizes.
+//!
+//! ```text
+//! cargo run --release -p spec-bench -- run --workload docs/workloads/all.jsonl --out bench-out
+//! cargo run --release -p spec-bench -- simulate --cost docs/cost-tables/cpu-smollm2.json \
+//!     --runs bench-out/runs.json --out sim-out
+//! ```
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use spec_bench::matrix::{run_matrix, Matrix, PreparedRequest};
+use spec_bench::report::{aggregate, markdown, sim_markdown, sim_plot, standard_plots, write_json};
+use spec_bench::run::{ConfigSpec, DraftSpec, RunRecord};
+use spec_bench::sim::{default_batches, simulate, AcceptanceModel, CostTable};
+use spec_bench::{workload, BenchError, Result};
+use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, SuffixProposer};
+use speculative::{NoProposer, Proposer, TargetModel};
+use speculative_candle::{
+    default_model_path, CandleTarget, ChatMessage, GgufTokenizer, LlamaWeights, LoadOptions,
+    WeightFormat,
+};
+
+#[derive(Parser)]
+#[command(version, about = "Reproducible speculative-decoding benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a workload against plain decoding and a matrix of speculative configurations.
+    Run(RunArgs),
+    /// Simulate the expected speed-up over batch sizes from a cost table and acceptance data.
+    Simulate(SimArgs),
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// JSONL workload: {"prompt": ..., "kind": ..., "max_tokens": ...} per line.
+    #[arg(long)]
+    workload: PathBuf,
+    /// GGUF model (default: models/SmolLM2-135M-Instruct.Q4_1.gguf or $SPECULATIVE_MODEL).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Weight format: q8_0, f32 or as-stored.
+    #[arg(long, default_value = "q8_0")]
+    format: String,
+    /// Proposers: prompt-lookup, suffix, early-exit:N (first N layers as draft), same-model.
+    #[arg(long, value_delimiter = ',', default_value = "prompt-lookup,suffix")]
+    proposers: Vec<String>,
+    /// Draft lengths: integers and/or adaptive[:max].
+    #[arg(long, value_delimiter = ',', default_value = "4")]
+    k: Vec<String>,
+    /// Temperatures (0 = greedy).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    temperature: Vec<f32>,
+    /// Top-p values.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    top_p: Vec<f32>,
+    /// Seeds.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    seeds: Vec<u64>,
+    /// Repetitions per (request, configuration).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Warm-up generations per configuration (first request, discarded).
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Default maximum new tokens (a request's max_tokens wins).
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Only the first N requests of the workload.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Output directory for runs.json, summary.json, summary.md and the plots.
+    #[arg(long, default_value = "bench-out")]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct SimArgs {
+    /// JSON cost table {"source", "batch": [...], "tokens": [...], "cost": [[...]]}.
+    #[arg(long)]
+    cost: PathBuf,
+    /// runs.json from `spec-bench run`: replay its recorded steps.
+    #[arg(long)]
+    runs: Option<PathBuf>,
+    /// Only replay runs whose label contains this text.
+    #[arg(long)]
+    label: Option<String>,
+    /// Constant per-position acceptance probability instead of recorded runs.
+    #[arg(long)]
+    acceptance: Option<f64>,
+    /// Largest draft length.
+    #[arg(long, default_value_t = 8)]
+    max_k: usize,
+    /// Output directory for simulation.json, simulation.md and simulation.svg.
+    #[arg(long, default_value = "sim-out")]
+    out: PathBuf,
+}
+
+fn main() {
+    if let Err(e) = real_main() {
+        eprintln!("spec-bench: error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn real_main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Run(a) => run(a),
+        Cmd::Simulate(a) => sim(a),
+    }
+}
+
+fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> BenchError + '_ {
+    move |e| BenchError::Io {
+        path: path.display().to_string(),
+        source: e,
+    }
+}
+
+fn run(a: RunArgs) -> Result<()> {
+    let requests = workload::load(&a.workload)?;
+    let requests = &requests[..a.limit.unwrap_or(requests.len()).min(requests.len())];
+    let format = match a.format.as_str() {
+        "q8_0" => WeightFormat::Q8_0,
+        "f32" => WeightFormat::F32,
+        "as-stored" => WeightFormat::AsStored,
+        other => {
+            return Err(BenchError::Invalid {
+                what: "--format",
+                reason: format!("{other} (expected q8_0, f32 or as-stored)"),
+            })
+        }
+    };
+    let path = a.model.clone().unwrap_or_else(default_model_path);
+    let weights = LlamaWeights::load_with(&path, &LoadOptions::with_format(format))?;
+    let tok = GgufTokenizer::load(&path)?;
+    let mut target = CandleTarget::new(weights.clone());
+    let max_ctx = target.max_context();
+    let prepared: Vec<PreparedRequest> = requests
+        .iter()
+        .map(|r| {
+            let text = tok.apply_chat_template(&[ChatMessage::user(r.prompt.clone())])?;
+            let mut prompt = tok.encode(&text)?;
+            prompt.truncate(max_ctx / 2);
+            Ok(PreparedRequest {
+                kind: r.kind.clone(),
+                prompt,
+                max_tokens: r.max_tokens.unwrap_or(a.max_tokens),
+            })
+        })
+        .collect::<Result<_>>()?;
+    let mut configs = Vec::new();
+    for p in &a.proposers {
+        for k in &a.k {
+            let draft = DraftSpec::parse(k).ok_or_else(|| BenchError::Invalid {
+                what: "--k",
+                reason: format!("{k} (expected an integer or adaptive[:max])"),
+            })?;
+            for &t in &a.temperature {
+                for &tp in &a.top_p {
+                    for &seed in &a.seeds {
+                        configs.push(ConfigSpec {
+                            proposer: p.clone(),
+                            draft,
+                            temperature: t,
+                            top_p: tp,
+                            seed,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    let matrix = Matrix {
+        configs,
+        warmup: a.warmup,
+        reps: a.reps,
+    };
+    let keys = a.temperature.len() * a.top_p.len() * a.seeds.len();
+    let total =
+        (matrix.warmup + prepared.len() * matrix.reps * (matrix.configs.len() + keys)) as u64;
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let w = weights.clone();
+    let mut factory = move |name: &str| -> Result<Box<dyn Proposer>> {
+        Ok(match name {
+            "prompt-lookup" => Box::new(PromptLookup::new(1, 4)?),
+            "suffix" => Box::new(SuffixProposer::new(SuffixConfig::default())?),
+            "same-model" => Box::new(DraftModelProposer::new(CandleTarget::new(w.clone()))),
+            "none" => Box::new(NoProposer),
+            other => {
+                if let Some(n) = other.strip_prefix("early-exit:") {
+                    let n: usize = n.parse().map_err(|_| BenchError::Invalid {
+                        what: "proposer",
+                        reason: format!("{other}: early-exit:N needs a layer count"),
+                    })?;
+                    Box::new(DraftModelProposer::new(CandleTarget::early_exit(
+                        w.clone(),
+                        n,
+                    )?))
+                } else {
+                    return Err(BenchError::Invalid {
+                        what: "proposer",
+                        reason: format!(
+                            "{other} (expected prompt-lookup, suffix, early-exit:N, same-model, none)"
+                        ),
+                    });
+                }
+            }
+        })
+    };
+    let eos = [tok.eos_id()];
+    let records: Vec<RunRecord> = run_matrix(
+        &mut target,
+        &mut factory,
+        &prepared,
+        &eos,
+        &matrix,
+        &mut |msg| {
+            bar.inc(1);
+            bar.set_message(msg.to_string());
+        },
+    )?;
+    bar.finish_and_clear();
+    std::fs::create_dir_all(&a.out).map_err(io(&a.out))?;
+    let aggs = aggregate(&records);
+    write_json(&a.out.join("runs.json"), &records)?;
+    write_json(&a.out.join("summary.json"), &aggs)?;
+    let md = markdown(&aggs);
+    let md_path = a.out.join("summary.md");
+    std::fs::write(&md_path, &md).map_err(io(&md_path))?;
+    standard_plots(&a.out, &records, &aggs)?;
+    println!("{md}");
+    println!("wrote {}", a.out.display());
+    Ok(())
+}
+
+fn sim(a: SimArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&a.cost).map_err(io(&a.cost))?;
+    let table = CostTable::from_json(&text)?;
+    let model = match (a.acceptance, &a.runs) {
+        (Some(x), _) => {
+            if !(0.0..=1.0).contains(&x) {
+                return Err(BenchError::Invalid {
+                    what: "--acceptance",
+                    reason: format!("{x} is not in [0, 1]"),
+                });
+            }
+            AcceptanceModel::Constant(x)
+        }
+        (None, Some(runs)) => {
+            let text = std::fs::read_to_string(runs).map_err(io(runs))?;
+            let recs: Vec<RunRecord> =
+                serde_json::from_str(&text).map_err(|e| BenchError::Invalid {
+                    what: "runs.json",
+                    reason: e.to_string(),
+                })?;
+            let steps = recs
+                .iter()
+                .filter(|r| r.config.is_some())
+                .filter(|r| {
+                    a.label
+                        .as_ref()
+                        .is_none_or(|l| r.label.contains(l.as_str()))
+                })
+                .flat_map(|r| r.steps.iter().copied())
+                .collect();
+            AcceptanceModel::Trace(steps)
+        }
+        (None, None) => {
+            return Err(BenchError::Invalid {
+                what: "arguments",
+                reason: "give --acceptance A or --runs runs.json".into(),
+            })
+        }
+    };
+    let r = simulate(&table, &model, &default_batches(), a.max_k);
+    std::fs::create_dir_all(&a.out).map_err(io(&a.out))?;
+    write_json(&a.out.join("simulation.json"), &r)?;
+    let md = sim_markdown(&r);
+    let p = a.out.join("simulation.md");
+    std::fs::write(&p, format!("Cost table: {}\n\n{md}", table.source)).map_err(io(&p))?;
+    sim_plot(&a.out.join("simulation.svg"), &r)?;
+    println!("{md}");
+    Ok(())
+}

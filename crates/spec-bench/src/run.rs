@@ -1,0 +1,327 @@
+//! Running a configuration matrix against plain decoding, interleaved, with the full set of
+//! latency figures.
+
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use speculative::decode::{
+    AdaptiveConfig, DraftLength, GenerationParams, Generator, StopConditions,
+};
+use speculative::{Draft, NoProposer, ProposeRequest, Proposer, SamplingConfig, TargetModel};
+
+use crate::error::Result;
+use crate::stats::percentile;
+
+/// Draft length of a configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DraftSpec {
+    /// Fixed `k`.
+    Fixed(usize),
+    /// Adaptive policy with this maximum `k`.
+    Adaptive(usize),
+}
+
+impl std::fmt::Display for DraftSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DraftSpec::Fixed(k) => write!(f, "k={k}"),
+            DraftSpec::Adaptive(k) => write!(f, "adaptive<={k}"),
+        }
+    }
+}
+
+impl DraftSpec {
+    /// Parses `4` or `adaptive` / `adaptive:8`.
+    pub fn parse(s: &str) -> Option<Self> {
+        let s = s.trim();
+        if let Some(rest) = s.strip_prefix("adaptive") {
+            let max = rest
+                .strip_prefix(':')
+                .map(|m| m.parse().ok())
+                .unwrap_or(Some(8))?;
+            return Some(DraftSpec::Adaptive(max));
+        }
+        s.parse().ok().map(DraftSpec::Fixed)
+    }
+
+    fn to_length(self) -> DraftLength {
+        match self {
+            DraftSpec::Fixed(k) => DraftLength::Fixed(k),
+            DraftSpec::Adaptive(max_k) => DraftLength::Adaptive(AdaptiveConfig {
+                max_k,
+                ..Default::default()
+            }),
+        }
+    }
+}
+
+/// One speculative configuration of the matrix.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConfigSpec {
+    /// Proposer name, resolved by the caller's proposer factory.
+    pub proposer: String,
+    /// Draft length.
+    pub draft: DraftSpec,
+    /// Temperature (0 = greedy).
+    pub temperature: f32,
+    /// Top-p (1 = off).
+    pub top_p: f32,
+    /// Seed.
+    pub seed: u64,
+}
+
+impl ConfigSpec {
+    /// A short label such as `prompt-lookup k=4 t=0 p=1 s=0`.
+    pub fn label(&self) -> String {
+        format!(
+            "{} {} t={} p={} s={}",
+            self.proposer, self.draft, self.temperature, self.top_p, self.seed
+        )
+    }
+
+    /// The sampling configuration.
+    ///
+    /// # Errors
+    /// [`speculative::Error::InvalidConfig`] for an invalid temperature or top-p.
+    pub fn sampling(&self) -> Result<SamplingConfig> {
+        Ok(SamplingConfig::builder()
+            .temperature(self.temperature)
+            .top_p(self.top_p)
+            .build()?)
+    }
+}
+
+/// One verify step as seen by the harness.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    /// Output position (0-based) of the first token emitted by this step.
+    pub position: usize,
+    /// Drafts verified.
+    pub k: usize,
+    /// Drafts accepted.
+    pub accepted: usize,
+    /// Tokens emitted.
+    pub emitted: usize,
+}
+
+/// The measurements of one generation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// Index of the request in the workload.
+    pub request: usize,
+    /// The request's kind.
+    pub kind: String,
+    /// Configuration label (`"plain"` for the baseline).
+    pub label: String,
+    /// The configuration (`None` for the baseline).
+    pub config: Option<ConfigSpec>,
+    /// Repetition index.
+    pub rep: usize,
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Output tokens.
+    pub tokens: Vec<u32>,
+    /// End-to-end latency in seconds (prefill included).
+    pub e2e_s: f64,
+    /// Time to first token in seconds.
+    pub ttft_s: f64,
+    /// Inter-token latencies in seconds (one per output token after the first; tokens that
+    /// arrive in the same verified block have latency 0). They sum to `e2e_s - ttft_s`.
+    pub itl_s: Vec<f64>,
+    /// Output tokens per second over the end-to-end latency.
+    pub tokens_per_s: f64,
+    /// Peak resident memory of the process during the run, in KiB (Linux `VmHWM` after a reset
+    /// through `/proc/self/clear_refs`; `None` elsewhere).
+    pub peak_rss_kib: Option<u64>,
+    /// Seconds in the proposer.
+    pub propose_s: f64,
+    /// Seconds in target verify forwards.
+    pub forward_s: f64,
+    /// Seconds in verification (processing and acceptance).
+    pub verify_s: f64,
+    /// Seconds in the prefill.
+    pub prefill_s: f64,
+    /// Acceptance rate (accepted / proposed drafts).
+    pub acceptance_rate: f64,
+    /// Mean accepted length (emitted tokens / target calls).
+    pub mean_accepted_length: f64,
+    /// Per draft position: `(reached, accepted)`.
+    pub by_position: Vec<(usize, usize)>,
+    /// The steps.
+    pub steps: Vec<StepRecord>,
+    /// Speed-up against the baseline of the same request, rep and sampling configuration
+    /// (ratio of tokens per second), set for speculative runs.
+    pub speedup: Option<f64>,
+    /// For greedy runs: whether the output equals the plain greedy output token for token.
+    pub greedy_identical: Option<bool>,
+}
+
+/// Wraps a proposer to record each step's draft length and outcome.
+struct Recording<'p> {
+    inner: &'p mut dyn Proposer,
+    pending_k: Option<usize>,
+    position: usize,
+    steps: Vec<StepRecord>,
+}
+
+impl Proposer for Recording<'_> {
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> speculative::Result<()> {
+        self.inner.propose(req, draft)?;
+        self.pending_k = Some(draft.tokens.len().min(req.max_draft));
+        Ok(())
+    }
+    fn observe(&mut self, accepted: usize, emitted: &[u32]) -> speculative::Result<()> {
+        self.steps.push(StepRecord {
+            position: self.position,
+            k: self.pending_k.take().unwrap_or(0),
+            accepted,
+            emitted: emitted.len(),
+        });
+        self.position += emitted.len();
+        self.inner.observe(accepted, emitted)
+    }
+    fn begin(&mut self, prompt: &[u32]) -> speculative::Result<()> {
+        self.inner.begin(prompt)
+    }
+    fn finish(&mut self, sequence: &[u32]) {
+        self.inner.finish(sequence)
+    }
+}
+
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+fn peak_rss_kib() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    s.lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// What a single generation needs.
+pub struct RunInput<'a> {
+    /// Request index.
+    pub request: usize,
+    /// Request kind.
+    pub kind: &'a str,
+    /// Prompt tokens.
+    pub prompt: &'a [u32],
+    /// Maximum new tokens.
+    pub max_tokens: usize,
+    /// EOS ids.
+    pub eos: &'a [u32],
+    /// Repetition index.
+    pub rep: usize,
+}
+
+/// Runs one generation of `proposer` on `target` (`config = None` is the plain baseline) and
+/// measures it.
+///
+/// # Errors
+/// Errors of the decoding loop.
+pub fn run_one(
+    target: &mut dyn TargetModel,
+    proposer: &mut dyn Proposer,
+    input: &RunInput<'_>,
+    config: Option<&ConfigSpec>,
+    sampling: &SamplingConfig,
+    seed: u64,
+) -> Result<RunRecord> {
+    let mut stop = StopConditions::max_tokens(input.max_tokens);
+    for &e in input.eos {
+        stop = stop.with_eos(e);
+    }
+    let params = GenerationParams {
+        sampling: sampling.clone(),
+        seed,
+        stop,
+        draft: config
+            .map(|c| c.draft.to_length())
+            .unwrap_or(DraftLength::Off),
+        cancel: None,
+    };
+    let mut no = NoProposer;
+    let inner: &mut dyn Proposer = if config.is_some() { proposer } else { &mut no };
+    let mut rec = Recording {
+        inner,
+        pending_k: None,
+        position: 0,
+        steps: Vec::new(),
+    };
+    reset_peak_rss();
+    let mut arrivals: Vec<(f64, usize)> = Vec::new();
+    let start = Instant::now();
+    let out = {
+        let mut g = Generator::new(&mut *target, &mut rec);
+        g.generate_with(input.prompt, &params, |t| {
+            arrivals.push((start.elapsed().as_secs_f64(), t.len()));
+            std::ops::ControlFlow::Continue(())
+        })?
+    };
+    let e2e = start.elapsed().as_secs_f64();
+    let peak = peak_rss_kib();
+    let ttft = arrivals.first().map(|a| a.0).unwrap_or(e2e);
+    let itl = inter_token_latencies(&arrivals);
+    let m = &out.metrics;
+    Ok(RunRecord {
+        request: input.request,
+        kind: input.kind.to_string(),
+        label: config.map(|c| c.label()).unwrap_or_else(|| "plain".into()),
+        config: config.cloned(),
+        rep: input.rep,
+        prompt_tokens: input.prompt.len(),
+        tokens_per_s: if e2e > 0.0 {
+            out.tokens.len() as f64 / e2e
+        } else {
+            0.0
+        },
+        tokens: out.tokens,
+        e2e_s: e2e,
+        ttft_s: ttft,
+        itl_s: itl,
+        peak_rss_kib: peak,
+        propose_s: m.propose_time.as_secs_f64(),
+        forward_s: m.forward_time.as_secs_f64(),
+        verify_s: m.verify_time.as_secs_f64(),
+        prefill_s: m.prefill_time.as_secs_f64(),
+        acceptance_rate: m.acceptance_rate(),
+        mean_accepted_length: m.mean_accepted_length(),
+        by_position: m
+            .reached_at
+            .iter()
+            .copied()
+            .zip(m.accepted_at.iter().copied())
+            .collect(),
+        steps: rec.steps,
+        speedup: None,
+        greedy_identical: None,
+    })
+}
+
+/// Inter-token latencies (seconds) from chunk arrivals `(time, tokens)`: the first token of each
+/// later chunk waits `time - previous time`, the other tokens of a chunk wait 0. The sum equals
+/// the last arrival minus the first.
+pub fn inter_token_latencies(arrivals: &[(f64, usize)]) -> Vec<f64> {
+    let mut itl = Vec::new();
+    for (i, &(t, n)) in arrivals.iter().enumerate() {
+        if i > 0 {
+            itl.push(t - arrivals[i - 1].0);
+            itl.extend(std::iter::repeat_n(0.0, n.saturating_sub(1)));
+        } else {
+            itl.extend(std::iter::repeat_n(0.0, n.saturating_sub(1)));
+        }
+    }
+    itl
+}
+
+/// Latency percentiles of a record's inter-token latencies: (p50, p90, p99) in seconds.
+pub fn itl_percentiles(r: &RunRecord) -> (f64, f64, f64) {
+    (
+        percentile(&r.itl_s, 50.0).unwrap_or(0.0),
+        percentile(&r.itl_s, 90.0).unwrap_or(0.0),
+        percentile(&r.itl_s, 99.0).unwrap_or(0.0),
+    )
+}

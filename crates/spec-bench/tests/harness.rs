@@ -1,0 +1,183 @@
+//! The harness on a toy target: figures are consistent, outputs are written, the simulator
+//! reproduces the closed form.
+
+use spec_bench::matrix::{run_matrix, Matrix, PreparedRequest};
+use spec_bench::report::{aggregate, markdown, sim_markdown, sim_plot, standard_plots, write_json};
+use spec_bench::run::{inter_token_latencies, ConfigSpec, DraftSpec, RunRecord};
+use spec_bench::sim::{simulate, AcceptanceModel, CostTable};
+use speculative::propose::{PromptLookup, SuffixConfig, SuffixProposer};
+use speculative::test_util::ToyModel;
+use speculative::Proposer;
+
+fn factory(name: &str) -> spec_bench::Result<Box<dyn Proposer>> {
+    Ok(match name {
+        "prompt-lookup" => Box::new(PromptLookup::new(1, 3)?),
+        "suffix" => Box::new(SuffixProposer::new(SuffixConfig::default())?),
+        other => panic!("unknown proposer {other}"),
+    })
+}
+
+fn records() -> Vec<RunRecord> {
+    let mut target = ToyModel::markov(16, 1, 3.0, 4);
+    let requests: Vec<PreparedRequest> = (0..3)
+        .map(|i| PreparedRequest {
+            kind: if i == 0 { "code".into() } else { "chat".into() },
+            prompt: (0..40).map(|j| ((j * 5 + i) % 16) as u32).collect(),
+            max_tokens: 24,
+        })
+        .collect();
+    let mut configs = Vec::new();
+    for p in ["prompt-lookup", "suffix"] {
+        for d in [
+            DraftSpec::Fixed(2),
+            DraftSpec::Fixed(4),
+            DraftSpec::Adaptive(6),
+        ] {
+            configs.push(ConfigSpec {
+                proposer: p.into(),
+                draft: d,
+                temperature: 0.0,
+                top_p: 1.0,
+                seed: 0,
+            });
+        }
+    }
+    configs.push(ConfigSpec {
+        proposer: "prompt-lookup".into(),
+        draft: DraftSpec::Fixed(3),
+        temperature: 0.8,
+        top_p: 0.9,
+        seed: 1,
+    });
+    let matrix = Matrix {
+        configs,
+        warmup: 1,
+        reps: 2,
+    };
+    let mut n = 0;
+    let out = run_matrix(
+        &mut target,
+        &mut factory,
+        &requests,
+        &[],
+        &matrix,
+        &mut |_| n += 1,
+    )
+    .unwrap();
+    assert_eq!(
+        out.len(),
+        3 * 2 * (7 + 2),
+        "7 speculative configs + 2 baselines per request and rep"
+    );
+    assert!(n >= out.len());
+    out
+}
+
+#[test]
+fn figures_are_consistent() {
+    let recs = records();
+    for r in &recs {
+        let emitted: usize = r.steps.iter().map(|s| s.emitted).sum();
+        assert_eq!(emitted, r.tokens.len(), "emitted tokens = sum of steps");
+        assert_eq!(r.tokens.len(), 24);
+        assert_eq!(r.itl_s.len(), r.tokens.len() - 1);
+        let itl_sum: f64 = r.itl_s.iter().sum();
+        assert!(
+            (itl_sum - (r.e2e_s - r.ttft_s)).abs() < 2e-3,
+            "ITL sum {itl_sum} vs decode time {}",
+            r.e2e_s - r.ttft_s
+        );
+        assert!(r.ttft_s <= r.e2e_s);
+        let proposed: usize = r.steps.iter().map(|s| s.k).sum();
+        let accepted: usize = r.steps.iter().map(|s| s.accepted).sum();
+        if proposed > 0 {
+            assert!((r.acceptance_rate - accepted as f64 / proposed as f64).abs() < 1e-12);
+        }
+        assert!(
+            (r.mean_accepted_length - r.tokens.len() as f64 / r.steps.len() as f64).abs() < 1e-12
+        );
+        if r.config.is_some() {
+            assert!(r.speedup.is_some());
+            if r.config.as_ref().unwrap().temperature == 0.0 {
+                assert_eq!(r.greedy_identical, Some(true), "{}", r.label);
+            }
+        }
+    }
+    let aggs = aggregate(&recs);
+    let md = markdown(&aggs);
+    assert!(md.contains("| code | plain |"));
+    assert!(md.contains("prompt-lookup k=4 t=0 p=1 s=0"));
+    let dir = std::env::temp_dir().join(format!("spec-bench-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    standard_plots(&dir, &recs, &aggs).unwrap();
+    for f in [
+        "acceptance_by_position.svg",
+        "speedup_vs_k.svg",
+        "itl_cdf.svg",
+    ] {
+        let s = std::fs::read_to_string(dir.join(f)).unwrap();
+        assert!(s.starts_with("<svg") && s.contains("polyline"), "{f}");
+    }
+    write_json(&dir.join("runs.json"), &recs).unwrap();
+    let back: Vec<RunRecord> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("runs.json")).unwrap()).unwrap();
+    assert_eq!(back, recs);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn itl_from_arrivals() {
+    let itl = inter_token_latencies(&[(0.5, 3), (0.7, 1), (1.0, 2)]);
+    assert_eq!(itl.len(), 5);
+    assert!((itl.iter().sum::<f64>() - 0.5).abs() < 1e-12);
+    assert_eq!(itl[0], 0.0);
+}
+
+#[test]
+fn simulator_reproduces_closed_form_and_replays_traces() {
+    let table = CostTable::from_json(
+        r#"{"source": "flat", "batch": [1, 256], "tokens": [1, 9], "cost": [[1, 1], [1, 1]]}"#,
+    )
+    .unwrap();
+    for a in [0.2, 0.5, 0.8] {
+        let r = simulate(&table, &AcceptanceModel::Constant(a), &[1, 8, 256], 8);
+        for c in &r.grid {
+            let want = (1.0 - f64::powi(a, c.k as i32 + 1)) / (1.0 - a);
+            assert!((c.speedup - want).abs() < 1e-12);
+        }
+    }
+    // A long synthetic trace with i.i.d. acceptance a approaches the closed form.
+    let a: f64 = 0.6;
+    let mut s = 1u64;
+    let steps: Vec<spec_bench::run::StepRecord> = (0..200_000)
+        .map(|i| {
+            let mut acc = 0;
+            while acc < 8 {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                if ((s >> 11) as f64 / (1u64 << 53) as f64) < a {
+                    acc += 1
+                } else {
+                    break;
+                }
+            }
+            spec_bench::run::StepRecord {
+                position: i,
+                k: 8,
+                accepted: acc,
+                emitted: acc + 1,
+            }
+        })
+        .collect();
+    let m = AcceptanceModel::Trace(steps);
+    for k in 0..=8 {
+        let want = (1.0 - a.powi(k as i32 + 1)) / (1.0 - a);
+        assert!((m.expected_tokens(k) - want).abs() < 0.02, "k={k}");
+    }
+    let r = simulate(&table, &m, &[1, 2], 8);
+    assert!(sim_markdown(&r).contains("| 1 |"));
+    let p = std::env::temp_dir().join(format!("sim-{}.svg", std::process::id()));
+    sim_plot(&p, &r).unwrap();
+    std::fs::remove_file(p).ok();
+}

@@ -1,0 +1,1163 @@
+//! [`SuffixProposer`]: SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975).
+//!
+//! Two frequency-annotated suffix tries of bounded depth: one over the current request's
+//! sequence (prompt + generated), updated token by token, and one over a bounded FIFO corpus of
+//! earlier generations fed through [`Proposer::finish`]. The longest suffix of the context found
+//! in a trie is extended greedily by the most frequent continuation while the estimated path
+//! probability stays above a threshold; of the two candidates (request, corpus) the one with the
+//! larger expected number of accepted tokens wins.
+//!
+//! A trie node stands for one token string `w` of length `1 ..= max_depth` and counts its
+//! occurrences (every substring of every indexed sequence, up to `max_depth` tokens, is counted
+//! once per start position). Children are kept in a doubly linked sibling list (for the greedy
+//! argmax and O(1) removal) and in a hash map from `(node, token)` for look-ups.
+
+use std::collections::VecDeque;
+
+use super::prompt_lookup::{edge_key, extends, EdgeMap};
+use super::{Draft, ProposeRequest, Proposer};
+use crate::error::{Error, Result};
+
+/// Largest [`SuffixConfig::max_depth`] accepted.
+const MAX_DEPTH_LIMIT: usize = 1024;
+
+/// Largest number of corpus trie nodes the configuration may allow (`max_corpus_tokens *
+/// max_depth`), so that node ids always fit in `u32`.
+const MAX_CORPUS_NODES: usize = 1 << 31;
+
+// ---------------------------------------------------------------------------------------------
+// Configuration.
+// ---------------------------------------------------------------------------------------------
+
+/// Configuration of a [`SuffixProposer`] (SuffixDecoding, Oliaro et al. 2024).
+///
+/// Build one with struct update syntax from the defaults and validate it with
+/// [`SuffixProposer::new`]:
+///
+/// ```
+/// use speculative::propose::{SuffixConfig, SuffixProposer};
+///
+/// let cfg = SuffixConfig { min_confidence: 0.2, ..SuffixConfig::default() };
+/// let proposer = SuffixProposer::new(cfg)?;
+/// # Ok::<(), speculative::Error>(())
+/// ```
+///
+/// | field | default | valid range |
+/// |---|---|---|
+/// | `max_depth` | 24 | `2 ..= 1024` |
+/// | `max_match_len` | 12 | `1 ..= max_depth - 1` |
+/// | `min_confidence` | 0.1 | finite, `0.0 ..= 1.0` |
+/// | `max_corpus_tokens` | 65,536 | `max_corpus_tokens * max_depth <= 2^31` (0 disables the corpus) |
+/// | `corpus_outputs_only` | `true` | any |
+#[derive(Debug, Clone, PartialEq)]
+pub struct SuffixConfig {
+    /// Longest token string indexed, in tokens: the depth bound of both tries. A draft can reach
+    /// at most `max_depth - m` tokens past a match of `m` tokens. Memory grows linearly with it
+    /// (see [`SuffixProposer`]).
+    pub max_depth: usize,
+    /// Longest suffix of the context matched, in tokens (`< max_depth`, so that a match always
+    /// leaves room for at least one draft token).
+    pub max_match_len: usize,
+    /// Stop the draft when the estimated probability of the whole draft path, the product over
+    /// its steps of `count(child) / count(node)`, falls below this (dimensionless, `0.0 ..=
+    /// 1.0`; `0.0` never stops early).
+    pub min_confidence: f32,
+    /// Most tokens of earlier generations kept in the shared corpus. When a new generation
+    /// would exceed it, the oldest generations are evicted whole (FIFO) until it fits; a single
+    /// generation longer than the bound is cut to its last `max_corpus_tokens` tokens. `0`
+    /// disables the corpus.
+    pub max_corpus_tokens: usize,
+    /// When `true` (default), [`Proposer::finish`] adds only the generated part of the sequence
+    /// (the tokens after the prompt given to [`Proposer::begin`]) to the corpus, as in the
+    /// paper; when `false`, prompt and output. If the prompt is unknown, the whole sequence is
+    /// added.
+    pub corpus_outputs_only: bool,
+}
+
+impl Default for SuffixConfig {
+    fn default() -> Self {
+        SuffixConfig {
+            max_depth: 24,
+            max_match_len: 12,
+            min_confidence: 0.1,
+            max_corpus_tokens: 65_536,
+            corpus_outputs_only: true,
+        }
+    }
+}
+
+impl SuffixConfig {
+    /// Checks every field against the ranges in the table of [`SuffixConfig`]. `O(1)`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the first offending field.
+    pub fn validate(&self) -> Result<()> {
+        if !(2..=MAX_DEPTH_LIMIT).contains(&self.max_depth) {
+            return Err(Error::config(
+                "max_depth",
+                self.max_depth,
+                "must be in 2..=1024",
+            ));
+        }
+        if self.max_match_len == 0 || self.max_match_len >= self.max_depth {
+            return Err(Error::config(
+                "max_match_len",
+                self.max_match_len,
+                "must be in 1..=max_depth - 1",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.min_confidence) {
+            return Err(Error::config(
+                "min_confidence",
+                self.min_confidence,
+                "must be a finite number in 0.0..=1.0",
+            ));
+        }
+        if self.max_corpus_tokens.saturating_mul(self.max_depth) > MAX_CORPUS_NODES {
+            return Err(Error::config(
+                "max_corpus_tokens",
+                self.max_corpus_tokens,
+                "max_corpus_tokens * max_depth must not exceed 2^31 trie nodes",
+            ));
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The counted suffix trie.
+// ---------------------------------------------------------------------------------------------
+
+/// "No node" in links and in [`Node::best`].
+const NIL: u32 = u32::MAX;
+/// [`Node::best`] must be recomputed from the child list.
+const STALE: u32 = u32::MAX - 1;
+/// The root (the empty string).
+const ROOT: u32 = 0;
+
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    /// Occurrences of the node's string (0 only for the root and freed nodes).
+    count: u32,
+    /// Last token of the node's string (the edge label from the parent).
+    token: u32,
+    first_child: u32,
+    next: u32,
+    prev: u32,
+    /// Cached child with the largest count (ties: lowest token), [`NIL`] or [`STALE`].
+    best: u32,
+}
+
+impl Node {
+    const fn new(token: u32) -> Self {
+        Node {
+            count: 0,
+            token,
+            first_child: NIL,
+            next: NIL,
+            prev: NIL,
+            best: NIL,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Trie {
+    nodes: Vec<Node>,
+    edges: EdgeMap,
+    free: Vec<u32>,
+}
+
+impl Trie {
+    fn new() -> Self {
+        Trie {
+            nodes: vec![Node::new(0)],
+            edges: EdgeMap::default(),
+            free: Vec::new(),
+        }
+    }
+
+    fn clear(&mut self) {
+        self.nodes.clear();
+        self.nodes.push(Node::new(0));
+        self.edges.clear();
+        self.free.clear();
+    }
+
+    /// Nodes in use, the root included.
+    fn live_nodes(&self) -> usize {
+        self.nodes.len() - self.free.len()
+    }
+
+    #[inline]
+    fn count(&self, u: u32) -> u32 {
+        self.nodes.get(u as usize).map_or(0, |n| n.count)
+    }
+
+    #[inline]
+    fn child(&self, u: u32, token: u32) -> Option<u32> {
+        self.edges.get(&edge_key(u, token)).copied()
+    }
+
+    /// `true` when child `a` ranks before child `b`: larger count, then lower token.
+    #[inline]
+    fn beats(&self, a: u32, b: u32) -> bool {
+        let (na, nb) = (&self.nodes[a as usize], &self.nodes[b as usize]);
+        na.count > nb.count || (na.count == nb.count && na.token < nb.token)
+    }
+
+    /// Adds one occurrence of the string `u + token`, creating the node if needed. `None` only
+    /// when the trie already holds `2^32 - 2` nodes.
+    fn increment_child(&mut self, u: u32, token: u32) -> Option<u32> {
+        let c = match self.child(u, token) {
+            Some(c) => c,
+            None => {
+                let c = self.alloc(token)?;
+                let head = self.nodes[u as usize].first_child;
+                self.nodes[c as usize].next = head;
+                if head != NIL {
+                    self.nodes[head as usize].prev = c;
+                }
+                self.nodes[u as usize].first_child = c;
+                self.edges.insert(edge_key(u, token), c);
+                c
+            }
+        };
+        let node = &mut self.nodes[c as usize];
+        node.count = node.count.saturating_add(1);
+        let best = self.nodes[u as usize].best;
+        if best == NIL || (best != STALE && best != c && self.beats(c, best)) {
+            self.nodes[u as usize].best = c;
+        }
+        Some(c)
+    }
+
+    fn alloc(&mut self, token: u32) -> Option<u32> {
+        if let Some(id) = self.free.pop() {
+            self.nodes[id as usize] = Node::new(token);
+            return Some(id);
+        }
+        let id = u32::try_from(self.nodes.len())
+            .ok()
+            .filter(|&id| id < STALE)?;
+        self.nodes.push(Node::new(token));
+        Some(id)
+    }
+
+    /// Removes one occurrence of each prefix of `path` (one occurrence of a string starting at
+    /// some position), freeing nodes whose count reaches 0.
+    fn decrement_path(&mut self, path: &[u32]) {
+        let mut u = ROOT;
+        for &token in path {
+            let Some(c) = self.child(u, token) else {
+                return;
+            };
+            let node = &mut self.nodes[c as usize];
+            node.count = node.count.saturating_sub(1);
+            let emptied = node.count == 0;
+            if self.nodes[u as usize].best == c {
+                self.nodes[u as usize].best = STALE;
+            }
+            if emptied {
+                // Its own children can only hold this same occurrence; they are freed as the
+                // walk goes on (the edge map still leads to them).
+                self.unlink(u, c, token);
+            }
+            u = c;
+        }
+    }
+
+    fn unlink(&mut self, u: u32, c: u32, token: u32) {
+        let Node { prev, next, .. } = self.nodes[c as usize];
+        if prev == NIL {
+            self.nodes[u as usize].first_child = next;
+        } else {
+            self.nodes[prev as usize].next = next;
+        }
+        if next != NIL {
+            self.nodes[next as usize].prev = prev;
+        }
+        self.edges.remove(&edge_key(u, token));
+        self.nodes[c as usize] = Node::new(token);
+        self.free.push(c);
+    }
+
+    /// The child of `u` with the largest count (ties: lowest token). Amortised `O(1)`; a scan of
+    /// the children after an eviction touched the previous best.
+    fn best_child(&mut self, u: u32) -> Option<u32> {
+        let mut best = self.nodes[u as usize].best;
+        if best == STALE {
+            best = NIL;
+            let mut c = self.nodes[u as usize].first_child;
+            while c != NIL {
+                if best == NIL || self.beats(c, best) {
+                    best = c;
+                }
+                c = self.nodes[c as usize].next;
+            }
+            self.nodes[u as usize].best = best;
+        }
+        (best != NIL).then_some(best)
+    }
+
+    /// Greedy draft from node `start` (a string of `depth` tokens): repeatedly moves to the most
+    /// frequent child while the product of `count(child) / denominator(node)` stays at or above
+    /// `min_confidence`, writing the tokens to `out`. `tail[d]`, when given, is the node of the
+    /// context's suffix of length `d`: that occurrence has no continuation yet and is left out
+    /// of the denominator. Returns the expected number of accepted tokens under these estimates
+    /// (the sum of the path probabilities after each step).
+    fn greedy_path(
+        &mut self,
+        start: u32,
+        depth: usize,
+        tail: Option<&[u32]>,
+        max_draft: usize,
+        min_confidence: f64,
+        out: &mut Vec<u32>,
+    ) -> f64 {
+        out.clear();
+        let (mut u, mut d) = (start, depth);
+        let (mut confidence, mut score) = (1.0f64, 0.0f64);
+        while out.len() < max_draft {
+            let is_tail = tail.is_some_and(|t| t.get(d) == Some(&u));
+            let denominator = self.count(u).saturating_sub(u32::from(is_tail));
+            if denominator == 0 {
+                break;
+            }
+            let Some(c) = self.best_child(u) else {
+                break;
+            };
+            confidence *= f64::from(self.count(c)) / f64::from(denominator);
+            if confidence < min_confidence {
+                break;
+            }
+            out.push(self.nodes[c as usize].token);
+            score += confidence;
+            u = c;
+            d += 1;
+        }
+        score
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-request index and corpus.
+// ---------------------------------------------------------------------------------------------
+
+/// The current request's trie, with the nodes of the context's suffixes.
+#[derive(Debug, Clone)]
+struct RequestIndex {
+    trie: Trie,
+    /// Copy of the indexed sequence.
+    seq: Vec<u32>,
+    /// `active[d]`: node of the suffix of length `d` of `seq`, `d = 0 ..= min(len, max_depth)`.
+    active: Vec<u32>,
+}
+
+impl RequestIndex {
+    fn new() -> Self {
+        RequestIndex {
+            trie: Trie::new(),
+            seq: Vec::new(),
+            active: vec![ROOT],
+        }
+    }
+
+    fn clear(&mut self) {
+        self.trie.clear();
+        self.seq.clear();
+        self.active.clear();
+        self.active.push(ROOT);
+    }
+
+    /// Appends one token: every string ending at the new position (lengths `1 ..=
+    /// max_depth`) gains one occurrence. `O(max_depth)`.
+    fn push(&mut self, token: u32, max_depth: usize) -> Result<()> {
+        let top = self.active.len().min(max_depth);
+        if self.active.len() <= top {
+            self.active.push(ROOT);
+        }
+        for d in (1..=top).rev() {
+            let parent = self.active[d - 1];
+            self.active[d] = self
+                .trie
+                .increment_child(parent, token)
+                .ok_or_else(|| Error::proposer("suffix index exceeds 2^32 - 2 nodes"))?;
+        }
+        self.seq.push(token);
+        Ok(())
+    }
+}
+
+/// The shared corpus of earlier generations.
+#[derive(Debug, Clone)]
+struct Corpus {
+    trie: Trie,
+    generations: VecDeque<Vec<u32>>,
+    tokens: usize,
+}
+
+impl Corpus {
+    fn new() -> Self {
+        Corpus {
+            trie: Trie::new(),
+            generations: VecDeque::new(),
+            tokens: 0,
+        }
+    }
+
+    fn clear(&mut self) {
+        self.trie.clear();
+        self.generations.clear();
+        self.tokens = 0;
+    }
+
+    /// Adds `generation` (cut to its last `max_tokens` tokens), first evicting the oldest
+    /// generations until it fits. Returns `true` when the corpus changed.
+    fn add(&mut self, generation: &[u32], max_tokens: usize, max_depth: usize) -> bool {
+        if max_tokens == 0 || generation.is_empty() {
+            return false;
+        }
+        let generation = &generation[generation.len().saturating_sub(max_tokens)..];
+        while self.tokens + generation.len() > max_tokens {
+            let Some(old) = self.generations.pop_front() else {
+                break;
+            };
+            for i in 0..old.len() {
+                self.trie
+                    .decrement_path(&old[i..old.len().min(i + max_depth)]);
+            }
+            self.tokens -= old.len();
+        }
+        for i in 0..generation.len() {
+            let mut u = ROOT;
+            for &token in &generation[i..generation.len().min(i + max_depth)] {
+                // Cannot fail: the validated bound keeps the trie below 2^31 nodes.
+                match self.trie.increment_child(u, token) {
+                    Some(c) => u = c,
+                    None => break,
+                }
+            }
+        }
+        self.generations.push_back(generation.to_vec());
+        self.tokens += generation.len();
+        true
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The proposer.
+// ---------------------------------------------------------------------------------------------
+
+/// SuffixDecoding (Oliaro, Jia, Campos & Qiao 2024, "SuffixDecoding: A Model-Free Approach to
+/// Speeding Up Large Language Model Inference", arXiv 2411.04975): a model-free proposer over
+/// suffix tries of the current request and of earlier generations.
+///
+/// # Algorithm
+///
+/// Two tries count every token string of at most [`SuffixConfig::max_depth`] tokens: the
+/// **request trie** over the current context (prompt + generated tokens) and the **corpus trie**
+/// over the stored earlier generations. At each step:
+///
+/// 1. Match: in the request trie, the longest suffix of the context of `m <=
+///    max_match_len` tokens that also occurs earlier in the context; in the corpus trie, the
+///    longest suffix of `m <= max_match_len` tokens present in the corpus.
+/// 2. Extend greedily: from the matched node, repeatedly take the child with the largest count
+///    (ties to the lowest token id). Each step has confidence `count(child) / count(node)`
+///    (in the request trie, the context's own last occurrence, which has no continuation yet,
+///    is not counted in `count(node)`); the path confidence is the product of the step
+///    confidences. Stop before the step that brings it below
+///    [`SuffixConfig::min_confidence`], at `max_draft` tokens, or at depth `max_depth`.
+/// 3. Choose: the candidate with the larger sum of path confidences after each step (the
+///    expected number of accepted tokens under these estimates); ties go to the request trie.
+///
+/// The proposer is deterministic: [`Draft::q`] is `None` (a point mass on each draft token).
+///
+/// # Memory bound and eviction
+///
+/// - Corpus: holds whole earlier generations, at most [`SuffixConfig::max_corpus_tokens`]
+///   tokens in total. [`SuffixProposer::add_to_corpus`] (which [`Proposer::finish`] calls) first
+///   cuts a generation longer than the bound to its last `max_corpus_tokens` tokens, then
+///   evicts the oldest stored generations, whole and in insertion order, until the new one
+///   fits. Eviction removes exactly the occurrences the generation added (one per start
+///   position and length `1 ..= max_depth`), decrementing counts and freeing nodes whose count
+///   reaches 0, so the corpus trie always equals a trie freshly built from the stored
+///   generations. It has at most `1 + max_corpus_tokens * max_depth` nodes.
+/// - Request trie: at most `1 + L * max_depth` nodes for a context of `L` tokens, plus a copy of
+///   the context; it is emptied by [`Proposer::finish`].
+/// - A node costs about 24 bytes plus its entry in the edge hash map (about 20 bytes). Repeated
+///   text shares nodes; the bounds are reached only by text with no repeated strings. With the
+///   defaults the corpus trie stays below 1.6 million nodes (about 70 MB); on the benchmark's
+///   synthetic text (`benches/proposers.rs`) 65,000 corpus tokens took 418,000 nodes and a
+///   32,000-token context 566,000.
+///
+/// # Complexity
+///
+/// Per call, `O(a * (max_depth + max_match_len) + max_match_len + max_draft)` expected time for
+/// a context that extends the previous one by `a` tokens (usually 1 to `k + 1`), independent of
+/// the context length. A context that is not an extension of the indexed one (checked by
+/// length and `O(log L)` sampled positions; [`Proposer::begin`] announces a new one) is
+/// re-indexed in `O(L * max_depth)`. Adding a generation of `g` tokens costs `O(g *
+/// max_depth)` plus the same per evicted token.
+///
+/// # Example
+///
+/// ```
+/// use speculative::propose::{Draft, ProposeRequest, Proposer, SuffixConfig, SuffixProposer};
+/// use speculative::SamplingConfig;
+///
+/// let mut suffix = SuffixProposer::new(SuffixConfig::default())?;
+/// // An earlier generation: the corpus learns "1 2 3 4 5".
+/// suffix.finish(&[1, 2, 3, 4, 5]);
+/// let config = SamplingConfig::greedy();
+/// let context = [9, 9, 2, 3];
+/// let req = ProposeRequest {
+///     context: &context,
+///     config: &config,
+///     max_draft: 4,
+///     seed: 0,
+///     target_hidden: None,
+/// };
+/// let mut draft = Draft::default();
+/// suffix.propose(&req, &mut draft)?;
+/// assert_eq!(draft.tokens, [4, 5]);
+/// # Ok::<(), speculative::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct SuffixProposer {
+    cfg: SuffixConfig,
+    request: RequestIndex,
+    corpus: Corpus,
+    /// `corpus_match[d]`: corpus node of the context's suffix of length `d`, for `d = 0 ..= m`
+    /// (`m <= max_match_len`, the longest present; shorter suffixes of a present string are
+    /// always present).
+    corpus_match: Vec<u32>,
+    corpus_match_scratch: Vec<u32>,
+    /// `corpus_match` must be recomputed (the corpus changed or the context was re-indexed).
+    corpus_match_stale: bool,
+    /// Length of the prompt given to `begin`, while the request index still starts with it.
+    prompt_len: Option<usize>,
+    request_draft: Vec<u32>,
+    corpus_draft: Vec<u32>,
+}
+
+impl SuffixProposer {
+    /// A proposer with empty tries.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when a field of `cfg` is out of range (see [`SuffixConfig`]).
+    pub fn new(cfg: SuffixConfig) -> Result<Self> {
+        cfg.validate()?;
+        Ok(SuffixProposer {
+            cfg,
+            request: RequestIndex::new(),
+            corpus: Corpus::new(),
+            corpus_match: vec![ROOT],
+            corpus_match_scratch: Vec::new(),
+            corpus_match_stale: false,
+            prompt_len: None,
+            request_draft: Vec::new(),
+            corpus_draft: Vec::new(),
+        })
+    }
+
+    /// The validated configuration. `O(1)`.
+    pub fn config(&self) -> &SuffixConfig {
+        &self.cfg
+    }
+
+    /// Adds one earlier generation (or any token text worth drafting from) to the shared
+    /// corpus, evicting the oldest generations as described under "Memory bound and eviction"
+    /// in [`SuffixProposer`]. An empty sequence, or `max_corpus_tokens == 0`, changes nothing.
+    /// `O(g * max_depth)` for `g` tokens, plus the same per evicted token.
+    pub fn add_to_corpus(&mut self, generation: &[u32]) {
+        let (max_tokens, max_depth) = (self.cfg.max_corpus_tokens, self.cfg.max_depth);
+        if self.corpus.add(generation, max_tokens, max_depth) {
+            self.corpus_match_stale = true;
+        }
+    }
+
+    /// Empties the shared corpus (keeping allocations). `O(corpus nodes)`.
+    pub fn clear_corpus(&mut self) {
+        self.corpus.clear();
+        self.corpus_match_stale = true;
+    }
+
+    /// Tokens currently held in the corpus (`<= max_corpus_tokens`). `O(1)`.
+    pub fn corpus_tokens(&self) -> usize {
+        self.corpus.tokens
+    }
+
+    /// Generations currently held in the corpus. `O(1)`.
+    pub fn corpus_generations(&self) -> usize {
+        self.corpus.generations.len()
+    }
+
+    /// Trie nodes in use, root included: `(request trie, corpus trie)`. A measure of memory.
+    /// `O(1)`.
+    pub fn node_counts(&self) -> (usize, usize) {
+        (
+            self.request.trie.live_nodes(),
+            self.corpus.trie.live_nodes(),
+        )
+    }
+
+    /// Number of context tokens currently indexed in the request trie. `O(1)`.
+    pub fn indexed_len(&self) -> usize {
+        self.request.seq.len()
+    }
+
+    /// Forgets the current request (the corpus is kept). `O(request nodes)`.
+    pub fn reset(&mut self) {
+        self.request.clear();
+        self.prompt_len = None;
+        self.corpus_match_stale = true;
+    }
+
+    /// Brings the request index and the corpus match up to date with `context`.
+    fn sync(&mut self, context: &[u32]) -> Result<()> {
+        let (max_depth, max_match) = (self.cfg.max_depth, self.cfg.max_match_len);
+        if !extends(&self.request.seq, context) {
+            self.reset();
+        }
+        let start = self.request.seq.len();
+        for &token in context.get(start..).unwrap_or_default() {
+            self.request.push(token, max_depth)?;
+            if !self.corpus_match_stale {
+                advance_match(
+                    &self.corpus.trie,
+                    &mut self.corpus_match,
+                    &mut self.corpus_match_scratch,
+                    token,
+                    max_match,
+                );
+            }
+        }
+        if self.corpus_match_stale {
+            self.corpus_match.clear();
+            self.corpus_match.push(ROOT);
+            let seq = &self.request.seq;
+            for &token in &seq[seq.len().saturating_sub(max_match)..] {
+                advance_match(
+                    &self.corpus.trie,
+                    &mut self.corpus_match,
+                    &mut self.corpus_match_scratch,
+                    token,
+                    max_match,
+                );
+            }
+            self.corpus_match_stale = false;
+        }
+        Ok(())
+    }
+}
+
+/// Moves the corpus match of the context's suffixes forward by one appended `token`.
+fn advance_match(trie: &Trie, cur: &mut Vec<u32>, next: &mut Vec<u32>, token: u32, max_len: usize) {
+    next.clear();
+    next.push(ROOT);
+    for d in 1..=cur.len().min(max_len) {
+        match trie.child(cur[d - 1], token) {
+            Some(c) => next.push(c),
+            None => break,
+        }
+    }
+    std::mem::swap(cur, next);
+}
+
+impl Proposer for SuffixProposer {
+    /// Proposes up to `req.max_draft` tokens by the algorithm described on [`SuffixProposer`].
+    ///
+    /// # Errors
+    /// [`Error::Proposer`] only if the request trie would exceed `2^32 - 2` nodes (a context of
+    /// about `4e9 / max_depth` tokens with no repetition); the draft is then empty.
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        draft.clear();
+        self.sync(req.context)?;
+        if req.max_draft == 0 {
+            return Ok(());
+        }
+        let min_confidence = f64::from(self.cfg.min_confidence);
+
+        // Request trie: the longest suffix with an earlier occurrence.
+        let mut request_score = 0.0;
+        self.request_draft.clear();
+        let active = &self.request.active;
+        let longest = self.cfg.max_match_len.min(active.len().saturating_sub(1));
+        if let Some(m) = (1..=longest)
+            .rev()
+            .find(|&m| self.request.trie.count(active[m]) >= 2)
+        {
+            request_score = self.request.trie.greedy_path(
+                active[m],
+                m,
+                Some(active),
+                req.max_draft,
+                min_confidence,
+                &mut self.request_draft,
+            );
+        }
+
+        // Corpus trie: the longest suffix present.
+        let mut corpus_score = 0.0;
+        self.corpus_draft.clear();
+        if let Some((m, &node)) = self
+            .corpus_match
+            .iter()
+            .enumerate()
+            .next_back()
+            .filter(|&(m, _)| m > 0)
+        {
+            corpus_score = self.corpus.trie.greedy_path(
+                node,
+                m,
+                None,
+                req.max_draft,
+                min_confidence,
+                &mut self.corpus_draft,
+            );
+        }
+
+        let chosen = if corpus_score > request_score {
+            &self.corpus_draft
+        } else {
+            &self.request_draft
+        };
+        draft.tokens.extend_from_slice(chosen);
+        Ok(())
+    }
+
+    /// Indexes the prompt of a new generation (replacing the previous request's index) and
+    /// remembers its length for [`SuffixConfig::corpus_outputs_only`].
+    ///
+    /// # Errors
+    /// As [`SuffixProposer::propose`](Proposer::propose).
+    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+        self.reset();
+        self.sync(prompt)?;
+        self.prompt_len = Some(prompt.len());
+        Ok(())
+    }
+
+    /// Adds the finished generation to the corpus (see [`SuffixConfig::corpus_outputs_only`] and
+    /// [`SuffixProposer::add_to_corpus`]) and empties the request index.
+    fn finish(&mut self, sequence: &[u32]) {
+        let mut part = sequence;
+        if self.cfg.corpus_outputs_only {
+            if let Some(p) = self.prompt_len {
+                if self
+                    .request
+                    .seq
+                    .get(..p)
+                    .is_some_and(|prompt| sequence.starts_with(prompt))
+                {
+                    part = &sequence[p..];
+                }
+            }
+        }
+        self.add_to_corpus(part);
+        self.reset();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::SamplingConfig;
+    use proptest::prelude::*;
+
+    fn propose(p: &mut SuffixProposer, context: &[u32], k: usize) -> Vec<u32> {
+        let config = SamplingConfig::greedy();
+        let req = ProposeRequest {
+            context,
+            config: &config,
+            max_draft: k,
+            seed: 0,
+            target_hidden: None,
+        };
+        let mut draft = Draft {
+            tokens: vec![77; 3],
+            q: Some(vec![0.5]),
+            q_vocab: 1,
+        };
+        p.propose(&req, &mut draft).unwrap();
+        assert!(draft.q.is_none());
+        assert!(draft.tokens.len() <= k);
+        draft.tokens
+    }
+
+    fn cfg(max_depth: usize, max_match_len: usize, min_confidence: f32) -> SuffixConfig {
+        SuffixConfig {
+            max_depth,
+            max_match_len,
+            min_confidence,
+            ..SuffixConfig::default()
+        }
+    }
+
+    /// Occurrences of `w` in `s`, counting only occurrences that end at or before `limit`.
+    fn occurrences(s: &[u32], w: &[u32], limit: usize) -> u32 {
+        if w.is_empty() || w.len() > s.len() {
+            return 0;
+        }
+        (0..=s.len() - w.len())
+            .filter(|&i| i + w.len() <= limit && &s[i..i + w.len()] == w)
+            .count() as u32
+    }
+
+    /// Brute-force specification: counts by scanning the texts.
+    fn reference(context: &[u32], corpus: &[Vec<u32>], c: &SuffixConfig, k: usize) -> Vec<u32> {
+        let len = context.len();
+        // count(w) for a path string, denominator excludes the context's own last occurrence.
+        let walk =
+            |start: Vec<u32>, count: &dyn Fn(&[u32]) -> u32, denom: &dyn Fn(&[u32]) -> u32| {
+                let mut w = start;
+                let (mut conf, mut score, mut out) = (1.0f64, 0.0f64, Vec::new());
+                while out.len() < k && w.len() < c.max_depth {
+                    let d = denom(&w);
+                    if d == 0 {
+                        break;
+                    }
+                    let mut tokens: Vec<u32> = context
+                        .iter()
+                        .chain(corpus.iter().flatten())
+                        .copied()
+                        .collect();
+                    tokens.sort_unstable();
+                    tokens.dedup();
+                    let mut best: Option<(u32, u32)> = None;
+                    for t in tokens {
+                        let mut x = w.clone();
+                        x.push(t);
+                        let n = count(&x);
+                        if n > 0 && !best.is_some_and(|(_, bn)| n <= bn) {
+                            best = Some((t, n));
+                        }
+                    }
+                    let Some((t, n)) = best else { break };
+                    conf *= f64::from(n) / f64::from(d);
+                    if conf < f64::from(c.min_confidence) {
+                        break;
+                    }
+                    out.push(t);
+                    score += conf;
+                    w.push(t);
+                }
+                (out, score)
+            };
+        let req_count = |w: &[u32]| occurrences(context, w, len);
+        let req_denom = |w: &[u32]| occurrences(context, w, len - 1);
+        let corpus_count = |w: &[u32]| {
+            corpus
+                .iter()
+                .map(|g| occurrences(g, w, g.len()))
+                .sum::<u32>()
+        };
+        let mut request = (Vec::new(), 0.0);
+        for m in (1..=c.max_match_len.min(len)).rev() {
+            let w = &context[len - m..];
+            if req_count(w) >= 2 {
+                request = walk(w.to_vec(), &req_count, &req_denom);
+                break;
+            }
+        }
+        let mut from_corpus = (Vec::new(), 0.0);
+        for m in (1..=c.max_match_len.min(len)).rev() {
+            let w = &context[len - m..];
+            if corpus_count(w) >= 1 {
+                from_corpus = walk(w.to_vec(), &corpus_count, &corpus_count);
+                break;
+            }
+        }
+        if from_corpus.1 > request.1 {
+            from_corpus.0
+        } else {
+            request.0
+        }
+    }
+
+    #[test]
+    fn request_trie_proposes_repeated_text() {
+        let mut p = SuffixProposer::new(SuffixConfig::default()).unwrap();
+        assert_eq!(
+            propose(&mut p, &[5, 6, 7, 8, 9, 10, 11, 7, 8], 3),
+            [9, 10, 11]
+        );
+        assert_eq!(propose(&mut p, &[], 3), Vec::<u32>::new());
+        assert_eq!(propose(&mut p, &[1, 2, 3], 3), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn most_frequent_continuation_wins() {
+        let mut p = SuffixProposer::new(cfg(8, 2, 0.0)).unwrap();
+        // After 1: 2 twice, 3 once.
+        assert_eq!(propose(&mut p, &[1, 2, 1, 3, 1, 2, 0, 1], 1), [2]);
+        // Ties go to the lowest token.
+        assert_eq!(propose(&mut p, &[1, 4, 1, 3, 0, 1], 1), [3]);
+    }
+
+    #[test]
+    fn corpus_proposes_from_earlier_generations() {
+        let mut p = SuffixProposer::new(SuffixConfig::default()).unwrap();
+        p.begin(&[100, 101]).unwrap();
+        // Output 1 2 3 4 5 after the prompt; only the output goes to the corpus.
+        p.finish(&[100, 101, 1, 2, 3, 4, 5]);
+        assert_eq!((p.corpus_tokens(), p.corpus_generations()), (5, 1));
+        assert_eq!(p.indexed_len(), 0);
+        assert_eq!(propose(&mut p, &[7, 1, 2], 8), [3, 4, 5]);
+        // The prompt tokens were not stored.
+        assert!(propose(&mut p, &[100], 3).is_empty());
+    }
+
+    #[test]
+    fn corpus_outputs_only_false_keeps_the_prompt() {
+        let c = SuffixConfig {
+            corpus_outputs_only: false,
+            ..SuffixConfig::default()
+        };
+        let mut p = SuffixProposer::new(c).unwrap();
+        p.begin(&[100, 101]).unwrap();
+        p.finish(&[100, 101, 1, 2]);
+        assert_eq!(p.corpus_tokens(), 4);
+        assert_eq!(propose(&mut p, &[100], 3), [101, 1, 2]);
+    }
+
+    #[test]
+    fn confidence_threshold_stops_early() {
+        // Corpus: after [1, 2, 3] comes 4 three times and 5 once; the generations end after it.
+        let corpus = [
+            vec![1, 2, 3, 4],
+            vec![1, 2, 3, 4],
+            vec![1, 2, 3, 4],
+            vec![1, 2, 3, 5],
+        ];
+        let run = |min_confidence: f32| {
+            let mut p = SuffixProposer::new(cfg(8, 4, min_confidence)).unwrap();
+            for g in &corpus {
+                p.add_to_corpus(g);
+            }
+            propose(&mut p, &[9, 1, 2], 8)
+        };
+        // Step confidences: 3 (4/4 = 1), then 4 (3/4); then generations end (count 3, no child).
+        assert_eq!(run(0.0), [3, 4]);
+        assert_eq!(run(0.75), [3, 4]);
+        assert_eq!(run(0.8), [3]);
+        assert_eq!(run(1.0), [3]);
+    }
+
+    #[test]
+    fn generation_end_lowers_confidence() {
+        // "1 2" is followed by 3 in one generation and ends the other: confidence 1/2.
+        let mut p = SuffixProposer::new(cfg(8, 4, 0.6)).unwrap();
+        p.add_to_corpus(&[1, 2, 3]);
+        p.add_to_corpus(&[1, 2]);
+        assert!(propose(&mut p, &[1, 2], 4).is_empty());
+        let mut p = SuffixProposer::new(cfg(8, 4, 0.5)).unwrap();
+        p.add_to_corpus(&[1, 2, 3]);
+        p.add_to_corpus(&[1, 2]);
+        assert_eq!(propose(&mut p, &[1, 2], 4), [3]);
+    }
+
+    #[test]
+    fn never_more_than_max_draft_and_zero_gives_empty() {
+        let mut p = SuffixProposer::new(SuffixConfig::default()).unwrap();
+        let ctx: Vec<u32> = (0..40).map(|i| i % 5).collect();
+        for k in 0..12 {
+            let d = propose(&mut p, &ctx, k);
+            assert_eq!(d.len(), k, "k = {k}");
+        }
+        assert!(propose(&mut p, &ctx, 0).is_empty());
+    }
+
+    #[test]
+    fn depth_bound_limits_the_draft() {
+        let mut p = SuffixProposer::new(cfg(6, 2, 0.0)).unwrap();
+        let ctx: Vec<u32> = (0..10).chain(0..2).collect();
+        // Match of 2 tokens ([0, 1]), at most 6 - 2 = 4 more.
+        assert_eq!(propose(&mut p, &ctx, 10), [2, 3, 4, 5]);
+    }
+
+    #[test]
+    fn config_is_validated() {
+        let bad = [
+            (cfg(1, 1, 0.1), "max_depth"),
+            (cfg(2000, 1, 0.1), "max_depth"),
+            (cfg(8, 0, 0.1), "max_match_len"),
+            (cfg(8, 8, 0.1), "max_match_len"),
+            (cfg(8, 4, -0.1), "min_confidence"),
+            (cfg(8, 4, 1.5), "min_confidence"),
+            (cfg(8, 4, f32::NAN), "min_confidence"),
+            (
+                SuffixConfig {
+                    max_corpus_tokens: usize::MAX,
+                    ..SuffixConfig::default()
+                },
+                "max_corpus_tokens",
+            ),
+        ];
+        for (c, name) in bad {
+            match SuffixProposer::new(c) {
+                Err(Error::InvalidConfig { field, .. }) => assert_eq!(field, name),
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        let p = SuffixProposer::new(SuffixConfig::default()).unwrap();
+        assert_eq!(p.config(), &SuffixConfig::default());
+        assert!(SuffixConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn corpus_eviction_respects_the_bound() {
+        let c = SuffixConfig {
+            max_corpus_tokens: 10,
+            ..cfg(4, 2, 0.0)
+        };
+        let mut p = SuffixProposer::new(c.clone()).unwrap();
+        p.add_to_corpus(&[1, 2, 3, 4]);
+        p.add_to_corpus(&[5, 6, 7]);
+        assert_eq!((p.corpus_tokens(), p.corpus_generations()), (7, 2));
+        assert_eq!(propose(&mut p, &[0, 1], 3), [2, 3, 4]);
+        // 7 + 5 > 10: the first generation goes, whole.
+        p.add_to_corpus(&[8, 9, 10, 11, 12]);
+        assert_eq!((p.corpus_tokens(), p.corpus_generations()), (8, 2));
+        assert!(propose(&mut p, &[0, 1], 3).is_empty());
+        assert_eq!(propose(&mut p, &[0, 5], 3), [6, 7]);
+        // Longer than the bound: cut to its last 10 tokens, evicting everything else.
+        p.add_to_corpus(&(100..120).collect::<Vec<_>>());
+        assert_eq!((p.corpus_tokens(), p.corpus_generations()), (10, 1));
+        assert!(propose(&mut p, &[0, 105], 3).is_empty());
+        assert_eq!(propose(&mut p, &[0, 110], 3), [111, 112, 113]);
+        // The trie equals one built from the kept generation only.
+        let mut fresh = SuffixProposer::new(c).unwrap();
+        fresh.add_to_corpus(&(110..120).collect::<Vec<_>>());
+        assert_eq!(p.node_counts().1, fresh.node_counts().1);
+        p.clear_corpus();
+        assert_eq!(
+            (p.corpus_tokens(), p.corpus_generations(), p.node_counts().1),
+            (0, 0, 1)
+        );
+    }
+
+    #[test]
+    fn disabled_corpus_stores_nothing() {
+        let c = SuffixConfig {
+            max_corpus_tokens: 0,
+            ..SuffixConfig::default()
+        };
+        let mut p = SuffixProposer::new(c).unwrap();
+        p.finish(&[1, 2, 3]);
+        assert_eq!((p.corpus_tokens(), p.node_counts().1), (0, 1));
+        assert!(propose(&mut p, &[1, 2], 3).is_empty());
+    }
+
+    #[test]
+    fn unrelated_context_reindexes() {
+        let mut p = SuffixProposer::new(SuffixConfig::default()).unwrap();
+        assert_eq!(propose(&mut p, &[1, 2, 3, 1], 2), [2, 3]);
+        assert_eq!(propose(&mut p, &[4, 5, 6, 4], 2), [5, 6]);
+        assert_eq!(propose(&mut p, &[7, 8, 7], 2), [8, 7]);
+        p.begin(&[3, 3]).unwrap();
+        assert_eq!(p.indexed_len(), 2);
+        p.reset();
+        assert_eq!(p.indexed_len(), 0);
+        assert_eq!(p.node_counts().0, 1);
+    }
+
+    #[test]
+    fn long_context_steps_match_reference() {
+        let c = cfg(10, 4, 0.1);
+        let mut p = SuffixProposer::new(c.clone()).unwrap();
+        let corpus = vec![(0..30).map(|i| (i * 7 % 13) as u32).collect::<Vec<u32>>()];
+        p.add_to_corpus(&corpus[0]);
+        let mut x = 99u64;
+        let mut seq: Vec<u32> = Vec::new();
+        for i in 0..600 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let t = if i > 40 && x % 6 < 2 {
+                seq[i - 37]
+            } else {
+                (x % 13) as u32
+            };
+            seq.push(t);
+            if i % 29 == 0 {
+                assert_eq!(
+                    propose(&mut p, &seq, 6),
+                    reference(&seq, &corpus, &c, 6),
+                    "at {i}"
+                );
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(192))]
+
+        /// Incremental updates after several extensions give what a fresh proposer on the whole
+        /// context gives, and both follow the brute-force specification.
+        #[test]
+        fn incremental_equals_rebuild(
+            seq in proptest::collection::vec(0u32..4, 0..60),
+            cuts in proptest::collection::vec(0usize..60, 0..6),
+            corpus in proptest::collection::vec(proptest::collection::vec(0u32..4, 0..12), 0..4),
+            max_depth in 2usize..8,
+            match_frac in 0usize..8,
+            min_confidence in prop_oneof![Just(0.0f32), 0.0f32..1.0],
+            k in 0usize..8,
+        ) {
+            let c = cfg(max_depth, 1 + match_frac % (max_depth - 1), min_confidence);
+            let mut inc = SuffixProposer::new(c.clone()).unwrap();
+            let mut fresh = SuffixProposer::new(c.clone()).unwrap();
+            for g in &corpus {
+                inc.add_to_corpus(g);
+                fresh.add_to_corpus(g);
+            }
+            let kept: Vec<Vec<u32>> = corpus.iter().filter(|g| !g.is_empty()).cloned().collect();
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|x| x.min(seq.len())).collect();
+            cuts.sort_unstable();
+            for &cut in &cuts {
+                prop_assert_eq!(propose(&mut inc, &seq[..cut], k), reference(&seq[..cut], &kept, &c, k));
+            }
+            let got = propose(&mut inc, &seq, k);
+            prop_assert_eq!(&got, &propose(&mut fresh, &seq, k));
+            prop_assert_eq!(got, reference(&seq, &kept, &c, k));
+        }
+
+        /// After any sequence of additions the corpus holds at most the bound, keeps the newest
+        /// generations whole, and its trie equals one built from the kept generations.
+        #[test]
+        fn eviction_keeps_bound_and_counts(
+            gens in proptest::collection::vec(proptest::collection::vec(0u32..5, 0..15), 1..12),
+            max_tokens in 0usize..30,
+            max_depth in 2usize..6,
+            probes in proptest::collection::vec(proptest::collection::vec(0u32..5, 1..5), 1..6),
+        ) {
+            let c = SuffixConfig { max_corpus_tokens: max_tokens, ..cfg(max_depth, 1, 0.0) };
+            let mut p = SuffixProposer::new(c.clone()).unwrap();
+            let mut kept: VecDeque<Vec<u32>> = VecDeque::new();
+            for g in &gens {
+                p.add_to_corpus(g);
+                if max_tokens > 0 && !g.is_empty() {
+                    let g = g[g.len().saturating_sub(max_tokens)..].to_vec();
+                    while kept.iter().map(Vec::len).sum::<usize>() + g.len() > max_tokens {
+                        kept.pop_front();
+                    }
+                    kept.push_back(g);
+                }
+                prop_assert!(p.corpus_tokens() <= max_tokens);
+            }
+            prop_assert_eq!(p.corpus_generations(), kept.len());
+            let mut fresh = SuffixProposer::new(c.clone()).unwrap();
+            for g in &kept {
+                fresh.add_to_corpus(g);
+            }
+            prop_assert_eq!(p.node_counts().1, fresh.node_counts().1);
+            prop_assert!(p.node_counts().1 <= 1 + max_tokens * max_depth);
+            let kept: Vec<Vec<u32>> = kept.into_iter().collect();
+            for probe in &probes {
+                prop_assert_eq!(propose(&mut p, probe, 4), reference(probe, &kept, &c, 4));
+            }
+        }
+    }
+}
