@@ -1,0 +1,322 @@
+//! `speculate`: generate text with speculative decoding on a real GGUF model, on the CPU.
+//!
+//! ```text
+//! scripts/fetch-model.sh
+//! cargo run --release -p speculative-candle --example speculate -- \
+//!     --prompt "Rewrite this sentence in the passive voice: the cat chased the mouse." \
+//!     --proposer prompt-lookup --k 4 --compare
+//! ```
+//!
+//! The prompt comes from `--prompt`, `--prompt-file`, or standard input (`--prompt -`). The chat
+//! template stored in the GGUF is applied unless `--raw`. The text streams as it is verified;
+//! then the run's figures are printed: tokens per second, acceptance rate, mean accepted length
+//! and acceptance per draft position. With `--compare` the same prompt is also decoded plainly,
+//! and the speed-up and (for greedy runs) whether both outputs are identical are printed.
+
+use std::io::{Read, Write};
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::{Parser, ValueEnum};
+use speculative::decode::{
+    AdaptiveConfig, DraftLength, Generation, GenerationParams, Generator, StopConditions,
+};
+use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, SuffixProposer};
+use speculative::{NoProposer, Proposer, SamplingConfig, TargetModel};
+use speculative_candle::{
+    default_model_path, CandleTarget, ChatMessage, GgufTokenizer, LlamaWeights, LoadOptions,
+    WeightFormat,
+};
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum ProposerKind {
+    /// n-gram match against the prompt and the generated text.
+    PromptLookup,
+    /// Suffix tree over the sequence and earlier generations (SuffixDecoding).
+    Suffix,
+    /// The first `--exit-layers` layers of the target as a draft model (LayerSkip-style).
+    EarlyExit,
+    /// The target itself as the draft model (every draft is accepted in greedy mode).
+    SameModel,
+    /// No speculation.
+    None,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum Format {
+    /// Weights re-quantised to Q8_0 (fast, approximate).
+    Q8,
+    /// Weights dequantised to f32 (the exact model of the file).
+    F32,
+}
+
+/// Speculative decoding on a real GGUF model.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// The prompt; `-` reads standard input.
+    #[arg(long, conflicts_with = "prompt_file")]
+    prompt: Option<String>,
+    /// A file holding the prompt.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Optional system message.
+    #[arg(long)]
+    system: Option<String>,
+    /// Do not apply the chat template.
+    #[arg(long)]
+    raw: bool,
+    /// GGUF model (default: models/SmolLM2-135M-Instruct.Q4_1.gguf or $SPECULATIVE_MODEL).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Weight format.
+    #[arg(long, value_enum, default_value = "q8")]
+    format: Format,
+    /// Proposer.
+    #[arg(long, value_enum, default_value = "prompt-lookup")]
+    proposer: ProposerKind,
+    /// Layers of the early-exit draft.
+    #[arg(long, default_value_t = 8)]
+    exit_layers: usize,
+    /// Draft length: an integer, or `adaptive` / `adaptive:MAX`.
+    #[arg(long, default_value = "4")]
+    k: String,
+    /// Temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Top-k (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Top-p (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Seed of the random stream.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Maximum new tokens.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Also decode plainly and print the speed-up.
+    #[arg(long)]
+    compare: bool,
+    /// Do not stream the text: show a progress bar and print the text at the end.
+    #[arg(long)]
+    quiet: bool,
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("speculate: error: {e}");
+        std::process::exit(1);
+    }
+}
+
+type DynError = Box<dyn std::error::Error>;
+
+fn read_prompt(a: &Args) -> Result<String, DynError> {
+    if let Some(p) = &a.prompt_file {
+        return Ok(std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?);
+    }
+    match a.prompt.as_deref() {
+        Some("-") | None => {
+            if a.prompt.is_none() {
+                eprintln!("(reading the prompt from standard input; end with Ctrl-D)");
+            }
+            let mut s = String::new();
+            std::io::stdin().read_to_string(&mut s)?;
+            Ok(s)
+        }
+        Some(p) => Ok(p.to_string()),
+    }
+}
+
+fn draft_length(s: &str) -> Result<DraftLength, DynError> {
+    if let Some(rest) = s.strip_prefix("adaptive") {
+        let max_k = match rest.strip_prefix(':') {
+            Some(m) => m.parse()?,
+            None => 8,
+        };
+        return Ok(DraftLength::Adaptive(AdaptiveConfig {
+            max_k,
+            ..Default::default()
+        }));
+    }
+    Ok(DraftLength::Fixed(s.parse().map_err(|_| {
+        format!("--k {s}: expected an integer or adaptive[:MAX]")
+    })?))
+}
+
+fn run() -> Result<(), DynError> {
+    let a = Args::parse();
+    let path = a.model.clone().unwrap_or_else(default_model_path);
+    let text = read_prompt(&a)?;
+    if text.trim().is_empty() {
+        return Err("the prompt is empty".into());
+    }
+    let t0 = Instant::now();
+    let format = match a.format {
+        Format::Q8 => WeightFormat::Q8_0,
+        Format::F32 => WeightFormat::F32,
+    };
+    let weights = LlamaWeights::load_with(&path, &LoadOptions::with_format(format))?;
+    let tok = GgufTokenizer::load(&path)?;
+    eprintln!(
+        "loaded {} ({:?}, {} layers) in {:.2} s",
+        path.display(),
+        format,
+        weights.config().n_layers,
+        t0.elapsed().as_secs_f64()
+    );
+    let prompt_text = if a.raw {
+        text
+    } else {
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(ChatMessage::system(s.clone()));
+        }
+        msgs.push(ChatMessage::user(text));
+        tok.apply_chat_template(&msgs)?
+    };
+    let prompt = tok.encode(&prompt_text)?;
+    let sampling = SamplingConfig::builder()
+        .temperature(a.temperature)
+        .top_k(a.top_k)
+        .top_p(a.top_p)
+        .build()?;
+    let draft = if a.proposer == ProposerKind::None {
+        DraftLength::Off
+    } else {
+        draft_length(&a.k)?
+    };
+    let params = GenerationParams {
+        sampling,
+        seed: a.seed,
+        stop: StopConditions::max_tokens(a.max_tokens).with_eos(tok.eos_id()),
+        draft,
+        cancel: None,
+    };
+    let proposer: Box<dyn Proposer> = match a.proposer {
+        ProposerKind::PromptLookup => Box::new(PromptLookup::new(1, 4)?),
+        ProposerKind::Suffix => Box::new(SuffixProposer::new(SuffixConfig::default())?),
+        ProposerKind::EarlyExit => Box::new(DraftModelProposer::new(CandleTarget::early_exit(
+            weights.clone(),
+            a.exit_layers,
+        )?)),
+        ProposerKind::SameModel => {
+            Box::new(DraftModelProposer::new(CandleTarget::new(weights.clone())))
+        }
+        ProposerKind::None => Box::new(NoProposer),
+    };
+    let mut target = CandleTarget::new(weights.clone());
+    eprintln!(
+        "prompt: {} tokens; proposer {:?}, draft {:?}, temperature {}",
+        prompt.len(),
+        a.proposer,
+        params.draft,
+        a.temperature
+    );
+
+    // Speculative run, streamed.
+    let spec = {
+        let mut g = Generator::new(&mut target as &mut dyn TargetModel, proposer);
+        let mut dec = tok.stream(true);
+        let mut out = std::io::stdout();
+        let quiet = a.quiet;
+        // With --quiet the text is not streamed, so a progress bar counts the tokens instead.
+        let bar = quiet.then(|| {
+            let b = indicatif::ProgressBar::new(a.max_tokens as u64);
+            if let Ok(st) = indicatif::ProgressStyle::with_template(
+                "{elapsed_precise} [{bar:40}] {pos}/{len} tokens {per_sec}",
+            ) {
+                b.set_style(st);
+            }
+            b
+        });
+        let r = g.generate_with(&prompt, &params, |toks| {
+            if let Some(b) = &bar {
+                b.inc(toks.len() as u64);
+            }
+            if !quiet {
+                for &t in toks {
+                    if let Ok(s) = dec.push(t) {
+                        let _ = out.write_all(s.as_bytes());
+                    }
+                }
+                let _ = out.flush();
+            }
+            ControlFlow::Continue(())
+        })?;
+        if let Some(b) = bar {
+            b.finish_and_clear();
+        }
+        if !quiet {
+            println!("{}", dec.finish());
+        } else {
+            println!("{}", tok.decode(&r.tokens, true)?);
+        }
+        r
+    };
+    println!();
+    report("speculative", &spec);
+
+    if a.compare {
+        let plain_params = GenerationParams {
+            draft: DraftLength::Off,
+            ..params.clone()
+        };
+        let mut g = Generator::new(&mut target as &mut dyn TargetModel, NoProposer);
+        let plain = g.generate(&prompt, &plain_params)?;
+        report("plain", &plain);
+        let s = spec.metrics.decode_tokens_per_second();
+        let p = plain.metrics.decode_tokens_per_second();
+        println!(
+            "speed-up (decode tokens/s, prefill excluded): {:.2}x  ({s:.1} vs {p:.1} tokens/s)",
+            if p > 0.0 { s / p } else { 0.0 }
+        );
+        if a.temperature == 0.0 {
+            println!(
+                "greedy outputs identical: {}",
+                if spec.tokens == plain.tokens {
+                    "yes"
+                } else {
+                    "NO"
+                }
+            );
+        }
+    }
+    Ok(())
+}
+
+fn report(name: &str, g: &Generation) {
+    let m = &g.metrics;
+    println!(
+        "[{name}] {} tokens ({}) in {:.2} s: {:.1} tokens/s end to end, {:.1} decode tokens/s; \
+         prefill {:.0} ms, propose {:.0} ms, target forwards {:.0} ms, verify {:.0} ms",
+        g.tokens.len(),
+        g.finish,
+        m.total_time.as_secs_f64(),
+        m.tokens_per_second(),
+        m.decode_tokens_per_second(),
+        m.prefill_time.as_secs_f64() * 1e3,
+        m.propose_time.as_secs_f64() * 1e3,
+        m.forward_time.as_secs_f64() * 1e3,
+        m.verify_time.as_secs_f64() * 1e3,
+    );
+    if m.proposed > 0 {
+        let per: Vec<String> = m
+            .position_acceptance()
+            .iter()
+            .map(|a| format!("{a:.2}"))
+            .collect();
+        println!(
+            "[{name}] acceptance rate {:.3} ({} of {} drafts), mean accepted length {:.2} tokens per target call ({} calls), per-position acceptance [{}]",
+            m.acceptance_rate(),
+            m.accepted,
+            m.proposed,
+            m.mean_accepted_length(),
+            m.target_calls,
+            per.join(", ")
+        );
+    }
+}
