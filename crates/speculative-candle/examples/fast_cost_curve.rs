@@ -1,0 +1,156 @@
+//! Cost curve c(n) = t(n) / t(1) of the fast batch-invariant forward, beside candle's stock
+//! Q8_0 path measured in the same run.
+//!
+//! For each configuration: the time of a 1-token forward after a prefix of `--prefix` tokens and
+//! c(n) = time(forward of n new tokens) / time(1-token forward), each the median of `--runs`
+//! timed runs (after one warm-up), truncating back to the prefix after every run.
+//!
+//! ```text
+//! scripts/fetch-model.sh
+//! RAYON_NUM_THREADS=1 cargo run --release -p speculative-candle --example fast_cost_curve
+//! ```
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Parser;
+use speculative::TargetModel;
+use speculative_candle::{
+    default_model_path, CandleTarget, FastFormat, FastTarget, FastWeights, GgufTokenizer,
+    KernelPath, LlamaWeights, LoadOptions, WeightFormat,
+};
+
+#[derive(Parser, Debug)]
+#[command(about = "Cost curve c(n) of the fast forward versus candle's Q8_0 path")]
+struct Args {
+    /// GGUF model file (default: models/SmolLM2-135M-Instruct.Q4_1.gguf or $SPECULATIVE_MODEL).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prefix length in tokens before the measured forwards.
+    #[arg(long, default_value_t = 100)]
+    prefix: usize,
+    /// Timed runs per n (median reported).
+    #[arg(long, default_value_t = 11)]
+    runs: usize,
+    /// Numbers of new tokens per forward, comma separated (1 is always measured).
+    #[arg(long, value_delimiter = ',', default_values_t = [2, 3, 5, 9, 17])]
+    ns: Vec<usize>,
+    /// Thread counts for the fast path, comma separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2])]
+    threads: Vec<usize>,
+    /// Skip candle's Q8_0 baseline.
+    #[arg(long)]
+    no_candle: bool,
+    /// Skip the fast F32 path.
+    #[arg(long)]
+    no_f32: bool,
+    /// Also measure every available int8 kernel path (one thread).
+    #[arg(long)]
+    all_kernels: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median ms of a forward over `new[..n]` after `prefix` is cached, for 1 and every `ns`.
+fn curve<T: TargetModel>(
+    m: &mut T,
+    prefix: &[u32],
+    new: &[u32],
+    ns: &[usize],
+    runs: usize,
+) -> Result<Vec<f64>, Box<dyn std::error::Error>> {
+    let mut logits = Vec::new();
+    m.truncate(0)?;
+    m.forward(prefix, &mut logits)?;
+    let p = m.seq_len();
+    let mut out = Vec::new();
+    for &n in ns {
+        m.forward(&new[..n], &mut logits)?;
+        m.truncate(p)?;
+        let mut t = Vec::with_capacity(runs);
+        for _ in 0..runs {
+            let s = Instant::now();
+            m.forward(&new[..n], &mut logits)?;
+            t.push(s.elapsed().as_secs_f64() * 1e3);
+            m.truncate(p)?;
+        }
+        out.push(median(t));
+    }
+    Ok(out)
+}
+
+fn row(name: &str, ns: &[usize], ms: &[f64]) {
+    let mut s = format!("| {name} | {:.2} |", ms[0]);
+    for (i, _) in ns.iter().enumerate().skip(1) {
+        s.push_str(&format!(" {:.2} |", ms[i] / ms[0]));
+    }
+    println!("{s}");
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let path = args.model.clone().unwrap_or_else(default_model_path);
+    let threads = speculative_candle::use_single_thread_if_unset();
+    let tok = GgufTokenizer::load(&path)?;
+    let text = "The history of lighthouses is long. Keepers lived on remote rocks, trimmed the \
+                wicks, wound the clockwork and logged the weather every four hours. In 1850 a \
+                keeper earned about 50 pounds a year; storms cut them off for weeks at a time. ";
+    let mut ns = vec![1];
+    ns.extend(args.ns.iter().copied().filter(|&n| n > 1));
+    let max_n = ns.iter().copied().max().unwrap_or(1);
+    let mut tokens = Vec::new();
+    while tokens.len() < args.prefix + max_n {
+        tokens.extend(tok.encode(text)?);
+    }
+    let (prefix, new) = tokens.split_at(args.prefix);
+    println!(
+        "model {}; prefix {} tokens; median of {} runs; candle threads {threads}; kernel {:?}",
+        path.display(),
+        args.prefix,
+        args.runs,
+        KernelPath::detect()
+    );
+    let mut head = String::from("| path | 1-token ms |");
+    for n in &ns[1..] {
+        head.push_str(&format!(" c({n}) |"));
+    }
+    println!("{head}");
+    println!("|---|---|{}", "---|".repeat(ns.len() - 1));
+
+    if !args.no_candle {
+        let w = LlamaWeights::load_with(&path, &LoadOptions::with_format(WeightFormat::Q8_0))?;
+        let mut m = CandleTarget::new(w);
+        let ms = curve(&mut m, prefix, new, &ns, args.runs)?;
+        row("candle QMatMul Q8_0, 1 thread", &ns, &ms);
+    }
+    let q8 = FastWeights::load(&path, FastFormat::Q8)?;
+    for &t in &args.threads {
+        let mut m = FastTarget::new(q8.clone()).with_threads(t);
+        let ms = curve(&mut m, prefix, new, &ns, args.runs)?;
+        row(
+            &format!("fast Q8 ({:?}), {t} thread(s)", m.kernel()),
+            &ns,
+            &ms,
+        );
+    }
+    if args.all_kernels {
+        for k in KernelPath::available() {
+            let mut m = FastTarget::new(q8.clone()).with_kernel(k)?;
+            let ms = curve(&mut m, prefix, new, &ns, args.runs)?;
+            row(&format!("fast Q8 ({k:?}), 1 thread"), &ns, &ms);
+        }
+    }
+    drop(q8);
+    if !args.no_f32 {
+        let f = FastWeights::load(&path, FastFormat::F32)?;
+        for &t in &args.threads {
+            let mut m = FastTarget::new(f.clone()).with_threads(t);
+            let ms = curve(&mut m, prefix, new, &ns, args.runs)?;
+            row(&format!("fast F32, {t} thread(s)"), &ns, &ms);
+        }
+    }
+    Ok(())
+}
