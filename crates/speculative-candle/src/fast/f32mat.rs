@@ -95,7 +95,7 @@ impl F32Matrix {
     /// # Errors
     /// [`CandleError::InvalidArgument`] when `x.len()` is not a multiple of `cols`.
     pub fn matmul(&self, x: &[f32], out: &mut Vec<f32>, threads: usize) -> Result<()> {
-        if x.len() % self.cols != 0 {
+        if !x.len().is_multiple_of(self.cols) {
             return Err(CandleError::InvalidArgument(format!(
                 "{} activations do not form rows of {}",
                 x.len(),

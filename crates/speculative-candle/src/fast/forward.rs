@@ -323,9 +323,9 @@ impl FastWeights {
             s.context,
         ]
         .contains(&0)
-            || s.hidden % s.n_heads != 0
-            || (s.hidden / s.n_heads) % 2 != 0
-            || s.n_heads % s.n_kv_heads != 0
+            || !s.hidden.is_multiple_of(s.n_heads)
+            || !(s.hidden / s.n_heads).is_multiple_of(2)
+            || !s.n_heads.is_multiple_of(s.n_kv_heads)
         {
             return Err(CandleError::InvalidArgument(format!(
                 "inconsistent random model sizes {spec:?}"
@@ -426,7 +426,7 @@ impl FastWeights {
 /// compiler may vectorise it without changing a bit), combined as
 /// `((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))`, then the tail `i >= 8 ⌊len/8⌋` in
 /// order. Panics never; extra elements of the longer slice are ignored.
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let len = a.len().min(b.len());
     let (a, b) = (&a[..len], &b[..len]);
@@ -464,6 +464,99 @@ fn rope(v: &mut [f32], cos: &[f32], sin: &[f32]) {
         let (x0, x1) = (pair[0], pair[1]);
         pair[0] = x0 * c - x1 * s;
         pair[1] = x0 * s + x1 * c;
+    }
+}
+
+/// Shapes of one attention call.
+struct AttnGeometry {
+    /// New rows.
+    n: usize,
+    /// Cached positions before the call.
+    p: usize,
+    nh: usize,
+    nkv: usize,
+    d: usize,
+    /// Width of one `qkv` row.
+    width: usize,
+}
+
+/// Causal grouped-query attention of the `n` new query rows (already roped and scaled, in
+/// `qkv`, `[n, width]`) over the cache `kc`/`vc` (`[p + n][nkv][d]`), into `o` (`[n, nh d]`).
+/// Row `i` attends to positions `0 ..= p + i` in increasing order (module docs). Compiled
+/// with AVX2 where available; only element-wise vector operations, so the same bits.
+fn attention(
+    g: &AttnGeometry,
+    qkv: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    o: &mut Vec<f32>,
+    s: &mut Vec<f32>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected at run time.
+        unsafe { attention_avx2(g, qkv, kc, vc, o, s) };
+        return;
+    }
+    attention_generic(g, qkv, kc, vc, o, s);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn attention_avx2(
+    g: &AttnGeometry,
+    qkv: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    o: &mut Vec<f32>,
+    s: &mut Vec<f32>,
+) {
+    attention_generic(g, qkv, kc, vc, o, s);
+}
+
+#[inline(always)]
+fn attention_generic(
+    g: &AttnGeometry,
+    qkv: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    o: &mut Vec<f32>,
+    scores: &mut Vec<f32>,
+) {
+    let AttnGeometry {
+        n,
+        p,
+        nh,
+        nkv,
+        d,
+        width,
+    } = *g;
+    let (kvd, group) = (nkv * d, nh / nkv);
+    o.clear();
+    o.resize(n * nh * d, 0.0);
+    for i in 0..n {
+        let len = p + i + 1;
+        for hq in 0..nh {
+            let kvh = hq / group;
+            let q = &qkv[i * width + hq * d..i * width + (hq + 1) * d];
+            scores.clear();
+            for j in 0..len {
+                scores.push(dot(q, &kc[j * kvd + kvh * d..j * kvd + (kvh + 1) * d]));
+            }
+            let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            let mut sum = 0f32;
+            let out = &mut o[(i * nh + hq) * d..(i * nh + hq + 1) * d];
+            for (j, s) in scores.iter().enumerate() {
+                let e = (s - max).exp();
+                sum += e;
+                let vj = &vc[j * kvd + kvh * d..j * kvd + (kvh + 1) * d];
+                for (ov, &vv) in out.iter_mut().zip(vj) {
+                    *ov += e * vv;
+                }
+            }
+            let inv = 1.0 / sum;
+            out.iter_mut().for_each(|v| *v *= inv);
+        }
     }
 }
 
@@ -632,7 +725,7 @@ impl FastTarget {
         let n = tokens.len();
         let p = self.seq_len;
         let (h, nh, nkv, d) = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
-        let (kvd, half, group) = (nkv * d, d / 2, nh / nkv);
+        let (kvd, half) = (nkv * d, d / 2);
         let eps = cfg.rms_eps as f32;
         let scale = (1.0 / (d as f64).sqrt()) as f32;
         self.truncate_caches(p);
@@ -671,32 +764,15 @@ impl FastTarget {
                 kc.extend_from_slice(k);
                 vc.extend_from_slice(v);
             }
-            o.clear();
-            o.resize(n * nh * d, 0.0);
-            for i in 0..n {
-                let len = p + i + 1;
-                for hq in 0..nh {
-                    let kvh = hq / group;
-                    let q = &qkv[i * width + hq * d..i * width + (hq + 1) * d];
-                    scores.clear();
-                    scores.extend(
-                        (0..len).map(|j| dot(q, &kc[j * kvd + kvh * d..j * kvd + (kvh + 1) * d])),
-                    );
-                    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                    let mut sum = 0f32;
-                    let out = &mut o[(i * nh + hq) * d..(i * nh + hq + 1) * d];
-                    for (j, s) in scores.iter().enumerate() {
-                        let e = (s - max).exp();
-                        sum += e;
-                        let vj = &vc[j * kvd + kvh * d..j * kvd + (kvh + 1) * d];
-                        for (ov, &vv) in out.iter_mut().zip(vj) {
-                            *ov += e * vv;
-                        }
-                    }
-                    let inv = 1.0 / sum;
-                    out.iter_mut().for_each(|v| *v *= inv);
-                }
-            }
+            let geo = AttnGeometry {
+                n,
+                p,
+                nh,
+                nkv,
+                d,
+                width,
+            };
+            attention(&geo, &qkv, kc, vc, &mut o, &mut scores);
             layer.wo.matmul(&o, &mut proj, &mut self.exec)?;
             x.iter_mut().zip(&proj).for_each(|(xv, pv)| *xv += pv);
             rms_norm(&x, &layer.ffn_norm, eps, &mut a);

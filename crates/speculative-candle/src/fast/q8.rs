@@ -2,45 +2,49 @@
 //!
 //! # Format
 //!
-//! A [`Q8Matrix`] holds a `[rows, cols]` matrix (row-major in meaning: row `j` is output
-//! feature `j`) as blocks of [`BLOCK`] = 32 signed 8-bit values with one `f32` scale each:
-//! `w[j, 32 b + i] ≈ scale[j, b] * q[j, b, i]`. This is the idea of ggml's Q8_0 (one scale per 32
-//! weights); the in-memory layout is ours: rows are grouped into tiles of [`TILE`] = 8 output
-//! features, and inside a tile the quants of two consecutive blocks of each feature are stored
-//! next to each other (`[tile][block pair][feature][64 bytes]`), so one pass over a tile reads
-//! its bytes sequentially. The number of blocks per row is padded to an even count and the
-//! number of rows to a multiple of 8 with zero blocks (scale 0).
+//! A [`Q8Matrix`] holds a `[rows, cols]` matrix (row `j` is output feature `j`) as blocks of
+//! [`BLOCK`] = 32 signed 8-bit values with one `f32` scale each:
+//! `w[j, 32 b + i] ≈ scale[j, b] · q[j, b, i]`. This is the idea of ggml's Q8_0 (one scale per
+//! 32 weights); the in-memory layout is ours. Rows are grouped into tiles of [`TILE`] = 16
+//! output features; for each tile and block the 512 quants are stored as 8 groups of 64 bytes,
+//! group `g` holding bytes `4g .. 4g + 4` of the block for each of the 16 features in turn
+//! (`[tile][block][g][feature][4]`), so one 64-byte load gives one 32-bit lane per feature.
+//! Quants are stored offset by +128 as unsigned bytes (`u = q + 128`). Rows are padded to a
+//! multiple of 16 and the last block of a row with zeros.
 //!
-//! Quantising (both weights and activations) uses `scale = max|x| / 127` and
-//! `q = round(x / scale)` (ties away from zero), clamped to `[-127, 127]`.
+//! Quantising (weights and activations) uses `scale = max|x| / 127` and
+//! `q = round(x / scale)` with ties to even, clamped to `[-127, 127]`.
 //!
 //! # Arithmetic (identical in every kernel path)
 //!
 //! [`Q8Matrix::matmul`] computes `out[r, j] = Σ_k x[r, k] · W[j, k]` for `n` activation rows
-//! `x` already quantised per block ([`Q8Act`]). For every row `r`, feature `j` and block `b`:
+//! already quantised per block ([`Q8Act`]). For every row `r`, feature `j` and block `b`:
 //!
 //! 1. the integer block dot product `t = Σ_i qx[r, b, i] · qw[j, b, i]` (exact in `i32`: at most
 //!    `32 · 128 · 127`, which is also exactly representable in `f32`);
-//! 2. `acc[r, j] = acc[r, j] + ((t as f32) · scale_w[j, b]) · scale_x[r, b]`, two rounded
+//! 2. `acc[r, j] = acc[r, j] + ((t as f32) · scale_w[j, b]) · scale_x[r, b]`: two rounded
 //!    multiplications and one rounded addition, no fused multiply-add, blocks in increasing
 //!    order starting from `acc = 0.0`.
 //!
-//! Step 1 is exact whatever the summation order, so each SIMD path may add the 32 products in
-//! any order; step 2 is done element-wise (one SIMD lane per output feature) in the same order
-//! in every path. The result for one row therefore depends only on that row and the weights,
-//! never on `n` or on the kernel path (tested bit for bit).
+//! Step 1 is exact whatever the order of the 32 products, so each SIMD path may add them in any
+//! order; step 2 is done element-wise (one SIMD lane per output feature) in the same order in
+//! every path. The result for one row depends only on that row and the weights, never on `n`,
+//! the thread count or the kernel path (tested bit for bit).
 //!
-//! Each tile's weight blocks are loaded once and used for all `n` rows: a call over 9 rows
-//! reads the weights once, not 9 times.
+//! Each tile's weight blocks are loaded once per block and used for all `n` rows: a call over 9
+//! rows reads the weights from memory once, not 9 times. Because each SIMD lane is one output
+//! feature, no horizontal reduction is needed (the layout idea is the "interleaved/repacked"
+//! weight layouts of llama.cpp's CPU back-ends; the code is ours).
 //!
 //! # Kernel paths
 //!
-//! - [`KernelPath::Avx512Vnni`] (x86-64 with AVX-512 F/BW/VNNI): `vpdpbusd` multiplies unsigned
-//!   by signed bytes, so the activations are offset by +128 (stored as `u8`), and the
-//!   accumulator starts at `-128 · Σ w` (computed once per weight register with another
-//!   `vpdpbusd`), which cancels the offset exactly.
-//! - [`KernelPath::Avx2`]: `vpmaddubsw` on `|w|` and `x · sign(w)` (pairs of products fit in
-//!   `i16`: at most `2 · 128 · 127 < 32767`), then `vpmaddwd` by ones to `i32`.
+//! - [`KernelPath::Avx512Vnni`] (x86-64 with AVX-512 F/BW/VNNI): per block and row, 8
+//!   `vpdpbusd` of the unsigned (offset) weights by a broadcast of 4 signed activation bytes; the
+//!   accumulator starts at `-128 · Σ qx[r, b, ·]` (precomputed per activation block), which
+//!   cancels the offset exactly.
+//! - [`KernelPath::Avx2`]: the weights are un-offset once per block, then `vpmaddubsw` of `|w|`
+//!   by `x · sign(w)` (pairs of products fit in `i16`: at most `2 · 128 · 127 < 32767`) and
+//!   `vpmaddwd` by ones into `i32`.
 //! - [`KernelPath::Scalar`]: portable Rust, the reference.
 //!
 //! NEON is not written yet: on aarch64 the scalar path runs.
@@ -50,7 +54,9 @@ use crate::error::{CandleError, Result};
 /// Values per quantisation block.
 pub const BLOCK: usize = 32;
 /// Output features per tile (one SIMD lane each in the float accumulation).
-pub const TILE: usize = 8;
+pub const TILE: usize = 16;
+/// Bytes of one tile-block: `TILE` features × `BLOCK` quants.
+const TB: usize = TILE * BLOCK;
 
 /// Which implementation of the block dot products runs. Every path gives bit-identical results.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -84,7 +90,6 @@ impl KernelPath {
                 std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512vnni")
-                    && std::arch::is_x86_feature_detected!("avx2")
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
@@ -100,17 +105,83 @@ impl KernelPath {
     }
 }
 
+/// Round to nearest, ties to even, for `|v| < 2^22` (adding and subtracting `1.5 · 2^23`
+/// leaves no fraction bits); plain adds, so it vectorises on any x86-64.
+#[inline(always)]
+fn round_even(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
+}
+
 /// Quantises one block (`x.len() <= 32`; missing values count as 0) into `q` and returns the
 /// scale `max|x| / 127` (0 for an all-zero block, whose quants are all 0).
 pub fn quantize_block(x: &[f32], q: &mut [i8; BLOCK]) -> f32 {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    quantize_block_inline(x, q)
+}
+
+#[inline(always)]
+fn quantize_block_inline(x: &[f32], q: &mut [i8; BLOCK]) -> f32 {
+    let mut v = [0f32; BLOCK];
+    let len = x.len().min(BLOCK);
+    v[..len].copy_from_slice(&x[..len]);
+    // The maximum is exact in any order, so 8 running maxima give the same value as one.
+    let mut m = [0f32; 8];
+    for c in v.chunks_exact(8) {
+        for i in 0..8 {
+            m[i] = m[i].max(c[i].abs());
+        }
+    }
+    let amax = m.iter().fold(0f32, |a, &b| a.max(b));
     let scale = amax / 127.0;
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    for (i, qi) in q.iter_mut().enumerate() {
-        let v = x.get(i).copied().unwrap_or(0.0) * inv;
-        *qi = v.round().clamp(-127.0, 127.0) as i8;
+    for (qi, a) in q.iter_mut().zip(&v) {
+        *qi = round_even(a * inv).clamp(-127.0, 127.0) as i32 as i8;
     }
     scale
+}
+
+/// Output buffers of [`quantize_rows`] (the fields of [`Q8Act`]).
+struct ActBufs<'a> {
+    q: &'a mut [i8],
+    scales: &'a mut [f32],
+    corr: &'a mut [i32],
+}
+
+/// Quantises whole activation rows (`x` is `[n, cols]`, `nb` blocks per row) as laid out in
+/// [`Q8Act`]; compiled with AVX2 where available (element-wise, same bits).
+fn quantize_rows(x: &[f32], cols: usize, nb: usize, out: ActBufs<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected at run time.
+        unsafe { quantize_rows_avx2(x, cols, nb, out) };
+        return;
+    }
+    quantize_rows_generic(x, cols, nb, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn quantize_rows_avx2(x: &[f32], cols: usize, nb: usize, out: ActBufs<'_>) {
+    quantize_rows_generic(x, cols, nb, out);
+}
+
+#[inline(always)]
+fn quantize_rows_generic(x: &[f32], cols: usize, nb: usize, out: ActBufs<'_>) {
+    for (r, row) in x.chunks_exact(cols).enumerate() {
+        for (b, chunk) in row.chunks(BLOCK).enumerate() {
+            let i = r * nb + b;
+            let qb: &mut [i8; BLOCK] = match (&mut out.q[i * BLOCK..(i + 1) * BLOCK]).try_into() {
+                Ok(qb) => qb,
+                Err(_) => return,
+            };
+            out.scales[i] = quantize_block_inline(chunk, qb);
+            let mut sum = 0i32;
+            for &v in qb.iter() {
+                sum += i32::from(v);
+            }
+            out.corr[i] = -128 * sum;
+        }
+    }
 }
 
 /// A `[rows, cols]` weight matrix in our 8-bit block format (see the module docs).
@@ -119,10 +190,10 @@ pub struct Q8Matrix {
     rows: usize,
     cols: usize,
     tiles: usize,
-    /// Blocks per row, padded to an even number.
+    /// Blocks per row.
     nb: usize,
-    /// `[tiles][nb / 2][TILE][2 * BLOCK]`.
-    qs: Vec<i8>,
+    /// `[tiles][nb][8 groups][TILE][4]`, quants + 128.
+    qs: Vec<u8>,
     /// `[tiles][nb][TILE]`.
     scales: Vec<f32>,
 }
@@ -136,47 +207,45 @@ impl std::fmt::Debug for Q8Matrix {
     }
 }
 
-fn blocks_for(cols: usize) -> usize {
-    let nb = cols.div_ceil(BLOCK);
-    nb + nb % 2
-}
-
 impl Q8Matrix {
     fn zeros(rows: usize, cols: usize) -> Self {
         let tiles = rows.div_ceil(TILE);
-        let nb = blocks_for(cols);
+        let nb = cols.div_ceil(BLOCK);
         Q8Matrix {
             rows,
             cols,
             tiles,
             nb,
-            qs: vec![0; tiles * nb * TILE * BLOCK],
+            qs: vec![0x80; tiles * nb * TB],
             scales: vec![0.0; tiles * nb * TILE],
         }
     }
 
+    /// Offset of quant `i` of block `b` of row `j`.
     #[inline]
-    fn q_offset(&self, j: usize, b: usize) -> usize {
+    fn q_index(&self, j: usize, b: usize, i: usize) -> usize {
         let (t, f) = (j / TILE, j % TILE);
-        ((t * (self.nb / 2) + b / 2) * TILE + f) * 2 * BLOCK + (b % 2) * BLOCK
+        (t * self.nb + b) * TB + (i / 4) * TILE * 4 + f * 4 + i % 4
     }
 
     #[inline]
-    fn s_offset(&self, j: usize, b: usize) -> usize {
+    fn s_index(&self, j: usize, b: usize) -> usize {
         let (t, f) = (j / TILE, j % TILE);
         (t * self.nb + b) * TILE + f
     }
 
     fn set_block(&mut self, j: usize, b: usize, scale: f32, q: &[i8; BLOCK]) {
-        let o = self.q_offset(j, b);
-        self.qs[o..o + BLOCK].copy_from_slice(q);
-        let s = self.s_offset(j, b);
+        for (i, &v) in q.iter().enumerate() {
+            let o = self.q_index(j, b, i);
+            self.qs[o] = (v as u8) ^ 0x80;
+        }
+        let s = self.s_index(j, b);
         self.scales[s] = scale;
     }
 
     /// Quantises a row-major `[rows, cols]` f32 matrix (32 values per block, see the module
-    /// docs). This is an approximation of `data` (relative error per block about
-    /// `1 / 254` of the block's largest magnitude).
+    /// docs). This is an approximation of `data` (error per value at most half a step,
+    /// `max|block| / 254`).
     ///
     /// # Errors
     /// [`CandleError::InvalidArgument`] when `data.len() != rows * cols` or a size is 0.
@@ -199,10 +268,10 @@ impl Q8Matrix {
     /// keeps its value (the half scale widens to `f32` without rounding).
     ///
     /// # Errors
-    /// [`CandleError::InvalidArgument`] when `cols` is not a multiple of 32 or `bytes` has the
-    /// wrong length.
+    /// [`CandleError::InvalidArgument`] when `cols` is not a positive multiple of 32, `rows` is
+    /// 0, or `bytes` has the wrong length.
     pub fn from_ggml_q8_0(rows: usize, cols: usize, bytes: &[u8]) -> Result<Self> {
-        if cols % BLOCK != 0 || rows == 0 {
+        if !cols.is_multiple_of(BLOCK) || rows == 0 || cols == 0 {
             return Err(CandleError::InvalidArgument(format!(
                 "Q8_0 matrix [{rows}, {cols}]: columns must be a positive multiple of 32"
             )));
@@ -243,7 +312,7 @@ impl Q8Matrix {
         self.qs.len() + 4 * self.scales.len()
     }
 
-    /// Writes the dequantised row `j` (`scale * q`, `cols` values) into `out`.
+    /// Writes the dequantised row `j` (`scale · q`, `cols` values) into `out`.
     ///
     /// # Panics
     /// When `j >= rows` or `out.len() != cols`.
@@ -253,9 +322,9 @@ impl Q8Matrix {
             "row or length out of range"
         );
         for (b, chunk) in out.chunks_mut(BLOCK).enumerate() {
-            let o = self.q_offset(j, b);
-            let s = self.scales[self.s_offset(j, b)];
-            for (v, &q) in chunk.iter_mut().zip(&self.qs[o..o + BLOCK]) {
+            let s = self.scales[self.s_index(j, b)];
+            for (i, v) in chunk.iter_mut().enumerate() {
+                let q = (self.qs[self.q_index(j, b, i)] ^ 0x80) as i8;
                 *v = s * f32::from(q);
             }
         }
@@ -354,30 +423,32 @@ impl Q8Matrix {
     }
 
     fn tile_scalar(&self, t: usize, x: &Q8Act, acc: &mut [[f32; TILE]]) {
-        for b in 0..self.nb {
-            let sw = &self.scales[(t * self.nb + b) * TILE..][..TILE];
-            let base = (t * (self.nb / 2) + b / 2) * TILE * 2 * BLOCK + (b % 2) * BLOCK;
+        let nb = self.nb;
+        for b in 0..nb {
+            let wb = &self.qs[(t * nb + b) * TB..][..TB];
+            let sw: &[f32; TILE] = self.scales[(t * nb + b) * TILE..][..TILE]
+                .try_into()
+                .unwrap_or(&[0.0; TILE]);
             for (r, a) in acc.iter_mut().enumerate() {
-                let xq = &x.q[(r * self.nb + b) * BLOCK..][..BLOCK];
-                let sx = x.scales[r * self.nb + b];
+                let xq = &x.q[(r * nb + b) * BLOCK..][..BLOCK];
                 let mut tot = [0i32; TILE];
-                for (f, tf) in tot.iter_mut().enumerate() {
-                    let wq = &self.qs[base + f * 2 * BLOCK..][..BLOCK];
-                    *tf = wq
-                        .iter()
-                        .zip(xq)
-                        .map(|(&w, &v)| i32::from(w) * i32::from(v))
-                        .sum();
+                for (g, xg) in xq.chunks_exact(4).enumerate() {
+                    let wg = &wb[g * TILE * 4..][..TILE * 4];
+                    for (f, tf) in tot.iter_mut().enumerate() {
+                        for (&u, &v) in wg[f * 4..f * 4 + 4].iter().zip(xg) {
+                            *tf += (i32::from(u) - 128) * i32::from(v);
+                        }
+                    }
                 }
-                accumulate(a, &tot, sw, sx);
+                accumulate(a, &tot, sw, x.scales[r * nb + b]);
             }
         }
     }
 }
 
-/// Step 2 of the module docs, lane by lane: `a[f] += ((tot[f] as f32) * sw[f]) * sx`.
+/// Step 2 of the module docs, lane by lane: `a[f] += ((tot[f] as f32) · sw[f]) · sx`.
 #[inline(always)]
-fn accumulate(a: &mut [f32; TILE], tot: &[i32; TILE], sw: &[f32], sx: f32) {
+fn accumulate(a: &mut [f32; TILE], tot: &[i32; TILE], sw: &[f32; TILE], sx: f32) {
     for f in 0..TILE {
         a[f] += (tot[f] as f32 * sw[f]) * sx;
     }
@@ -407,7 +478,7 @@ fn f16_to_f32(h: u16) -> f32 {
 }
 
 /// `n` activation rows quantised per block of 32 (scale `max|x| / 127`, see the module docs),
-/// padded like the matrix they multiply. Reuse one value across calls to avoid allocations.
+/// the last block of a row zero-padded. Reuse one value across calls to avoid allocations.
 #[derive(Debug, Clone, Default)]
 pub struct Q8Act {
     n: usize,
@@ -415,10 +486,10 @@ pub struct Q8Act {
     nb: usize,
     /// `[n][nb][32]` signed quants.
     q: Vec<i8>,
-    /// The same plus 128, as unsigned bytes (for `vpdpbusd`).
-    u: Vec<u8>,
-    /// `[n][nb]`.
+    /// `[n][nb]` scales.
     scales: Vec<f32>,
+    /// `[n][nb]`: `-128 · Σ q` of the block (cancels the weights' +128 offset).
+    corr: Vec<i32>,
 }
 
 impl Q8Act {
@@ -427,14 +498,14 @@ impl Q8Act {
     /// # Errors
     /// [`CandleError::InvalidArgument`] when `cols == 0` or `x.len()` is not a multiple of it.
     pub fn quantize(&mut self, x: &[f32], cols: usize) -> Result<()> {
-        if cols == 0 || x.len() % cols != 0 {
+        if cols == 0 || !x.len().is_multiple_of(cols) {
             return Err(CandleError::InvalidArgument(format!(
                 "{} activations do not form rows of {cols}",
                 x.len()
             )));
         }
         let n = x.len() / cols;
-        let nb = blocks_for(cols);
+        let nb = cols.div_ceil(BLOCK);
         self.n = n;
         self.cols = cols;
         self.nb = nb;
@@ -442,15 +513,14 @@ impl Q8Act {
         self.q.resize(n * nb * BLOCK, 0);
         self.scales.clear();
         self.scales.resize(n * nb, 0.0);
-        let mut q = [0i8; BLOCK];
-        for r in 0..n {
-            for (b, chunk) in x[r * cols..(r + 1) * cols].chunks(BLOCK).enumerate() {
-                self.scales[r * nb + b] = quantize_block(chunk, &mut q);
-                self.q[(r * nb + b) * BLOCK..][..BLOCK].copy_from_slice(&q);
-            }
-        }
-        self.u.clear();
-        self.u.extend(self.q.iter().map(|&v| (v as u8) ^ 0x80));
+        self.corr.clear();
+        self.corr.resize(n * nb, 0);
+        let bufs = ActBufs {
+            q: &mut self.q,
+            scales: &mut self.scales,
+            corr: &mut self.corr,
+        };
+        quantize_rows(x, cols, nb, bufs);
         Ok(())
     }
 
@@ -462,143 +532,109 @@ impl Q8Act {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{accumulate, Q8Act, Q8Matrix, BLOCK, TILE};
+    use super::{Q8Act, Q8Matrix, BLOCK, TB, TILE};
     use std::arch::x86_64::*;
 
-    /// Sums each of 8 vectors of 8 `i32` lanes: lane `f` of the result is the sum of `d[f]`.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn hsum8_avx2(d: &[__m256i; TILE]) -> __m256i {
-        let h01 = _mm256_hadd_epi32(d[0], d[1]);
-        let h23 = _mm256_hadd_epi32(d[2], d[3]);
-        let h45 = _mm256_hadd_epi32(d[4], d[5]);
-        let h67 = _mm256_hadd_epi32(d[6], d[7]);
-        let h0123 = _mm256_hadd_epi32(h01, h23);
-        let h4567 = _mm256_hadd_epi32(h45, h67);
-        _mm256_add_epi32(
-            _mm256_permute2x128_si256::<0x20>(h0123, h4567),
-            _mm256_permute2x128_si256::<0x31>(h0123, h4567),
-        )
+    /// Reads 4 activation bytes as one little-endian `i32` (for a broadcast).
+    #[inline(always)]
+    fn group(xq: &[i8], g: usize) -> i32 {
+        i32::from_le_bytes([
+            xq[4 * g] as u8,
+            xq[4 * g + 1] as u8,
+            xq[4 * g + 2] as u8,
+            xq[4 * g + 3] as u8,
+        ])
     }
 
-    /// AVX2 tile kernel (see the module docs). Callers must check that the CPU has AVX2.
+    /// AVX2 tile kernel (see the module docs): the 16 features as two halves of 8 lanes.
+    /// Callers must check that the CPU has AVX2.
     #[target_feature(enable = "avx2")]
     pub(super) fn tile_avx2(m: &Q8Matrix, t: usize, x: &Q8Act, acc: &mut [[f32; TILE]]) {
         let ones = _mm256_set1_epi16(1);
+        let off = _mm256_set1_epi8(-128);
         let nb = m.nb;
         for b in 0..nb {
-            let base = (t * (nb / 2) + b / 2) * TILE * 2 * BLOCK + (b % 2) * BLOCK;
-            let wblk = &m.qs[base..base + (TILE - 1) * 2 * BLOCK + BLOCK];
-            let mut w = [_mm256_setzero_si256(); TILE];
-            let mut aw = [_mm256_setzero_si256(); TILE];
-            for f in 0..TILE {
-                let s = &wblk[f * 2 * BLOCK..f * 2 * BLOCK + BLOCK];
-                // SAFETY: `s` holds exactly 32 bytes; unaligned load.
-                w[f] = unsafe { _mm256_loadu_si256(s.as_ptr().cast()) };
-                aw[f] = _mm256_abs_epi8(w[f]);
-            }
-            let sw = &m.scales[(t * nb + b) * TILE..][..TILE];
-            for (r, a) in acc.iter_mut().enumerate() {
-                let xs = &x.q[(r * nb + b) * BLOCK..][..BLOCK];
-                // SAFETY: `xs` holds exactly 32 bytes.
-                let xv = unsafe { _mm256_loadu_si256(xs.as_ptr().cast()) };
-                let mut d = [_mm256_setzero_si256(); TILE];
-                for f in 0..TILE {
-                    let sx = _mm256_sign_epi8(xv, w[f]);
-                    d[f] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[f], sx), ones);
+            let wb = &m.qs[(t * nb + b) * TB..][..TB];
+            for half in 0..2 {
+                let mut w = [_mm256_setzero_si256(); 8];
+                let mut aw = [_mm256_setzero_si256(); 8];
+                for g in 0..8 {
+                    let s = &wb[g * TILE * 4 + half * 32..][..32];
+                    // SAFETY: `s` holds exactly 32 bytes; unaligned load.
+                    let u = unsafe { _mm256_loadu_si256(s.as_ptr().cast()) };
+                    w[g] = _mm256_xor_si256(u, off);
+                    aw[g] = _mm256_abs_epi8(w[g]);
                 }
-                let mut tot = [0i32; TILE];
-                // SAFETY: `tot` is 32 bytes; unaligned store.
-                unsafe { _mm256_storeu_si256(tot.as_mut_ptr().cast(), hsum8_avx2(&d)) };
-                accumulate_avx(a, &tot, sw, x.scales[r * nb + b]);
+                let sws = &m.scales[(t * nb + b) * TILE + half * 8..][..8];
+                // SAFETY: `sws` holds exactly 8 floats.
+                let sw = unsafe { _mm256_loadu_ps(sws.as_ptr()) };
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let xq = &x.q[(r * nb + b) * BLOCK..][..BLOCK];
+                    let mut tot = _mm256_setzero_si256();
+                    for g in 0..8 {
+                        let xv = _mm256_set1_epi32(group(xq, g));
+                        let sx = _mm256_sign_epi8(xv, w[g]);
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[g], sx), ones);
+                        tot = _mm256_add_epi32(tot, p);
+                    }
+                    let v = _mm256_mul_ps(
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(tot), sw),
+                        _mm256_set1_ps(x.scales[r * nb + b]),
+                    );
+                    let ah = &mut a[half * 8..half * 8 + 8];
+                    // SAFETY: `ah` holds exactly 8 floats; unaligned load and store.
+                    unsafe {
+                        let s = _mm256_add_ps(_mm256_loadu_ps(ah.as_ptr()), v);
+                        _mm256_storeu_ps(ah.as_mut_ptr(), s);
+                    }
+                }
             }
         }
     }
 
-    /// [`accumulate`] with 256-bit float vectors: the same element-wise multiply, multiply,
-    /// add (no FMA), so the same bits.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn accumulate_avx(a: &mut [f32; TILE], tot: &[i32; TILE], sw: &[f32], sx: f32) {
-        debug_assert!(sw.len() >= TILE);
-        if sw.len() < TILE {
-            accumulate(a, tot, sw, sx);
-            return;
-        }
-        // SAFETY: all three arrays/slices hold at least 8 values; unaligned loads/stores.
-        unsafe {
-            let tf = _mm256_cvtepi32_ps(_mm256_loadu_si256(tot.as_ptr().cast()));
-            let s = _mm256_mul_ps(
-                _mm256_mul_ps(tf, _mm256_loadu_ps(sw.as_ptr())),
-                _mm256_set1_ps(sx),
-            );
-            let av = _mm256_add_ps(_mm256_loadu_ps(a.as_ptr()), s);
-            _mm256_storeu_ps(a.as_mut_ptr(), av);
-        }
-    }
-
-    /// Interleaves and adds 32-bit lanes of `a` and `b` (first step of an 8-way reduction).
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn r2(a: __m512i, b: __m512i) -> __m512i {
-        _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
-    }
-
-    /// Interleaves and adds 64-bit lanes of `a` and `b` (second step).
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn r4(a: __m512i, b: __m512i) -> __m512i {
-        _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
-    }
-
-    /// AVX-512 VNNI tile kernel: two blocks (64 bytes) per `vpdpbusd` (see the module docs).
-    /// Callers must check that the CPU has AVX-512 F, BW, VNNI and AVX2.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
+    /// AVX-512 VNNI tile kernel: one 512-bit accumulator of 16 features per row and block
+    /// (see the module docs). Callers must check that the CPU has AVX-512 F, BW and VNNI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) fn tile_avx512vnni(m: &Q8Matrix, t: usize, x: &Q8Act, acc: &mut [[f32; TILE]]) {
         let nb = m.nb;
-        let c128 = _mm512_set1_epi8(-128); // 0x80 = 128 as the unsigned operand
-        let zero = _mm512_setzero_si512();
-        for p in 0..nb / 2 {
-            let base = (t * (nb / 2) + p) * TILE * 2 * BLOCK;
-            let wblk = &m.qs[base..base + TILE * 2 * BLOCK];
-            let mut w = [zero; TILE];
-            let mut nc = [zero; TILE];
-            for f in 0..TILE {
-                let s = &wblk[f * 2 * BLOCK..(f + 1) * 2 * BLOCK];
-                // SAFETY: `s` holds exactly 64 bytes; unaligned load.
-                w[f] = unsafe { _mm512_loadu_si512(s.as_ptr().cast()) };
-                // -128 * (sum of each 4 weights), cancels the +128 offset of the activations.
-                nc[f] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c128, w[f]));
+        for b in 0..nb {
+            let wb = &m.qs[(t * nb + b) * TB..][..TB];
+            // Software prefetch of the weights 4 tile-blocks (2 KiB) ahead, so that the memory
+            // stream overlaps the arithmetic of the rows. A hint only; a pointer past the end
+            // is never dereferenced.
+            let ahead = m.qs.as_ptr().wrapping_add((t * nb + b + 4) * TB);
+            for l in 0..TB / 64 {
+                // Prefetching has no memory effects and does not fault (a safe intrinsic).
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l * 64).cast());
             }
-            let sw0 = &m.scales[(t * nb + 2 * p) * TILE..][..TILE];
-            let sw1 = &m.scales[(t * nb + 2 * p + 1) * TILE..][..TILE];
+            let mut w = [_mm512_setzero_si512(); 8];
+            for (g, wg) in w.iter_mut().enumerate() {
+                let s = &wb[g * 64..][..64];
+                // SAFETY: `s` holds exactly 64 bytes; unaligned load.
+                *wg = unsafe { _mm512_loadu_si512(s.as_ptr().cast()) };
+            }
+            let sws = &m.scales[(t * nb + b) * TILE..][..TILE];
+            // SAFETY: `sws` holds exactly 16 floats.
+            let sw = unsafe { _mm512_loadu_ps(sws.as_ptr()) };
             for (r, a) in acc.iter_mut().enumerate() {
-                let xs = &x.u[(r * nb + 2 * p) * BLOCK..][..2 * BLOCK];
-                // SAFETY: `xs` holds exactly 64 bytes.
-                let xv = unsafe { _mm512_loadu_si512(xs.as_ptr().cast()) };
-                let mut d = [zero; TILE];
-                for f in 0..TILE {
-                    d[f] = _mm512_dpbusd_epi32(nc[f], xv, w[f]);
+                let xq = &x.q[(r * nb + b) * BLOCK..][..BLOCK];
+                // Two independent chains (even and odd groups), added exactly at the end.
+                let mut t0 = _mm512_set1_epi32(x.corr[r * nb + b]);
+                let mut t1 = _mm512_setzero_si512();
+                for g in (0..8).step_by(2) {
+                    t0 = _mm512_dpbusd_epi32(t0, w[g], _mm512_set1_epi32(group(xq, g)));
+                    t1 = _mm512_dpbusd_epi32(t1, w[g + 1], _mm512_set1_epi32(group(xq, g + 1)));
                 }
-                // Lanes 0..8 of d[f] belong to block 2p, lanes 8..16 to block 2p + 1.
-                // Per 128-bit chunk: [f0, f1, f2, f3] and [f4 .. f7] partial sums.
-                let q0 = r4(r2(d[0], d[1]), r2(d[2], d[3]));
-                let q1 = r4(r2(d[4], d[5]), r2(d[6], d[7]));
-                // [f0-3 blk 2p, f0-3 blk 2p+1, f4-7 blk 2p, f4-7 blk 2p+1]
-                let s = _mm512_add_epi32(
-                    _mm512_shuffle_i32x4::<0x88>(q0, q1),
-                    _mm512_shuffle_i32x4::<0xDD>(q0, q1),
+                let tot = _mm512_add_epi32(t0, t1);
+                let v = _mm512_mul_ps(
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(tot), sw),
+                    _mm512_set1_ps(x.scales[r * nb + b]),
                 );
-                // -> [f0-7 blk 2p, f0-7 blk 2p+1]
-                let s = _mm512_shuffle_i32x4::<0xD8>(s, s);
-                let mut tot = [0i32; 2 * TILE];
-                // SAFETY: `tot` is 64 bytes; unaligned store.
-                unsafe { _mm512_storeu_si512(tot.as_mut_ptr().cast(), s) };
-                let (t0, t1) = tot.split_at(TILE);
-                let t0: &[i32; TILE] = t0.try_into().unwrap_or(&[0; TILE]);
-                let t1: &[i32; TILE] = t1.try_into().unwrap_or(&[0; TILE]);
-                accumulate_avx(a, t0, sw0, x.scales[r * nb + 2 * p]);
-                accumulate_avx(a, t1, sw1, x.scales[r * nb + 2 * p + 1]);
+                // SAFETY: `a` holds exactly 16 floats; unaligned load and store.
+                unsafe {
+                    let s = _mm512_add_ps(_mm512_loadu_ps(a.as_ptr()), v);
+                    _mm512_storeu_ps(a.as_mut_ptr(), s);
+                }
             }
         }
     }
