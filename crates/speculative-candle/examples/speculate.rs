@@ -24,6 +24,7 @@ use speculative::decode::{
 };
 use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, SuffixProposer};
 use speculative::{NoProposer, Proposer, SamplingConfig, TargetModel};
+use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
 use speculative_candle::{
     default_model_path, CandleTarget, ChatMessage, GgufTokenizer, LlamaWeights, LoadOptions,
     WeightFormat,
@@ -45,10 +46,18 @@ enum ProposerKind {
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum Format {
-    /// Weights re-quantised to Q8_0 (fast, approximate).
+    /// 8-bit weights and activations (fast, approximate).
     Q8,
     /// Weights dequantised to f32 (the exact model of the file).
     F32,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum Backend {
+    /// Our multi-row, batch-invariant int8 / f32 forward (`speculative_candle::fast`).
+    Fast,
+    /// The forward on candle's stock quantised matmul.
+    Candle,
 }
 
 /// Speculative decoding on a real GGUF model.
@@ -70,9 +79,15 @@ struct Args {
     /// GGUF model (default: models/SmolLM2-135M-Instruct.Q4_1.gguf or $SPECULATIVE_MODEL).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// Forward implementation.
+    #[arg(long, value_enum, default_value = "fast")]
+    backend: Backend,
     /// Weight format.
     #[arg(long, value_enum, default_value = "q8")]
     format: Format,
+    /// Threads for the fast backend's matmuls (1 or 2; see the crate README).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
     /// Proposer.
     #[arg(long, value_enum, default_value = "prompt-lookup")]
     proposer: ProposerKind,
@@ -155,17 +170,54 @@ fn run() -> Result<(), DynError> {
         return Err("the prompt is empty".into());
     }
     let t0 = Instant::now();
-    let format = match a.format {
-        Format::Q8 => WeightFormat::Q8_0,
-        Format::F32 => WeightFormat::F32,
+    let (target, draft_for): (
+        Box<dyn TargetModel>,
+        Box<dyn Fn(Option<usize>) -> Result<Box<dyn TargetModel>, DynError>>,
+    ) = match a.backend {
+        Backend::Fast => {
+            let format = match a.format {
+                Format::Q8 => FastFormat::Q8,
+                Format::F32 => FastFormat::F32,
+            };
+            let w = FastWeights::load(&path, format)?;
+            let threads = a.threads;
+            let w2 = w.clone();
+            (
+                Box::new(FastTarget::new(w).with_threads(threads)),
+                Box::new(move |layers| {
+                    Ok(match layers {
+                        Some(n) => {
+                            Box::new(FastTarget::early_exit(w2.clone(), n)?.with_threads(threads))
+                        }
+                        None => Box::new(FastTarget::new(w2.clone()).with_threads(threads)),
+                    })
+                }),
+            )
+        }
+        Backend::Candle => {
+            let format = match a.format {
+                Format::Q8 => WeightFormat::Q8_0,
+                Format::F32 => WeightFormat::F32,
+            };
+            let w = LlamaWeights::load_with(&path, &LoadOptions::with_format(format))?;
+            let w2 = w.clone();
+            (
+                Box::new(CandleTarget::new(w)),
+                Box::new(move |layers| {
+                    Ok(match layers {
+                        Some(n) => Box::new(CandleTarget::early_exit(w2.clone(), n)?),
+                        None => Box::new(CandleTarget::new(w2.clone())),
+                    })
+                }),
+            )
+        }
     };
-    let weights = LlamaWeights::load_with(&path, &LoadOptions::with_format(format))?;
     let tok = GgufTokenizer::load(&path)?;
     eprintln!(
-        "loaded {} ({:?}, {} layers) in {:.2} s",
+        "loaded {} ({:?} backend, {:?} weights) in {:.2} s",
         path.display(),
-        format,
-        weights.config().n_layers,
+        a.backend,
+        a.format,
         t0.elapsed().as_secs_f64()
     );
     let prompt_text = if a.raw {
@@ -199,16 +251,13 @@ fn run() -> Result<(), DynError> {
     let proposer: Box<dyn Proposer> = match a.proposer {
         ProposerKind::PromptLookup => Box::new(PromptLookup::new(1, 4)?),
         ProposerKind::Suffix => Box::new(SuffixProposer::new(SuffixConfig::default())?),
-        ProposerKind::EarlyExit => Box::new(DraftModelProposer::new(CandleTarget::early_exit(
-            weights.clone(),
-            a.exit_layers,
-        )?)),
-        ProposerKind::SameModel => {
-            Box::new(DraftModelProposer::new(CandleTarget::new(weights.clone())))
+        ProposerKind::EarlyExit => {
+            Box::new(DraftModelProposer::new(draft_for(Some(a.exit_layers))?))
         }
+        ProposerKind::SameModel => Box::new(DraftModelProposer::new(draft_for(None)?)),
         ProposerKind::None => Box::new(NoProposer),
     };
-    let mut target = CandleTarget::new(weights.clone());
+    let mut target = target;
     eprintln!(
         "prompt: {} tokens; proposer {:?}, draft {:?}, temperature {}",
         prompt.len(),
@@ -219,7 +268,7 @@ fn run() -> Result<(), DynError> {
 
     // Speculative run, streamed.
     let spec = {
-        let mut g = Generator::new(&mut target as &mut dyn TargetModel, proposer);
+        let mut g = Generator::new(&mut *target, proposer);
         let mut dec = tok.stream(true);
         let mut out = std::io::stdout();
         let quiet = a.quiet;
@@ -265,7 +314,7 @@ fn run() -> Result<(), DynError> {
             draft: DraftLength::Off,
             ..params.clone()
         };
-        let mut g = Generator::new(&mut target as &mut dyn TargetModel, NoProposer);
+        let mut g = Generator::new(&mut *target, NoProposer);
         let plain = g.generate(&prompt, &plain_params)?;
         report("plain", &plain);
         let s = spec.metrics.decode_tokens_per_second();
