@@ -17,6 +17,7 @@ use spec_bench::sim::{default_batches, simulate, AcceptanceModel, CostTable};
 use spec_bench::{workload, BenchError, Result};
 use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, SuffixProposer};
 use speculative::{NoProposer, Proposer, TargetModel};
+use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
 use speculative_candle::{
     default_model_path, CandleTarget, ChatMessage, GgufTokenizer, LlamaWeights, LoadOptions,
     WeightFormat,
@@ -35,6 +36,30 @@ enum Cmd {
     Run(RunArgs),
     /// Simulate the expected speed-up over batch sizes from a cost table and acceptance data.
     Simulate(SimArgs),
+    /// Measure a cost table c(batch, tokens) for the simulator on this machine.
+    CostTable(CostArgs),
+}
+
+#[derive(Args)]
+struct CostArgs {
+    /// Backend and model options, as for `run`.
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Batch sizes of the table.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    batch: Vec<usize>,
+    /// Tokens per sequence of the table (must include 1).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,5,9")]
+    tokens: Vec<usize>,
+    /// Prefix length (tokens already in the KV cache) for every measurement.
+    #[arg(long, default_value_t = 100)]
+    prefix: usize,
+    /// Repetitions per cell; the median is kept.
+    #[arg(long, default_value_t = 7)]
+    reps: usize,
+    /// Output JSON file.
+    #[arg(long, default_value = "cost-table.json")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -42,12 +67,9 @@ struct RunArgs {
     /// JSONL workload: {"prompt": ..., "kind": ..., "max_tokens": ...} per line.
     #[arg(long)]
     workload: PathBuf,
-    /// GGUF model (default: models/SmolLM2-135M-Instruct.Q4_1.gguf or $SPECULATIVE_MODEL).
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// Weight format: q8_0, f32 or as-stored.
-    #[arg(long, default_value = "q8_0")]
-    format: String,
+    /// Backend and model options.
+    #[command(flatten)]
+    model: ModelArgs,
     /// Proposers: prompt-lookup, suffix, early-exit:N (first N layers as draft), same-model.
     #[arg(long, value_delimiter = ',', default_value = "prompt-lookup,suffix")]
     proposers: Vec<String>,
@@ -78,6 +100,22 @@ struct RunArgs {
     /// Output directory for runs.json, summary.json, summary.md and the plots.
     #[arg(long, default_value = "bench-out")]
     out: PathBuf,
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// GGUF model (default: models/SmolLM2-135M-Instruct.Q4_1.gguf or $SPECULATIVE_MODEL).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Forward implementation: fast (our multi-row batch-invariant kernels) or candle.
+    #[arg(long, default_value = "fast")]
+    backend: String,
+    /// Weight format: q8 or f32 (candle also accepts as-stored).
+    #[arg(long, default_value = "q8")]
+    format: String,
+    /// Threads of the fast backend's matmuls.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
 }
 
 #[derive(Args)]
@@ -113,6 +151,7 @@ fn real_main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Run(a) => run(a),
         Cmd::Simulate(a) => sim(a),
+        Cmd::CostTable(a) => cost_table(a),
     }
 }
 
@@ -126,21 +165,9 @@ fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> BenchError + '_ 
 fn run(a: RunArgs) -> Result<()> {
     let requests = workload::load(&a.workload)?;
     let requests = &requests[..a.limit.unwrap_or(requests.len()).min(requests.len())];
-    let format = match a.format.as_str() {
-        "q8_0" => WeightFormat::Q8_0,
-        "f32" => WeightFormat::F32,
-        "as-stored" => WeightFormat::AsStored,
-        other => {
-            return Err(BenchError::Invalid {
-                what: "--format",
-                reason: format!("{other} (expected q8_0, f32 or as-stored)"),
-            })
-        }
-    };
-    let path = a.model.clone().unwrap_or_else(default_model_path);
-    let weights = LlamaWeights::load_with(&path, &LoadOptions::with_format(format))?;
+    let path = a.model.model.clone().unwrap_or_else(default_model_path);
+    let (mut target, make_model) = load_backend(&a.model, &path)?;
     let tok = GgufTokenizer::load(&path)?;
-    let mut target = CandleTarget::new(weights.clone());
     let max_ctx = target.max_context();
     let prepared: Vec<PreparedRequest> = requests
         .iter()
@@ -190,12 +217,11 @@ fn run(a: RunArgs) -> Result<()> {
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let w = weights.clone();
     let mut factory = move |name: &str| -> Result<Box<dyn Proposer>> {
         Ok(match name {
             "prompt-lookup" => Box::new(PromptLookup::new(1, 4)?),
             "suffix" => Box::new(SuffixProposer::new(SuffixConfig::default())?),
-            "same-model" => Box::new(DraftModelProposer::new(CandleTarget::new(w.clone()))),
+            "same-model" => Box::new(DraftModelProposer::new(make_model(None)?)),
             "none" => Box::new(NoProposer),
             other => {
                 if let Some(n) = other.strip_prefix("early-exit:") {
@@ -203,10 +229,7 @@ fn run(a: RunArgs) -> Result<()> {
                         what: "proposer",
                         reason: format!("{other}: early-exit:N needs a layer count"),
                     })?;
-                    Box::new(DraftModelProposer::new(CandleTarget::early_exit(
-                        w.clone(),
-                        n,
-                    )?))
+                    Box::new(DraftModelProposer::new(make_model(Some(n))?))
                 } else {
                     return Err(BenchError::Invalid {
                         what: "proposer",
@@ -220,7 +243,7 @@ fn run(a: RunArgs) -> Result<()> {
     };
     let eos = [tok.eos_id()];
     let records: Vec<RunRecord> = run_matrix(
-        &mut target,
+        &mut *target,
         &mut factory,
         &prepared,
         &eos,
@@ -240,6 +263,113 @@ fn run(a: RunArgs) -> Result<()> {
     std::fs::write(&md_path, &md).map_err(io(&md_path))?;
     standard_plots(&a.out, &records, &aggs)?;
     println!("{md}");
+    println!("wrote {}", a.out.display());
+    Ok(())
+}
+
+/// Makes a model: `None` the full model, `Some(n)` an early exit after `n` layers.
+type ModelMaker = Box<dyn Fn(Option<usize>) -> Result<Box<dyn TargetModel>>>;
+
+fn bad_arg(what: &'static str, reason: String) -> BenchError {
+    BenchError::Invalid { what, reason }
+}
+
+fn load_backend(
+    a: &ModelArgs,
+    path: &std::path::Path,
+) -> Result<(Box<dyn TargetModel>, ModelMaker)> {
+    match a.backend.as_str() {
+        "fast" => {
+            let format = match a.format.as_str() {
+                "q8" | "q8_0" => FastFormat::Q8,
+                "f32" => FastFormat::F32,
+                other => return Err(bad_arg("--format", format!("{other} (fast: q8 or f32)"))),
+            };
+            let w = FastWeights::load(path, format)?;
+            let threads = a.threads;
+            let target = Box::new(FastTarget::new(w.clone()).with_threads(threads));
+            let make: ModelMaker = Box::new(move |layers| {
+                Ok(match layers {
+                    Some(n) => {
+                        Box::new(FastTarget::early_exit(w.clone(), n)?.with_threads(threads))
+                    }
+                    None => Box::new(FastTarget::new(w.clone()).with_threads(threads)),
+                })
+            });
+            Ok((target, make))
+        }
+        "candle" => {
+            let format = match a.format.as_str() {
+                "q8" | "q8_0" => WeightFormat::Q8_0,
+                "f32" => WeightFormat::F32,
+                "as-stored" => WeightFormat::AsStored,
+                other => {
+                    return Err(bad_arg(
+                        "--format",
+                        format!("{other} (candle: q8, f32 or as-stored)"),
+                    ))
+                }
+            };
+            let w = LlamaWeights::load_with(path, &LoadOptions::with_format(format))?;
+            let target = Box::new(CandleTarget::new(w.clone()));
+            let make: ModelMaker = Box::new(move |layers| {
+                Ok(match layers {
+                    Some(n) => Box::new(CandleTarget::early_exit(w.clone(), n)?),
+                    None => Box::new(CandleTarget::new(w.clone())),
+                })
+            });
+            Ok((target, make))
+        }
+        other => Err(bad_arg(
+            "--backend",
+            format!("{other} (expected fast or candle)"),
+        )),
+    }
+}
+
+/// Measures `c(B, n)` as the time of one forward over `B * n` new tokens after `prefix` cached
+/// tokens (one sequence stands in for `B` sequences: the weights are read once per call either
+/// way; attention over `B` separate prefixes is not modelled). Median of `reps`.
+fn cost_table(a: CostArgs) -> Result<()> {
+    let path = a.model.model.clone().unwrap_or_else(default_model_path);
+    let (mut target, _) = load_backend(&a.model, &path)?;
+    let vocab = target.vocab_size() as u32;
+    let prefix: Vec<u32> = (0..a.prefix as u32)
+        .map(|i| (i * 37 + 11) % vocab)
+        .collect();
+    let mut logits = Vec::new();
+    target.truncate(0)?;
+    target.forward(&prefix, &mut logits)?;
+    let mut cost = Vec::new();
+    for &b in &a.batch {
+        let mut row = Vec::new();
+        for &n in &a.tokens {
+            let rows = b * n;
+            let toks: Vec<u32> = (0..rows as u32).map(|i| (i * 101 + 7) % vocab).collect();
+            let mut times = Vec::new();
+            for _ in 0..a.reps.max(1) {
+                let t = std::time::Instant::now();
+                target.forward(&toks, &mut logits)?;
+                times.push(t.elapsed().as_secs_f64());
+                target.truncate(prefix.len())?;
+            }
+            let med = spec_bench::stats::percentile(&times, 50.0).unwrap_or(0.0);
+            eprintln!("batch {b} tokens {n}: {:.2} ms", med * 1e3);
+            row.push(med);
+        }
+        cost.push(row);
+    }
+    let table = CostTable {
+        source: format!(
+            "measured by `spec-bench cost-table` ({} backend, {} weights, {} thread(s), prefix {}): one forward over batch*tokens rows, median of {}",
+            a.model.backend, a.model.format, a.model.threads, a.prefix, a.reps
+        ),
+        batch: a.batch.clone(),
+        tokens: a.tokens.clone(),
+        cost,
+    };
+    table.validate()?;
+    write_json(&a.out, &table)?;
     println!("wrote {}", a.out.display());
     Ok(())
 }

@@ -25,7 +25,11 @@ pub struct Aggregate {
     pub e2e_s: Summary,
     /// Time to first token in seconds.
     pub ttft_s: Summary,
+    /// Time per output token after the first, seconds: `(e2e - ttft) / (tokens - 1)` per run.
+    pub tpot_s: Summary,
     /// Inter-token latency percentiles over all tokens of all runs, seconds: p50, p90, p99.
+    /// Tokens that arrive in the same verified block have latency 0, so speculative runs often
+    /// have p50 = 0; see `tpot_s` for the mean.
     pub itl_p50_s: f64,
     /// p90 inter-token latency (s).
     pub itl_p90_s: f64,
@@ -112,6 +116,12 @@ pub fn aggregate(records: &[RunRecord]) -> Vec<Aggregate> {
                 runs: rs.len(),
                 e2e_s: Summary::of(&f(&|r| r.e2e_s)),
                 ttft_s: Summary::of(&f(&|r| r.ttft_s)),
+                tpot_s: Summary::of(
+                    &rs.iter()
+                        .filter(|r| r.tokens.len() > 1)
+                        .map(|r| (r.e2e_s - r.ttft_s) / (r.tokens.len() - 1) as f64)
+                        .collect::<Vec<_>>(),
+                ),
                 itl_p50_s: percentile(&itl, 50.0).unwrap_or(0.0),
                 itl_p90_s: percentile(&itl, 90.0).unwrap_or(0.0),
                 itl_p99_s: percentile(&itl, 99.0).unwrap_or(0.0),
@@ -142,8 +152,8 @@ pub fn aggregate(records: &[RunRecord]) -> Vec<Aggregate> {
 /// The markdown table for people: one row per (kind, configuration).
 pub fn markdown(aggs: &[Aggregate]) -> String {
     let mut s = String::new();
-    s.push_str("| kind | config | runs | tok/s | speed-up (mean ± sd, min-max) | accept rate | mean acc. len | TTFT ms | ITL p50/p90/p99 ms | e2e s | propose % | peak RSS MiB | greedy identical |\n");
-    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    s.push_str("| kind | config | runs | tok/s | speed-up (mean ± sd, min-max) | accept rate | mean acc. len | TTFT ms | TPOT ms | ITL p50/p90/p99 ms | e2e s | propose % | peak RSS MiB | greedy identical |\n");
+    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for a in aggs {
         let sp = a
             .speedup
@@ -155,7 +165,7 @@ pub fn markdown(aggs: &[Aggregate]) -> String {
             .unwrap_or_else(|| "-".into());
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.1} | {} | {:.3} | {:.2} | {:.1} | {:.1}/{:.1}/{:.1} | {:.2} | {:.1} | {} | {} |",
+            "| {} | {} | {} | {:.1} | {} | {:.3} | {:.2} | {:.1} | {:.2} | {:.1}/{:.1}/{:.1} | {:.2} | {:.1} | {} | {} |",
             a.kind,
             a.label,
             a.runs,
@@ -164,6 +174,7 @@ pub fn markdown(aggs: &[Aggregate]) -> String {
             a.acceptance_rate,
             a.mean_accepted_length,
             a.ttft_s.mean * 1e3,
+            a.tpot_s.mean * 1e3,
             a.itl_p50_s * 1e3,
             a.itl_p90_s * 1e3,
             a.itl_p99_s * 1e3,
