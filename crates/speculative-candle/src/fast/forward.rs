@@ -22,6 +22,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
 
 use super::f32mat::F32Matrix;
+use super::ops::{self, KvCache};
 use super::q8::{KernelPath, Q8Act, Q8Matrix};
 use crate::error::{CandleError, Result};
 use crate::model::open_gguf;
@@ -87,6 +88,8 @@ impl Matrix {
 #[derive(Debug)]
 struct Exec {
     path: KernelPath,
+    /// Whether the AVX-512 kernels of [`ops`] run (not with [`KernelPath::Scalar`]).
+    simd: bool,
     threads: usize,
     act: Q8Act,
 }
@@ -467,95 +470,27 @@ fn rope(v: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
-/// Shapes of one attention call.
-struct AttnGeometry {
-    /// New rows.
-    n: usize,
-    /// Cached positions before the call.
-    p: usize,
-    nh: usize,
-    nkv: usize,
-    d: usize,
-    /// Width of one `qkv` row.
-    width: usize,
-}
-
 /// Causal grouped-query attention of the `n` new query rows (already roped and scaled, in
-/// `qkv`, `[n, width]`) over the cache `kc`/`vc` (`[p + n][nkv][d]`), into `o` (`[n, nh d]`).
-/// Row `i` attends to positions `0 ..= p + i` in increasing order (module docs). Compiled
-/// with AVX2 where available; only element-wise vector operations, so the same bits.
+/// `qkv`, `[n, width]`, their keys and values already in `cache`) into `o` (`[n, nh d]`):
+/// row `i` attends to positions `0 ..= p + i` ([`ops::attend`], whose arithmetic depends only
+/// on the row's own position).
+#[allow(clippy::too_many_arguments)]
 fn attention(
-    g: &AttnGeometry,
+    cache: &KvCache,
     qkv: &[f32],
-    kc: &[f32],
-    vc: &[f32],
-    o: &mut Vec<f32>,
-    s: &mut Vec<f32>,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 was detected at run time.
-        unsafe { attention_avx2(g, qkv, kc, vc, o, s) };
-        return;
-    }
-    attention_generic(g, qkv, kc, vc, o, s);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn attention_avx2(
-    g: &AttnGeometry,
-    qkv: &[f32],
-    kc: &[f32],
-    vc: &[f32],
-    o: &mut Vec<f32>,
-    s: &mut Vec<f32>,
-) {
-    attention_generic(g, qkv, kc, vc, o, s);
-}
-
-#[inline(always)]
-fn attention_generic(
-    g: &AttnGeometry,
-    qkv: &[f32],
-    kc: &[f32],
-    vc: &[f32],
+    (n, p, nh, nkv, d, width): (usize, usize, usize, usize, usize, usize),
     o: &mut Vec<f32>,
     scores: &mut Vec<f32>,
+    simd: bool,
 ) {
-    let AttnGeometry {
-        n,
-        p,
-        nh,
-        nkv,
-        d,
-        width,
-    } = *g;
-    let (kvd, group) = (nkv * d, nh / nkv);
+    let group = nh / nkv;
     o.clear();
     o.resize(n * nh * d, 0.0);
     for i in 0..n {
-        let len = p + i + 1;
         for hq in 0..nh {
-            let kvh = hq / group;
             let q = &qkv[i * width + hq * d..i * width + (hq + 1) * d];
-            scores.clear();
-            for j in 0..len {
-                scores.push(dot(q, &kc[j * kvd + kvh * d..j * kvd + (kvh + 1) * d]));
-            }
-            let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            let mut sum = 0f32;
             let out = &mut o[(i * nh + hq) * d..(i * nh + hq + 1) * d];
-            for (j, s) in scores.iter().enumerate() {
-                let e = (s - max).exp();
-                sum += e;
-                let vj = &vc[j * kvd + kvh * d..j * kvd + (kvh + 1) * d];
-                for (ov, &vv) in out.iter_mut().zip(vj) {
-                    *ov += e * vv;
-                }
-            }
-            let inv = 1.0 / sum;
-            out.iter_mut().for_each(|v| *v *= inv);
+            ops::attend(cache, hq / group, q, p + i + 1, scores, out, simd);
         }
     }
 }
@@ -568,9 +503,8 @@ pub struct FastTarget {
     weights: Arc<FastWeights>,
     n_layers: usize,
     exec: Exec,
-    /// Per layer `[seq_len][kv_heads][d]`.
-    k_cache: Vec<Vec<f32>>,
-    v_cache: Vec<Vec<f32>>,
+    /// Per layer (positions `>= seq_len` are stale).
+    cache: Vec<KvCache>,
     seq_len: usize,
     hidden: Vec<f32>,
 }
@@ -606,16 +540,17 @@ impl FastTarget {
     }
 
     fn with_layers(weights: Arc<FastWeights>, n_layers: usize) -> Self {
+        let cache = KvCache::new(weights.config.n_kv_heads, weights.config.head_dim);
         FastTarget {
             weights,
             n_layers,
             exec: Exec {
                 path: KernelPath::detect(),
+                simd: ops::simd_available(),
                 threads: 1,
                 act: Q8Act::default(),
             },
-            k_cache: vec![Vec::new(); n_layers],
-            v_cache: vec![Vec::new(); n_layers],
+            cache: vec![cache; n_layers],
             seq_len: 0,
             hidden: Vec::new(),
         }
@@ -632,6 +567,7 @@ impl FastTarget {
             )));
         }
         self.exec.path = path;
+        self.exec.simd = path != KernelPath::Scalar && ops::simd_available();
         Ok(self)
     }
 
@@ -665,11 +601,11 @@ impl FastTarget {
             n_layers: self.n_layers,
             exec: Exec {
                 path: self.exec.path,
+                simd: self.exec.simd,
                 threads: self.exec.threads,
                 act: Q8Act::default(),
             },
-            k_cache: self.k_cache.clone(),
-            v_cache: self.v_cache.clone(),
+            cache: self.cache.clone(),
             seq_len: self.seq_len,
             hidden: self.hidden.clone(),
         }
@@ -706,17 +642,10 @@ impl FastTarget {
         let saved = self.seq_len;
         let out = self.run(tokens, logits);
         if out.is_err() {
-            self.truncate_caches(saved);
+            // Cache entries past `seq_len` are never read.
             self.seq_len = saved;
         }
         out
-    }
-
-    fn truncate_caches(&mut self, len: usize) {
-        let kvd = self.weights.config.n_kv_heads * self.weights.config.head_dim;
-        for c in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
-            c.truncate(len * kvd);
-        }
     }
 
     fn run(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
@@ -728,7 +657,9 @@ impl FastTarget {
         let (kvd, half) = (nkv * d, d / 2);
         let eps = cfg.rms_eps as f32;
         let scale = (1.0 / (d as f64).sqrt()) as f32;
-        self.truncate_caches(p);
+        for c in &mut self.cache[..self.n_layers] {
+            c.reserve(p + n, p);
+        }
 
         let embed = w.embed.as_ref().unwrap_or(&w.head);
         let mut x = vec![0f32; n * h];
@@ -748,7 +679,7 @@ impl FastTarget {
             rms_norm(&x, &layer.attn_norm, eps, &mut a);
             layer.wqkv.matmul(&a, &mut qkv, &mut self.exec)?;
             let width = (nh + 2 * nkv) * d;
-            let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
+            let cache = &mut self.cache[li];
             for (i, row) in qkv.chunks_exact_mut(width).enumerate() {
                 let cos = &w.rope_cos[(p + i) * half..(p + i + 1) * half];
                 let sin = &w.rope_sin[(p + i) * half..(p + i + 1) * half];
@@ -761,27 +692,27 @@ impl FastTarget {
                 for head in k.chunks_exact_mut(d) {
                     rope(head, cos, sin);
                 }
-                kc.extend_from_slice(k);
-                vc.extend_from_slice(v);
+                cache.write(p + i, k, v);
             }
-            let geo = AttnGeometry {
-                n,
-                p,
-                nh,
-                nkv,
-                d,
-                width,
-            };
-            attention(&geo, &qkv, kc, vc, &mut o, &mut scores);
+            let simd = self.exec.simd;
+            attention(
+                cache,
+                &qkv,
+                (n, p, nh, nkv, d, width),
+                &mut o,
+                &mut scores,
+                simd,
+            );
             layer.wo.matmul(&o, &mut proj, &mut self.exec)?;
             x.iter_mut().zip(&proj).for_each(|(xv, pv)| *xv += pv);
             rms_norm(&x, &layer.ffn_norm, eps, &mut a);
             layer.w_gate_up.matmul(&a, &mut gu, &mut self.exec)?;
             let f = cfg.ffn_size;
             act.clear();
-            for row in gu.chunks_exact(2 * f) {
+            act.resize(n * f, 0.0);
+            for (row, a) in gu.chunks_exact(2 * f).zip(act.chunks_exact_mut(f)) {
                 let (g, u) = row.split_at(f);
-                act.extend(g.iter().zip(u).map(|(&g, &u)| (g / (1.0 + (-g).exp())) * u));
+                ops::silu_mul(g, u, a, self.exec.simd);
             }
             layer.w_down.matmul(&act, &mut proj, &mut self.exec)?;
             x.iter_mut().zip(&proj).for_each(|(xv, pv)| *xv += pv);
@@ -803,7 +734,6 @@ impl FastTarget {
                 seq_len: self.seq_len,
             });
         }
-        self.truncate_caches(len);
         self.seq_len = len;
         Ok(())
     }

@@ -25,6 +25,7 @@
 
 pub mod f32mat;
 pub mod forward;
+mod ops;
 pub mod q8;
 
 pub use f32mat::F32Matrix;
