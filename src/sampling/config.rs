@@ -12,7 +12,9 @@ use crate::error::{Error, Result};
 /// the position follows (context plus the earlier drafts of the same block) and the row's logits
 /// (`[vocab]`, after penalties and logit bias). The mask sets the logits of forbidden tokens to
 /// `f32::NEG_INFINITY` and must not change the others. Target and draft rows at the same prefix
-/// get the same call, so the mask shapes both sides of the acceptance ratio.
+/// get the same call, so the mask shapes both sides of the acceptance ratio. `logits.len()` is
+/// the width of the row being processed: a draft model with a shorter (padded) vocabulary
+/// passes shorter rows, so a mask must index within `logits.len()`.
 pub trait TokenMask: Send + Sync {
     /// Sets forbidden tokens' logits to `-inf` for the position that follows `prefix`.
     fn apply(&self, prefix: &[u32], logits: &mut [f32]);

@@ -1,8 +1,7 @@
 //! The row processor: raw logits `[vocab]` -> greedy argmax or a processed distribution.
 
-use super::{
-    apply_min_p, apply_penalties, apply_top_p, select_top_k, Cand, SamplingConfig, TokenCounts,
-};
+use super::top_k::scan_top_k;
+use super::{apply_min_p, apply_penalties, apply_top_p, Cand, SamplingConfig, TokenCounts};
 use crate::error::{Error, Result, RowKind};
 
 /// A processed distribution over the vocabulary: probabilities (not logits) that sum to 1, stored
@@ -192,78 +191,101 @@ pub struct RowProcessor {
     scratch: Vec<f32>,
     cands: Vec<Cand>,
     work: Vec<Cand>,
+    blocks: Vec<f32>,
 }
 
-/// Maximum and "saw NaN / +inf" over a row, vectorisable (no early exit).
+/// Whether `row` holds a NaN or `+inf`, given `sum`, the f32 sum of the row in any order.
+///
+/// NaN is absorbing for addition and `+inf` can only vanish into NaN, so a sum that is finite or
+/// `-inf` proves the row clean; only otherwise (or on overflow) is the row checked entry by entry.
+#[inline]
+fn has_nan_or_pos_inf(sum: f32, row: &[f32]) -> bool {
+    if sum.is_finite() || sum == f32::NEG_INFINITY {
+        return false;
+    }
+    row.iter().any(|v| v.is_nan() || *v == f32::INFINITY)
+}
+
+/// Maximum and "saw NaN / +inf" over a row, vectorisable (no early exit): 16 lanes of maximum
+/// and of sum (the screen of [`has_nan_or_pos_inf`]).
 #[inline]
 fn scan(row: &[f32]) -> (f32, bool) {
     const L: usize = 16;
     let mut m = [f32::NEG_INFINITY; L];
-    let mut bad = [false; L];
+    let mut acc = [0.0f32; L];
     let chunks = row.chunks_exact(L);
     let rem = chunks.remainder();
     for c in chunks {
         for j in 0..L {
             let v = c[j];
-            bad[j] |= v.is_nan() | (v == f32::INFINITY);
+            acc[j] += v;
             m[j] = if v > m[j] { v } else { m[j] };
         }
     }
     let mut mx = f32::NEG_INFINITY;
-    let mut b = false;
+    let mut sum = 0.0f32;
     for j in 0..L {
         mx = mx.max(m[j]);
-        b |= bad[j];
+        sum += acc[j];
     }
     for &v in rem {
-        b |= v.is_nan() | (v == f32::INFINITY);
+        sum += v;
         mx = mx.max(v);
     }
-    (mx, b)
+    (mx, has_nan_or_pos_inf(sum, row))
 }
 
 /// Maximum, index of its first occurrence, and "saw NaN / +inf", in one vectorisable pass.
-/// Each of the 16 lanes keeps its first strict maximum; the lowest index among the lanes that
-/// hold the global maximum is the first occurrence (ties go to the lowest id).
+///
+/// The row is read in blocks of 256 entries; each block's maximum is computed in 16 lanes and
+/// a block replaces the best one only if its maximum is strictly larger, so the best block is
+/// the first that holds the row maximum, and the first entry equal to it there is the first
+/// occurrence in the row (ties go to the lowest id).
 #[inline]
 fn scan_argmax(row: &[f32]) -> (f32, usize, bool) {
     const L: usize = 16;
-    let mut m = [f32::NEG_INFINITY; L];
-    let mut idx = [0u32; L];
-    let mut bad = [false; L];
-    let chunks = row.chunks_exact(L);
-    let rem = chunks.remainder();
-    for (ci, c) in chunks.enumerate() {
-        let base = (ci * L) as u32;
-        for j in 0..L {
-            let v = c[j];
-            bad[j] |= v.is_nan() | (v == f32::INFINITY);
-            let gt = v > m[j];
-            m[j] = if gt { v } else { m[j] };
-            idx[j] = if gt { base + j as u32 } else { idx[j] };
+    const B: usize = 256;
+    let mut best = f32::NEG_INFINITY;
+    let mut best_block = usize::MAX;
+    let mut acc = [0.0f32; L];
+    let blocks = row.chunks_exact(B);
+    let rem = blocks.remainder();
+    for (bi, block) in blocks.enumerate() {
+        let mut m = [f32::NEG_INFINITY; L];
+        for c in block.chunks_exact(L) {
+            for j in 0..L {
+                let v = c[j];
+                acc[j] += v;
+                m[j] = if v > m[j] { v } else { m[j] };
+            }
+        }
+        let mut bm = f32::NEG_INFINITY;
+        for &x in &m {
+            bm = if x > bm { x } else { bm };
+        }
+        if bm > best {
+            best = bm;
+            best_block = bi;
         }
     }
-    let mut mx = f32::NEG_INFINITY;
-    let mut b = false;
-    for j in 0..L {
-        mx = mx.max(m[j]);
-        b |= bad[j];
-    }
-    let mut best = usize::MAX;
-    for j in 0..L {
-        if m[j] == mx && mx > f32::NEG_INFINITY {
-            best = best.min(idx[j] as usize);
-        }
+    let mut idx = usize::MAX;
+    if best_block != usize::MAX {
+        let s = best_block * B;
+        idx = s + row[s..s + B].iter().position(|&v| v == best).unwrap_or(0);
     }
     let base = row.len() - rem.len();
+    let mut sum = 0.0f32;
     for (j, &v) in rem.iter().enumerate() {
-        b |= v.is_nan() | (v == f32::INFINITY);
-        if v > mx {
-            mx = v;
-            best = base + j;
+        sum += v;
+        if v > best {
+            best = v;
+            idx = base + j;
         }
     }
-    (mx, best, b)
+    for x in acc {
+        sum += x;
+    }
+    (best, idx, has_nan_or_pos_inf(sum, row))
 }
 
 fn non_finite(row: &[f32], kind: RowKind, row_idx: usize) -> Error {
@@ -400,7 +422,7 @@ impl RowProcessor {
             .unwrap_or(f32::NEG_INFINITY);
         let mut top = Vec::new();
         if top_n > 0 {
-            select_top_k(eff, top_n, &mut self.cands);
+            scan_top_k(eff, top_n, &mut self.cands, &mut self.blocks);
             self.cands.sort_unstable_by(Cand::rank);
             top = self
                 .cands
@@ -436,7 +458,15 @@ impl RowProcessor {
             return Ok(());
         }
         let eff = Self::effective(&mut self.scratch, cfg, logits, hist);
-        let (mx, bad) = scan(eff);
+        let cands = &mut self.cands;
+        let top_k = cfg.top_k > 0 && cfg.top_k < vocab;
+        // Top-k selection shares its first pass with the scan for the maximum and the screen.
+        let (mx, bad) = if top_k {
+            let (mx, sum) = scan_top_k(eff, cfg.top_k, cands, &mut self.blocks);
+            (mx, has_nan_or_pos_inf(sum, eff))
+        } else {
+            scan(eff)
+        };
         if bad {
             return Err(non_finite(eff, kind, row));
         }
@@ -445,10 +475,7 @@ impl RowProcessor {
         }
         // Temperature: z = (l - max) / T <= 0, so tiny T gives -inf (probability 0), never NaN.
         let inv_t = (1.0 / cfg.temperature).min(f32::MAX);
-        let cands = &mut self.cands;
-        if cfg.top_k > 0 && cfg.top_k < vocab {
-            select_top_k(eff, cfg.top_k, cands);
-        } else {
+        if !top_k {
             cands.clear();
             cands.extend(
                 eff.iter()

@@ -5,52 +5,141 @@ use super::Cand;
 /// Writes the `k` highest logits of `logits` (`[vocab]`) into `out` as candidates sorted by
 /// token id; ties rank the lower id first. `-inf` entries are never selected.
 ///
-/// One pass over the row (chunks of 16 entries with no entry above the current admission
-/// threshold are skipped after a vectorised test) with a buffer of at most `2k + 256`
-/// candidates: when the buffer fills,
-/// a selection (`select_nth_unstable`, expected O(len)) keeps the best `k` and raises the
-/// admission threshold. Expected cost O(vocab + k log k); the vocabulary is never sorted.
+/// Two passes over the row, never sorting the vocabulary (see [`scan_top_k`]); expected cost
+/// O(vocab + k log k). Allocates a buffer of `vocab / 256` floats; [`super::RowProcessor`]
+/// reuses its own.
 pub fn select_top_k(logits: &[f32], k: usize, out: &mut Vec<Cand>) {
-    out.clear();
-    if k == 0 {
-        return;
+    let mut blocks = Vec::new();
+    scan_top_k(logits, k, out, &mut blocks);
+}
+
+/// Largest float below `x` (`x` itself for NaN and `-inf`), so that `v > next_down(x)` is
+/// `v >= x` for every non-NaN `v`.
+fn next_down(x: f32) -> f32 {
+    if x.is_nan() || x == f32::NEG_INFINITY {
+        return x;
     }
-    let cap = 2 * k + 256;
-    let mut thr = f32::NEG_INFINITY;
-    let mut admit = |base: usize, part: &[f32], thr: &mut f32| {
-        for (j, &v) in part.iter().enumerate() {
-            // Later ids lose ties, so an entry equal to the threshold never enters.
-            if v > *thr {
-                out.push(Cand::new((base + j) as u32, v));
-                if out.len() >= cap {
-                    out.select_nth_unstable_by(k - 1, Cand::rank);
-                    out.truncate(k);
-                    // out[k - 1] ranks last among the kept: its logit is the lowest kept.
-                    *thr = out[k - 1].logit;
-                }
+    if x == 0.0 {
+        return -f32::from_bits(1);
+    }
+    let b = x.to_bits();
+    f32::from_bits(if x > 0.0 { b - 1 } else { b + 1 })
+}
+
+/// [`select_top_k`] fused with the processor's row scan; returns the row maximum and the f32
+/// sum of the row (the caller's NaN / `+inf` screen). `blocks` is scratch.
+///
+/// 1. One vectorised pass computes the maximum, the sum and the maximum of every block of 256
+///    entries.
+/// 2. The k-th largest block maximum is a lower bound of the k-th largest entry (the k largest
+///    block maxima are k distinct entries), so entries below it can never be selected: it is
+///    the first admission threshold (inclusive).
+/// 3. A second pass visits only blocks whose maximum passes the threshold; inside them a
+///    vectorised test skips 16-entry chunks with no entry above it, and admitted entries are
+///    appended without branches (random data would mispredict a per-entry branch). When the
+///    buffer of `2k + 256` candidates fills, a selection (`select_nth_unstable`) keeps the best
+///    `k` and raises the threshold (exclusive: later ids lose ties) to the k-th kept logit.
+pub(crate) fn scan_top_k(
+    logits: &[f32],
+    k: usize,
+    out: &mut Vec<Cand>,
+    blocks: &mut Vec<f32>,
+) -> (f32, f32) {
+    const L: usize = 16;
+    const B: usize = 256;
+    blocks.clear();
+    let mut acc = [0.0f32; L];
+    let mut mx = f32::NEG_INFINITY;
+    let full = logits.chunks_exact(B);
+    let rem = full.remainder();
+    for block in full {
+        let mut m = [f32::NEG_INFINITY; L];
+        for c in block.chunks_exact(L) {
+            for j in 0..L {
+                let v = c[j];
+                acc[j] += v;
+                m[j] = if v > m[j] { v } else { m[j] };
             }
         }
-    };
-    // A branch-free (vectorisable) test per chunk first: once the threshold has risen, most
-    // chunks hold no entry above it and are skipped at the speed of reading them.
-    const L: usize = 16;
-    let chunks = logits.chunks_exact(L);
-    let rem = chunks.remainder();
-    for (c, chunk) in chunks.enumerate() {
-        let mut hit = false;
-        for &v in chunk {
-            hit |= v > thr;
+        let mut bm = f32::NEG_INFINITY;
+        for &x in &m {
+            bm = if x > bm { x } else { bm };
         }
-        if hit {
-            admit(c * L, chunk, &mut thr);
+        mx = if bm > mx { bm } else { mx };
+        blocks.push(bm);
+    }
+    let mut sum = 0.0f32;
+    for x in acc {
+        sum += x;
+    }
+    for &v in rem {
+        sum += v;
+        mx = if v > mx { v } else { mx };
+    }
+    out.clear();
+    if k == 0 {
+        return (mx, sum);
+    }
+    let mut thr = f32::NEG_INFINITY;
+    if blocks.len() >= k {
+        out.extend(
+            blocks
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| Cand::new(i as u32, b)),
+        );
+        out.select_nth_unstable_by(k - 1, Cand::rank);
+        thr = next_down(out[k - 1].logit);
+        out.clear();
+    }
+    let cap = 2 * k + 256;
+    // Branch-free appends write up to L entries past the count: keep room for them.
+    out.resize(cap + L, Cand::new(0, 0.0));
+    let mut n = 0usize;
+    let mut admit = |base: usize, chunk: &[f32], thr: &mut f32, n: &mut usize| {
+        for (j, &v) in chunk.iter().enumerate() {
+            out[*n] = Cand::new((base + j) as u32, v);
+            *n += (v > *thr) as usize;
+        }
+        if *n >= cap {
+            out[..*n].select_nth_unstable_by(k - 1, Cand::rank);
+            *n = k;
+            // out[k - 1] ranks last among the kept: its logit is the lowest kept.
+            *thr = out[k - 1].logit;
+        }
+    };
+    for (bi, &bm) in blocks.iter().enumerate() {
+        // Neither is NaN: block maxima and thresholds come from `>` comparisons and logits.
+        if bm <= thr {
+            continue;
+        }
+        let base = bi * B;
+        for (ci, chunk) in logits[base..base + B].chunks_exact(L).enumerate() {
+            // The chunk maximum in 4 lanes (a boolean "any" reduction compiles to branches).
+            let mut m = [f32::NEG_INFINITY; 4];
+            for q in chunk.chunks_exact(4) {
+                for t in 0..4 {
+                    m[t] = if q[t] > m[t] { q[t] } else { m[t] };
+                }
+            }
+            let a = if m[0] > m[1] { m[0] } else { m[1] };
+            let b = if m[2] > m[3] { m[2] } else { m[3] };
+            if (if a > b { a } else { b }) > thr {
+                admit(base + ci * L, chunk, &mut thr, &mut n);
+            }
         }
     }
-    admit(logits.len() - rem.len(), rem, &mut thr);
+    let base = logits.len() - rem.len();
+    for (ci, chunk) in rem.chunks(L).enumerate() {
+        admit(base + ci * L, chunk, &mut thr, &mut n);
+    }
+    out.truncate(n);
     if out.len() > k {
         out.select_nth_unstable_by(k - 1, Cand::rank);
         out.truncate(k);
     }
     out.sort_unstable_by_key(|c| c.id);
+    (mx, sum)
 }
 
 #[cfg(test)]
@@ -90,7 +179,7 @@ mod tests {
                     }
                 })
                 .collect();
-            for k in [1, 2, 5, 50, 300] {
+            for k in [1, 2, 5, 11, 50, 300] {
                 let mut out = Vec::new();
                 select_top_k(&logits, k, &mut out);
                 let got: Vec<u32> = out.iter().map(|c| c.id).collect();

@@ -1,0 +1,189 @@
+//! Cost of logits processing + verification, as a ratio to reading the same logits once.
+//!
+//! One criterion group per vocabulary size, `verify_v{vocab}`. In each group and for each
+//! parameter set `k{k}_b{batch}` (draft length k, batch size):
+//!
+//! - `read_once`: a vectorisable sum over the whole `[batch * (k + 1), vocab]` target buffer,
+//!   the floor that any verifier must pay to look at the logits once;
+//! - `greedy`: `Verifier::verify_batch`, temperature 0;
+//! - `stochastic`: `Verifier::verify_batch`, temperature 0.8, top-p 0.9, top-k 50.
+//!
+//! Drafts are point masses: in each sequence the first `ceil(k / 2)` drafts are the target's
+//! argmax (accepted in greedy mode), the rest are other tokens (rejected), so half of the
+//! positions come from the argmax. The verifier reads only the rows up to the first rejection;
+//! the number of rows read is printed once per parameter set (`rows read`), so the cost per row
+//! read can be derived as well.
+//!
+//! Logits look like a language model's: N(0, 2^2) noise with one leading token per row whose
+//! margin over the runner-up is uniform in [0, 6) logits.
+//!
+//! Filter by name, e.g. `cargo bench --bench verify -- 'verify_v151936/.*/k4_b16'`. Inputs are
+//! generated lazily, only for the benchmarks that run: one `[576, vocab]` buffer per vocabulary
+//! (the largest batch * (k + 1)), sliced for smaller parameter sets.
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use speculative::{DraftProbs, SamplingConfig, SequenceParams, Verifier, VerifyBatch};
+
+const VOCABS: [usize; 5] = [32_000, 49_152, 128_256, 151_936, 262_144];
+const KS: [usize; 3] = [1, 4, 8];
+const BATCHES: [usize; 3] = [1, 16, 64];
+const MAX_ROWS: usize = 64 * 9;
+
+/// xorshift64* uniform in (0, 1).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let x = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        ((x >> 40) as f32 + 0.5) / 16_777_216.0
+    }
+}
+
+/// `[MAX_ROWS, vocab]` logits: N(0, 4) noise plus one leading token per row.
+fn logits(vocab: usize) -> Vec<f32> {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ vocab as u64);
+    let mut out = Vec::with_capacity(MAX_ROWS * vocab);
+    for _ in 0..MAX_ROWS {
+        let start = out.len();
+        for _ in 0..vocab / 2 {
+            let (u1, u2) = (rng.next(), rng.next());
+            let r = 2.0 * (-2.0 * u1.ln()).sqrt();
+            let (s, c) = (std::f32::consts::TAU * u2).sin_cos();
+            out.push(r * c);
+            out.push(r * s);
+        }
+        if vocab % 2 == 1 {
+            out.push(0.0);
+        }
+        let row = &mut out[start..];
+        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lead = (rng.next() * vocab as f32) as usize % vocab;
+        row[lead] = mx + 6.0 * rng.next();
+    }
+    out
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Drafts for `batch` sequences of length `k`: the argmax for the first `ceil(k / 2)`
+/// positions, then the token after the argmax.
+fn drafts(buf: &[f32], vocab: usize, k: usize, batch: usize) -> Vec<u32> {
+    let mut d = Vec::with_capacity(batch * k);
+    for b in 0..batch {
+        for i in 0..k {
+            let r = b * (k + 1) + i;
+            let a = argmax(&buf[r * vocab..(r + 1) * vocab]);
+            d.push(if i < k.div_ceil(2) {
+                a
+            } else {
+                (a + 1) % vocab as u32
+            });
+        }
+    }
+    d
+}
+
+/// Sum of the buffer with 16 independent accumulators (vectorises; one read of every float).
+fn read_once(buf: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let chunks = buf.chunks_exact(16);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for j in 0..16 {
+            acc[j] += c[j];
+        }
+    }
+    acc.iter().sum::<f32>() + rem.iter().sum::<f32>()
+}
+
+fn bench(c: &mut Criterion) {
+    let greedy = SamplingConfig::greedy();
+    let stochastic = SamplingConfig::builder()
+        .temperature(0.8)
+        .top_p(0.9)
+        .top_k(50)
+        .build()
+        .expect("valid configuration");
+    let modes = [("greedy", &greedy), ("stochastic", &stochastic)];
+    for vocab in VOCABS {
+        let mut group = c.benchmark_group(format!("verify_v{vocab}"));
+        group
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(300))
+            .measurement_time(Duration::from_millis(1500));
+        // Generated on first use only, so that filtered-out groups cost nothing.
+        let mut buf: Option<Vec<f32>> = None;
+        let mut draft_cache: HashMap<(usize, usize), Vec<u32>> = HashMap::new();
+        for k in KS {
+            for batch in BATCHES {
+                let rows = batch * (k + 1);
+                let id = format!("k{k}_b{batch}");
+                let offsets: Vec<usize> = (0..=batch).map(|b| b * k).collect();
+                group.bench_function(BenchmarkId::new("read_once", &id), |b| {
+                    let buf = buf.get_or_insert_with(|| logits(vocab));
+                    let data = &buf[..rows * vocab];
+                    b.iter(|| read_once(black_box(data)))
+                });
+                for (mode, cfg) in modes {
+                    let seqs: Vec<SequenceParams<'_>> = (0..batch)
+                        .map(|s| SequenceParams::new(cfg, s as u64))
+                        .collect();
+                    let mut verifier = Verifier::new();
+                    let mut reported = false;
+                    group.bench_function(BenchmarkId::new(mode, &id), |b| {
+                        let buf = buf.get_or_insert_with(|| logits(vocab));
+                        let data = &buf[..rows * vocab];
+                        let d = draft_cache
+                            .entry((k, batch))
+                            .or_insert_with(|| drafts(data, vocab, k, batch));
+                        let vb = VerifyBatch {
+                            vocab_size: vocab,
+                            target_logits: data,
+                            draft_tokens: d,
+                            draft_offsets: &offsets,
+                            draft_probs: DraftProbs::PointMass,
+                            sequences: &seqs,
+                        };
+                        if !reported {
+                            reported = true;
+                            let out = verifier.verify_batch(&vb).expect("valid batch");
+                            let read: usize = out
+                                .iter()
+                                .map(|r| r.as_ref().expect("valid").tokens.len())
+                                .sum();
+                            let acc: usize = out
+                                .iter()
+                                .map(|r| r.as_ref().expect("valid").accepted)
+                                .sum();
+                            eprintln!(
+                                "verify_v{vocab}/{mode}/{id}: rows read {read} of {rows}, \
+                                 accepted {acc} of {}",
+                                batch * k
+                            );
+                        }
+                        b.iter(|| verifier.verify_batch(black_box(&vb)))
+                    });
+                }
+            }
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
