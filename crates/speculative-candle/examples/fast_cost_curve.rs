@@ -47,11 +47,21 @@ struct Args {
     /// Also measure every available int8 kernel path (one thread).
     #[arg(long)]
     all_kernels: bool,
+    /// Also print the absolute times (ms) of every n.
+    #[arg(long)]
+    ms: bool,
+    /// Statistic over the runs: `median` (default) or `min` (less sensitive to other load).
+    #[arg(long, default_value = "median")]
+    stat: String,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+fn minimum(v: Vec<f64>) -> f64 {
+    v.into_iter().fold(f64::INFINITY, f64::min)
 }
 
 /// Median ms of a forward over `new[..n]` after `prefix` is cached, for 1 and every `ns`.
@@ -61,6 +71,7 @@ fn curve<T: TargetModel>(
     new: &[u32],
     ns: &[usize],
     runs: usize,
+    stat: fn(Vec<f64>) -> f64,
 ) -> Result<Vec<f64>, Box<dyn std::error::Error>> {
     let mut logits = Vec::new();
     m.truncate(0)?;
@@ -77,21 +88,29 @@ fn curve<T: TargetModel>(
             t.push(s.elapsed().as_secs_f64() * 1e3);
             m.truncate(p)?;
         }
-        out.push(median(t));
+        out.push(stat(t));
     }
     Ok(out)
 }
 
-fn row(name: &str, ns: &[usize], ms: &[f64]) {
+fn row(name: &str, ns: &[usize], ms: &[f64], abs: bool) {
     let mut s = format!("| {name} | {:.2} |", ms[0]);
     for (i, _) in ns.iter().enumerate().skip(1) {
         s.push_str(&format!(" {:.2} |", ms[i] / ms[0]));
     }
     println!("{s}");
+    if abs {
+        let v: Vec<String> = ms.iter().map(|m| format!("{m:.2}")).collect();
+        println!("|   ms for n = {ns:?} | {} |", v.join(" | "));
+    }
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    let stat: fn(Vec<f64>) -> f64 = match args.stat.as_str() {
+        "min" => minimum,
+        _ => median,
+    };
     let path = args.model.clone().unwrap_or_else(default_model_path);
     let threads = speculative_candle::use_single_thread_if_unset();
     let tok = GgufTokenizer::load(&path)?;
@@ -107,9 +126,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let (prefix, new) = tokens.split_at(args.prefix);
     println!(
-        "model {}; prefix {} tokens; median of {} runs; candle threads {threads}; kernel {:?}",
+        "model {}; prefix {} tokens; {} of {} runs; candle threads {threads}; kernel {:?}",
         path.display(),
         args.prefix,
+        if args.stat == "min" { "min" } else { "median" },
         args.runs,
         KernelPath::detect()
     );
@@ -123,24 +143,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if !args.no_candle {
         let w = LlamaWeights::load_with(&path, &LoadOptions::with_format(WeightFormat::Q8_0))?;
         let mut m = CandleTarget::new(w);
-        let ms = curve(&mut m, prefix, new, &ns, args.runs)?;
-        row("candle QMatMul Q8_0, 1 thread", &ns, &ms);
+        let ms = curve(&mut m, prefix, new, &ns, args.runs, stat)?;
+        row("candle QMatMul Q8_0, 1 thread", &ns, &ms, args.ms);
     }
     let q8 = FastWeights::load(&path, FastFormat::Q8)?;
     for &t in &args.threads {
         let mut m = FastTarget::new(q8.clone()).with_threads(t);
-        let ms = curve(&mut m, prefix, new, &ns, args.runs)?;
+        let ms = curve(&mut m, prefix, new, &ns, args.runs, stat)?;
         row(
             &format!("fast Q8 ({:?}), {t} thread(s)", m.kernel()),
             &ns,
             &ms,
+            args.ms,
         );
     }
     if args.all_kernels {
         for k in KernelPath::available() {
             let mut m = FastTarget::new(q8.clone()).with_kernel(k)?;
-            let ms = curve(&mut m, prefix, new, &ns, args.runs)?;
-            row(&format!("fast Q8 ({k:?}), 1 thread"), &ns, &ms);
+            let ms = curve(&mut m, prefix, new, &ns, args.runs, stat)?;
+            row(&format!("fast Q8 ({k:?}), 1 thread"), &ns, &ms, args.ms);
         }
     }
     drop(q8);
@@ -148,8 +169,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let f = FastWeights::load(&path, FastFormat::F32)?;
         for &t in &args.threads {
             let mut m = FastTarget::new(f.clone()).with_threads(t);
-            let ms = curve(&mut m, prefix, new, &ns, args.runs)?;
-            row(&format!("fast F32, {t} thread(s)"), &ns, &ms);
+            let ms = curve(&mut m, prefix, new, &ns, args.runs, stat)?;
+            row(&format!("fast F32, {t} thread(s)"), &ns, &ms, args.ms);
         }
     }
     Ok(())

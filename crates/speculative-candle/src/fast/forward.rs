@@ -487,10 +487,11 @@ fn attention(
     o.clear();
     o.resize(n * nh * d, 0.0);
     for i in 0..n {
-        for hq in 0..nh {
-            let q = &qkv[i * width + hq * d..i * width + (hq + 1) * d];
-            let out = &mut o[(i * nh + hq) * d..(i * nh + hq + 1) * d];
-            ops::attend(cache, hq / group, q, p + i + 1, scores, out, simd);
+        for kvh in 0..nkv {
+            let (h0, h1) = (kvh * group, (kvh + 1) * group);
+            let q = &qkv[i * width + h0 * d..i * width + h1 * d];
+            let out = &mut o[(i * nh + h0) * d..(i * nh + h1) * d];
+            ops::attend(cache, kvh, q, p + i + 1, scores, out, simd);
         }
     }
 }

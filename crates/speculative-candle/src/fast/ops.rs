@@ -133,9 +133,9 @@ impl KvCache {
     }
 }
 
-/// Attention of one query head `q` (`d` values) over positions `0 .. len` of KV head `kvh`,
-/// into `out` (`d` values); `scores` is scratch. `simd` selects the AVX-512 kernel (callers
-/// check [`simd_available`]); the bits are the same either way.
+/// Attention of the query heads in `q` (`[heads][d]`, heads sharing KV head `kvh`) over
+/// positions `0 .. len`, into `out` (`[heads][d]`); `scores` is scratch. `simd` selects the
+/// AVX-512 kernel (callers check [`simd_available`]); the bits are the same either way.
 pub(crate) fn attend(
     c: &KvCache,
     kvh: usize,
@@ -146,18 +146,20 @@ pub(crate) fn attend(
     simd: bool,
 ) {
     let d = c.d;
-    assert!(len <= c.cap && q.len() == d && out.len() == d && len > 0);
+    let heads = q.len() / d;
+    assert!(len <= c.cap && q.len() == heads * d && out.len() == q.len() && len > 0 && kvh < c.nkv);
     scores.clear();
-    scores.resize(len.next_multiple_of(LANES), 0.0);
+    scores.resize(heads * len.next_multiple_of(LANES), 0.0);
     #[cfg(target_arch = "x86_64")]
     if simd && d.is_multiple_of(LANES) {
-        // SAFETY: the caller checked AVX-512 F; the sizes were asserted above and `c`'s
-        // buffers hold `nkv d cap` values, `kvh < nkv` is checked inside by slicing.
+        // SAFETY: the caller checked AVX-512 F.
         unsafe { x86::attend(c, kvh, q, len, scores, out) };
         return;
     }
     let _ = simd;
-    attend_portable(c, kvh, q, len, scores, out);
+    for (qh, oh) in q.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        attend_portable(c, kvh, qh, len, scores, oh);
+    }
 }
 
 /// Pairwise tree sum of 16 lanes (module docs, step 3).
@@ -265,6 +267,10 @@ mod x86 {
         _mm512_mask_mov_ps(y, nan, x)
     }
 
+    /// Attention of the `heads` query heads in `q` (`[heads][d]`) over KV head `kvh`, into
+    /// `out` (`[heads][d]`); `scores` holds `heads` rows of `len` rounded up to 16. Heads are
+    /// processed in batches of up to 4 that share each key and value load; every head's
+    /// arithmetic is that of the portable kernel.
     #[target_feature(enable = "avx512f")]
     pub(super) fn attend(
         c: &KvCache,
@@ -274,77 +280,132 @@ mod x86 {
         scores: &mut [f32],
         out: &mut [f32],
     ) {
-        let (d, cap) = (c.d, c.cap);
-        let kt = &c.kt[kvh * d * cap..(kvh + 1) * d * cap];
-        let chunks = len.div_ceil(LANES);
-        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
-        let mut vmax = ninf;
-        for ch in 0..chunks {
-            let j0 = ch * LANES;
-            let mut a = [_mm512_setzero_ps(); 4];
-            for i0 in (0..d).step_by(4) {
-                for (ci, ac) in a.iter_mut().enumerate() {
-                    let i = i0 + ci;
-                    let k = &kt[i * cap + j0..i * cap + j0 + LANES];
-                    // SAFETY: `k` holds 16 floats (`j0 + 16 <= cap`); unaligned load.
-                    let kv = unsafe { _mm512_loadu_ps(k.as_ptr()) };
-                    *ac = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), kv, *ac);
+        let d = c.d;
+        let heads = q.len() / d;
+        let lp = len.next_multiple_of(LANES);
+        assert!(
+            kvh < c.nkv
+                && d.is_multiple_of(LANES)
+                && len <= c.cap
+                && len > 0
+                && out.len() == heads * d
+                && scores.len() >= heads * lp
+        );
+        let mut h0 = 0;
+        while h0 < heads {
+            let hn = (heads - h0).min(4);
+            let (qh, sh) = (&q[h0 * d..], &mut scores[h0 * lp..]);
+            let oh = &mut out[h0 * d..];
+            // SAFETY: the assertion above bounds every access made by the batch kernels:
+            // `qh`/`oh` hold at least `hn d` values, `sh` at least `hn lp`, and the cache
+            // reads stay within KV head `kvh`'s `d` rows of `cap >= lp` keys and `len` values.
+            unsafe {
+                match hn {
+                    1 => batch::<1>(c, kvh, qh, len, sh, oh),
+                    2 => batch::<2>(c, kvh, qh, len, sh, oh),
+                    3 => batch::<3>(c, kvh, qh, len, sh, oh),
+                    _ => batch::<4>(c, kvh, qh, len, sh, oh),
                 }
             }
-            let s = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+            h0 += hn;
+        }
+    }
+
+    /// `H` heads of [`attend`]. Callers guarantee the bounds listed there.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn batch<const H: usize>(
+        c: &KvCache,
+        kvh: usize,
+        q: &[f32],
+        len: usize,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let (d, cap) = (c.d, c.cap);
+        let lp = len.next_multiple_of(LANES);
+        let kt = c.kt.as_ptr().add(kvh * d * cap);
+        let qp = q.as_ptr();
+        let sp = scores.as_mut_ptr();
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut vmax = [ninf; H];
+        // 1. Scores, 16 positions per vector, 4 chains over the dimensions.
+        for j0 in (0..len).step_by(LANES) {
+            let mut a = [[_mm512_setzero_ps(); 4]; H];
+            for i0 in (0..d).step_by(4) {
+                for ci in 0..4 {
+                    let i = i0 + ci;
+                    let kv = _mm512_loadu_ps(kt.add(i * cap + j0));
+                    for h in 0..H {
+                        let qv = _mm512_set1_ps(*qp.add(h * d + i));
+                        a[h][ci] = _mm512_fmadd_ps(qv, kv, a[h][ci]);
+                    }
+                }
+            }
             let valid = len - j0;
             let m: __mmask16 = if valid >= LANES {
                 0xffff
             } else {
                 (1u16 << valid) - 1
             };
-            let s = _mm512_mask_mov_ps(ninf, m, s);
-            vmax = _mm512_max_ps(vmax, s);
-            // SAFETY: `scores` holds `chunks * 16` floats.
-            unsafe { _mm512_storeu_ps(scores[j0..j0 + LANES].as_mut_ptr(), s) };
-        }
-        let max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        let mut vsum = _mm512_setzero_ps();
-        for ch in 0..chunks {
-            let sl = &mut scores[ch * LANES..(ch + 1) * LANES];
-            // SAFETY: `sl` holds 16 floats; unaligned load and store.
-            unsafe {
-                let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sl.as_ptr()), max));
-                vsum = _mm512_add_ps(vsum, e);
-                _mm512_storeu_ps(sl.as_mut_ptr(), e);
+            for h in 0..H {
+                let s = _mm512_add_ps(
+                    _mm512_add_ps(a[h][0], a[h][1]),
+                    _mm512_add_ps(a[h][2], a[h][3]),
+                );
+                let s = _mm512_mask_mov_ps(ninf, m, s);
+                vmax[h] = _mm512_max_ps(vmax[h], s);
+                _mm512_storeu_ps(sp.add(h * lp + j0), s);
             }
         }
-        let mut lanes = [0f32; LANES];
-        // SAFETY: `lanes` holds 16 floats.
-        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), vsum) };
-        let inv = _mm512_set1_ps(1.0 / tree16(&lanes));
+        // 2-3. Exponentials and their sums.
+        let mut inv = [_mm512_setzero_ps(); H];
+        for h in 0..H {
+            let max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[h]));
+            let mut vsum = _mm512_setzero_ps();
+            for j0 in (0..len).step_by(LANES) {
+                let p = sp.add(h * lp + j0);
+                let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p), max));
+                vsum = _mm512_add_ps(vsum, e);
+                _mm512_storeu_ps(p, e);
+            }
+            let mut lanes = [0f32; LANES];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), vsum);
+            inv[h] = _mm512_set1_ps(1.0 / tree16(&lanes));
+        }
+        // 4. Weighted values, 4 chains over the positions.
         let rows = c.nkv * d;
-        let v = &c.v[..len * rows];
+        let vp = c.v.as_ptr().add(kvh * d);
         for i0 in (0..d).step_by(LANES) {
-            let mut b = [_mm512_setzero_ps(); 4];
-            let base = kvh * d + i0;
+            let mut b = [[_mm512_setzero_ps(); 4]; H];
             let mut j = 0;
             while j + 4 <= len {
-                for (ci, bc) in b.iter_mut().enumerate() {
-                    let vs = &v[(j + ci) * rows + base..(j + ci) * rows + base + LANES];
-                    // SAFETY: `vs` holds 16 floats; unaligned load.
-                    let vv = unsafe { _mm512_loadu_ps(vs.as_ptr()) };
-                    *bc = _mm512_fmadd_ps(_mm512_set1_ps(scores[j + ci]), vv, *bc);
+                for ci in 0..4 {
+                    let vv = _mm512_loadu_ps(vp.add((j + ci) * rows + i0));
+                    for h in 0..H {
+                        let e = _mm512_set1_ps(*sp.add(h * lp + j + ci));
+                        b[h][ci] = _mm512_fmadd_ps(e, vv, b[h][ci]);
+                    }
                 }
                 j += 4;
             }
-            for (ci, bc) in b.iter_mut().enumerate().take(len - j) {
-                let vs = &v[(j + ci) * rows + base..(j + ci) * rows + base + LANES];
-                // SAFETY: as above.
-                let vv = unsafe { _mm512_loadu_ps(vs.as_ptr()) };
-                *bc = _mm512_fmadd_ps(_mm512_set1_ps(scores[j + ci]), vv, *bc);
+            for ci in 0..len - j {
+                let vv = _mm512_loadu_ps(vp.add((j + ci) * rows + i0));
+                for h in 0..H {
+                    let e = _mm512_set1_ps(*sp.add(h * lp + j + ci));
+                    b[h][ci] = _mm512_fmadd_ps(e, vv, b[h][ci]);
+                }
             }
-            let o = _mm512_mul_ps(
-                _mm512_add_ps(_mm512_add_ps(b[0], b[1]), _mm512_add_ps(b[2], b[3])),
-                inv,
-            );
-            // SAFETY: `out` holds `d` floats and `i0 + 16 <= d`.
-            unsafe { _mm512_storeu_ps(out[i0..i0 + LANES].as_mut_ptr(), o) };
+            for h in 0..H {
+                let o = _mm512_mul_ps(
+                    _mm512_add_ps(
+                        _mm512_add_ps(b[h][0], b[h][1]),
+                        _mm512_add_ps(b[h][2], b[h][3]),
+                    ),
+                    inv[h],
+                );
+                _mm512_storeu_ps(out.as_mut_ptr().add(h * d + i0), o);
+            }
         }
     }
 
@@ -437,36 +498,40 @@ mod tests {
                     c.write(pos, &k, &v);
                 }
                 for kvh in 0..nkv {
-                    let q: Vec<f32> = (0..d).map(|_| lcg(&mut s) * 3.0).collect();
-                    let (mut o1, mut o2) = (vec![0f32; d], vec![0f32; d]);
+                    let heads = 1 + (len + kvh) % 6;
+                    let q: Vec<f32> = (0..heads * d).map(|_| lcg(&mut s) * 3.0).collect();
+                    let (mut o1, mut o2) = (vec![0f32; heads * d], vec![0f32; heads * d]);
                     let mut sc = Vec::new();
                     attend(&c, kvh, &q, len, &mut sc, &mut o1, false);
                     attend(&c, kvh, &q, len, &mut sc, &mut o2, true);
-                    assert!(o1 == o2, "nkv {nkv} d {d} len {len}");
+                    assert!(o1 == o2, "nkv {nkv} d {d} len {len} heads {heads}");
                     // Against an f64 softmax.
                     let rows = nkv * d;
-                    let sc64: Vec<f64> = (0..len)
-                        .map(|j| {
-                            (0..d)
-                                .map(|i| {
-                                    f64::from(q[i]) * f64::from(c.kt[(kvh * d + i) * c.cap + j])
-                                })
-                                .sum()
-                        })
-                        .collect();
-                    let m = sc64.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let e: Vec<f64> = sc64.iter().map(|x| (x - m).exp()).collect();
-                    let tot: f64 = e.iter().sum();
-                    for i in 0..d {
-                        let want: f64 = (0..len)
-                            .map(|j| e[j] * f64::from(c.v[j * rows + kvh * d + i]))
-                            .sum::<f64>()
-                            / tot;
-                        assert!(
-                            (f64::from(o1[i]) - want).abs() < 1e-5,
-                            "{} vs {want}",
-                            o1[i]
-                        );
+                    for (qh, oh) in q.chunks_exact(d).zip(o1.chunks_exact(d)) {
+                        let sc64: Vec<f64> = (0..len)
+                            .map(|j| {
+                                (0..d)
+                                    .map(|i| {
+                                        f64::from(qh[i])
+                                            * f64::from(c.kt[(kvh * d + i) * c.cap + j])
+                                    })
+                                    .sum()
+                            })
+                            .collect();
+                        let m = sc64.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let e: Vec<f64> = sc64.iter().map(|x| (x - m).exp()).collect();
+                        let tot: f64 = e.iter().sum();
+                        for i in 0..d {
+                            let want: f64 = (0..len)
+                                .map(|j| e[j] * f64::from(c.v[j * rows + kvh * d + i]))
+                                .sum::<f64>()
+                                / tot;
+                            assert!(
+                                (f64::from(oh[i]) - want).abs() < 1e-5,
+                                "{} vs {want}",
+                                oh[i]
+                            );
+                        }
                     }
                 }
             }
