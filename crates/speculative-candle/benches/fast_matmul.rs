@@ -47,6 +47,24 @@ fn matmul(c: &mut Criterion) {
         });
     }
     g.finish();
+    // A matrix that stays in L2 (`[512, 576]`, 330 KB): the arithmetic alone.
+    let (rows, cols) = (512, 576);
+    let q = Q8Matrix::quantize(rows, cols, &data(rows * cols, 3)).expect("quantize");
+    let mut g = c.benchmark_group("matmul_in_cache_512x576");
+    g.sample_size(30);
+    g.measurement_time(std::time::Duration::from_secs(1));
+    g.warm_up_time(std::time::Duration::from_millis(300));
+    for n in [1usize, 2, 5, 9, 17] {
+        let mut act = Q8Act::default();
+        act.quantize(&data(n * cols, 4), cols)
+            .expect("quantize activations");
+        let mut out = Vec::new();
+        let p = KernelPath::detect();
+        g.bench_with_input(BenchmarkId::new(format!("q8_{p:?}"), n), &n, |b, _| {
+            b.iter(|| q.matmul(&act, &mut out, p, 1).expect("matmul"))
+        });
+    }
+    g.finish();
 }
 
 criterion_group!(benches, matmul);

@@ -115,7 +115,7 @@ fn q8_kernel_paths_are_bit_identical() {
     for &(rows, cols) in &[(8, 64), (13, 96), (40, 576), (3, 32), (21, 1000)] {
         let w = rng.vec(rows * cols, 0.5);
         let m = Q8Matrix::quantize(rows, cols, &w).unwrap();
-        for n in [1, 2, 5, 9, 17, 32] {
+        for n in [1, 2, 5, 9, 12, 13, 16, 17, 25, 32] {
             let x = rng.vec(n * cols, 2.0);
             let mut act = Q8Act::default();
             act.quantize(&x, cols).unwrap();

@@ -41,7 +41,10 @@
 //! - [`KernelPath::Avx512Vnni`] (x86-64 with AVX-512 F/BW/VNNI): per block and row, 8
 //!   `vpdpbusd` of the unsigned (offset) weights by a broadcast of 4 signed activation bytes; the
 //!   accumulator starts at `-128 · Σ qx[r, b, ·]` (precomputed per activation block), which
-//!   cancels the offset exactly.
+//!   cancels the offset exactly. Rows run in register groups of up to 12 per tile (a tile's
+//!   weights, at most 27 KB for SmolLM2, are re-read from L1 by later groups), and the next
+//!   tile is prefetched while the current one is computed, which lets the arithmetic of a
+//!   9-row call hide under the memory stream (see `x86::tile_avx512vnni`).
 //! - [`KernelPath::Avx2`]: the weights are un-offset once per block, then `vpmaddubsw` of `|w|`
 //!   by `x · sign(w)` (pairs of products fit in `i16`: at most `2 · 128 · 127 < 32767`) and
 //!   `vpmaddwd` by ones into `i32`.
@@ -50,16 +53,6 @@
 //! NEON is not written yet: on aarch64 the scalar path runs.
 
 use crate::error::{CandleError, Result};
-
-pub(crate) fn pf_dist() -> usize {
-    static D: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *D.get_or_init(|| {
-        std::env::var("PF")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(4)
-    })
-}
 
 /// Values per quantisation block.
 pub const BLOCK: usize = 32;
@@ -657,52 +650,122 @@ mod x86 {
         }
     }
 
-    /// AVX-512 VNNI tile kernel: one 512-bit accumulator of 16 features per row and block
-    /// (see the module docs). Callers must check that the CPU has AVX-512 F, BW and VNNI.
+    /// AVX-512 VNNI tile kernel (see the module docs). Rows are processed in balanced groups
+    /// of at most [`ROWS`] whose accumulators stay in registers for the whole tile (no
+    /// load/store of partial sums); within a group each block's 8 weight vectors are loaded
+    /// once and used for every row of the group (the first group reads them from memory, the
+    /// others from L1). Per row and block: the offset correction, 8 `vpdpbusd` of the unsigned
+    /// weights by broadcast groups of 4 activation bytes (4 chains, exact integer sums), then
+    /// step 2 of the module docs. While a tile is computed, the next tile's weights are
+    /// prefetched, spread evenly over all its groups' blocks, so the memory stream overlaps
+    /// the arithmetic of every group. Callers must check that the CPU has AVX-512 F, BW and
+    /// VNNI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) fn tile_avx512vnni(m: &Q8Matrix, t: usize, x: &Q8Act, acc: &mut [[f32; TILE]]) {
+        let n = acc.len();
         let nb = m.nb;
+        assert!(
+            n <= x.n
+                && x.nb == nb
+                && x.q.len() >= x.n * nb * BLOCK
+                && x.scales.len() >= x.n * nb
+                && x.corr.len() >= x.n * nb
+                && m.qs.len() >= (t + 1) * nb * TB
+                && m.scales.len() >= (t + 1) * nb * TILE
+        );
+        // Balanced groups of at most ROWS: 9 rows run as one group, 17 as 9 + 8.
+        let per = n.div_ceil(n.div_ceil(ROWS).max(1));
+        assert!(per <= ROWS);
+        let mut r0 = 0;
+        while r0 < n {
+            let rows = (n - r0).min(per);
+            let out = &mut acc[r0..r0 + rows];
+            let grp = (r0 / per, n.div_ceil(per));
+            // SAFETY: the assertions above bound every read of the group kernel (tile `t`'s
+            // weights and scales, rows `r0 .. r0 + rows` of `x`); `out` holds `rows` rows and
+            // `1 <= rows <= per <= ROWS`, so the last arm runs with `rows == ROWS`.
+            unsafe {
+                match rows {
+                    1 => group_vnni::<1>(m, t, x, r0, out, grp),
+                    2 => group_vnni::<2>(m, t, x, r0, out, grp),
+                    3 => group_vnni::<3>(m, t, x, r0, out, grp),
+                    4 => group_vnni::<4>(m, t, x, r0, out, grp),
+                    5 => group_vnni::<5>(m, t, x, r0, out, grp),
+                    6 => group_vnni::<6>(m, t, x, r0, out, grp),
+                    7 => group_vnni::<7>(m, t, x, r0, out, grp),
+                    8 => group_vnni::<8>(m, t, x, r0, out, grp),
+                    9 => group_vnni::<9>(m, t, x, r0, out, grp),
+                    10 => group_vnni::<10>(m, t, x, r0, out, grp),
+                    11 => group_vnni::<11>(m, t, x, r0, out, grp),
+                    12 => group_vnni::<12>(m, t, x, r0, out, grp),
+                    _ => group_vnni::<ROWS>(m, t, x, r0, out, grp),
+                }
+            }
+            r0 += rows;
+        }
+    }
+
+    /// Rows per register group of [`tile_avx512vnni`].
+    const ROWS: usize = 12;
+
+    /// `R` rows from `r0` of tile `t`, group `g` of `groups`; callers guarantee the bounds
+    /// checked in [`tile_avx512vnni`] and `out.len() == R`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn group_vnni<const R: usize>(
+        m: &Q8Matrix,
+        t: usize,
+        x: &Q8Act,
+        r0: usize,
+        out: &mut [[f32; TILE]],
+        (g, groups): (usize, usize),
+    ) {
+        let nb = m.nb;
+        let wq = m.qs.as_ptr().add(t * nb * TB);
+        let ws = m.scales.as_ptr().add(t * nb * TILE);
+        let xq = x.q.as_ptr().add(r0 * nb * BLOCK).cast::<i32>();
+        let xs = x.scales.as_ptr().add(r0 * nb);
+        let xc = x.corr.as_ptr().add(r0 * nb);
+        // The next tile's weights, spread evenly over the blocks of all groups of this tile.
+        let next = wq.wrapping_add(nb * TB);
+        let span = groups * nb;
+        let mut a = [_mm512_setzero_ps(); R];
         for b in 0..nb {
-            let wb = &m.qs[(t * nb + b) * TB..][..TB];
-            // Software prefetch of the weights 4 tile-blocks (2 KiB) ahead, so that the memory
-            // stream overlaps the arithmetic of the rows. A hint only; a pointer past the end
-            // is never dereferenced.
-            let ahead =
-                m.qs.as_ptr()
-                    .wrapping_add((t * nb + b + super::pf_dist()) * TB);
-            for l in 0..TB / 64 {
-                // Prefetching has no memory effects and does not fault (a safe intrinsic).
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l * 64).cast());
+            let wb = wq.add(b * TB);
+            let l = g * nb + b;
+            let (lo, hi) = ((l * nb * TB / span) & !63, ((l + 1) * nb * TB / span) & !63);
+            for off in (lo..hi).step_by(64) {
+                // A hint only: prefetching never faults, so an address past the end is fine.
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off).cast());
             }
             let mut w = [_mm512_setzero_si512(); 8];
-            for (g, wg) in w.iter_mut().enumerate() {
-                let s = &wb[g * 64..][..64];
-                // SAFETY: `s` holds exactly 64 bytes; unaligned load.
-                *wg = unsafe { _mm512_loadu_si512(s.as_ptr().cast()) };
+            for (k, wk) in w.iter_mut().enumerate() {
+                *wk = _mm512_loadu_si512(wb.add(k * 64).cast());
             }
-            let sws = &m.scales[(t * nb + b) * TILE..][..TILE];
-            // SAFETY: `sws` holds exactly 16 floats.
-            let sw = unsafe { _mm512_loadu_ps(sws.as_ptr()) };
-            for (r, a) in acc.iter_mut().enumerate() {
-                let xq = &x.q[(r * nb + b) * BLOCK..][..BLOCK];
-                // Two independent chains (even and odd groups), added exactly at the end.
-                let mut t0 = _mm512_set1_epi32(x.corr[r * nb + b]);
-                let mut t1 = _mm512_setzero_si512();
-                for g in (0..8).step_by(2) {
-                    t0 = _mm512_dpbusd_epi32(t0, w[g], _mm512_set1_epi32(group(xq, g)));
-                    t1 = _mm512_dpbusd_epi32(t1, w[g + 1], _mm512_set1_epi32(group(xq, g + 1)));
-                }
-                let tot = _mm512_add_epi32(t0, t1);
+            let sw = _mm512_loadu_ps(ws.add(b * TILE));
+            for (r, ar) in a.iter_mut().enumerate() {
+                let i = r * nb + b;
+                let xg = xq.add(i * (BLOCK / 4));
+                // Four independent chains (groups `g mod 4`), added exactly at the end.
+                let xv = |g: usize| _mm512_set1_epi32(xg.add(g).read_unaligned());
+                let t0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(*xc.add(i)), w[0], xv(0));
+                let t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], xv(1));
+                let t2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2], xv(2));
+                let t3 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[3], xv(3));
+                let t0 = _mm512_dpbusd_epi32(t0, w[4], xv(4));
+                let t1 = _mm512_dpbusd_epi32(t1, w[5], xv(5));
+                let t2 = _mm512_dpbusd_epi32(t2, w[6], xv(6));
+                let t3 = _mm512_dpbusd_epi32(t3, w[7], xv(7));
+                let tot = _mm512_add_epi32(_mm512_add_epi32(t0, t1), _mm512_add_epi32(t2, t3));
                 let v = _mm512_mul_ps(
                     _mm512_mul_ps(_mm512_cvtepi32_ps(tot), sw),
-                    _mm512_set1_ps(x.scales[r * nb + b]),
+                    _mm512_set1_ps(*xs.add(i)),
                 );
-                // SAFETY: `a` holds exactly 16 floats; unaligned load and store.
-                unsafe {
-                    let s = _mm512_add_ps(_mm512_loadu_ps(a.as_ptr()), v);
-                    _mm512_storeu_ps(a.as_mut_ptr(), s);
-                }
+                *ar = _mm512_add_ps(*ar, v);
             }
+        }
+        for (o, ar) in out.iter_mut().zip(&a) {
+            _mm512_storeu_ps(o.as_mut_ptr(), *ar);
         }
     }
 }
