@@ -312,6 +312,8 @@ mod x86 {
     }
 
     /// `H` heads of [`attend`]. Callers guarantee the bounds listed there.
+    // Register arrays indexed by head and chain together read clearer as index loops.
+    #[allow(clippy::needless_range_loop)]
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn batch<const H: usize>(
@@ -467,6 +469,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::needless_range_loop)]
     fn simd_kernels_match_portable_bits() {
         if !simd_available() {
             return;
