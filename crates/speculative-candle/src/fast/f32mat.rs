@@ -11,6 +11,12 @@ use crate::error::{CandleError, Result};
 
 const TILE: usize = 8;
 
+/// The output pointer shared by the two threads of a matmul (disjoint columns each).
+struct OutPtr(*mut f32);
+
+// SAFETY: the two threads write disjoint elements through it (see `F32Matrix::matmul`).
+unsafe impl Sync for OutPtr {}
+
 /// A `[rows, cols]` f32 weight matrix (see the module docs).
 #[derive(Clone)]
 pub struct F32Matrix {
@@ -90,7 +96,8 @@ impl F32Matrix {
     }
 
     /// `out[r, j] = Σ_k x[r, k] · W[j, k]` for the `[n, cols]` row-major `x`; `out` is resized to
-    /// `[n, rows]`. `threads >= 2` splits the tiles between scoped threads (same values).
+    /// `[n, rows]`. `threads >= 2` splits the tiles with one persistent helper thread (same
+    /// values; more than 2 counts as 2).
     ///
     /// # Errors
     /// [`CandleError::InvalidArgument`] when `x.len()` is not a multiple of `cols`.
@@ -109,42 +116,50 @@ impl F32Matrix {
             return Ok(());
         }
         let threads = threads.clamp(1, self.tiles);
-        let per = self.tiles.div_ceil(threads);
-        let run = |range: std::ops::Range<usize>| {
+        if threads == 1 {
             let mut acc = vec![[0f32; TILE]; n];
-            let mut res = Vec::with_capacity(range.len() * n);
-            for t in range {
+            for t in 0..self.tiles {
                 self.tile(t, x, &mut acc);
-                res.extend_from_slice(&acc);
-            }
-            res
-        };
-        let parts: Vec<Vec<[f32; TILE]>> = if threads == 1 {
-            vec![run(0..self.tiles)]
-        } else {
-            std::thread::scope(|s| {
-                let handles: Vec<_> = (0..threads)
-                    .map(|i| {
-                        let range = (i * per).min(self.tiles)..((i + 1) * per).min(self.tiles);
-                        let run = &run;
-                        s.spawn(move || run(range))
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or_default())
-                    .collect()
-            })
-        };
-        for (i, part) in parts.iter().enumerate() {
-            for (ti, acc) in part.chunks(n).enumerate() {
-                let j0 = (i * per + ti) * TILE;
+                let j0 = t * TILE;
                 let w = TILE.min(self.rows - j0);
                 for (r, a) in acc.iter().enumerate() {
                     out[r * self.rows + j0..r * self.rows + j0 + w].copy_from_slice(&a[..w]);
                 }
             }
+            return Ok(());
         }
+        // Two threads (the persistent helper of `super::pool`), halves of the tiles claimed
+        // by an atomic counter; same code per tile, so the same values.
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let chunk = self.tiles.div_ceil(2);
+        let dst = OutPtr(out.as_mut_ptr());
+        let job = |_part: usize| {
+            let dst = &dst;
+            let mut acc = vec![[0f32; TILE]; n];
+            loop {
+                let t0 = next.fetch_add(chunk, std::sync::atomic::Ordering::Relaxed);
+                if t0 >= self.tiles {
+                    break;
+                }
+                for t in t0..(t0 + chunk).min(self.tiles) {
+                    self.tile(t, x, &mut acc);
+                    let j0 = t * TILE;
+                    let w = TILE.min(self.rows - j0);
+                    for (r, a) in acc.iter().enumerate() {
+                        // SAFETY: `out` holds `n * rows` values and outlives `run2`; tile `t`
+                        // writes only its own columns and each tile is taken once.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                a.as_ptr(),
+                                dst.0.add(r * self.rows + j0),
+                                w,
+                            )
+                        };
+                    }
+                }
+            }
+        };
+        super::pool::run2(&job);
         Ok(())
     }
 

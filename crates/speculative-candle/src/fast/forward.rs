@@ -572,9 +572,11 @@ impl FastTarget {
         Ok(self)
     }
 
-    /// Splits every matmul between `threads` scoped threads (`0` is treated as 1). Results are
-    /// identical for every count. On the 2-core test machine one thread is the default; see the
-    /// crate docs for the measured figures.
+    /// Splits every matmul between this thread and a persistent helper thread when
+    /// `threads >= 2` (`0` is treated as 1, more than 2 as 2). Results are identical for every
+    /// count. About 1.3-1.4x faster when the second core is idle, much slower when another
+    /// process competes for it, so one thread is the default (figures in the module docs of
+    /// [`crate::fast`]).
     pub fn with_threads(mut self, threads: usize) -> Self {
         self.exec.threads = threads.max(1);
         self
