@@ -1,11 +1,10 @@
 //! A draft model proposer: a smaller model samples the draft (Leviathan et al. 2023; Chen et al.
 //! 2023).
 
+use super::sampler::DraftSampler;
 use super::{Draft, ProposeRequest, Proposer};
 use crate::decode::TargetModel;
-use crate::error::{Error, Result, RowKind};
-use crate::rng::{lane, Stream};
-use crate::sampling::{History, RowProcessor, TokenCounts, TokenDist};
+use crate::error::{Error, Result};
 
 /// Wraps any [`TargetModel`] as a draft model.
 ///
@@ -23,8 +22,7 @@ use crate::sampling::{History, RowProcessor, TokenCounts, TokenDist};
 pub struct DraftModelProposer<M> {
     model: M,
     seen: Vec<u32>,
-    proc: RowProcessor,
-    dist: TokenDist,
+    sampler: DraftSampler,
     logits: Vec<f32>,
 }
 
@@ -34,8 +32,7 @@ impl<M: TargetModel> DraftModelProposer<M> {
         DraftModelProposer {
             model,
             seen: Vec::new(),
-            proc: RowProcessor::new(),
-            dist: TokenDist::default(),
+            sampler: DraftSampler::default(),
             logits: Vec::new(),
         }
     }
@@ -100,60 +97,14 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
         self.feed(&ctx[common..])?;
 
         let cfg = req.config;
-        let greedy = cfg.is_greedy();
-        let mut counts = if cfg.has_penalties() {
-            Some(TokenCounts::from_tokens(ctx, vocab)?)
-        } else {
-            None
-        };
-        let mut prefix = if cfg.mask().is_some() {
-            ctx.to_vec()
-        } else {
-            Vec::new()
-        };
-        let stream = Stream::new(req.seed);
-        let mut q = Vec::new();
+        self.sampler.begin(cfg, ctx, vocab)?;
         for i in 0..k {
-            let hist = History {
-                counts: counts.as_ref(),
-                prefix: &prefix,
-            };
-            let t = if greedy {
-                self.proc
-                    .argmax(cfg, &self.logits, &hist, RowKind::Draft, i)?
-            } else {
-                self.proc.distribution(
-                    cfg,
-                    &self.logits,
-                    &hist,
-                    RowKind::Draft,
-                    i,
-                    &mut self.dist,
-                )?;
-                let u = stream.uniform((ctx.len() + i) as u64, lane::DRAFT);
-                let t = self.dist.sample(u);
-                let row = q.len();
-                q.resize(row + vocab, 0.0f32);
-                for (&id, &p) in self.dist.ids().iter().zip(self.dist.probs()) {
-                    q[row + id as usize] = p;
-                }
-                t
-            };
-            draft.tokens.push(t);
-            if let Some(c) = counts.as_mut() {
-                c.add(t, vocab)?;
-            }
-            if cfg.mask().is_some() {
-                prefix.push(t);
-            }
+            let t = self.sampler.draw(cfg, req.seed, &self.logits, i, draft)?;
             if i + 1 < k {
                 self.feed(&[t])?;
             }
         }
-        if !greedy {
-            draft.q = Some(q);
-            draft.q_vocab = vocab;
-        }
+        self.sampler.finish(cfg, vocab, draft);
         Ok(())
     }
 }

@@ -2,10 +2,9 @@
 //! "Medusa: simple LLM inference acceleration framework with multiple decoding heads";
 //! multi-token prediction, Gloeckle et al. 2024).
 
+use super::sampler::DraftSampler;
 use super::{Draft, ProposeRequest, Proposer};
-use crate::error::{Error, Result, RowKind};
-use crate::rng::{lane, Stream};
-use crate::sampling::{History, RowProcessor, TokenCounts, TokenDist};
+use crate::error::{Error, Result};
 
 /// Trained draft heads that map the target's final hidden state to next-token logits.
 ///
@@ -42,8 +41,7 @@ pub trait DraftHeads {
 #[derive(Debug)]
 pub struct HeadsProposer<H> {
     heads: H,
-    proc: RowProcessor,
-    dist: TokenDist,
+    sampler: DraftSampler,
     logits: Vec<f32>,
 }
 
@@ -52,8 +50,7 @@ impl<H: DraftHeads> HeadsProposer<H> {
     pub fn new(heads: H) -> Self {
         HeadsProposer {
             heads,
-            proc: RowProcessor::new(),
-            dist: TokenDist::default(),
+            sampler: DraftSampler::default(),
             logits: Vec::new(),
         }
     }
@@ -91,52 +88,12 @@ impl<H: DraftHeads> Proposer for HeadsProposer<H> {
             });
         }
         let cfg = req.config;
-        let ctx = req.context;
-        let mut counts = if cfg.has_penalties() {
-            Some(TokenCounts::from_tokens(ctx, vocab)?)
-        } else {
-            None
-        };
-        let mut prefix = if cfg.mask().is_some() {
-            ctx.to_vec()
-        } else {
-            Vec::new()
-        };
-        let stream = Stream::new(req.seed);
-        let mut q = Vec::new();
+        self.sampler.begin(cfg, req.context, vocab)?;
         for i in 0..k {
             let row = &self.logits[i * vocab..(i + 1) * vocab];
-            let hist = History {
-                counts: counts.as_ref(),
-                prefix: &prefix,
-            };
-            let t = if cfg.is_greedy() {
-                self.proc.argmax(cfg, row, &hist, RowKind::Draft, i)?
-            } else {
-                self.proc
-                    .distribution(cfg, row, &hist, RowKind::Draft, i, &mut self.dist)?;
-                let t = self
-                    .dist
-                    .sample(stream.uniform((ctx.len() + i) as u64, lane::DRAFT));
-                let base = q.len();
-                q.resize(base + vocab, 0.0f32);
-                for (&id, &p) in self.dist.ids().iter().zip(self.dist.probs()) {
-                    q[base + id as usize] = p;
-                }
-                t
-            };
-            draft.tokens.push(t);
-            if let Some(c) = counts.as_mut() {
-                c.add(t, vocab)?;
-            }
-            if cfg.mask().is_some() {
-                prefix.push(t);
-            }
+            self.sampler.draw(cfg, req.seed, row, i, draft)?;
         }
-        if !cfg.is_greedy() {
-            draft.q = Some(q);
-            draft.q_vocab = vocab;
-        }
+        self.sampler.finish(cfg, vocab, draft);
         Ok(())
     }
 }

@@ -19,6 +19,7 @@ use crate::sampling::SamplingConfig;
 mod draft_model;
 mod heads;
 mod prompt_lookup;
+mod sampler;
 mod suffix;
 
 pub use draft_model::DraftModelProposer;

@@ -830,7 +830,7 @@ mod tests {
                         let mut x = w.clone();
                         x.push(t);
                         let n = count(&x);
-                        if n > 0 && !best.is_some_and(|(_, bn)| n <= bn) {
+                        if n > 0 && best.is_none_or(|(_, bn)| n > bn) {
                             best = Some((t, n));
                         }
                     }
