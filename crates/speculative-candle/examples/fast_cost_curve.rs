@@ -9,6 +9,24 @@
 //! scripts/fetch-model.sh
 //! RAYON_NUM_THREADS=1 cargo run --release -p speculative-candle --example fast_cost_curve
 //! ```
+//!
+//! `--stat min` reports the fastest run instead of the median (less sensitive to other jobs on
+//! a shared machine) and `--ms` adds the absolute times.
+//!
+//! Measured with that command (median of 11; 2-core AMD EPYC with AVX-512 VNNI, shared with
+//! other jobs, load average 1.3-1.5 during the runs), three runs, SmolLM2-135M:
+//!
+//! | path | 1-token ms | c(2) | c(3) | c(5) | c(9) | c(17) |
+//! |---|---|---|---|---|---|---|
+//! | candle QMatMul Q8_0, 1 thread | 12.7-13.1 | 1.79-1.85 | 2.55-2.66 | 4.09-4.37 | 7.17-7.61 | 13.6-14.2 |
+//! | fast Q8 (Avx512Vnni), 1 thread | 5.08-5.11 | 0.96-0.99 | 1.07 | 1.11-1.14 | 1.43-1.54 | 2.40-2.45 |
+//! | fast Q8 (Avx512Vnni), 2 threads | 3.66-4.28 | 0.96-1.05 | 1.02-1.12 | 1.02-1.13 | 1.25-1.35 | 1.86-2.10 |
+//! | fast F32, 1 thread | 49.2-50.3 | 1.02-1.13 | 1.02-1.06 | 1.32-1.44 | 2.11-2.23 | 3.17-3.36 |
+//!
+//! (A third run's fast Q8 1-thread 1-token median was an outlier at 6.50 ms with n = 2 at
+//! 4.72 ms; it is left out of the range.) Two threads help only while the second core is
+//! idle: with one busy-loop process running, the 1-token step took 7.2-7.4 ms on 2 threads
+//! against 5.2-5.5 ms on one, so one thread stays the default.
 
 use std::path::PathBuf;
 use std::time::Instant;

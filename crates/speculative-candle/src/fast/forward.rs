@@ -6,11 +6,15 @@
 //! depends on the other rows of the call**:
 //!
 //! - matmuls: [`Q8Matrix::matmul`] / [`F32Matrix::matmul`] (fixed per-output accumulation);
-//! - RMSNorm and attention dot products: 8 running partial sums over the index modulo 8, combined
-//!   in a fixed tree, then the tail in order ([`dot`]);
-//! - attention: query row `i` (position `p + i`) attends to positions `0 ..= p + i` in increasing
-//!   order: scores, max, `exp`, a running sum and a running weighted sum of values, all in that
-//!   order; the keys and values of the new rows come from the same per-row code.
+//! - RMSNorm sums of squares: 8 running partial sums over the index modulo 8, combined in a fixed
+//!   tree, then the tail in order ([`dot`]);
+//! - attention: query row `i` (position `p + i`) attends to positions `0 ..= p + i` with the
+//!   fixed-order arithmetic of `ops::attend` (keys stored transposed so that 16 positions are
+//!   scored per AVX-512 instruction; fused multiply-adds in a fixed chain order; a fast `exp`
+//!   accurate to about 1 ulp; an AVX-512 kernel and a portable one with the same bits), which
+//!   depends only on the row's own position; the keys and values of the new rows come from the
+//!   same per-row code;
+//! - SiLU: `g / (1 + exp(-g))` with the same `exp`, element-wise.
 //!
 //! So a forward over `[t, d1 .. dk]` gives, bit for bit, the logits of `k + 1` single-token
 //! forwards, and greedy speculative decoding emits exactly the plain greedy tokens.

@@ -13,8 +13,8 @@
 //! `e^r` from its Taylor polynomial of degree 7 by Horner's rule (fused multiply-adds;
 //! truncation error below `6e-9` relative) and scaled by `2^n` built from the exponent bits.
 //! Inputs below `-87` give `0` (and `-inf` gives `0`); inputs above `88` give `e^88`.
-//! Measured relative error against `f64::exp` on `[-87, 88]`: below `2.5e-7` (about 2 ulp;
-//! see the unit test).
+//! Measured relative error against `f64::exp` on `[-87, 88]` (240,000 points): at most
+//! `7.5e-8`, about one ulp (the unit test bounds it by `1.5e-7`).
 //!
 //! # Attention of one query head
 //!
@@ -460,7 +460,7 @@ mod tests {
             worst = worst.max(((got - want) / want).abs());
             x += 0.000_731;
         }
-        assert!(worst < 2.5e-7, "worst relative error {worst:e}");
+        assert!(worst < 1.5e-7, "worst relative error {worst:e}");
         assert_eq!(exp(0.0), 1.0);
         assert_eq!(exp(-87.5), 0.0);
         assert_eq!(exp(f32::NEG_INFINITY), 0.0);
