@@ -56,7 +56,7 @@ const EXP_C: [f32; 8] = [
 const ROUND_MAGIC: f32 = 12_582_912.0;
 
 /// Fast `e^x` (module docs); the portable reference of the vector kernel.
-#[inline]
+#[inline(always)]
 pub fn exp(x: f32) -> f32 {
     if x < EXP_LO || x.is_nan() {
         return if x.is_nan() { x } else { 0.0 };
@@ -157,7 +157,40 @@ pub(crate) fn attend(
         return;
     }
     let _ = simd;
-    for (qh, oh) in q.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: FMA was detected at run time.
+        unsafe { attend_portable_fma(c, kvh, q, len, scores, out) };
+        return;
+    }
+    attend_portable_heads(c, kvh, q, len, scores, out);
+}
+
+/// The portable kernel with hardware fused multiply-adds (`f32::mul_add` otherwise calls the C
+/// library's `fmaf`); the same bits. Callers must check that the CPU has FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+fn attend_portable_fma(
+    c: &KvCache,
+    kvh: usize,
+    q: &[f32],
+    len: usize,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    attend_portable_heads(c, kvh, q, len, scores, out);
+}
+
+#[inline(always)]
+fn attend_portable_heads(
+    c: &KvCache,
+    kvh: usize,
+    q: &[f32],
+    len: usize,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    for (qh, oh) in q.chunks_exact(c.d).zip(out.chunks_exact_mut(c.d)) {
         attend_portable(c, kvh, qh, len, scores, oh);
     }
 }
@@ -176,6 +209,7 @@ fn tree16(l: &[f32; LANES]) -> f32 {
     a[0]
 }
 
+#[inline(always)]
 fn attend_portable(
     c: &KvCache,
     kvh: usize,
@@ -226,7 +260,26 @@ pub(crate) fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32], simd: bool) {
         return;
     }
     let _ = simd;
-    for ((o, &gv), &uv) in out[..len].iter_mut().zip(g).zip(u) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: FMA was detected at run time.
+        unsafe { silu_mul_fma(&g[..len], &u[..len], &mut out[..len]) };
+        return;
+    }
+    silu_mul_portable(&g[..len], &u[..len], &mut out[..len]);
+}
+
+/// [`silu_mul_portable`] with hardware fused multiply-adds (same bits). Callers must check
+/// that the CPU has FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+fn silu_mul_fma(g: &[f32], u: &[f32], out: &mut [f32]) {
+    silu_mul_portable(g, u, out);
+}
+
+#[inline(always)]
+fn silu_mul_portable(g: &[f32], u: &[f32], out: &mut [f32]) {
+    for ((o, &gv), &uv) in out.iter_mut().zip(g).zip(u) {
         *o = (gv / (1.0 + exp(-gv))) * uv;
     }
 }
