@@ -96,9 +96,9 @@ fn figures_are_consistent() {
         assert!(
             (r.mean_accepted_length - r.tokens.len() as f64 / r.steps.len() as f64).abs() < 1e-12
         );
-        if r.config.is_some() {
+        if let Some(c) = &r.config {
             assert!(r.speedup.is_some());
-            if r.config.as_ref().unwrap().temperature == 0.0 {
+            if c.temperature == 0.0 {
                 assert_eq!(r.greedy_identical, Some(true), "{}", r.label);
             }
         }

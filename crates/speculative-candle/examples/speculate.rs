@@ -129,6 +129,10 @@ fn main() {
 
 type DynError = Box<dyn std::error::Error>;
 
+/// Makes a model sharing the loaded weights: `None` the full model, `Some(n)` an early exit
+/// after `n` layers.
+type ModelMaker = Box<dyn Fn(Option<usize>) -> Result<Box<dyn TargetModel>, DynError>>;
+
 fn read_prompt(a: &Args) -> Result<String, DynError> {
     if let Some(p) = &a.prompt_file {
         return Ok(std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?);
@@ -170,10 +174,7 @@ fn run() -> Result<(), DynError> {
         return Err("the prompt is empty".into());
     }
     let t0 = Instant::now();
-    let (target, draft_for): (
-        Box<dyn TargetModel>,
-        Box<dyn Fn(Option<usize>) -> Result<Box<dyn TargetModel>, DynError>>,
-    ) = match a.backend {
+    let (target, draft_for): (Box<dyn TargetModel>, ModelMaker) = match a.backend {
         Backend::Fast => {
             let format = match a.format {
                 Format::Q8 => FastFormat::Q8,

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Regenerates the end-to-end figures of docs/benchmarks.md section 5 and the CPU cost table and
+# simulation of docs/simulator.md. Takes about 15 minutes on a 2-core machine.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-1}"
+scripts/fetch-model.sh >&2
+cargo build --release -q -p spec-bench
+BIN=target/release/spec-bench
+OUT="${OUT:-docs/results}"
+# Greedy: model-free proposers at fixed k and adaptive, every workload kind.
+$BIN run --workload docs/workloads/smollm2.jsonl --proposers prompt-lookup,suffix \
+    --k 2,4,8,adaptive --reps 2 --warmup 1 --out "$OUT/greedy"
+# Sampling (temperature 0.7, top-p 0.9) with the adaptive policy, every workload kind.
+$BIN run --workload docs/workloads/smollm2.jsonl --proposers prompt-lookup,suffix \
+    --k adaptive --temperature 0.7 --top-p 0.9 --seeds 1 --reps 2 --warmup 1 --out "$OUT/sampled"
+# Cost table of this machine and the simulator replaying the greedy runs' prompt-lookup steps.
+$BIN cost-table --out docs/cost-tables/cpu-smollm2-fast-q8.json
+$BIN simulate --cost docs/cost-tables/cpu-smollm2-fast-q8.json --runs "$OUT/greedy/runs.json" \
+    --label "prompt-lookup k=8" --out "$OUT/sim-cpu"
