@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the end-to-end figures of docs/benchmarks.md section 5 and the CPU cost table and
-# simulation of docs/simulator.md. Takes about 15 minutes on a 2-core machine.
+# simulation of docs/simulator.md. Takes about 10 minutes on a 2-core machine.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -15,6 +15,9 @@ $BIN run --workload docs/workloads/smollm2.jsonl --proposers prompt-lookup,suffi
 # Sampling (temperature 0.7, top-p 0.9) with the adaptive policy, every workload kind.
 $BIN run --workload docs/workloads/smollm2.jsonl --proposers prompt-lookup,suffix \
     --k adaptive --temperature 0.7 --top-p 0.9 --seeds 1 --reps 2 --warmup 1 --out "$OUT/sampled"
+# Self-speculative draft: the first 16 of 30 layers as a draft model (LayerSkip-style early exit).
+$BIN run --workload docs/workloads/smollm2.jsonl --proposers early-exit:16 \
+    --k 2,adaptive:4 --reps 1 --warmup 1 --out "$OUT/early-exit"
 # Cost table of this machine and the simulator replaying the greedy runs' prompt-lookup steps.
 $BIN cost-table --out docs/cost-tables/cpu-smollm2-fast-q8.json
 $BIN simulate --cost docs/cost-tables/cpu-smollm2-fast-q8.json --runs "$OUT/greedy/runs.json" \

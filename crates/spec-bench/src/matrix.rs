@@ -1,7 +1,5 @@
 //! The configuration matrix, interleaved with the plain baseline.
 
-use std::collections::BTreeMap;
-
 use speculative::{Proposer, TargetModel};
 
 use crate::error::Result;
@@ -39,8 +37,10 @@ pub type ProposerFactory<'a> = dyn FnMut(&str) -> Result<Box<dyn Proposer>> + 'a
 /// speed-up against that baseline (ratio of tokens per second) and, for greedy runs, whether its
 /// tokens equal the baseline's.
 ///
-/// Proposers are created once per name and kept across requests (a suffix proposer's corpus
-/// learns from earlier generations, as in serving).
+/// Every run gets a fresh proposer from `factory`, so that no run can draw on the output of an
+/// earlier run of the same request (a suffix proposer's shared corpus would otherwise replay the
+/// identical greedy answer of the previous configuration or repetition and overstate its
+/// acceptance). Cross-request corpus effects are therefore not measured here.
 ///
 /// `progress` is called after each generation with a short description.
 ///
@@ -54,11 +54,9 @@ pub fn run_matrix(
     matrix: &Matrix,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<RunRecord>> {
-    let mut proposers: BTreeMap<String, Box<dyn Proposer>> = BTreeMap::new();
+    // Check every proposer name once, before any run.
     for c in &matrix.configs {
-        if !proposers.contains_key(&c.proposer) {
-            proposers.insert(c.proposer.clone(), factory(&c.proposer)?);
-        }
+        factory(&c.proposer)?;
     }
     // Group configurations by sampling key, keeping first-seen order.
     let mut keys: Vec<(f32, f32, u64)> = Vec::new();
@@ -88,11 +86,8 @@ pub fn run_matrix(
                 .unwrap_or_default();
             run_one(target, &mut none, &input, None, &s, 0)?;
             for c in &matrix.configs {
-                let p = proposers
-                    .get_mut(&c.proposer)
-                    .map(|b| &mut **b)
-                    .unwrap_or(&mut none);
-                run_one(target, p, &input, Some(c), &c.sampling()?, c.seed)?;
+                let mut p = factory(&c.proposer)?;
+                run_one(target, &mut *p, &input, Some(c), &c.sampling()?, c.seed)?;
             }
             progress("warm-up");
         }
@@ -120,11 +115,8 @@ pub fn run_matrix(
                 let n = group.len();
                 for j in 0..n {
                     let c = group[(j + rep) % n];
-                    let prop = proposers
-                        .get_mut(&c.proposer)
-                        .map(|b| &mut **b)
-                        .unwrap_or(&mut none);
-                    let mut rec = run_one(target, prop, &input, Some(c), &sampling, seed)?;
+                    let mut prop = factory(&c.proposer)?;
+                    let mut rec = run_one(target, &mut *prop, &input, Some(c), &sampling, seed)?;
                     if base.tokens_per_s > 0.0 {
                         rec.speedup = Some(rec.tokens_per_s / base.tokens_per_s);
                     }
