@@ -2,8 +2,10 @@
 //!
 //! Every fallible function in `speculative` returns [`Error`]. Bad user input (a malformed
 //! configuration, logits of the wrong shape, a draft token outside the vocabulary, NaN logits)
-//! is always reported through one of these variants, never through a panic, a NaN or a token id
-//! outside the vocabulary.
+//! is reported through one of these variants, never through a panic, a NaN or a token id
+//! outside the vocabulary. Shapes and token ids are checked for the whole input; the values of
+//! logits rows are checked in the rows the verifier reads (it stops at the first rejected draft,
+//! so a NaN in a later row of the same step is not seen).
 
 use std::fmt;
 
@@ -32,9 +34,9 @@ impl fmt::Display for RowKind {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A sampling configuration value is out of its documented range (for example a negative
-    /// temperature or `top_p > 1`). `field` names the builder method.
-    #[error("invalid sampling configuration: {field} = {value} ({reason})")]
+    /// A configuration value is out of its documented range (for example a negative
+    /// temperature, `top_p > 1`, or a proposer's `min_n = 0`). `field` names the parameter.
+    #[error("invalid configuration: {field} = {value} ({reason})")]
     InvalidConfig {
         /// The offending field.
         field: &'static str,
@@ -111,7 +113,8 @@ pub enum Error {
     /// A generation request is invalid (empty prompt, prompt longer than the context, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
-    /// A backend (for example `cuda` or `wgpu`) was not compiled in or has no usable device.
+    /// An optional backend was not compiled in or has no usable device (reserved for the GPU
+    /// backends; no backend of this version returns it).
     #[error("backend {backend} unavailable: {reason}")]
     BackendUnavailable {
         /// Backend name.

@@ -50,7 +50,7 @@
 //!
 //! ## Features
 //!
-//! - `test-util`: toy targets and proposers ([`test_util`]) for your own tests.
+//! - `test-util`: toy targets and proposers (module `test_util`) for your own tests.
 
 #![warn(missing_docs)]
 

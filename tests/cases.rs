@@ -805,3 +805,29 @@ fn c09_temperature_zero_and_tiny_temperatures() {
         .unwrap();
     assert_eq!(process(&k1, &tie, &[], v).unwrap().ids(), &[0]);
 }
+
+#[test]
+fn batch_offsets_that_decrease_name_the_offending_index() {
+    let cfg = speculative::SamplingConfig::greedy();
+    let params = [
+        speculative::SequenceParams::new(&cfg, 0),
+        speculative::SequenceParams::new(&cfg, 0),
+    ];
+    let logits = vec![0.0f32; 6 * 2];
+    let batch = speculative::VerifyBatch {
+        vocab_size: 2,
+        target_logits: &logits,
+        draft_tokens: &[0, 0, 0, 0],
+        draft_offsets: &[0, 5, 4],
+        draft_probs: speculative::DraftProbs::PointMass,
+        sequences: &params,
+    };
+    let e = speculative::Verifier::new()
+        .verify_batch(&batch)
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("draft_offsets[2] = 4 < draft_offsets[1] = 5"),
+        "{e}"
+    );
+}

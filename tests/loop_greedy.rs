@@ -326,6 +326,15 @@ fn bad_requests_are_typed_errors() {
         ..GenerationParams::greedy(4)
     };
     assert!(g.generate(&[0], &bad).is_err());
+    // An EOS id from the wrong tokenizer is caught before any work.
+    let wrong_eos = GenerationParams {
+        stop: StopConditions::max_tokens(4).with_eos(999),
+        ..GenerationParams::greedy(4)
+    };
+    assert!(matches!(
+        g.generate(&[0], &wrong_eos),
+        Err(speculative::Error::TokenOutOfVocab { token: 999, .. })
+    ));
 }
 
 #[test]

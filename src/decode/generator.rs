@@ -62,6 +62,8 @@ pub struct Generation {
 ///
 /// # Example
 ///
+/// (`ToyModel` comes from the `test-util` feature; use your own [`TargetModel`].)
+///
 /// ```
 /// use speculative::decode::{GenerationParams, Generator};
 /// use speculative::propose::PromptLookup;
@@ -160,8 +162,8 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
     ///
     /// # Errors
     /// [`Error::InvalidRequest`] for an empty prompt or one longer than the model's context, an
-    /// invalid adaptive configuration, or a sampling configuration naming tokens outside the
-    /// vocabulary ([`Error::TokenOutOfVocab`]); errors of the target's forward.
+    /// invalid adaptive configuration; [`Error::TokenOutOfVocab`] for a prompt, EOS, stop-sequence
+    /// or configuration token outside the vocabulary; errors of the target's forward.
     pub fn session<'g>(
         &'g mut self,
         prompt: &[u32],
@@ -187,6 +189,18 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             });
         }
         params.sampling.check_vocab(vocab)?;
+        let stop_tokens = params
+            .stop
+            .eos
+            .iter()
+            .chain(params.stop.stop_sequences.iter().flatten());
+        if let Some(&t) = stop_tokens.into_iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::TokenOutOfVocab {
+                what: "EOS or stop-sequence token",
+                token: t,
+                vocab_size: vocab,
+            });
+        }
         if let DraftLength::Adaptive(a) = &params.draft {
             a.validate()?;
         }

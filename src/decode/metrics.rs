@@ -1,4 +1,5 @@
-//! Per-generation metrics with the field's common definitions (GUIDE section 1).
+//! Per-generation metrics with the field's common definitions: acceptance rate = accepted /
+//! proposed drafts; mean accepted length = emitted tokens / target verify calls (bonus included).
 
 use std::time::Duration;
 

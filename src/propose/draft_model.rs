@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 ///
 /// At each step it samples `k` tokens one at a time from its processed distribution (the
 /// request's [`crate::SamplingConfig`], penalties counting the context plus earlier drafts),
-/// drawing uniforms from [`Stream`] keyed by the request seed on lane [`lane::DRAFT`], and returns
+/// drawing uniforms from [`Stream`](crate::rng::Stream) keyed by the request seed on lane [`lane::DRAFT`](crate::rng::lane::DRAFT), and returns
 /// the probabilities q it sampled from (`[k, draft_vocab]`). In greedy mode it proposes the
 /// argmax chain and returns no q.
 ///

@@ -31,7 +31,7 @@ pub trait DraftHeads {
 
 /// Proposes with [`DraftHeads`]: draft `i` is sampled from head `i`'s processed distribution
 /// (the request's configuration; penalties and masks see the context plus drafts `0..i`), with
-/// uniforms from [`Stream`] on lane [`lane::DRAFT`]; q is returned (`[k, head vocab]`). Greedy
+/// uniforms from [`Stream`](crate::rng::Stream) on lane [`lane::DRAFT`](crate::rng::lane::DRAFT); q is returned (`[k, head vocab]`). Greedy
 /// requests take each head's argmax and return no q. Heads are independent per position (as in
 /// Medusa-1), which does not affect losslessness: the verifier only needs the q each draft was
 /// really sampled from.

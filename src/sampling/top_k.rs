@@ -5,7 +5,7 @@ use super::Cand;
 /// Writes the `k` highest logits of `logits` (`[vocab]`) into `out` as candidates sorted by
 /// token id; ties rank the lower id first. `-inf` entries are never selected.
 ///
-/// Two passes over the row, never sorting the vocabulary (see [`scan_top_k`]); expected cost
+/// Two passes over the row, never sorting the vocabulary (see the private `scan_top_k`); expected cost
 /// O(vocab + k log k). Allocates a buffer of `vocab / 256` floats; [`super::RowProcessor`]
 /// reuses its own.
 pub fn select_top_k(logits: &[f32], k: usize, out: &mut Vec<Cand>) {

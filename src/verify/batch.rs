@@ -15,7 +15,9 @@ pub struct SequenceParams<'a> {
     /// the configuration uses neither.
     pub context: &'a [u32],
     /// Absolute position of the token emitted at the sequence's first row; `None` means
-    /// `context.len()`.
+    /// `context.len()`. **It must advance from step to step** (pass the context, or the number of
+    /// tokens before the block): random draws are keyed by `(seed, position)`, so a position that
+    /// stays at 0 reuses the same uniforms every step and correlates the steps.
     pub position: Option<u64>,
 }
 
@@ -67,7 +69,8 @@ impl Verifier {
     ///
     /// # Errors
     /// The outer `Err` is for a malformed batch: [`Error::ShapeMismatch`] when the offsets,
-    /// sequences and arrays disagree, [`Error::DraftVocabTooLarge`]. Each inner `Result` is that
+    /// sequences and arrays disagree, [`Error::InvalidRequest`] when the offsets do not start at
+    /// 0 or decrease, [`Error::DraftVocabTooLarge`]. Each inner `Result` is that
     /// sequence's own outcome with the errors of [`Verifier::verify`]; one bad sequence does not
     /// fail the others.
     pub fn verify_batch(&mut self, batch: &VerifyBatch<'_>) -> Result<Vec<Result<StepOutput>>> {
@@ -80,12 +83,25 @@ impl Verifier {
                 actual: off.len(),
             });
         }
-        if off[0] != 0 || off.windows(2).any(|w| w[1] < w[0]) || off[n] != batch.draft_tokens.len()
-        {
+        if off[0] != 0 {
+            return Err(Error::InvalidRequest(format!(
+                "draft_offsets[0] = {} (must be 0)",
+                off[0]
+            )));
+        }
+        if let Some(i) = off.windows(2).position(|w| w[1] < w[0]) {
+            return Err(Error::InvalidRequest(format!(
+                "draft_offsets must be non-decreasing: draft_offsets[{}] = {} < draft_offsets[{i}] = {}",
+                i + 1,
+                off[i + 1],
+                off[i]
+            )));
+        }
+        if off[n] != batch.draft_tokens.len() {
             return Err(Error::ShapeMismatch {
-                what: "draft_offsets (0, non-decreasing, ending at draft_tokens.len())",
-                expected: batch.draft_tokens.len(),
-                actual: off[n],
+                what: "draft_tokens (draft_offsets[batch])",
+                expected: off[n],
+                actual: batch.draft_tokens.len(),
             });
         }
         let v = batch.vocab_size;

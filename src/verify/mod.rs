@@ -175,12 +175,16 @@ pub struct VerifyRequest<'a> {
     /// Seed of the request's random stream.
     pub seed: u64,
     /// Absolute position of the token emitted at row 0 (keys the random stream). `None` means
-    /// `context.len()`.
+    /// `context.len()`. **It must advance from step to step** (set the context or the position):
+    /// draws are keyed by `(seed, position)`, so a position left at 0 reuses the same uniforms at
+    /// every step, and consecutive steps are no longer independent.
     pub position: Option<u64>,
 }
 
 impl<'a> VerifyRequest<'a> {
-    /// A request with point-mass drafts, empty context, seed 0.
+    /// A request with point-mass drafts, empty context, seed 0 and position 0. In a decoding loop
+    /// set [`VerifyRequest::context`] or [`VerifyRequest::position`] at every step (see
+    /// [`VerifyRequest::position`] field docs).
     pub fn new(
         config: &'a SamplingConfig,
         target_logits: &'a [f32],

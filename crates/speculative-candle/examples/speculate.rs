@@ -324,7 +324,9 @@ fn run() -> Result<(), DynError> {
             "speed-up (decode tokens/s, prefill excluded): {:.2}x  ({s:.1} vs {p:.1} tokens/s)",
             if p > 0.0 { s / p } else { 0.0 }
         );
-        if a.temperature == 0.0 {
+        if a.temperature != 0.0 {
+            println!("(sampled runs: outputs differ from plain sampling token by token but follow the same distribution)");
+        } else {
             println!(
                 "greedy outputs identical: {}",
                 if spec.tokens == plain.tokens {
@@ -342,7 +344,7 @@ fn report(name: &str, g: &Generation) {
     let m = &g.metrics;
     println!(
         "[{name}] {} tokens ({}) in {:.2} s: {:.1} tokens/s end to end, {:.1} decode tokens/s; \
-         prefill {:.0} ms, propose {:.0} ms, target forwards {:.0} ms, verify {:.0} ms",
+         prefill {:.0} ms, propose {:.0} ms, target forwards {:.0} ms, sampling/verification {:.0} ms",
         g.tokens.len(),
         g.finish,
         m.total_time.as_secs_f64(),
@@ -360,7 +362,7 @@ fn report(name: &str, g: &Generation) {
             .map(|a| format!("{a:.2}"))
             .collect();
         println!(
-            "[{name}] acceptance rate {:.3} ({} of {} drafts), mean accepted length {:.2} tokens per target call ({} calls), per-position acceptance [{}]",
+            "[{name}] acceptance rate {:.3} ({} of {} drafts), mean accepted length {:.2} tokens per target call ({} calls), acceptance by draft position given the earlier ones were accepted [{}]",
             m.acceptance_rate(),
             m.accepted,
             m.proposed,
