@@ -2,8 +2,9 @@
 //! block once for all rows of a verify call, and a plain-Rust llama forward on it.
 //!
 //! - [`q8`]: the 8-bit block weight format ([`Q8Matrix`]), activation quantisation
-//!   ([`Q8Act`]) and the multi-row matmul with AVX-512 VNNI, AVX2 and portable kernels that
-//!   give bit-identical results ([`KernelPath`]).
+//!   ([`Q8Act`]) and the multi-row matmul with AVX-512 VNNI, AVX2, NEON (with and without the
+//!   dot-product extension) and portable kernels that give bit-identical results
+//!   ([`KernelPath`]).
 //! - [`f32mat`]: the exact path ([`F32Matrix`]): f32 weights, same multi-row structure.
 //! - [`forward`]: [`FastWeights`] (loaded from a GGUF file, shared through an `Arc`) and
 //!   [`FastTarget`], which implements [`speculative::TargetModel`].

@@ -48,9 +48,23 @@
 //! - [`KernelPath::Avx2`]: the weights are un-offset once per block, then `vpmaddubsw` of `|w|`
 //!   by `x · sign(w)` (pairs of products fit in `i16`: at most `2 · 128 · 127 < 32767`) and
 //!   `vpmaddwd` by ones into `i32`.
+//! - [`KernelPath::NeonDotprod`] (aarch64 with the dot-product extension, FEAT_DotProd): the
+//!   weights are un-offset once per block (`u ^ 0x80` is `q` as a signed byte), then per row
+//!   and block 8 `sdot` by-element instructions (each lane one feature, the 4 activation bytes
+//!   of a group taken from the activation block register by index) in 4 chains, added exactly.
+//!   Rust 1.95 has no stable `vdotq_s32`, so `sdot` is written as inline assembly in a function
+//!   compiled with the `dotprod` target feature.
+//! - [`KernelPath::Neon`] (every aarch64 CPU): the same un-offset weights; `smull`/`smlal`
+//!   multiply 8 weight bytes by the broadcast group of 4 activation bytes into `i16` and add the
+//!   products of two groups (at most `2 · 128 · 127 = 32512 < 32767`: weights lie in
+//!   `[-128, 127]`, activations in `[-127, 127]`), `sadalp` adds pairs into `i32` and a final
+//!   `addp` gives one lane per feature.
 //! - [`KernelPath::Scalar`]: portable Rust, the reference.
 //!
-//! NEON is not written yet: on aarch64 the scalar path runs.
+//! The NEON paths do step 2 with `fmul`, `fmul`, `fadd` on 4 features at a time (never a
+//! fused `fmla`); on AArch64 the Advanced SIMD and the scalar floating-point units both follow
+//! the FPCR (round to nearest, no flush to zero on Linux), so the bits are those of the scalar
+//! path. Activations are quantised by the portable code on aarch64.
 
 use crate::error::{CandleError, Result};
 
@@ -71,15 +85,25 @@ pub enum KernelPath {
     Avx2,
     /// x86-64 AVX-512 F + BW + VNNI (`vpdpbusd` on 512-bit registers).
     Avx512Vnni,
+    /// aarch64 Advanced SIMD, present on every aarch64 CPU (`smull` / `smlal` / `sadalp`).
+    Neon,
+    /// aarch64 Advanced SIMD with the dot-product extension (`sdot`; optional from Armv8.2-A,
+    /// mandatory from Armv8.4-A).
+    NeonDotprod,
 }
 
 impl KernelPath {
     /// The fastest path this CPU supports (runtime detection).
     pub fn detect() -> Self {
-        [KernelPath::Avx512Vnni, KernelPath::Avx2]
-            .into_iter()
-            .find(|p| p.is_available())
-            .unwrap_or(KernelPath::Scalar)
+        [
+            KernelPath::Avx512Vnni,
+            KernelPath::Avx2,
+            KernelPath::NeonDotprod,
+            KernelPath::Neon,
+        ]
+        .into_iter()
+        .find(|p| p.is_available())
+        .unwrap_or(KernelPath::Scalar)
     }
 
     /// Whether this CPU can run the path.
@@ -94,17 +118,30 @@ impl KernelPath {
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512vnni")
             }
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(target_arch = "aarch64")]
+            KernelPath::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[cfg(target_arch = "aarch64")]
+            KernelPath::NeonDotprod => {
+                std::arch::is_aarch64_feature_detected!("neon")
+                    && std::arch::is_aarch64_feature_detected!("dotprod")
+            }
+            // The paths of other architectures.
             _ => false,
         }
     }
 
     /// Every path available on this CPU, the scalar one first.
     pub fn available() -> Vec<KernelPath> {
-        [KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512Vnni]
-            .into_iter()
-            .filter(|p| p.is_available())
-            .collect()
+        [
+            KernelPath::Scalar,
+            KernelPath::Avx2,
+            KernelPath::Avx512Vnni,
+            KernelPath::Neon,
+            KernelPath::NeonDotprod,
+        ]
+        .into_iter()
+        .filter(|p| p.is_available())
+        .collect()
     }
 }
 
@@ -438,6 +475,12 @@ impl Q8Matrix {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, AVX2 was detected.
             KernelPath::Avx2 => unsafe { x86::tile_avx2(self, t, x, acc) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: as above, NEON and the dot-product extension were detected.
+            KernelPath::NeonDotprod => unsafe { neon::tile_dotprod(self, t, x, acc) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: as above, NEON was detected.
+            KernelPath::Neon => unsafe { neon::tile_neon(self, t, x, acc) },
             _ => self.tile_scalar(t, x, acc),
         }
     }
@@ -795,6 +838,178 @@ mod x86 {
     }
 }
 
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::{Q8Act, Q8Matrix, BLOCK, TB, TILE};
+    use std::arch::aarch64::*;
+    use std::arch::asm;
+
+    /// Features per 128-bit vector of `i32` / `f32` lanes.
+    const QUAD: usize = 4;
+
+    /// The 8 weight vectors of features `4 q .. 4 q + 4` of one tile-block (`wb`, [`TB`] bytes),
+    /// un-offset to signed bytes: vector `g` holds bytes `4 g .. 4 g + 4` of the block for each
+    /// of the 4 features in turn.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    fn quad_weights(wb: &[u8], q: usize) -> [int8x16_t; 8] {
+        let off = vdupq_n_u8(0x80);
+        let mut w = [vdupq_n_s8(0); 8];
+        for (g, wg) in w.iter_mut().enumerate() {
+            let s = &wb[g * TILE * 4 + q * 16..][..16];
+            // SAFETY: `s` holds exactly 16 bytes; `vld1q_u8` needs no alignment.
+            let u = unsafe { vld1q_u8(s.as_ptr()) };
+            *wg = vreinterpretq_s8_u8(veorq_u8(u, off));
+        }
+        w
+    }
+
+    /// Row-block `i` of the activations as two vectors: groups 0-3 and groups 4-7.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    fn act_block(x: &Q8Act, i: usize) -> (int8x16_t, int8x16_t) {
+        let xq = &x.q[i * BLOCK..][..BLOCK];
+        // SAFETY: `xq` holds exactly 32 bytes; each unaligned load reads 16 of them.
+        unsafe { (vld1q_s8(xq.as_ptr()), vld1q_s8(xq.as_ptr().add(16))) }
+    }
+
+    /// Step 2 of the module docs for 4 features (`a` starts at the first of them):
+    /// `a[f] += ((tot[f] as f32) · sw[f]) · sx`, two multiplications then one addition, each
+    /// rounded, as in the scalar path (no fused multiply-add).
+    #[inline]
+    #[target_feature(enable = "neon")]
+    fn accumulate4(a: &mut [f32], tot: int32x4_t, sw: float32x4_t, sx: f32) {
+        let a = &mut a[..QUAD];
+        let v = vmulq_f32(vmulq_f32(vcvtq_f32_s32(tot), sw), vdupq_n_f32(sx));
+        // SAFETY: `a` holds exactly 4 floats; unaligned load and store.
+        unsafe { vst1q_f32(a.as_mut_ptr(), vaddq_f32(vld1q_f32(a.as_ptr()), v)) };
+    }
+
+    /// The 4 scales of features `4 q .. 4 q + 4` of one tile-block (`sws`, [`TILE`] floats).
+    #[inline]
+    #[target_feature(enable = "neon")]
+    fn quad_scales(sws: &[f32], q: usize) -> float32x4_t {
+        let s = &sws[q * QUAD..][..QUAD];
+        // SAFETY: `s` holds exactly 4 floats; unaligned load.
+        unsafe { vld1q_f32(s.as_ptr()) }
+    }
+
+    /// The exact block dot products of 4 features (lane `f`: `Σ_i w_f[i] · x[i]` over the 32
+    /// bytes) with `sdot` by element: group `g` of the weights times the 4 bytes of group `g`
+    /// of the activations (lane `g mod 4` of `x0` or `x1`), in 4 chains added at the end.
+    #[inline]
+    #[target_feature(enable = "neon,dotprod")]
+    fn dot_sdot(w: &[int8x16_t; 8], x0: int8x16_t, x1: int8x16_t) -> int32x4_t {
+        let (mut t0, mut t1) = (vdupq_n_s32(0), vdupq_n_s32(0));
+        let (mut t2, mut t3) = (vdupq_n_s32(0), vdupq_n_s32(0));
+        // SAFETY: `sdot` needs FEAT_DotProd, which this function is compiled for and which
+        // callers of the kernel detected at run time; the instructions read and write only
+        // the vector registers bound here (no memory, stack or flags).
+        unsafe {
+            asm!(
+                "sdot {t0:v}.4s, {w0:v}.16b, {x0:v}.4b[0]",
+                "sdot {t1:v}.4s, {w1:v}.16b, {x0:v}.4b[1]",
+                "sdot {t2:v}.4s, {w2:v}.16b, {x0:v}.4b[2]",
+                "sdot {t3:v}.4s, {w3:v}.16b, {x0:v}.4b[3]",
+                "sdot {t0:v}.4s, {w4:v}.16b, {x1:v}.4b[0]",
+                "sdot {t1:v}.4s, {w5:v}.16b, {x1:v}.4b[1]",
+                "sdot {t2:v}.4s, {w6:v}.16b, {x1:v}.4b[2]",
+                "sdot {t3:v}.4s, {w7:v}.16b, {x1:v}.4b[3]",
+                t0 = inout(vreg) t0,
+                t1 = inout(vreg) t1,
+                t2 = inout(vreg) t2,
+                t3 = inout(vreg) t3,
+                w0 = in(vreg) w[0],
+                w1 = in(vreg) w[1],
+                w2 = in(vreg) w[2],
+                w3 = in(vreg) w[3],
+                w4 = in(vreg) w[4],
+                w5 = in(vreg) w[5],
+                w6 = in(vreg) w[6],
+                w7 = in(vreg) w[7],
+                x0 = in(vreg) x0,
+                x1 = in(vreg) x1,
+                options(pure, nomem, nostack, preserves_flags),
+            );
+        }
+        vaddq_s32(vaddq_s32(t0, t1), vaddq_s32(t2, t3))
+    }
+
+    /// The same exact block dot products with baseline NEON: each activation group broadcast
+    /// to all 4 features, `smull` / `smlal` of two groups into `i16` (at most
+    /// `2 · 128 · 127 = 32512`, no overflow), `sadalp` into two `i32` lanes per feature (low
+    /// halves: features 0 and 1, high halves: 2 and 3), and one `addp` to a lane per feature.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    fn dot_neon(w: &[int8x16_t; 8], x0: int8x16_t, x1: int8x16_t) -> int32x4_t {
+        let (x0, x1) = (vreinterpretq_s32_s8(x0), vreinterpretq_s32_s8(x1));
+        let xg = [
+            vdupq_laneq_s32::<0>(x0),
+            vdupq_laneq_s32::<1>(x0),
+            vdupq_laneq_s32::<2>(x0),
+            vdupq_laneq_s32::<3>(x0),
+            vdupq_laneq_s32::<0>(x1),
+            vdupq_laneq_s32::<1>(x1),
+            vdupq_laneq_s32::<2>(x1),
+            vdupq_laneq_s32::<3>(x1),
+        ]
+        .map(|v| vreinterpretq_s8_s32(v));
+        let (mut lo, mut hi) = (vdupq_n_s32(0), vdupq_n_s32(0));
+        for (wp, xp) in w.chunks_exact(2).zip(xg.chunks_exact(2)) {
+            let pl = vmlal_s8(
+                vmull_s8(vget_low_s8(wp[0]), vget_low_s8(xp[0])),
+                vget_low_s8(wp[1]),
+                vget_low_s8(xp[1]),
+            );
+            let ph = vmlal_high_s8(vmull_high_s8(wp[0], xp[0]), wp[1], xp[1]);
+            lo = vpadalq_s16(lo, pl);
+            hi = vpadalq_s16(hi, ph);
+        }
+        vpaddq_s32(lo, hi)
+    }
+
+    /// Dot-product tile kernel (see the module docs): per block, the 16 features as 4 quads;
+    /// each quad's weights are loaded and un-offset once and used for every row. Callers must
+    /// check that the CPU has NEON and FEAT_DotProd.
+    #[target_feature(enable = "neon,dotprod")]
+    pub(super) fn tile_dotprod(m: &Q8Matrix, t: usize, x: &Q8Act, acc: &mut [[f32; TILE]]) {
+        let nb = m.nb;
+        for b in 0..nb {
+            let wb = &m.qs[(t * nb + b) * TB..][..TB];
+            let sws = &m.scales[(t * nb + b) * TILE..][..TILE];
+            for q in 0..TILE / QUAD {
+                let w = quad_weights(wb, q);
+                let sw = quad_scales(sws, q);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let i = r * nb + b;
+                    let (x0, x1) = act_block(x, i);
+                    accumulate4(&mut a[q * QUAD..], dot_sdot(&w, x0, x1), sw, x.scales[i]);
+                }
+            }
+        }
+    }
+
+    /// Baseline NEON tile kernel: the loops of [`tile_dotprod`] with [`dot_neon`]. Callers
+    /// must check that the CPU has NEON (every aarch64 CPU does).
+    #[target_feature(enable = "neon")]
+    pub(super) fn tile_neon(m: &Q8Matrix, t: usize, x: &Q8Act, acc: &mut [[f32; TILE]]) {
+        let nb = m.nb;
+        for b in 0..nb {
+            let wb = &m.qs[(t * nb + b) * TB..][..TB];
+            let sws = &m.scales[(t * nb + b) * TILE..][..TILE];
+            for q in 0..TILE / QUAD {
+                let w = quad_weights(wb, q);
+                let sw = quad_scales(sws, q);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let i = r * nb + b;
+                    let (x0, x1) = act_block(x, i);
+                    accumulate4(&mut a[q * QUAD..], dot_neon(&w, x0, x1), sw, x.scales[i]);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -857,6 +1072,113 @@ mod tests {
                 "cols {cols}"
             );
         }
+    }
+
+    /// Every available kernel path, with 1 and 2 threads, gives the bits of the scalar path:
+    /// random weights and activations (row and column counts that need padding), and extreme
+    /// quants (imported Q8_0 weights of -128 and 127, whole blocks of -128, activations ±127).
+    #[test]
+    fn every_kernel_path_matches_scalar_bit_for_bit() {
+        let paths = KernelPath::available();
+        println!(
+            "kernel paths on this CPU: {paths:?} (detected: {:?})",
+            KernelPath::detect()
+        );
+        let mut s = 3;
+        let mut mats = Vec::new();
+        for (rows, cols) in [(16, 32), (13, 96), (40, 200), (3, 45)] {
+            let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
+            mats.push(Q8Matrix::quantize(rows, cols, &w).unwrap());
+        }
+        let (rows, cols) = (20, 64);
+        let mut bytes = Vec::new();
+        for idx in 0..rows * cols / BLOCK {
+            let j = idx / (cols / BLOCK);
+            bytes.extend_from_slice(&[0x00, 0x3c]); // scale 1.0
+            bytes.extend((0..32).map(|i| {
+                if j.is_multiple_of(4) || (i + idx).is_multiple_of(3) {
+                    0x80u8
+                } else {
+                    0x7f
+                }
+            }));
+        }
+        mats.push(Q8Matrix::from_ggml_q8_0(rows, cols, &bytes).unwrap());
+        for m in &mats {
+            let cols = m.cols();
+            for n in [1, 2, 3, 5, 9, 12, 13, 17] {
+                let mut x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 3.0).collect();
+                if n == 3 {
+                    // Rows of +1, of -1 and mixed: quants ±127.
+                    for (i, v) in x.iter_mut().enumerate() {
+                        *v = match i / cols {
+                            0 => 1.0,
+                            1 => -1.0,
+                            _ if i.is_multiple_of(5) => -1.0,
+                            _ => 1.0,
+                        };
+                    }
+                }
+                let mut act = Q8Act::default();
+                act.quantize(&x, cols).unwrap();
+                let mut want = Vec::new();
+                m.matmul(&act, &mut want, KernelPath::Scalar, 1).unwrap();
+                for &p in &paths {
+                    for threads in [1, 2] {
+                        let mut got = Vec::new();
+                        m.matmul(&act, &mut got, p, threads).unwrap();
+                        let same = got.len() == want.len()
+                            && got
+                                .iter()
+                                .zip(&want)
+                                .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{p:?}, {threads} threads, {m:?}, n = {n}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn unavailable_paths_are_refused() {
+        let m = Q8Matrix::quantize(2, 32, &[0.5; 64]).unwrap();
+        let mut act = Q8Act::default();
+        act.quantize(&[1.0; 32], 32).unwrap();
+        let all = [
+            KernelPath::Scalar,
+            KernelPath::Avx2,
+            KernelPath::Avx512Vnni,
+            KernelPath::Neon,
+            KernelPath::NeonDotprod,
+        ];
+        for p in all {
+            let r = m.matmul(&act, &mut Vec::new(), p, 1);
+            assert_eq!(r.is_ok(), p.is_available(), "{p:?}");
+        }
+        assert!(KernelPath::detect().is_available());
+    }
+
+    /// On aarch64 the NEON path is always available, and the dot-product path exactly when
+    /// the CPU reports FEAT_DotProd (under qemu-user: `-cpu max` has it, `-cpu cortex-a53`
+    /// does not).
+    #[cfg(target_arch = "aarch64")]
+    #[test]
+    fn neon_paths_are_detected_on_aarch64() {
+        let dotprod = std::arch::is_aarch64_feature_detected!("dotprod");
+        let paths = KernelPath::available();
+        println!(
+            "aarch64: dotprod {dotprod}, kernel paths {paths:?}, detected {:?}",
+            KernelPath::detect()
+        );
+        assert!(paths.contains(&KernelPath::Neon));
+        assert_eq!(paths.contains(&KernelPath::NeonDotprod), dotprod);
+        assert!(!paths.contains(&KernelPath::Avx2) && !paths.contains(&KernelPath::Avx512Vnni));
+        let best = if dotprod {
+            KernelPath::NeonDotprod
+        } else {
+            KernelPath::Neon
+        };
+        assert_eq!(KernelPath::detect(), best);
     }
 
     #[test]
