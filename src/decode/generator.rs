@@ -209,8 +209,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         let mut metrics = Metrics::default();
         if prompt.len() > 1 {
             let t = Instant::now();
-            self.target
-                .forward(&prompt[..prompt.len() - 1], &mut self.logits)?;
+            self.target.prefill(&prompt[..prompt.len() - 1])?;
             metrics.prefill_time = t.elapsed();
             self.capture_hidden(prompt.len() - 2);
         }

@@ -756,6 +756,23 @@ impl CandleTarget {
     /// [`CandleError::ContextOverflow`] when `seq_len + n > max_context`, and
     /// [`CandleError::Candle`] when a tensor operation fails.
     pub fn forward_tensor(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        self.append(tokens, true)?
+            .ok_or_else(|| CandleError::InvalidArgument("forward produced no logits".into()))
+    }
+
+    /// Appends `tokens` like [`CandleTarget::forward_tensor`] but skips the output head (no
+    /// logits; the final hidden states are still kept). The KV cache afterwards is the one
+    /// `forward_tensor` leaves. Used for the prompt prefill.
+    ///
+    /// # Errors
+    /// As [`CandleTarget::forward_tensor`].
+    pub fn prefill_tokens(&mut self, tokens: &[u32]) -> Result<()> {
+        self.append(tokens, false).map(|_| ())
+    }
+
+    /// Validates `tokens`, then runs the blocks (and the head when `head`), restoring the
+    /// sequence length on error.
+    fn append(&mut self, tokens: &[u32], head: bool) -> Result<Option<Tensor>> {
         let cfg = &self.weights.config;
         let n = tokens.len();
         if n == 0 {
@@ -777,7 +794,7 @@ impl CandleTarget {
             });
         }
         let saved_len = self.seq_len;
-        let out = self.run(tokens);
+        let out = self.run(tokens, head);
         if out.is_err() {
             // Positions past `saved_len` may hold partial writes; they are simply not valid.
             self.seq_len = saved_len;
@@ -785,7 +802,7 @@ impl CandleTarget {
         out
     }
 
-    fn run(&mut self, tokens: &[u32]) -> Result<Tensor> {
+    fn run(&mut self, tokens: &[u32], head: bool) -> Result<Option<Tensor>> {
         let w = Arc::clone(&self.weights);
         let cfg = &w.config;
         let n = tokens.len();
@@ -825,7 +842,11 @@ impl CandleTarget {
             x = (x + linear(&layer.w_down, &act)?)?;
         }
         let hidden = rms_norm(&x, &w.output_norm, cfg.rms_eps)?;
-        let logits = linear(&w.head, &hidden)?;
+        let logits = if head {
+            Some(linear(&w.head, &hidden)?)
+        } else {
+            None
+        };
         self.hidden = hidden.flatten_all()?.to_vec1::<f32>()?;
         self.seq_len = total;
         Ok(logits)
@@ -918,6 +939,10 @@ impl speculative::TargetModel for CandleTarget {
 
     fn truncate(&mut self, len: usize) -> speculative::Result<()> {
         Ok(self.truncate_to(len)?)
+    }
+
+    fn prefill(&mut self, tokens: &[u32]) -> speculative::Result<()> {
+        Ok(self.prefill_tokens(tokens)?)
     }
 
     fn hidden_size(&self) -> usize {

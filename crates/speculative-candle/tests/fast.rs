@@ -468,3 +468,36 @@ fn speculative_greedy_equals_plain_greedy_on_real_model() {
         assert_eq!(out.tokens, want, "speculative output differs for {q:?}");
     }
 }
+
+#[test]
+fn prefill_without_head_leaves_the_same_cache_and_hidden_states() {
+    for format in [FastFormat::Q8, FastFormat::F32] {
+        let tokens = chat("Name three rivers in Europe and say which sea each flows into.");
+        let n = tokens.len();
+        let mut full = FastTarget::new(fast_weights(format));
+        let mut want = Vec::new();
+        full.forward(&tokens[..n - 4], &mut want).unwrap();
+        let want_hidden = full.last_hidden().unwrap().to_vec();
+        full.forward(&tokens[n - 4..], &mut want).unwrap();
+
+        let mut m = FastTarget::new(fast_weights(format));
+        m.prefill(&tokens[..n - 4]).unwrap();
+        assert_eq!(m.seq_len(), n - 4);
+        assert!(m.last_hidden().unwrap() == &want_hidden[..]);
+        let mut got = Vec::new();
+        m.forward(&tokens[n - 4..], &mut got).unwrap();
+        assert!(
+            got == want,
+            "{format:?}: prefill then forward != forward then forward"
+        );
+        assert!(matches!(
+            m.prefill_tokens(&[u32::MAX]),
+            Err(CandleError::TokenOutOfVocab { .. })
+        ));
+        assert!(matches!(
+            m.prefill_tokens(&[]),
+            Err(CandleError::InvalidArgument(_))
+        ));
+        assert_eq!(m.seq_len(), n);
+    }
+}

@@ -215,3 +215,33 @@ fn greedy_generation_q8_is_text() {
     let text = greedy(WeightFormat::Q8_0, "Name three primary colours.");
     assert!(!text.trim().is_empty());
 }
+
+#[test]
+fn prefill_without_head_leaves_the_same_cache() {
+    let w = weights(WeightFormat::Q8_0);
+    let tokens = prompt_tokens();
+    let n = tokens.len();
+    let mut want = Vec::new();
+    let mut full = CandleTarget::new(w.clone());
+    full.forward(&tokens[..n - 3], &mut want).unwrap();
+    let want_hidden = full.last_hidden().unwrap().to_vec();
+    full.forward(&tokens[n - 3..], &mut want).unwrap();
+
+    let mut m = CandleTarget::new(w);
+    m.prefill(&tokens[..n - 3]).unwrap();
+    assert_eq!(m.seq_len(), n - 3);
+    assert_eq!(m.last_hidden().unwrap(), &want_hidden[..]);
+    let mut got = Vec::new();
+    m.forward(&tokens[n - 3..], &mut got).unwrap();
+    assert_eq!(
+        got, want,
+        "prefill then forward must equal forward then forward"
+    );
+    // Bad input keeps the sequence, as `forward` does.
+    assert!(matches!(
+        m.prefill_tokens(&[u32::MAX]),
+        Err(CandleError::TokenOutOfVocab { .. })
+    ));
+    assert!(m.prefill_tokens(&[]).is_err());
+    assert_eq!(m.seq_len(), n);
+}
