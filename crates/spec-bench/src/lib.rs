@@ -15,6 +15,7 @@
 
 pub mod error;
 pub mod matrix;
+pub mod replay;
 pub mod report;
 pub mod run;
 pub mod sim;

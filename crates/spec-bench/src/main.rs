@@ -4,6 +4,8 @@
 //! cargo run --release -p spec-bench -- run --workload docs/workloads/all.jsonl --out bench-out
 //! cargo run --release -p spec-bench -- simulate --cost docs/cost-tables/cpu-smollm2.json \
 //!     --runs bench-out/runs.json --out sim-out
+//! cargo run --release -p spec-bench -- replay --workload docs/workloads/all.jsonl \
+//!     --runs bench-out/runs.json --cost docs/cost-tables/cpu-smollm2.json --out replay-out
 //! ```
 
 use std::path::PathBuf;
@@ -11,6 +13,9 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use spec_bench::matrix::{run_matrix, Matrix, PreparedRequest};
+use spec_bench::replay::{
+    markdown as replay_markdown, oracle, replay, CostCurve, ReplayRow, ReplayStats, Trace,
+};
 use spec_bench::report::{aggregate, markdown, sim_markdown, sim_plot, standard_plots, write_json};
 use spec_bench::run::{ConfigSpec, DraftSpec, RunRecord};
 use spec_bench::sim::{default_batches, simulate, AcceptanceModel, CostTable};
@@ -38,6 +43,39 @@ enum Cmd {
     Simulate(SimArgs),
     /// Measure a cost table c(batch, tokens) for the simulator on this machine.
     CostTable(CostArgs),
+    /// Replay recorded greedy generations through model-free proposers without the model, and
+    /// bound what any copying proposer could accept (the copy oracle).
+    Replay(ReplayArgs),
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    /// The workload the runs were recorded from (prompts are re-tokenised with the model's
+    /// tokenizer and chat template).
+    #[arg(long)]
+    workload: PathBuf,
+    /// runs.json of a greedy `spec-bench run` on that workload: the output of every request is
+    /// taken from a run whose output equals plain greedy decoding.
+    #[arg(long)]
+    runs: PathBuf,
+    /// Cost table; its batch-1 row gives the forward cost curve c(n).
+    #[arg(long)]
+    cost: PathBuf,
+    /// GGUF file holding the tokenizer (default: the model of `run`).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Proposers: prompt-lookup, prompt-lookup:MIN-MAX, suffix.
+    #[arg(long, value_delimiter = ',', default_value = "prompt-lookup,suffix")]
+    proposers: Vec<String>,
+    /// Draft lengths.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    k: Vec<usize>,
+    /// Longest n-gram the copy oracle matches.
+    #[arg(long, default_value_t = 8)]
+    oracle_max_n: usize,
+    /// Output directory for replay.json and replay.md.
+    #[arg(long, default_value = "replay-out")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -152,6 +190,7 @@ fn real_main() -> Result<()> {
         Cmd::Run(a) => run(a),
         Cmd::Simulate(a) => sim(a),
         Cmd::CostTable(a) => cost_table(a),
+        Cmd::Replay(a) => replay_cmd(a),
     }
 }
 
@@ -371,6 +410,127 @@ fn cost_table(a: CostArgs) -> Result<()> {
     table.validate()?;
     write_json(&a.out, &table)?;
     println!("wrote {}", a.out.display());
+    Ok(())
+}
+
+fn replay_proposer(name: &str) -> Result<Box<dyn Proposer>> {
+    let bad = || BenchError::Invalid {
+        what: "proposer",
+        reason: format!("{name} (replay takes prompt-lookup, prompt-lookup:MIN-MAX, suffix)"),
+    };
+    Ok(match name {
+        "prompt-lookup" => Box::new(PromptLookup::new(1, 4)?),
+        "suffix" => Box::new(SuffixProposer::new(SuffixConfig::default())?),
+        other => {
+            let range = other.strip_prefix("prompt-lookup:").ok_or_else(bad)?;
+            let (lo, hi) = range.split_once('-').ok_or_else(bad)?;
+            let lo: usize = lo.parse().map_err(|_| bad())?;
+            let hi: usize = hi.parse().map_err(|_| bad())?;
+            Box::new(PromptLookup::new(lo, hi)?)
+        }
+    })
+}
+
+fn replay_cmd(a: ReplayArgs) -> Result<()> {
+    let requests = workload::load(&a.workload)?;
+    let path = a.model.clone().unwrap_or_else(default_model_path);
+    let tok = GgufTokenizer::load(&path)?;
+    let text = std::fs::read_to_string(&a.runs).map_err(io(&a.runs))?;
+    let recs: Vec<RunRecord> = serde_json::from_str(&text).map_err(|e| BenchError::Invalid {
+        what: "runs.json",
+        reason: e.to_string(),
+    })?;
+    let cost = CostCurve::new(CostTable::from_json(
+        &std::fs::read_to_string(&a.cost).map_err(io(&a.cost))?,
+    )?)?;
+    for p in &a.proposers {
+        replay_proposer(p)?;
+    }
+    let mut traces = Vec::new();
+    for (i, r) in requests.iter().enumerate() {
+        let Some(rec) = recs
+            .iter()
+            .find(|x| x.request == i && x.greedy_identical == Some(true))
+        else {
+            continue;
+        };
+        let text = tok.apply_chat_template(&[ChatMessage::user(r.prompt.clone())])?;
+        let prompt = tok.encode(&text)?;
+        if prompt.len() != rec.prompt_tokens {
+            return Err(BenchError::Invalid {
+                what: "runs.json",
+                reason: format!(
+                    "request {i}: the workload prompt has {} tokens, the run {}: not recorded from this workload and model",
+                    prompt.len(),
+                    rec.prompt_tokens
+                ),
+            });
+        }
+        traces.push(Trace {
+            kind: r.kind.clone(),
+            request: i,
+            prompt,
+            output: rec.tokens.clone(),
+        });
+    }
+    if traces.is_empty() {
+        return Err(BenchError::Invalid {
+            what: "runs.json",
+            reason: "no greedy run with greedy_identical = true".into(),
+        });
+    }
+    let mut kinds: Vec<String> = traces.iter().map(|t| t.kind.clone()).collect();
+    kinds.sort();
+    kinds.dedup();
+    let mut rows = Vec::new();
+    for kind in &kinds {
+        let of_kind: Vec<&Trace> = traces.iter().filter(|t| &t.kind == kind).collect();
+        for &k in &a.k {
+            for name in &a.proposers {
+                let per: Vec<ReplayStats> = of_kind
+                    .iter()
+                    .map(|t| replay(&mut *replay_proposer(name)?, t, k, &cost))
+                    .collect::<Result<_>>()?;
+                let mut row = ReplayRow::new(kind, name, k, &per);
+                let label = format!("{name} k={k} t=0 ");
+                let measured: Vec<f64> = recs
+                    .iter()
+                    .filter(|x| &x.kind == kind && x.label.starts_with(&label))
+                    .filter_map(|x| x.speedup)
+                    .collect();
+                if !measured.is_empty() {
+                    row.measured_speedup_mean =
+                        Some(measured.iter().sum::<f64>() / measured.len() as f64);
+                }
+                rows.push(row);
+            }
+            for (name, min_n) in [
+                ("oracle n>=1".to_string(), 1),
+                ("oracle any position".to_string(), 0),
+            ] {
+                let per: Vec<ReplayStats> = of_kind
+                    .iter()
+                    .map(|t| oracle(t, k, min_n, a.oracle_max_n.max(min_n), &cost))
+                    .collect::<Result<_>>()?;
+                rows.push(ReplayRow::new(kind, &name, k, &per));
+            }
+        }
+    }
+    std::fs::create_dir_all(&a.out).map_err(io(&a.out))?;
+    write_json(&a.out.join("replay.json"), &rows)?;
+    let md = replay_markdown(&rows);
+    let p = a.out.join("replay.md");
+    std::fs::write(
+        &p,
+        format!(
+            "Greedy traces: {} ({} requests); cost curve: {}\n\n{md}",
+            a.runs.display(),
+            traces.len(),
+            CostTable::from_json(&std::fs::read_to_string(&a.cost).map_err(io(&a.cost))?)?.source
+        ),
+    )
+    .map_err(io(&p))?;
+    println!("{md}");
     Ok(())
 }
 

@@ -1,0 +1,486 @@
+//! Offline replay of greedy generations through proposers, and the copy-oracle bound.
+//!
+//! In greedy mode the emitted text does not depend on the proposer (speculative greedy output is
+//! token-identical to plain greedy output), so once a generation `output` of a prompt is known,
+//! any proposer can be evaluated without the model: at each step the proposer sees
+//! `prompt + output[..i]`, its draft is accepted up to the first token that differs from
+//! `output[i..]`, and the step emits the accepted drafts plus one token. The counts (acceptance
+//! rate, mean accepted length, per-position acceptance) are exactly those a real greedy run
+//! would record; only the time is modelled, by a forward cost curve `c(n)` = cost of a target
+//! forward over `n` new tokens relative to one token (a [`CostTable`]'s batch-1 row):
+//!
+//! `predicted decode speed-up = output tokens / sum over steps of c(k_step + 1)`
+//!
+//! where `k_step` is the number of drafts the proposer actually returned (0: a plain step). The
+//! proposer's own time and the prefill are not included (both are in the measured end-to-end
+//! figures of `spec-bench run`).
+//!
+//! **Copy oracle.** [`oracle`] replays the same trace with the best draft any *copying*
+//! proposer could make at each step: among all earlier positions `j` of the context whose
+//! preceding `n` tokens equal the context's last `n` tokens (for some `n` in
+//! `min_n ..= max_n`; `min_n = 0` admits every position), it drafts the continuation that
+//! matches the most tokens of the true output. Prompt lookup (Saxena 2023), the request trie of
+//! SuffixDecoding (Oliaro et al. 2024) and any tree of such candidates verified at the cost of a
+//! single chain draw their drafts from this candidate set, so per step none of them can accept
+//! more. It is the ceiling of model-free copying on a workload: when it is below a goal, only a
+//! different proposer kind (a draft model, heads) or a different model can reach the goal.
+//! Cost: `O(steps * max_n * context)` per trace.
+
+use serde::{Deserialize, Serialize};
+use speculative::propose::{Draft, ProposeRequest, Proposer};
+use speculative::SamplingConfig;
+
+use crate::error::{BenchError, Result};
+use crate::sim::CostTable;
+
+/// One greedy generation: the prompt and the tokens the target emitted after it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Trace {
+    /// Workload kind, for aggregates.
+    pub kind: String,
+    /// Index of the request in the workload.
+    pub request: usize,
+    /// Prompt tokens (chat template applied), as fed to the target.
+    pub prompt: Vec<u32>,
+    /// Greedy output tokens (EOS included when the generation stopped on it).
+    pub output: Vec<u32>,
+}
+
+/// Counts of one replay (exact for greedy decoding) and its modelled cost.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ReplayStats {
+    /// Output tokens replayed.
+    pub tokens: usize,
+    /// Verify steps (target forwards after the prefill).
+    pub steps: usize,
+    /// Drafts proposed.
+    pub proposed: usize,
+    /// Drafts accepted.
+    pub accepted: usize,
+    /// Per draft position: `(reached, accepted)`.
+    pub by_position: Vec<(usize, usize)>,
+    /// Sum over steps of `c(k_step + 1)`, in units of one single-token forward.
+    pub cost: f64,
+}
+
+impl ReplayStats {
+    /// Accepted / proposed drafts (0 when nothing was proposed).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.proposed == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.proposed as f64
+        }
+    }
+
+    /// Emitted tokens per verify step (the bonus or correction token included).
+    pub fn mean_accepted_length(&self) -> f64 {
+        if self.steps == 0 {
+            0.0
+        } else {
+            self.tokens as f64 / self.steps as f64
+        }
+    }
+
+    /// Predicted decode speed-up over plain decoding: `tokens / cost` (plain decoding costs one
+    /// unit per token).
+    pub fn predicted_speedup(&self) -> f64 {
+        if self.cost > 0.0 {
+            self.tokens as f64 / self.cost
+        } else {
+            0.0
+        }
+    }
+
+    fn record(&mut self, drafted: usize, accepted: usize, emitted: usize, cost: f64) {
+        if self.by_position.len() < drafted {
+            self.by_position.resize(drafted, (0, 0));
+        }
+        for (i, slot) in self.by_position.iter_mut().enumerate().take(drafted) {
+            if i <= accepted {
+                slot.0 += 1;
+            }
+            if i < accepted {
+                slot.1 += 1;
+            }
+        }
+        self.steps += 1;
+        self.proposed += drafted;
+        self.accepted += accepted;
+        self.tokens += emitted;
+        self.cost += cost;
+    }
+}
+
+/// A forward cost curve relative to a single-token forward: `c(n) = cost(1, n) / cost(1, 1)`
+/// from a [`CostTable`]'s batch-1 row (interpolated between its points).
+#[derive(Debug, Clone)]
+pub struct CostCurve {
+    table: CostTable,
+}
+
+impl CostCurve {
+    /// Wraps a validated table.
+    ///
+    /// # Errors
+    /// [`BenchError::Invalid`] when the table fails [`CostTable::validate`].
+    pub fn new(table: CostTable) -> Result<Self> {
+        table.validate()?;
+        Ok(CostCurve { table })
+    }
+
+    /// `c(n)` for a forward over `n >= 1` new tokens, relative to `n = 1`.
+    pub fn relative(&self, n: usize) -> f64 {
+        self.table.cost(1, n.max(1)) / self.table.cost(1, 1)
+    }
+}
+
+fn matched(draft: &[u32], truth: &[u32]) -> usize {
+    draft.iter().zip(truth).take_while(|(d, t)| d == t).count()
+}
+
+/// Replays `trace` through `proposer` with draft length `k` (capped, as the loop does, so that
+/// a step never drafts past the last output token).
+///
+/// # Errors
+/// [`BenchError::Decode`] when the proposer fails.
+pub fn replay(
+    proposer: &mut dyn Proposer,
+    trace: &Trace,
+    k: usize,
+    cost: &CostCurve,
+) -> Result<ReplayStats> {
+    let cfg = SamplingConfig::greedy();
+    proposer.begin(&trace.prompt)?;
+    let mut ctx = trace.prompt.clone();
+    let mut stats = ReplayStats::default();
+    let mut draft = Draft::default();
+    let mut i = 0;
+    while i < trace.output.len() {
+        let remaining = trace.output.len() - i;
+        let req = ProposeRequest {
+            context: &ctx,
+            config: &cfg,
+            max_draft: k.min(remaining - 1),
+            seed: 0,
+            target_hidden: None,
+        };
+        proposer.propose(&req, &mut draft)?;
+        let n = draft.tokens.len().min(req.max_draft);
+        let a = matched(&draft.tokens[..n], &trace.output[i..]);
+        let emitted = (a + 1).min(remaining);
+        stats.record(n, a, emitted, cost.relative(n + 1));
+        ctx.extend_from_slice(&trace.output[i..i + emitted]);
+        i += emitted;
+    }
+    proposer.finish(&ctx);
+    Ok(stats)
+}
+
+/// The copy-oracle bound of a trace (see the module docs): at each step the draft is the
+/// continuation, of length `k`, of the earlier context position that matches the true output
+/// longest, among positions preceded by the context's last `n` tokens for some
+/// `n` in `min_n ..= max_n` (`min_n = 0`: every position). A step with no candidate is a plain
+/// step.
+///
+/// # Errors
+/// [`BenchError::Invalid`] when `max_n < min_n`.
+pub fn oracle(
+    trace: &Trace,
+    k: usize,
+    min_n: usize,
+    max_n: usize,
+    cost: &CostCurve,
+) -> Result<ReplayStats> {
+    if max_n < min_n {
+        return Err(BenchError::Invalid {
+            what: "oracle",
+            reason: format!("max_n {max_n} < min_n {min_n}"),
+        });
+    }
+    let mut ctx = trace.prompt.clone();
+    let mut stats = ReplayStats::default();
+    let mut i = 0;
+    while i < trace.output.len() {
+        let remaining = trace.output.len() - i;
+        let kk = k.min(remaining - 1);
+        let truth = &trace.output[i..];
+        let best = best_copy(&ctx, truth, kk, min_n, max_n);
+        let (a, n) = best.unwrap_or((0, 0));
+        let emitted = (a + 1).min(remaining);
+        stats.record(n, a, emitted, cost.relative(n + 1));
+        ctx.extend_from_slice(&truth[..emitted]);
+        i += emitted;
+    }
+    Ok(stats)
+}
+
+/// One step of the copy oracle: `(accepted, drafted)` of the best candidate draft of at most
+/// `k` tokens for the true continuation `truth` after `ctx`, or `None` when no position
+/// qualifies (see [`oracle`]). `O(ctx.len() * max_n)`.
+pub fn best_copy(
+    ctx: &[u32],
+    truth: &[u32],
+    k: usize,
+    min_n: usize,
+    max_n: usize,
+) -> Option<(usize, usize)> {
+    let len = ctx.len();
+    let mut best: Option<(usize, usize)> = None;
+    // A draft starts inside the context, at `j`, preceded by >= min_n tokens equal to the
+    // context's last ones.
+    for j in 0..len {
+        let preceding = ctx[..j]
+            .iter()
+            .rev()
+            .zip(ctx.iter().rev())
+            .take(max_n)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if preceding < min_n {
+            continue;
+        }
+        let cont = &ctx[j..(j + k).min(len)];
+        let a = matched(cont, truth);
+        if best.is_none_or(|(ba, _)| a > ba) {
+            best = Some((a, cont.len()));
+        }
+    }
+    best
+}
+
+/// Sums replay statistics (for an aggregate over the traces of one kind).
+pub fn sum(stats: &[ReplayStats]) -> ReplayStats {
+    let mut out = ReplayStats::default();
+    for s in stats {
+        out.tokens += s.tokens;
+        out.steps += s.steps;
+        out.proposed += s.proposed;
+        out.accepted += s.accepted;
+        out.cost += s.cost;
+        if out.by_position.len() < s.by_position.len() {
+            out.by_position.resize(s.by_position.len(), (0, 0));
+        }
+        for (o, p) in out.by_position.iter_mut().zip(&s.by_position) {
+            o.0 += p.0;
+            o.1 += p.1;
+        }
+    }
+    out
+}
+
+/// One row of a replay report: a proposer (or an oracle) at one draft length on one kind.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReplayRow {
+    /// Workload kind.
+    pub kind: String,
+    /// Proposer name, or `oracle n>=N` / `oracle any position`.
+    pub proposer: String,
+    /// Draft length k.
+    pub k: usize,
+    /// Traces replayed.
+    pub traces: usize,
+    /// Summed counts over the traces.
+    pub total: ReplayStats,
+    /// Mean over traces of the predicted decode speed-up.
+    pub predicted_speedup_mean: f64,
+    /// Mean measured end-to-end speed-up of the same proposer and fixed k in the runs the
+    /// traces came from (prefill included), when such runs exist.
+    pub measured_speedup_mean: Option<f64>,
+}
+
+impl ReplayRow {
+    /// Aggregates per-trace statistics into a row.
+    pub fn new(kind: &str, proposer: &str, k: usize, per_trace: &[ReplayStats]) -> Self {
+        let n = per_trace.len().max(1) as f64;
+        ReplayRow {
+            kind: kind.to_string(),
+            proposer: proposer.to_string(),
+            k,
+            traces: per_trace.len(),
+            total: sum(per_trace),
+            predicted_speedup_mean: per_trace
+                .iter()
+                .map(ReplayStats::predicted_speedup)
+                .sum::<f64>()
+                / n,
+            measured_speedup_mean: None,
+        }
+    }
+}
+
+/// A markdown table of replay rows.
+pub fn markdown(rows: &[ReplayRow]) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::from(
+        "| kind | proposer | k | acceptance rate | mean accepted length | predicted decode speed-up | measured e2e speed-up |\n|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let measured = r
+            .measured_speedup_mean
+            .map_or("-".to_string(), |m| format!("{m:.2}x"));
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {:.3} | {:.2} | {:.2}x | {} |",
+            r.kind,
+            r.proposer,
+            r.k,
+            r.total.acceptance_rate(),
+            r.total.mean_accepted_length(),
+            r.predicted_speedup_mean,
+            measured
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use speculative::decode::{DraftLength, GenerationParams, Generator};
+    use speculative::propose::PromptLookup;
+    use speculative::test_util::{ScriptedProposer, ToyModel};
+
+    fn flat_cost() -> CostCurve {
+        CostCurve::new(CostTable {
+            source: String::new(),
+            batch: vec![1],
+            tokens: vec![1, 5],
+            cost: vec![vec![1.0, 1.4]],
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn replay_counts_match_a_real_greedy_run() {
+        // A toy model that copies with period 5 most of the time: prompt lookup gets long runs.
+        let mut model = ToyModel::deterministic(16, 4096, |p: &[u32]| {
+            let n = p.len();
+            if n < 5 || n % 11 == 0 {
+                (p.last().copied().unwrap_or(0) + 3) % 16
+            } else {
+                p[n - 5]
+            }
+        });
+        let prompt: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7];
+        let params = GenerationParams {
+            draft: DraftLength::Fixed(4),
+            ..GenerationParams::greedy(60)
+        };
+        let real = {
+            let mut g = Generator::new(&mut model, PromptLookup::new(1, 3).unwrap());
+            g.generate(&prompt, &params).unwrap()
+        };
+        let trace = Trace {
+            kind: "toy".into(),
+            request: 0,
+            prompt,
+            output: real.tokens.clone(),
+        };
+        let s = replay(
+            &mut PromptLookup::new(1, 3).unwrap(),
+            &trace,
+            4,
+            &flat_cost(),
+        )
+        .unwrap();
+        let m = &real.metrics;
+        assert_eq!(s.tokens, real.tokens.len());
+        assert_eq!(s.steps, m.target_calls);
+        assert_eq!(s.proposed, m.proposed);
+        assert_eq!(s.accepted, m.accepted);
+        assert!(s.accepted > 10, "the toy must exercise acceptance");
+    }
+
+    #[test]
+    fn scripted_drafts_are_scored_exactly() {
+        let trace = Trace {
+            kind: "t".into(),
+            request: 0,
+            prompt: vec![9],
+            output: vec![1, 2, 3, 4, 5],
+        };
+        // Step 1 drafts [1, 2, 7]: 2 accepted, emits 3 tokens. Step 2 drafts [4]: 1 accepted
+        // and the last token is the bonus.
+        let mut p = ScriptedProposer::new(vec![vec![1, 2, 7], vec![4]]);
+        let s = replay(&mut p, &trace, 3, &flat_cost()).unwrap();
+        assert_eq!((s.steps, s.proposed, s.accepted, s.tokens), (2, 4, 3, 5));
+        assert_eq!(s.by_position, vec![(2, 2), (1, 1), (1, 0)]);
+        let c = flat_cost();
+        assert!((s.cost - (c.relative(4) + c.relative(2))).abs() < 1e-12);
+        assert!((s.predicted_speedup() - 5.0 / s.cost).abs() < 1e-12);
+    }
+
+    #[test]
+    fn oracle_bounds_prompt_lookup_step_by_step() {
+        // Pseudo-random traces over a small vocabulary, so that copies and near-copies occur.
+        let mut state = 12345u64;
+        let mut next = move |m: u32| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % m as u64) as u32
+        };
+        for case in 0..30 {
+            let prompt: Vec<u32> = (0..40).map(|_| next(6)).collect();
+            let mut output = Vec::new();
+            for _ in 0..40 {
+                // Mostly copy a random stretch of the prompt, sometimes a fresh token.
+                if next(4) == 0 {
+                    output.push(next(6));
+                } else {
+                    let s = next(30) as usize;
+                    output.extend_from_slice(&prompt[s..s + 1 + next(5) as usize]);
+                }
+            }
+            let trace = Trace {
+                kind: "t".into(),
+                request: case,
+                prompt,
+                output,
+            };
+            // Per step, from the same context, the oracle accepts at least what prompt lookup
+            // (whose candidates are a subset) accepts.
+            let mut pl = PromptLookup::new(1, 4).unwrap();
+            let cfg = SamplingConfig::greedy();
+            let mut ctx = trace.prompt.clone();
+            pl.begin(&ctx).unwrap();
+            let mut d = Draft::default();
+            for i in 0..trace.output.len() - 1 {
+                let req = ProposeRequest {
+                    context: &ctx,
+                    config: &cfg,
+                    max_draft: 4,
+                    seed: 0,
+                    target_hidden: None,
+                };
+                pl.propose(&req, &mut d).unwrap();
+                let a_pl = matched(&d.tokens, &trace.output[i..]);
+                let a_or = best_copy(&ctx, &trace.output[i..], 4, 1, 4).map_or(0, |b| b.0);
+                assert!(
+                    a_or >= a_pl,
+                    "case {case} step {i}: oracle {a_or} < prompt lookup {a_pl}"
+                );
+                ctx.push(trace.output[i]);
+            }
+        }
+    }
+
+    #[test]
+    fn oracle_with_every_position_is_at_least_the_matched_oracle() {
+        let trace = Trace {
+            kind: "t".into(),
+            request: 0,
+            prompt: vec![1, 2, 3, 4, 5, 6, 7, 8],
+            output: vec![9, 4, 5, 6, 7, 8, 1, 2, 3],
+        };
+        let c = flat_cost();
+        let any = oracle(&trace, 4, 0, 4, &c).unwrap();
+        let matched1 = oracle(&trace, 4, 1, 4, &c).unwrap();
+        assert!(any.tokens == matched1.tokens && any.steps <= matched1.steps);
+        // `4` never follows `9`, so a matching oracle must wait; the any-position oracle copies
+        // `4 5 6 7 8` at once after the first step.
+        assert!(any.steps < matched1.steps);
+        assert!(oracle(&trace, 4, 3, 2, &c).is_err());
+    }
+}
