@@ -33,6 +33,10 @@ impl Default for DraftLength {
 /// (the expected number of tokens per step, Leviathan et al. 2023, section 3.1, with per-position
 /// rates). `k = 0` (plain decoding) wins when speculation does not pay; then every
 /// `probe_interval` steps it tries `k = probe_k` so that the estimates keep learning.
+/// Each probe that does not bring speculation back doubles the interval, up to
+/// `max_probe_interval` steps (exponential backoff), so that a proposer that never pays
+/// (a draft model rejected everywhere, whose catch-up over the skipped tokens is costly) costs
+/// a vanishing share of the time; the first step that speculates again resets the wait.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdaptiveConfig {
     /// Largest draft length considered.
@@ -41,8 +45,11 @@ pub struct AdaptiveConfig {
     pub decay: f64,
     /// Weight of a new timing in the moving averages, in `(0, 1]`.
     pub time_smoothing: f64,
-    /// After this many consecutive `k = 0` steps, probe with `k = probe_k`.
+    /// While `k = 0` wins, every this many steps probe with `k = probe_k` (the initial interval).
     pub probe_interval: usize,
+    /// Longest interval between probes, in steps, reached by doubling after each probe that
+    /// fails (`>= probe_interval`; equal to it for a fixed interval).
+    pub max_probe_interval: usize,
     /// Draft length of a probe step.
     pub probe_k: usize,
 }
@@ -54,6 +61,7 @@ impl Default for AdaptiveConfig {
             decay: 0.98,
             time_smoothing: 0.2,
             probe_interval: 16,
+            max_probe_interval: 256,
             probe_k: 2,
         }
     }
@@ -63,8 +71,8 @@ impl AdaptiveConfig {
     /// Checks the ranges documented on each field.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for `decay` or `time_smoothing` outside `(0, 1]` or
-    /// `probe_interval == 0`.
+    /// [`Error::InvalidConfig`] for `decay` or `time_smoothing` outside `(0, 1]`,
+    /// `probe_interval == 0` or `max_probe_interval < probe_interval`.
     pub fn validate(&self) -> Result<()> {
         if !(self.decay > 0.0 && self.decay <= 1.0) {
             return Err(Error::config("decay", self.decay, "must be in (0, 1]"));
@@ -78,6 +86,13 @@ impl AdaptiveConfig {
         }
         if self.probe_interval == 0 {
             return Err(Error::config("probe_interval", 0, "must be >= 1"));
+        }
+        if self.max_probe_interval < self.probe_interval {
+            return Err(Error::config(
+                "max_probe_interval",
+                self.max_probe_interval,
+                "must be >= probe_interval",
+            ));
         }
         Ok(())
     }
@@ -93,6 +108,8 @@ pub struct AdaptiveState {
     cost: Vec<Option<f64>>,
     propose_per_token: Option<f64>,
     zero_run: usize,
+    /// Current interval between probes (0 before the first probe: `probe_interval`).
+    wait: usize,
     steps: usize,
 }
 
@@ -164,13 +181,19 @@ impl AdaptiveState {
             }
         }
         if best.0 == 0 {
-            if self.zero_run + 1 >= cfg.probe_interval {
+            let wait = self.wait.max(cfg.probe_interval);
+            if self.zero_run + 1 >= wait {
                 self.zero_run = 0;
+                // The next wait is longer unless this probe brings speculation back.
+                self.wait = wait
+                    .saturating_mul(2)
+                    .min(cfg.max_probe_interval.max(cfg.probe_interval));
                 return cfg.probe_k.min(max_k);
             }
             self.zero_run += 1;
         } else {
             self.zero_run = 0;
+            self.wait = cfg.probe_interval;
         }
         best.0
     }
@@ -254,6 +277,7 @@ mod tests {
     fn probes_after_a_run_of_plain_steps() {
         let cfg = AdaptiveConfig {
             probe_interval: 4,
+            max_probe_interval: 4,
             ..Default::default()
         };
         let mut s = AdaptiveState::default();
@@ -264,6 +288,42 @@ mod tests {
             s.observe(&cfg, k, 0, 0.01 * (k + 1) as f64, 0.0);
         }
         assert!(ks[10..].iter().filter(|&&k| k == cfg.probe_k).count() >= 5);
+    }
+
+    #[test]
+    fn failed_probes_back_off_exponentially_and_success_resets_the_wait() {
+        let cfg = AdaptiveConfig {
+            probe_interval: 4,
+            max_probe_interval: 64,
+            ..Default::default()
+        };
+        let mut s = AdaptiveState::default();
+        let mut probes = Vec::new();
+        for step in 0..1000 {
+            let k = s.choose(&cfg, 100);
+            if step > 0 && k > 0 {
+                probes.push(step);
+            }
+            s.observe(&cfg, k, 0, 0.01 * (k + 1) as f64, 0.0);
+        }
+        let gaps: Vec<usize> = probes.windows(2).map(|w| w[1] - w[0]).collect();
+        // After the first probe the interval doubles: 8, 16, 32, then 64 steps for good.
+        assert_eq!(&gaps[..4], &[8, 16, 32, 64], "gaps {gaps:?}");
+        assert!(gaps[4..].iter().all(|&g| g == 64), "gaps {gaps:?}");
+        assert_eq!(s.wait, 64);
+        // Once drafts are accepted and verifying 3 tokens is cheap, speculation comes back and
+        // the interval starts over.
+        for _ in 0..200 {
+            s.observe(&cfg, 2, 2, 0.0101, 0.0);
+        }
+        assert!(s.choose(&cfg, 100) > 0);
+        assert_eq!(s.wait, cfg.probe_interval);
+        assert!(AdaptiveConfig {
+            max_probe_interval: 3,
+            ..cfg
+        }
+        .validate()
+        .is_err());
     }
 
     #[test]
