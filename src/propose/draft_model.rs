@@ -17,7 +17,9 @@ use crate::error::{Error, Result};
 /// Its KV cache is kept in step with the context: before proposing it truncates to the longest
 /// common prefix of what it has seen and the current context (rollback after a rejection) and
 /// feeds the missing tokens (catch-up on the correction or bonus token). Costs `k` draft
-/// forwards per step (the first one feeds every token not yet seen).
+/// forwards per step (the first one feeds every token not yet seen). [`Proposer::begin`]
+/// prefills the prompt but its last token through [`TargetModel::prefill`], which lets the
+/// model skip its output head for those rows.
 #[derive(Debug)]
 pub struct DraftModelProposer<M> {
     model: M,
@@ -66,9 +68,17 @@ impl<M: TargetModel> DraftModelProposer<M> {
 }
 
 impl<M: TargetModel> Proposer for DraftModelProposer<M> {
-    fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
+    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         self.model.truncate(0)?;
         self.seen.clear();
+        // The prompt's rows need no logits: only the last token's row is sampled from, and
+        // the first `propose` feeds it. A prompt that does not fit is left to `propose`, which
+        // then drafts nothing.
+        if prompt.len() > 1 && prompt.len() <= self.model.max_context() {
+            let head = &prompt[..prompt.len() - 1];
+            self.model.prefill(head)?;
+            self.seen.extend_from_slice(head);
+        }
         Ok(())
     }
 
@@ -106,5 +116,74 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
         }
         self.sampler.finish(cfg, vocab, draft);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::ToyModel;
+    use crate::SamplingConfig;
+
+    /// Records the sizes of `prefill` and `forward` calls.
+    struct Calls {
+        inner: ToyModel,
+        prefills: Vec<usize>,
+        forwards: Vec<usize>,
+    }
+
+    impl TargetModel for Calls {
+        fn vocab_size(&self) -> usize {
+            self.inner.vocab_size()
+        }
+        fn max_context(&self) -> usize {
+            self.inner.max_context()
+        }
+        fn seq_len(&self) -> usize {
+            self.inner.seq_len()
+        }
+        fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+            self.forwards.push(tokens.len());
+            self.inner.forward(tokens, logits)
+        }
+        fn truncate(&mut self, len: usize) -> Result<()> {
+            self.inner.truncate(len)
+        }
+        fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
+            self.prefills.push(tokens.len());
+            let mut scratch = Vec::new();
+            self.inner.forward(tokens, &mut scratch)
+        }
+    }
+
+    #[test]
+    fn prompt_is_prefilled_once_and_drafts_match_full_forwards() {
+        let prompt = [1u32, 2, 3, 4, 5, 6, 0, 2];
+        let cfg = SamplingConfig::greedy();
+        let req = ProposeRequest {
+            context: &prompt,
+            config: &cfg,
+            max_draft: 3,
+            seed: 0,
+            target_hidden: None,
+        };
+        let mut p = DraftModelProposer::new(Calls {
+            inner: ToyModel::c10(),
+            prefills: vec![],
+            forwards: vec![],
+        });
+        p.begin(&prompt).unwrap();
+        let mut d = Draft::default();
+        p.propose(&req, &mut d).unwrap();
+        let calls = &p.model().prefills;
+        assert_eq!(calls, &vec![prompt.len() - 1]);
+        // The first forward feeds only the prompt's last token, then one per draft token.
+        assert_eq!(p.model().forwards, vec![1, 1, 1]);
+        // Same drafts as a proposer without `begin`'s prefill (one full forward).
+        let mut q = DraftModelProposer::new(ToyModel::c10());
+        let mut e = Draft::default();
+        q.propose(&req, &mut e).unwrap();
+        assert_eq!(d.tokens, e.tokens);
+        assert_eq!(d.tokens.len(), 3);
     }
 }
