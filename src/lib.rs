@@ -56,6 +56,7 @@
 
 pub mod decode;
 pub mod error;
+pub mod gpu;
 pub mod propose;
 pub mod rng;
 pub mod sampling;

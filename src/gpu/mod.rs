@@ -1,0 +1,332 @@
+//! GPU verification: logits processing and speculative verification where the logits live.
+//!
+//! In a GPU engine the target logits `[sum_b (k_b + 1), vocab]` of a verify step are already on
+//! the device; copying them to the host costs more than verifying them. [`GpuVerifier`] runs the
+//! whole pipeline of [`crate::verify`] on the device and copies back only the small results
+//! (per row: an acceptance flag, one token, two log-probabilities and the top-n list).
+//!
+//! | backend | cargo feature | devices | kernels |
+//! |---|---|---|---|
+//! | [`Backend::Cpu`] | always | the host | [`crate::Verifier::verify_batch`] (the reference) |
+//! | [`Backend::Wgpu`] | `wgpu` (or `metal`) | Vulkan, Metal, DX12 through wgpu | WGSL |
+//! | [`Backend::Cuda`] | `cuda` | NVIDIA through cudarc (driver and NVRTC loaded at run time) | CUDA C, compiled by NVRTC |
+//!
+//! The public API is the same under every feature set. A backend that was not compiled in, or
+//! that finds no device or driver at run time, makes [`GpuVerifier::new`] return
+//! [`Error::BackendUnavailable`] whose `reason` says which (for example "built without feature
+//! `wgpu`", "no wgpu adapter found", "CUDA driver library not found").
+//!
+//! ## Semantics
+//!
+//! Exactly those of [`crate::Verifier::verify_batch`]: ragged drafts by offsets, a
+//! [`SamplingConfig`](crate::SamplingConfig), seed, context and position per sequence,
+//! processing order penalties -> logit bias -> allowed / banned sets and the caller's mask ->
+//! temperature -> top-k -> softmax -> top-p -> min-p -> renormalise, greedy argmax with ties to
+//! the lowest id, stochastic acceptance `min(1, p / q)` with residual `normalise(max(0, p - q))`,
+//! point-mass drafts and the bonus token. Random draws use the same Philox4x32-10 stream
+//! ([`crate::rng::Stream::uniform`], same positions and lanes), so the GPU emits the same tokens
+//! as the CPU except where float rounding moves a draw across a boundary (the GPU sums in f32
+//! where the CPU sums in f64). Top-k and top-p never sort the vocabulary: the threshold is found
+//! by a multi-pivot bisection on the order-preserving bit pattern of the keys, with counting
+//! (top-k) or mass (top-p) passes, and ties at the threshold go to the lowest ids as on the CPU.
+//!
+//! Differences from the CPU path, all reported as errors rather than different results:
+//! - [`DraftProbs::Logits`](crate::DraftProbs::Logits) is not supported (outer
+//!   [`Error::InvalidRequest`]); pass processed probabilities or point masses.
+//! - At most [`MAX_TOP_LOGPROBS`] top log-probabilities per token ([`Error::InvalidConfig`] for
+//!   the sequence otherwise).
+//! - A caller [`TokenMask`](crate::TokenMask) is evaluated on the host on a row of zeros (the
+//!   device logits are never read by the host): it must depend only on the prefix, as its
+//!   contract says, not on the logit values.
+//!
+//! ## Sources
+//!
+//! Leviathan, Kalman & Matias 2023 and Chen et al. 2023 (the acceptance rule); Salmon et al.
+//! 2011 (Philox); the pivot-based sorting-free top-k / top-p idea of FlashInfer's sampling
+//! kernels (our kernels are our own, deterministic, and reproduce the CPU's tie rules).
+
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+mod pack;
+
+#[cfg(feature = "cuda")]
+mod cuda_impl;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_absent.rs"]
+mod cuda_impl;
+#[cfg(feature = "wgpu")]
+mod wgpu_impl;
+#[cfg(not(feature = "wgpu"))]
+#[path = "wgpu_absent.rs"]
+mod wgpu_impl;
+
+#[cfg(feature = "wgpu")]
+pub use wgpu;
+
+pub use cuda_impl::{CudaDevice, CudaLogits};
+pub use pack::MAX_TOP_LOGPROBS;
+pub use wgpu_impl::{WgpuDevice, WgpuLogits};
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+use crate::verify::{DraftProbs, SequenceParams, StepOutput, Verifier, VerifyBatch};
+
+/// The WGSL source of the verification kernel (entry point `verify_rows`).
+pub const WGSL_SOURCE: &str = include_str!("kernels/verify.wgsl");
+/// The CUDA C source of the verification kernel (entry point `verify_rows`), compiled at run
+/// time by NVRTC.
+pub const CUDA_SOURCE: &str = include_str!("kernels/verify.cu");
+
+/// Where verification runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Backend {
+    /// The host: [`crate::Verifier::verify_batch`]. Always available.
+    Cpu,
+    /// NVIDIA GPUs through cudarc (feature `cuda`).
+    Cuda,
+    /// Vulkan, Metal or DX12 through wgpu (feature `wgpu`, or `metal` on Apple).
+    Wgpu,
+}
+
+impl Backend {
+    /// The backend's name as used in errors: `"cpu"`, `"cuda"`, `"wgpu"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+            Backend::Wgpu => "wgpu",
+        }
+    }
+
+    /// Whether this build contains the backend (it may still find no device at run time).
+    pub fn is_compiled(self) -> bool {
+        match self {
+            Backend::Cpu => true,
+            Backend::Cuda => cuda_impl::COMPILED,
+            Backend::Wgpu => wgpu_impl::COMPILED,
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A verify batch whose target logits stay on the device: [`VerifyBatch`] without
+/// `target_logits`. The logits are passed separately ([`WgpuLogits`], [`CudaLogits`]) with the
+/// same shape, `[sum_b (k_b + 1), vocab_size]` row-major f32.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceBatch<'a> {
+    /// Width of a target row, in tokens.
+    pub vocab_size: usize,
+    /// All draft tokens, `[sum_b k_b]` (host memory).
+    pub draft_tokens: &'a [u32],
+    /// `[batch + 1]` offsets into `draft_tokens`: starts at 0, non-decreasing, ends at
+    /// `draft_tokens.len()`.
+    pub draft_offsets: &'a [usize],
+    /// q for all sequences (host memory): point masses or `[sum_b k_b, draft_vocab]`
+    /// probabilities. `DraftProbs::Logits` is not supported on the GPU.
+    pub draft_probs: DraftProbs<'a>,
+    /// One entry per sequence.
+    pub sequences: &'a [SequenceParams<'a>],
+}
+
+impl<'a> DeviceBatch<'a> {
+    /// The batch of `b` without its host logits.
+    pub fn from_batch(b: &VerifyBatch<'a>) -> Self {
+        DeviceBatch {
+            vocab_size: b.vocab_size,
+            draft_tokens: b.draft_tokens,
+            draft_offsets: b.draft_offsets,
+            draft_probs: b.draft_probs,
+            sequences: b.sequences,
+        }
+    }
+
+    /// Number of target rows, `sum_b (k_b + 1)`.
+    pub fn rows(&self) -> usize {
+        self.draft_tokens.len() + self.sequences.len()
+    }
+}
+
+enum Inner {
+    Cpu(Box<Verifier>),
+    Cuda(Box<cuda_impl::CudaVerifier>),
+    Wgpu(Box<wgpu_impl::WgpuVerifier>),
+}
+
+/// Batch verification on a GPU backend (or the CPU reference), same results as
+/// [`Verifier::verify_batch`].
+///
+/// Holds the device, the compiled kernel and reusable device buffers; create one per device
+/// and reuse it for every step.
+pub struct GpuVerifier {
+    inner: Inner,
+}
+
+impl fmt::Debug for GpuVerifier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuVerifier")
+            .field("backend", &self.backend())
+            .field("device", &self.device_name())
+            .finish()
+    }
+}
+
+impl GpuVerifier {
+    /// A verifier on the default device of `backend` (wgpu: a high-performance adapter of any
+    /// native API; CUDA: device 0).
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] when the backend was not compiled in ("built without
+    /// feature ..."), its driver cannot be loaded, no device is found, or the kernel does not
+    /// compile (the reason is in the message).
+    pub fn new(backend: Backend) -> Result<Self> {
+        let inner = match backend {
+            Backend::Cpu => Inner::Cpu(Box::default()),
+            Backend::Cuda => Inner::Cuda(Box::new(cuda_impl::CudaVerifier::new()?)),
+            Backend::Wgpu => Inner::Wgpu(Box::new(wgpu_impl::WgpuVerifier::new()?)),
+        };
+        Ok(GpuVerifier { inner })
+    }
+
+    /// A verifier on an engine's own wgpu device (so that [`GpuVerifier::verify_wgpu`] can read
+    /// the engine's buffers).
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] when the kernel does not compile on this device.
+    pub fn with_wgpu(device: WgpuDevice) -> Result<Self> {
+        Ok(GpuVerifier {
+            inner: Inner::Wgpu(Box::new(wgpu_impl::WgpuVerifier::from_device(device)?)),
+        })
+    }
+
+    /// A verifier on an engine's own CUDA context and stream (so that
+    /// [`GpuVerifier::verify_cuda`] can read the engine's device memory).
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] when NVRTC is missing or the kernel does not compile.
+    pub fn with_cuda(device: CudaDevice) -> Result<Self> {
+        Ok(GpuVerifier {
+            inner: Inner::Cuda(Box::new(cuda_impl::CudaVerifier::from_device(device)?)),
+        })
+    }
+
+    /// The backend this verifier runs on.
+    pub fn backend(&self) -> Backend {
+        match self.inner {
+            Inner::Cpu(_) => Backend::Cpu,
+            Inner::Cuda(_) => Backend::Cuda,
+            Inner::Wgpu(_) => Backend::Wgpu,
+        }
+    }
+
+    /// A human-readable device name (adapter name and driver, or the CUDA device name).
+    pub fn device_name(&self) -> String {
+        match &self.inner {
+            Inner::Cpu(_) => "host CPU".into(),
+            Inner::Cuda(c) => c.device_name(),
+            Inner::Wgpu(w) => w.device_name(),
+        }
+    }
+
+    /// Verifies a batch whose logits are in host memory: they are uploaded, verified on the
+    /// device, and only the small results come back. Same contract as
+    /// [`Verifier::verify_batch`].
+    ///
+    /// # Errors
+    /// The outer `Err` for a malformed batch (the errors of [`Verifier::verify_batch`]), for
+    /// `DraftProbs::Logits` ([`Error::InvalidRequest`]), or for a device failure
+    /// ([`Error::BackendUnavailable`]); each inner `Result` is that sequence's own outcome.
+    pub fn verify_batch(&mut self, batch: &VerifyBatch<'_>) -> Result<Vec<Result<StepOutput>>> {
+        let dev = DeviceBatch::from_batch(batch);
+        match &mut self.inner {
+            Inner::Cpu(v) => v.verify_batch(batch),
+            Inner::Cuda(c) => {
+                let qv = check(&dev, batch.target_logits.len(), true)?;
+                c.verify_host(batch.target_logits, &dev, qv)
+            }
+            Inner::Wgpu(w) => {
+                let qv = check(&dev, batch.target_logits.len(), true)?;
+                w.verify_host(batch.target_logits, &dev, qv)
+            }
+        }
+    }
+
+    /// Verifies a batch whose logits are in a wgpu buffer of this verifier's device.
+    ///
+    /// # Errors
+    /// As [`GpuVerifier::verify_batch`]; [`Error::InvalidRequest`] when this verifier is not
+    /// on wgpu; [`Error::ShapeMismatch`] when the buffer is smaller than the batch's logits.
+    pub fn verify_wgpu(
+        &mut self,
+        logits: WgpuLogits<'_>,
+        batch: &DeviceBatch<'_>,
+    ) -> Result<Vec<Result<StepOutput>>> {
+        match &mut self.inner {
+            Inner::Wgpu(w) => {
+                let qv = check(batch, logits.len(), false)?;
+                w.verify_device(logits, batch, qv)
+            }
+            _ => Err(Error::InvalidRequest(format!(
+                "verify_wgpu on a {} verifier",
+                self.backend()
+            ))),
+        }
+    }
+
+    /// Verifies a batch whose logits are CUDA device memory of this verifier's context.
+    ///
+    /// # Errors
+    /// As [`GpuVerifier::verify_wgpu`], for CUDA.
+    pub fn verify_cuda(
+        &mut self,
+        logits: CudaLogits<'_>,
+        batch: &DeviceBatch<'_>,
+    ) -> Result<Vec<Result<StepOutput>>> {
+        match &mut self.inner {
+            Inner::Cuda(c) => {
+                let qv = check(batch, logits.len(), false)?;
+                c.verify_device(logits, batch, qv)
+            }
+            _ => Err(Error::InvalidRequest(format!(
+                "verify_cuda on a {} verifier",
+                self.backend()
+            ))),
+        }
+    }
+}
+
+/// Compiles [`CUDA_SOURCE`] to PTX with NVRTC (what [`GpuVerifier::new`] does for
+/// [`Backend::Cuda`] before loading it); useful to check a toolkit without a GPU.
+///
+/// # Errors
+/// [`Error::BackendUnavailable`] when built without feature `cuda`, when the NVRTC library
+/// cannot be loaded, or with the compiler log when the source does not compile.
+pub fn cuda_ptx() -> Result<String> {
+    cuda_impl::compile_ptx()
+}
+
+/// Batch checks plus the logits length; returns the dense q width (0 for point masses).
+fn check(batch: &DeviceBatch<'_>, logits_len: usize, exact: bool) -> Result<usize> {
+    let qv = pack::check_batch(batch)?;
+    let expected = batch.rows() * batch.vocab_size;
+    if logits_len < expected || (exact && logits_len != expected) {
+        return Err(Error::ShapeMismatch {
+            what: "target_logits ([sum(k + 1), vocab])",
+            expected,
+            actual: logits_len,
+        });
+    }
+    Ok(qv)
+}
+
+pub(crate) fn unavailable(backend: Backend, reason: impl Into<String>) -> Error {
+    Error::BackendUnavailable {
+        backend: backend.name(),
+        reason: reason.into(),
+    }
+}

@@ -1,0 +1,403 @@
+//! The wgpu backend: the WGSL kernel of `kernels/verify.wgsl` on any wgpu device.
+
+use super::pack::{self, Packed};
+use super::{unavailable, Backend, DeviceBatch};
+use crate::error::{Error, Result};
+use crate::verify::StepOutput;
+
+pub(crate) const COMPILED: bool = true;
+
+/// An engine's wgpu device and queue, for [`super::GpuVerifier::with_wgpu`].
+#[derive(Debug, Clone)]
+pub struct WgpuDevice {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    name: String,
+}
+
+impl WgpuDevice {
+    /// Wraps a device and its queue. Buffers passed to [`super::GpuVerifier::verify_wgpu`] must
+    /// belong to this device and have `STORAGE` usage.
+    pub fn new(device: wgpu::Device, queue: wgpu::Queue) -> Self {
+        WgpuDevice {
+            device,
+            queue,
+            name: "wgpu device".into(),
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &wgpu::Device {
+        &self.device
+    }
+
+    /// The queue.
+    pub fn queue(&self) -> &wgpu::Queue {
+        &self.queue
+    }
+}
+
+/// Target logits in a wgpu buffer: `[sum_b (k_b + 1), vocab]` f32 starting at element `offset`.
+#[derive(Debug, Clone, Copy)]
+pub struct WgpuLogits<'a> {
+    buffer: &'a wgpu::Buffer,
+    offset: u64,
+}
+
+impl<'a> WgpuLogits<'a> {
+    /// The logits start at the beginning of `buffer` (which needs `STORAGE` usage).
+    pub fn new(buffer: &'a wgpu::Buffer) -> Self {
+        WgpuLogits { buffer, offset: 0 }
+    }
+
+    /// The logits start at element `offset` (f32 elements, not bytes) of `buffer`.
+    pub fn with_offset(buffer: &'a wgpu::Buffer, offset: u64) -> Self {
+        WgpuLogits { buffer, offset }
+    }
+
+    /// Number of f32 elements from the offset to the end of the buffer.
+    pub fn len(&self) -> usize {
+        (self.buffer.size() / 4).saturating_sub(self.offset) as usize
+    }
+
+    /// `true` when no element follows the offset.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+struct Buf {
+    buf: wgpu::Buffer,
+    cap: u64,
+}
+
+pub(crate) struct WgpuVerifier {
+    dev: WgpuDevice,
+    pipeline: wgpu::ComputePipeline,
+    layout: wgpu::BindGroupLayout,
+    uniform: wgpu::Buffer,
+    logits: Option<Buf>,
+    q: Option<Buf>,
+    params: Option<Buf>,
+    scratch: Option<Buf>,
+    out: Option<Buf>,
+    readback: Option<Buf>,
+}
+
+fn err(reason: impl Into<String>) -> Error {
+    unavailable(Backend::Wgpu, reason)
+}
+
+impl WgpuVerifier {
+    pub(crate) fn new() -> Result<Self> {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
+        let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+            power_preference: wgpu::PowerPreference::HighPerformance,
+            force_fallback_adapter: false,
+            compatible_surface: None,
+            apply_limit_buckets: false,
+        }))
+        .map_err(|e| {
+            err(format!(
+                "no wgpu adapter found (Vulkan, Metal or DX12): {e}"
+            ))
+        })?;
+        let info = adapter.get_info();
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("speculative"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits,
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        }))
+        .map_err(|e| err(format!("cannot open the wgpu device: {e}")))?;
+        let mut dev = WgpuDevice::new(device, queue);
+        dev.name = format!(
+            "{} ({:?}, {} {})",
+            info.name, info.backend, info.driver, info.driver_info
+        );
+        Self::from_device(dev)
+    }
+
+    pub(crate) fn from_device(dev: WgpuDevice) -> Result<Self> {
+        let device = &dev.device;
+        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some("speculative verify"),
+            source: wgpu::ShaderSource::Wgsl(super::WGSL_SOURCE.into()),
+        });
+        let storage = |binding: u32, read_only: bool| wgpu::BindGroupLayoutEntry {
+            binding,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Storage { read_only },
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        };
+        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("speculative verify"),
+            entries: &[
+                wgpu::BindGroupLayoutEntry {
+                    binding: 0,
+                    visibility: wgpu::ShaderStages::COMPUTE,
+                    ty: wgpu::BindingType::Buffer {
+                        ty: wgpu::BufferBindingType::Uniform,
+                        has_dynamic_offset: false,
+                        min_binding_size: None,
+                    },
+                    count: None,
+                },
+                storage(1, true),
+                storage(2, true),
+                storage(3, true),
+                storage(4, false),
+                storage(5, false),
+            ],
+        });
+        let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some("speculative verify"),
+            bind_group_layouts: &[Some(&layout)],
+            immediate_size: 0,
+        });
+        let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some("speculative verify"),
+            layout: Some(&pl),
+            module: &module,
+            entry_point: Some("verify_rows"),
+            compilation_options: Default::default(),
+            cache: None,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(err(format!("the WGSL kernel does not compile: {e}")));
+        }
+        let uniform = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("speculative globals"),
+            size: 64,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        Ok(WgpuVerifier {
+            dev,
+            pipeline,
+            layout,
+            uniform,
+            logits: None,
+            q: None,
+            params: None,
+            scratch: None,
+            out: None,
+            readback: None,
+        })
+    }
+
+    pub(crate) fn device_name(&self) -> String {
+        self.dev.name.clone()
+    }
+
+    pub(crate) fn verify_host(
+        &mut self,
+        logits: &[f32],
+        batch: &DeviceBatch<'_>,
+        qv: usize,
+    ) -> Result<Vec<Result<StepOutput>>> {
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        let bytes = (logits.len().max(1) * 4) as u64;
+        ensure(&self.dev.device, &mut self.logits, bytes, usage, "logits");
+        let buf = &self.logits.as_ref().expect("allocated").buf;
+        if !logits.is_empty() {
+            self.dev.queue.write_buffer(buf, 0, as_bytes(logits));
+        }
+        let buf = buf.clone();
+        self.run(&buf, 0, batch, qv)
+    }
+
+    pub(crate) fn verify_device(
+        &mut self,
+        logits: WgpuLogits<'_>,
+        batch: &DeviceBatch<'_>,
+        qv: usize,
+    ) -> Result<Vec<Result<StepOutput>>> {
+        self.run(logits.buffer, logits.offset, batch, qv)
+    }
+
+    fn run(
+        &mut self,
+        logits: &wgpu::Buffer,
+        offset: u64,
+        batch: &DeviceBatch<'_>,
+        qv: usize,
+    ) -> Result<Vec<Result<StepOutput>>> {
+        let mut p: Packed = pack::pack(batch, qv)?;
+        if p.n_rows == 0 {
+            return Ok(pack::assemble(p, batch, &[]));
+        }
+        let offset = u32::try_from(offset)
+            .map_err(|_| Error::InvalidRequest("logits offset too large for wgpu".into()))?;
+        let limits = self.dev.device.limits();
+        let max_bind = limits.max_storage_buffer_binding_size;
+        let dev = &self.dev.device;
+        let queue = &self.dev.queue;
+        let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        let q: &[f32] = match batch.draft_probs {
+            crate::verify::DraftProbs::Probs { probs, .. } if !probs.is_empty() => probs,
+            _ => &[0.0],
+        };
+        let scratch_bytes = (p.scratch_rows * batch.vocab_size).max(1) as u64 * 4;
+        let out_bytes = (p.out_words() * 4) as u64;
+        for (what, size) in [
+            ("logits", logits.size()),
+            ("scratch", scratch_bytes),
+            ("draft probabilities", (q.len() * 4) as u64),
+        ] {
+            if size > max_bind {
+                return Err(Error::InvalidRequest(format!(
+                    "{what} buffer of {size} bytes exceeds this wgpu device's storage binding \
+                     limit of {max_bind} bytes: split the batch"
+                )));
+            }
+        }
+        ensure(dev, &mut self.q, (q.len() * 4) as u64, storage, "q");
+        ensure(
+            dev,
+            &mut self.params,
+            (p.params.len() * 4) as u64,
+            storage,
+            "params",
+        );
+        ensure(
+            dev,
+            &mut self.scratch,
+            scratch_bytes,
+            wgpu::BufferUsages::STORAGE,
+            "scratch",
+        );
+        ensure(
+            dev,
+            &mut self.out,
+            out_bytes,
+            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            "out",
+        );
+        ensure(
+            dev,
+            &mut self.readback,
+            out_bytes,
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            "readback",
+        );
+        let rows = p.n_rows as u32;
+        let (gx, gy) = if rows <= 65_535 {
+            (rows, 1)
+        } else {
+            (65_535, rows.div_ceil(65_535))
+        };
+        p.globals[10] = offset;
+        p.globals[12] = gx;
+        let qbuf = &self.q.as_ref().expect("allocated").buf;
+        let pbuf = &self.params.as_ref().expect("allocated").buf;
+        let sbuf = &self.scratch.as_ref().expect("allocated").buf;
+        let obuf = &self.out.as_ref().expect("allocated").buf;
+        let rbuf = &self.readback.as_ref().expect("allocated").buf;
+        queue.write_buffer(&self.uniform, 0, as_bytes(&p.globals));
+        queue.write_buffer(qbuf, 0, as_bytes(q));
+        queue.write_buffer(pbuf, 0, as_bytes(&p.params));
+        let bind = dev.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("speculative verify"),
+            layout: &self.layout,
+            entries: &[
+                entry(0, &self.uniform),
+                entry(1, logits),
+                entry(2, qbuf),
+                entry(3, pbuf),
+                entry(4, sbuf),
+                entry(5, obuf),
+            ],
+        });
+        let mut enc = dev.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("speculative verify"),
+        });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("speculative verify"),
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&self.pipeline);
+            pass.set_bind_group(0, &bind, &[]);
+            pass.dispatch_workgroups(gx, gy, 1);
+        }
+        enc.copy_buffer_to_buffer(obuf, 0, rbuf, 0, out_bytes);
+        queue.submit([enc.finish()]);
+        let slice = rbuf.slice(..out_bytes);
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        dev.poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| err(format!("device poll failed: {e}")))?;
+        rx.recv()
+            .map_err(|e| err(format!("readback lost: {e}")))?
+            .map_err(|e| err(format!("readback failed: {e}")))?;
+        let out: Vec<u32> = {
+            let view = slice
+                .get_mapped_range()
+                .map_err(|e| err(format!("readback map failed: {e}")))?;
+            view.chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        rbuf.unmap();
+        Ok(pack::assemble(p, batch, &out))
+    }
+}
+
+fn entry(binding: u32, buf: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
+    wgpu::BindGroupEntry {
+        binding,
+        resource: buf.as_entire_binding(),
+    }
+}
+
+fn ensure(
+    dev: &wgpu::Device,
+    slot: &mut Option<Buf>,
+    bytes: u64,
+    usage: wgpu::BufferUsages,
+    label: &str,
+) {
+    let bytes = bytes.max(4).next_multiple_of(4);
+    if slot.as_ref().is_some_and(|b| b.cap >= bytes) {
+        return;
+    }
+    let cap = bytes.next_multiple_of(256);
+    let buf = dev.create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size: cap,
+        usage,
+        mapped_at_creation: false,
+    });
+    *slot = Some(Buf { buf, cap });
+}
+
+fn as_bytes<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: only called with f32 and u32 slices (plain data, no padding).
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn wgsl_parses_and_validates() {
+        let module = wgpu::naga::front::wgsl::parse_str(super::super::WGSL_SOURCE)
+            .unwrap_or_else(|e| panic!("{}", e.emit_to_string(super::super::WGSL_SOURCE)));
+        wgpu::naga::valid::Validator::new(
+            wgpu::naga::valid::ValidationFlags::all(),
+            wgpu::naga::valid::Capabilities::empty(),
+        )
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{}", e.emit_to_string(super::super::WGSL_SOURCE)));
+    }
+}
