@@ -627,3 +627,61 @@ fn cuda_kernel_compiles_with_nvrtc() {
         }
     }
 }
+
+/// Device-resident logits: an engine's own wgpu buffer (at an element offset) gives the same
+/// results as host logits, and the read baseline sums the same values.
+#[cfg(feature = "wgpu")]
+mod wgpu_resident {
+    use super::*;
+    use speculative::gpu::wgpu::util::DeviceExt;
+    use speculative::gpu::{DeviceBatch, WgpuLogits};
+
+    #[test]
+    fn device_buffer_matches_host_logits() {
+        let Some(mut gpu) = gpu_or_skip(Backend::Wgpu) else {
+            return;
+        };
+        let mut r = Rng(99);
+        let o = Owned::random(&mut r, 300, 40, true);
+        let seqs = o.params();
+        let batch = o.batch(&seqs);
+        let host = gpu.verify_batch(&batch).unwrap();
+        let pad = 7usize;
+        let mut data = vec![f32::NAN; pad];
+        data.extend_from_slice(&o.logits);
+        let dev = gpu.wgpu_device().unwrap().clone();
+        let buf =
+            dev.device()
+                .create_buffer_init(&speculative::gpu::wgpu::util::BufferInitDescriptor {
+                    label: Some("engine logits"),
+                    contents: unsafe {
+                        std::slice::from_raw_parts(data.as_ptr() as *const u8, data.len() * 4)
+                    },
+                    usage: speculative::gpu::wgpu::BufferUsages::STORAGE,
+                });
+        let logits = WgpuLogits::with_offset(&buf, pad as u64);
+        let dev_out = gpu
+            .verify_wgpu(logits, &DeviceBatch::from_batch(&batch))
+            .unwrap();
+        let a: Vec<String> = host.iter().map(|x| format!("{x:?}")).collect();
+        let b: Vec<String> = dev_out.iter().map(|x| format!("{x:?}")).collect();
+        assert_eq!(a, b);
+        let sum = gpu.read_wgpu(logits, o.logits.len()).unwrap();
+        let finite: f64 = o
+            .logits
+            .iter()
+            .filter(|x| x.is_finite())
+            .map(|&x| x as f64)
+            .sum();
+        assert!(
+            sum == f32::NEG_INFINITY || (sum as f64 - finite).abs() < 1e-2 * (1.0 + finite.abs()),
+            "{sum} vs {finite}"
+        );
+        // A CPU verifier is not a wgpu verifier.
+        let mut cpu = GpuVerifier::new(Backend::Cpu).unwrap();
+        assert!(matches!(
+            cpu.verify_wgpu(logits, &DeviceBatch::from_batch(&batch)),
+            Err(Error::InvalidRequest(_))
+        ));
+    }
+}

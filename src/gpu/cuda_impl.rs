@@ -103,8 +103,10 @@ pub(crate) fn compile_ptx() -> Result<String> {
 }
 
 pub(crate) struct CudaVerifier {
+    dev: CudaDevice,
     stream: Arc<CudaStream>,
     func: CudaFunction,
+    read_func: CudaFunction,
     name: String,
     globals: Option<CudaSlice<u32>>,
     params: Option<CudaSlice<u32>>,
@@ -162,10 +164,15 @@ impl CudaVerifier {
         let func = module
             .load_function("verify_rows")
             .map_err(|e| err(format!("kernel entry point missing: {e}")))?;
+        let read_func = module
+            .load_function("read_logits")
+            .map_err(|e| err(format!("kernel entry point missing: {e}")))?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         Ok(CudaVerifier {
-            stream: dev.stream,
+            stream: dev.stream.clone(),
+            dev,
             func,
+            read_func,
             name,
             globals: None,
             params: None,
@@ -178,6 +185,39 @@ impl CudaVerifier {
 
     pub(crate) fn device_name(&self) -> String {
         self.name.clone()
+    }
+
+    pub(crate) fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    /// One read of `n` logits (the benchmark baseline); returns their sum.
+    pub(crate) fn read(&mut self, logits: CudaLogits<'_>, n: usize) -> Result<f32> {
+        if n > logits.len() {
+            return Err(Error::ShapeMismatch {
+                what: "logits",
+                expected: n,
+                actual: logits.len(),
+            });
+        }
+        let groups = n.div_ceil(256).clamp(1, 4096);
+        let st = self.stream.clone();
+        reserve(&st, &mut self.q, groups)?;
+        let out = self.q.as_mut().expect("allocated");
+        let n64 = n as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (groups as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = st.launch_builder(&self.read_func);
+        b.arg(&logits.ptr).arg(&n64).arg(&mut *out);
+        // SAFETY: `read_logits(const float*, unsigned long long, float*)`, `groups` outputs.
+        unsafe { b.launch(cfg) }.map_err(|e| err(format!("kernel launch failed: {e}")))?;
+        let host: Vec<f32> = st
+            .clone_dtoh(&out.slice(0..groups))
+            .map_err(|e| err(format!("readback failed: {e}")))?;
+        Ok(host.iter().sum())
     }
 
     pub(crate) fn verify_host(

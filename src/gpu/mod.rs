@@ -233,6 +233,55 @@ impl GpuVerifier {
         }
     }
 
+    /// The wgpu device this verifier runs on (`None` for other backends): create the logits
+    /// buffers for [`GpuVerifier::verify_wgpu`] on it.
+    pub fn wgpu_device(&self) -> Option<&WgpuDevice> {
+        match &self.inner {
+            Inner::Wgpu(w) => Some(w.device()),
+            _ => None,
+        }
+    }
+
+    /// The CUDA stream this verifier runs on (`None` for other backends).
+    pub fn cuda_device(&self) -> Option<&CudaDevice> {
+        match &self.inner {
+            Inner::Cuda(c) => Some(c.device()),
+            _ => None,
+        }
+    }
+
+    /// One read of the first `n` logits of a wgpu buffer: a reduction kernel that sums every
+    /// element once, on the same device and queue as verification. The benchmarks quote
+    /// verification time as a ratio to this. Returns the sum (f32, order unspecified).
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] when this verifier is not on wgpu, [`Error::ShapeMismatch`]
+    /// when the buffer holds fewer than `n` values, [`Error::BackendUnavailable`] on a device
+    /// failure.
+    pub fn read_wgpu(&mut self, logits: WgpuLogits<'_>, n: usize) -> Result<f32> {
+        let b = self.backend();
+        match &mut self.inner {
+            Inner::Wgpu(w) => w.read(logits, n),
+            _ => Err(Error::InvalidRequest(format!(
+                "read_wgpu on a {b} verifier"
+            ))),
+        }
+    }
+
+    /// [`GpuVerifier::read_wgpu`] for CUDA device memory.
+    ///
+    /// # Errors
+    /// As [`GpuVerifier::read_wgpu`], for CUDA.
+    pub fn read_cuda(&mut self, logits: CudaLogits<'_>, n: usize) -> Result<f32> {
+        let b = self.backend();
+        match &mut self.inner {
+            Inner::Cuda(c) => c.read(logits, n),
+            _ => Err(Error::InvalidRequest(format!(
+                "read_cuda on a {b} verifier"
+            ))),
+        }
+    }
+
     /// Verifies a batch whose logits are in host memory: they are uploaded, verified on the
     /// device, and only the small results come back. Same contract as
     /// [`Verifier::verify_batch`].

@@ -75,6 +75,7 @@ pub(crate) struct WgpuVerifier {
     dev: WgpuDevice,
     pipeline: wgpu::ComputePipeline,
     layout: wgpu::BindGroupLayout,
+    read_pipeline: wgpu::ComputePipeline,
     uniform: wgpu::Buffer,
     logits: Option<Buf>,
     q: Option<Buf>,
@@ -171,6 +172,18 @@ impl WgpuVerifier {
             compilation_options: Default::default(),
             cache: None,
         });
+        let read_module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some("speculative read"),
+            source: wgpu::ShaderSource::Wgsl(include_str!("kernels/read.wgsl").into()),
+        });
+        let read_pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some("speculative read"),
+            layout: None,
+            module: &read_module,
+            entry_point: Some("read_logits"),
+            compilation_options: Default::default(),
+            cache: None,
+        });
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(err(format!("the WGSL kernel does not compile: {e}")));
         }
@@ -184,6 +197,7 @@ impl WgpuVerifier {
             dev,
             pipeline,
             layout,
+            read_pipeline,
             uniform,
             logits: None,
             q: None,
@@ -196,6 +210,67 @@ impl WgpuVerifier {
 
     pub(crate) fn device_name(&self) -> String {
         self.dev.name.clone()
+    }
+
+    pub(crate) fn device(&self) -> &WgpuDevice {
+        &self.dev
+    }
+
+    /// One read of `n` logits (the benchmark baseline); returns their sum.
+    pub(crate) fn read(&mut self, logits: WgpuLogits<'_>, n: usize) -> Result<f32> {
+        if n > logits.len() {
+            return Err(Error::ShapeMismatch {
+                what: "logits",
+                expected: n,
+                actual: logits.len(),
+            });
+        }
+        let groups = (n.div_ceil(256)).clamp(1, 4096) as u32;
+        let dev = &self.dev.device;
+        let prm = [n as u32, logits.offset as u32, groups, 0u32];
+        let ubuf = dev.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("speculative read params"),
+            size: 16,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.dev.queue.write_buffer(&ubuf, 0, as_bytes(&prm));
+        let bytes = groups as u64 * 4;
+        ensure(
+            dev,
+            &mut self.out,
+            bytes,
+            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            "out",
+        );
+        ensure(
+            dev,
+            &mut self.readback,
+            bytes,
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            "readback",
+        );
+        let obuf = &self.out.as_ref().expect("allocated").buf;
+        let rbuf = &self.readback.as_ref().expect("allocated").buf;
+        let bind = dev.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("speculative read"),
+            layout: &self.read_pipeline.get_bind_group_layout(0),
+            entries: &[entry(0, &ubuf), entry(1, logits.buffer), entry(2, obuf)],
+        });
+        let mut enc = dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("speculative read"),
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&self.read_pipeline);
+            pass.set_bind_group(0, &bind, &[]);
+            pass.dispatch_workgroups(groups, 1, 1);
+        }
+        enc.copy_buffer_to_buffer(obuf, 0, rbuf, 0, bytes);
+        self.dev.queue.submit([enc.finish()]);
+        let out = readback(dev, rbuf, bytes)?;
+        Ok(out.iter().map(|&b| f32::from_bits(b)).sum())
     }
 
     pub(crate) fn verify_host(
@@ -331,27 +406,33 @@ impl WgpuVerifier {
         }
         enc.copy_buffer_to_buffer(obuf, 0, rbuf, 0, out_bytes);
         queue.submit([enc.finish()]);
-        let slice = rbuf.slice(..out_bytes);
-        let (tx, rx) = std::sync::mpsc::channel();
-        slice.map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
-        });
-        dev.poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| err(format!("device poll failed: {e}")))?;
-        rx.recv()
-            .map_err(|e| err(format!("readback lost: {e}")))?
-            .map_err(|e| err(format!("readback failed: {e}")))?;
-        let out: Vec<u32> = {
-            let view = slice
-                .get_mapped_range()
-                .map_err(|e| err(format!("readback map failed: {e}")))?;
-            view.chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect()
-        };
-        rbuf.unmap();
+        let out = readback(dev, rbuf, out_bytes)?;
         Ok(pack::assemble(p, batch, &out))
     }
+}
+
+/// Maps `bytes` of `rbuf` after the submitted work and returns them as words.
+fn readback(dev: &wgpu::Device, rbuf: &wgpu::Buffer, bytes: u64) -> Result<Vec<u32>> {
+    let slice = rbuf.slice(..bytes);
+    let (tx, rx) = std::sync::mpsc::channel();
+    slice.map_async(wgpu::MapMode::Read, move |r| {
+        let _ = tx.send(r);
+    });
+    dev.poll(wgpu::PollType::wait_indefinitely())
+        .map_err(|e| err(format!("device poll failed: {e}")))?;
+    rx.recv()
+        .map_err(|e| err(format!("readback lost: {e}")))?
+        .map_err(|e| err(format!("readback failed: {e}")))?;
+    let out: Vec<u32> = {
+        let view = slice
+            .get_mapped_range()
+            .map_err(|e| err(format!("readback map failed: {e}")))?;
+        view.chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    rbuf.unmap();
+    Ok(out)
 }
 
 fn entry(binding: u32, buf: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
