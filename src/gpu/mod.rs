@@ -59,6 +59,8 @@ mod wgpu_impl;
 #[path = "wgpu_absent.rs"]
 mod wgpu_impl;
 
+#[cfg(feature = "cuda")]
+pub use cudarc;
 #[cfg(feature = "wgpu")]
 pub use wgpu;
 
