@@ -17,9 +17,10 @@ use crate::error::{Error, Result};
 /// Its KV cache is kept in step with the context: before proposing it truncates to the longest
 /// common prefix of what it has seen and the current context (rollback after a rejection) and
 /// feeds the missing tokens (catch-up on the correction or bonus token). Costs `k` draft
-/// forwards per step (the first one feeds every token not yet seen). [`Proposer::begin`]
-/// prefills the prompt but its last token through [`TargetModel::prefill`], which lets the
-/// model skip its output head for those rows.
+/// forwards per step (the first one feeds every token not yet seen). The first proposal of a
+/// generation feeds the context but its last token through [`TargetModel::prefill`], which lets
+/// the model skip its output head for those rows; a generation in which the draft-length policy
+/// never asks for drafts never runs the draft model.
 #[derive(Debug)]
 pub struct DraftModelProposer<M> {
     model: M,
@@ -68,17 +69,9 @@ impl<M: TargetModel> DraftModelProposer<M> {
 }
 
 impl<M: TargetModel> Proposer for DraftModelProposer<M> {
-    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+    fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
         self.model.truncate(0)?;
         self.seen.clear();
-        // The prompt's rows need no logits: only the last token's row is sampled from, and
-        // the first `propose` feeds it. A prompt that does not fit is left to `propose`, which
-        // then drafts nothing.
-        if prompt.len() > 1 && prompt.len() <= self.model.max_context() {
-            let head = &prompt[..prompt.len() - 1];
-            self.model.prefill(head)?;
-            self.seen.extend_from_slice(head);
-        }
         Ok(())
     }
 
@@ -104,7 +97,15 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
             .min(ctx.len() - 1);
         self.model.truncate(common)?;
         self.seen.truncate(common);
-        self.feed(&ctx[common..])?;
+        if common == 0 && ctx.len() > 1 {
+            // First proposal of a generation: the prompt's rows need no logits.
+            let head = &ctx[..ctx.len() - 1];
+            self.model.prefill(head)?;
+            self.seen.extend_from_slice(head);
+            self.feed(&ctx[ctx.len() - 1..])?;
+        } else {
+            self.feed(&ctx[common..])?;
+        }
 
         let cfg = req.config;
         self.sampler.begin(cfg, ctx, vocab)?;
@@ -173,13 +174,17 @@ mod tests {
             forwards: vec![],
         });
         p.begin(&prompt).unwrap();
+        assert!(
+            p.model().prefills.is_empty(),
+            "begin must not run the draft model"
+        );
         let mut d = Draft::default();
         p.propose(&req, &mut d).unwrap();
         let calls = &p.model().prefills;
         assert_eq!(calls, &vec![prompt.len() - 1]);
         // The first forward feeds only the prompt's last token, then one per draft token.
         assert_eq!(p.model().forwards, vec![1, 1, 1]);
-        // Same drafts as a proposer without `begin`'s prefill (one full forward).
+        // Same drafts as a model without a `prefill` of its own (one full forward).
         let mut q = DraftModelProposer::new(ToyModel::c10());
         let mut e = Draft::default();
         q.propose(&req, &mut e).unwrap();
