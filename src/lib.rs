@@ -47,10 +47,20 @@
 //! - [`propose`]: the [`Proposer`] trait and the shipped proposers.
 //! - [`decode`]: the [`TargetModel`] trait and the decoding loop.
 //! - [`rng`]: the counter-based random stream.
+//! - [`gpu`]: the same verification on a GPU, where the logits are.
 //!
 //! ## Features
 //!
 //! - `test-util`: toy targets and proposers (module `test_util`) for your own tests.
+//! - `wgpu`: [`gpu::Backend::Wgpu`], WGSL kernels on Vulkan, Metal or DX12 through wgpu
+//!   (re-exported as `gpu::wgpu`).
+//! - `metal`: the same as `wgpu` (wgpu drives Apple GPUs through Metal).
+//! - `cuda`: [`gpu::Backend::Cuda`], CUDA kernels compiled at run time by NVRTC, through cudarc
+//!   (re-exported as `gpu::cudarc`); the driver and NVRTC are loaded dynamically, so the crate
+//!   builds and its tests run (skipping) on machines without CUDA.
+//!
+//! Without a GPU feature, [`gpu::GpuVerifier::new`] reports
+//! [`Error::BackendUnavailable`] for those backends; the API is the same under every feature set.
 
 #![warn(missing_docs)]
 

@@ -217,6 +217,8 @@ impl CudaVerifier {
         let host: Vec<f32> = st
             .clone_dtoh(&out.slice(0..groups))
             .map_err(|e| err(format!("readback failed: {e}")))?;
+        st.synchronize()
+            .map_err(|e| err(format!("stream synchronize failed: {e}")))?;
         Ok(host.iter().sum())
     }
 
@@ -298,6 +300,8 @@ impl CudaVerifier {
         let host: Vec<u32> = st
             .clone_dtoh(&out.slice(0..p.out_words()))
             .map_err(|e| err(format!("readback failed: {e}")))?;
+        st.synchronize()
+            .map_err(|e| err(format!("stream synchronize failed: {e}")))?;
         Ok(pack::assemble(p, batch, &host))
     }
 }
