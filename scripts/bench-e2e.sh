@@ -19,6 +19,9 @@ $BIN run --workload docs/workloads/smollm2.jsonl --proposers prompt-lookup,suffi
 $BIN run --workload docs/workloads/smollm2.jsonl --proposers early-exit:16 \
     --k 2,adaptive:4 --reps 1 --warmup 1 --out "$OUT/early-exit"
 # Cost table of this machine and the simulator replaying the greedy runs' prompt-lookup steps.
-$BIN cost-table --out docs/cost-tables/cpu-smollm2-fast-q8.json
+$BIN cost-table --tokens 1,2,3,5,9,17 --reps 21 --out docs/cost-tables/cpu-smollm2-fast-q8.json
 $BIN simulate --cost docs/cost-tables/cpu-smollm2-fast-q8.json --runs "$OUT/greedy/runs.json" \
     --label "prompt-lookup k=8" --out "$OUT/sim-cpu"
+# Replay of the greedy outputs through the proposers, and the copy-oracle bound (no model).
+$BIN replay --workload docs/workloads/smollm2.jsonl --runs "$OUT/greedy/runs.json" \
+    --cost docs/cost-tables/cpu-smollm2-fast-q8.json --k 2,4,8 --out "$OUT/replay"
