@@ -3,8 +3,9 @@
 //!
 //! - `matches_cpu_on_random_batches`: random batches (vocab sizes from 5 to 49,152, ragged k
 //!   including 0, per-sequence configurations with temperature 0 and > 0, top-k, top-p, min-p,
-//!   penalties, logit bias, banned / allowed sets, caller masks, log-probabilities; point-mass and
-//!   dense-probability drafts; quantised logits so that ties are common). The GPU must emit the
+//!   penalties, logit bias, banned / allowed sets, caller masks, log-probabilities; point-mass,
+//!   dense-probability and draft-logit drafts, the latter also with a shorter draft vocabulary;
+//!   quantised logits so that ties are common). The GPU must emit the
 //!   same tokens as `Verifier::verify_batch` on at least 99.9% of the sequences (float rounding
 //!   may move a draw across a boundary) and report log-probabilities within 1e-4.
 //! - `same_errors_as_cpu`: NaN / `+inf` logits, rows with no allowed token, invalid q.
@@ -130,21 +131,29 @@ struct Owned {
     drafts: Vec<u32>,
     offsets: Vec<usize>,
     q: Vec<f32>,
-    dense_q: bool,
+    /// 0: point masses, 1: dense probabilities, 2: draft logits (`qv` wide).
+    q_kind: u8,
+    qv: usize,
     configs: Vec<SamplingConfig>,
     contexts: Vec<Vec<u32>>,
     seeds: Vec<u64>,
 }
 
 impl Owned {
-    fn random(r: &mut Rng, vocab: usize, n: usize, dense_q: bool) -> Self {
+    fn random(r: &mut Rng, vocab: usize, n: usize, q_kind: u8) -> Self {
+        let qv = if q_kind == 2 && r.chance(0.5) {
+            vocab - vocab / 8
+        } else {
+            vocab
+        };
         let mut o = Owned {
             vocab,
             logits: Vec::new(),
             drafts: Vec::new(),
             offsets: vec![0],
             q: Vec::new(),
-            dense_q,
+            q_kind,
+            qv,
             configs: Vec::new(),
             contexts: Vec::new(),
             seeds: Vec::new(),
@@ -179,9 +188,25 @@ impl Owned {
                 let best = (0..vocab)
                     .max_by(|&a, &b| row[a].partial_cmp(&row[b]).unwrap().then(b.cmp(&a)))
                     .unwrap();
-                let d = if r.chance(0.6) { best } else { r.below(vocab) };
+                let mut d = if r.chance(0.6) { best } else { r.below(vocab) };
+                if q_kind == 2 {
+                    // Draft logits: the target row plus noise, over the first qv tokens; the
+                    // draft is usually their argmax (in the processed support).
+                    let dl: Vec<f32> = row[..qv].iter().map(|&x| x + r.normal() * 0.5).collect();
+                    d = (0..qv)
+                        .max_by(|&a, &b| {
+                            dl[a]
+                                .partial_cmp(&dl[b])
+                                .unwrap_or(std::cmp::Ordering::Equal)
+                        })
+                        .unwrap();
+                    if r.chance(0.2) {
+                        d = r.below(qv);
+                    }
+                    o.q.extend(dl);
+                }
                 o.drafts.push(d as u32);
-                if dense_q {
+                if q_kind == 1 {
                     let mut q: Vec<f32> = (0..vocab)
                         .map(|_| if r.chance(0.3) { 0.0 } else { r.unit() })
                         .collect();
@@ -215,13 +240,16 @@ impl Owned {
             target_logits: &self.logits,
             draft_tokens: &self.drafts,
             draft_offsets: &self.offsets,
-            draft_probs: if self.dense_q {
-                DraftProbs::Probs {
+            draft_probs: match self.q_kind {
+                0 => DraftProbs::PointMass,
+                1 => DraftProbs::Probs {
                     probs: &self.q,
-                    vocab: self.vocab,
-                }
-            } else {
-                DraftProbs::PointMass
+                    vocab: self.qv,
+                },
+                _ => DraftProbs::Logits {
+                    logits: &self.q,
+                    vocab: self.qv,
+                },
             },
             sequences: seqs,
         }
@@ -231,6 +259,7 @@ impl Owned {
 #[derive(Default, Debug)]
 struct Tally {
     seqs: usize,
+    ok: usize,
     token_mismatch: usize,
     lp_checked: usize,
     max_lp_err: f32,
@@ -246,6 +275,7 @@ fn compare(
         t.seqs += 1;
         match (c, g) {
             (Ok(c), Ok(g)) => {
+                t.ok += 1;
                 if c.tokens != g.tokens || c.end != g.end {
                     eprintln!("sequence {b}: cpu {:?} gpu {:?}", c.tokens, g.tokens);
                     t.token_mismatch += 1;
@@ -306,8 +336,8 @@ fn run_matches_cpu(backend: Backend) {
     for &(vocab, n, reps) in plan {
         let t0 = std::time::Instant::now();
         for rep in 0..reps {
-            for dense_q in [false, true] {
-                let o = Owned::random(&mut r, vocab, n, dense_q);
+            for q_kind in [0, 1, 2] {
+                let o = Owned::random(&mut r, vocab, n, q_kind);
                 let seqs = o.params();
                 let batch = o.batch(&seqs);
                 let c = cpu.verify_batch(&batch).unwrap();
@@ -327,6 +357,10 @@ fn run_matches_cpu(backend: Backend) {
         t.seqs
     );
     assert!(t.lp_checked > 100);
+    assert!(
+        t.ok * 2 > t.seqs,
+        "most sequences must verify without error: {t:?}"
+    );
 }
 
 fn run_same_errors(backend: Backend) {
@@ -360,7 +394,18 @@ fn run_same_errors(backend: Backend) {
         let mut q = vec![1.0 / v as f32; 3 * v];
         q[2 * v + 4] = 0.0;
         q[2 * v + 5] += 1.0 / v as f32;
+        // Draft logits: a NaN in draft row 1 of sequence 0, -inf everywhere in sequence 1's row.
+        let mut dl: Vec<f32> = (0..3 * v).map(|i| (i % 4) as f32).collect();
+        dl[v + 2] = f32::NAN;
+        dl[2 * v..3 * v].fill(f32::NEG_INFINITY);
         for (name, qp) in [
+            (
+                "logits",
+                DraftProbs::Logits {
+                    logits: &dl,
+                    vocab: v,
+                },
+            ),
             ("point mass", DraftProbs::PointMass),
             (
                 "probs",
@@ -447,9 +492,10 @@ fn stat_config() -> SamplingConfig {
 }
 
 /// `n` generations of `LEN` tokens, all advanced together (one batch per step): the draft model
-/// samples k tokens from its processed q, the backend verifies. With `raw_q` the verifier is
-/// handed the raw softmax of the draft logits instead (negative control).
-fn stat_fit(gpu: &mut GpuVerifier, n: usize, k: usize, raw_q: bool) -> Fit {
+/// samples k tokens from its processed q, the backend verifies. `q_pass`: 0 = the processed q
+/// as probabilities, 2 = the raw draft logits (the verifier processes them), 1 = the raw softmax
+/// of the draft logits (fault (a), the negative control).
+fn stat_fit(gpu: &mut GpuVerifier, n: usize, k: usize, q_pass: u8) -> Fit {
     let vocab = 6;
     let cfg = stat_config();
     let target = ToyModel::markov(vocab, 2, 1.3, 23);
@@ -471,10 +517,10 @@ fn stat_fit(gpu: &mut GpuVerifier, n: usize, k: usize, raw_q: bool) -> Fit {
                 let dl = draft.logits(&prefix);
                 let qd = process(&cfg, &dl, &prefix, vocab).unwrap();
                 let x = qd.sample(ds.uniform(ctx.len() as u64 + i as u64, lane::DRAFT));
-                if raw_q {
-                    q.extend(raw_softmax(&dl));
-                } else {
-                    q.extend(dense(&qd, vocab));
+                match q_pass {
+                    0 => q.extend(dense(&qd, vocab)),
+                    1 => q.extend(raw_softmax(&dl)),
+                    _ => q.extend_from_slice(&dl),
                 }
                 drafts.push(x);
                 prefix.push(x);
@@ -502,7 +548,11 @@ fn stat_fit(gpu: &mut GpuVerifier, n: usize, k: usize, raw_q: bool) -> Fit {
             target_logits: &logits,
             draft_tokens: &drafts,
             draft_offsets: &offsets,
-            draft_probs: DraftProbs::Probs { probs: &q, vocab },
+            draft_probs: if q_pass == 2 {
+                DraftProbs::Logits { logits: &q, vocab }
+            } else {
+                DraftProbs::Probs { probs: &q, vocab }
+            },
             sequences: &seqs,
         };
         let out = gpu.verify_batch(&batch).unwrap();
@@ -541,14 +591,17 @@ fn run_statistical(backend: Backend) {
     let Some(mut gpu) = gpu_or_skip(backend) else {
         return;
     };
-    for k in [1, 3] {
+    // k = 1 with q as probabilities, k = 2 with q as draft logits.
+    for (k, q_pass) in [(1, 0), (2, 2)] {
         let t0 = std::time::Instant::now();
-        let f = stat_fit(&mut gpu, N_STAT, k, false);
-        eprintln!("{backend} k={k}: {:?}", t0.elapsed());
-        eprintln!("{backend} k={k}: {f:?}");
+        let f = stat_fit(&mut gpu, N_STAT, k, q_pass);
+        eprintln!(
+            "{backend} k={k} q_pass={q_pass}: {f:?} in {:?}",
+            t0.elapsed()
+        );
         assert!(f.p_value >= ALPHA, "{backend} k={k}: {f:?}");
     }
-    let bad = stat_fit(&mut gpu, N_STAT, 2, true);
+    let bad = stat_fit(&mut gpu, N_STAT, 2, 1);
     eprintln!("{backend} raw q (negative control): {bad:?}");
     assert!(
         bad.p_value < ALPHA,
@@ -642,7 +695,7 @@ mod wgpu_resident {
             return;
         };
         let mut r = Rng(99);
-        let o = Owned::random(&mut r, 300, 40, true);
+        let o = Owned::random(&mut r, 300, 40, 2);
         let seqs = o.params();
         let batch = o.batch(&seqs);
         let host = gpu.verify_batch(&batch).unwrap();

@@ -109,6 +109,10 @@ pub(crate) struct CudaVerifier {
     read_func: CudaFunction,
     name: String,
     globals: Option<CudaSlice<u32>>,
+    d_globals: Option<CudaSlice<u32>>,
+    d_params: Option<CudaSlice<u32>>,
+    d_scratch: Option<CudaSlice<u32>>,
+    d_out: Option<CudaSlice<u32>>,
     params: Option<CudaSlice<u32>>,
     q: Option<CudaSlice<f32>>,
     logits: Option<CudaSlice<f32>>,
@@ -175,6 +179,10 @@ impl CudaVerifier {
             read_func,
             name,
             globals: None,
+            d_globals: None,
+            d_params: None,
+            d_scratch: None,
+            d_out: None,
             params: None,
             q: None,
             logits: None,
@@ -252,56 +260,111 @@ impl CudaVerifier {
         batch: &DeviceBatch<'_>,
         qv: usize,
     ) -> Result<Vec<Result<StepOutput>>> {
-        let mut p: Packed = pack::pack(batch, qv)?;
+        let mut p: Packed = pack::pack(batch, qv, false)?;
         if p.n_rows == 0 {
-            return Ok(pack::assemble(p, batch, &[]));
+            return Ok(pack::assemble(p, batch, &[], Default::default()));
         }
+        // DraftProbs::Logits: a draft pass turns the draft-logit rows into dense q first.
+        let mut d = match batch.draft_probs {
+            DraftProbs::Logits { .. } => Some(pack::pack(batch, qv, true)?),
+            _ => None,
+        }
+        .filter(|d| d.n_rows > 0);
+        let q: &[f32] = match batch.draft_probs {
+            DraftProbs::Probs { probs, .. } if !probs.is_empty() => probs,
+            DraftProbs::Logits { logits, .. } if !logits.is_empty() => logits,
+            _ => &[0.0],
+        };
+        let st = self.stream.clone();
+        upload(&st, &mut self.q, q)?;
+        let q_ptr = {
+            let (ptr, _sync) = self.q.as_ref().expect("allocated").device_ptr(&st);
+            ptr
+        };
+        let mut q_main = q_ptr;
+        if let Some(d) = d.as_mut() {
+            upload(&st, &mut self.d_params, &d.params)?;
+            reserve(&st, &mut self.d_scratch, d.scratch_rows * qv)?;
+            reserve(&st, &mut self.d_out, d.out_words())?;
+            let (dp, ds, dout) = (
+                self.d_params.as_ref().expect("allocated"),
+                self.d_scratch.as_ref().expect("allocated"),
+                self.d_out.as_ref().expect("allocated"),
+            );
+            let ptrs = [dp, ds, dout].map(|b| b.device_ptr(&st).0);
+            // The draft logits (uploaded to `q`) are the `logits` of the draft pass.
+            self.launch(&st, d, true, q_ptr, q_ptr, ptrs)?;
+            p.globals[14] = (d.n_rows * pack::OUT_WORDS) as u32;
+            q_main = ptrs[2];
+        }
+        upload(&st, &mut self.params, &p.params)?;
+        reserve(&st, &mut self.scratch, p.scratch_rows * batch.vocab_size)?;
+        reserve(&st, &mut self.out, p.out_words())?;
+        let ptrs = [
+            self.params.as_ref().expect("allocated").device_ptr(&st).0,
+            self.scratch.as_ref().expect("allocated").device_ptr(&st).0,
+            self.out.as_ref().expect("allocated").device_ptr(&st).0,
+        ];
+        self.launch(&st, &mut p, false, logits, q_main, ptrs)?;
+        let out = self.out.as_ref().expect("allocated");
+        let host: Vec<u32> = st
+            .clone_dtoh(&out.slice(0..p.out_words()))
+            .map_err(|e| err(format!("readback failed: {e}")))?;
+        let errs = match d.as_ref() {
+            Some(d) => {
+                let dout = self.d_out.as_ref().expect("allocated");
+                let stat: Vec<u32> = st
+                    .clone_dtoh(&dout.slice(0..d.n_rows * pack::OUT_WORDS))
+                    .map_err(|e| err(format!("readback failed: {e}")))?;
+                pack::draft_errors(d, &stat)
+            }
+            None => Default::default(),
+        };
+        st.synchronize()
+            .map_err(|e| err(format!("stream synchronize failed: {e}")))?;
+        Ok(pack::assemble(p, batch, &host, errs))
+    }
+
+    /// Launches the verification kernel (verify or draft pass); `bufs` are the device pointers
+    /// of params, scratch and out.
+    fn launch(
+        &mut self,
+        st: &Arc<CudaStream>,
+        p: &mut Packed,
+        draft: bool,
+        logits: u64,
+        q: u64,
+        bufs: [u64; 3],
+    ) -> Result<()> {
         let rows = p.n_rows as u32;
         let (gx, gy) = if rows <= 65_535 {
             (rows, 1)
         } else {
             (65_535, rows.div_ceil(65_535))
         };
-        p.globals[10] = 0;
         p.globals[12] = gx;
-        let q: &[f32] = match batch.draft_probs {
-            DraftProbs::Probs { probs, .. } if !probs.is_empty() => probs,
-            _ => &[0.0],
+        let slot = if draft {
+            &mut self.d_globals
+        } else {
+            &mut self.globals
         };
-        let st = self.stream.clone();
-        upload(&st, &mut self.globals, &p.globals)?;
-        upload(&st, &mut self.params, &p.params)?;
-        upload(&st, &mut self.q, q)?;
-        reserve(&st, &mut self.scratch, p.scratch_rows * batch.vocab_size)?;
-        reserve(&st, &mut self.out, p.out_words())?;
+        upload(st, slot, &p.globals)?;
+        let g = slot.as_ref().expect("allocated").device_ptr(st).0;
         let cfg = LaunchConfig {
             grid_dim: (gx, gy, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        {
-            let globals = self.globals.as_ref().expect("allocated");
-            let params = self.params.as_ref().expect("allocated");
-            let qs = self.q.as_ref().expect("allocated");
-            let scratch = self.scratch.as_mut().expect("allocated");
-            let out = self.out.as_mut().expect("allocated");
-            let mut b = st.launch_builder(&self.func);
-            b.arg(globals)
-                .arg(&logits)
-                .arg(qs)
-                .arg(params)
-                .arg(scratch)
-                .arg(out);
-            // SAFETY: the argument list matches `verify_rows` in kernels/verify.cu; every
-            // buffer is at least as long as the indices the packed parameters produce.
-            unsafe { b.launch(cfg) }.map_err(|e| err(format!("kernel launch failed: {e}")))?;
-        }
-        let out = self.out.as_ref().expect("allocated");
-        let host: Vec<u32> = st
-            .clone_dtoh(&out.slice(0..p.out_words()))
-            .map_err(|e| err(format!("readback failed: {e}")))?;
-        st.synchronize()
-            .map_err(|e| err(format!("stream synchronize failed: {e}")))?;
-        Ok(pack::assemble(p, batch, &host))
+        let mut b = st.launch_builder(&self.func);
+        b.arg(&g)
+            .arg(&logits)
+            .arg(&q)
+            .arg(&bufs[0])
+            .arg(&bufs[1])
+            .arg(&bufs[2]);
+        // SAFETY: the argument list matches `verify_rows` in kernels/verify.cu (six pointers);
+        // every buffer is at least as long as the indices the packed parameters produce.
+        unsafe { b.launch(cfg) }.map_err(|e| err(format!("kernel launch failed: {e}")))?;
+        Ok(())
     }
 }

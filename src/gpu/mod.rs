@@ -30,14 +30,26 @@
 //! by a multi-pivot bisection on the order-preserving bit pattern of the keys, with counting
 //! (top-k) or mass (top-p) passes, and ties at the threshold go to the lowest ids as on the CPU.
 //!
+//! Draft probabilities may be point masses, dense probabilities, or raw draft logits
+//! (`DraftProbs::Logits`, processed on the device by the same kernel in a first pass, with the
+//! sequence's configuration and history, into dense q).
+//!
 //! Differences from the CPU path, all reported as errors rather than different results:
-//! - [`DraftProbs::Logits`](crate::DraftProbs::Logits) is not supported (outer
-//!   [`Error::InvalidRequest`]); pass processed probabilities or point masses.
 //! - At most [`MAX_TOP_LOGPROBS`] top log-probabilities per token ([`Error::InvalidConfig`] for
 //!   the sequence otherwise).
 //! - A caller [`TokenMask`](crate::TokenMask) is evaluated on the host on a row of zeros (the
 //!   device logits are never read by the host): it must depend only on the prefix, as its
 //!   contract says, not on the logit values.
+//! - Probabilities below the smallest normal f32 (about `1e-38`) may be flushed to 0 by the
+//!   device, so such tokens can be missing from the support and the top-n lists.
+//!
+//! ## Errors
+//!
+//! The outer `Err` of the verify methods is for a malformed batch (the errors of
+//! [`Verifier::verify_batch`]), a call on the wrong backend ([`Error::InvalidRequest`]), or a
+//! device failure ([`Error::BackendUnavailable`]); each inner `Result` is one sequence's outcome
+//! with the errors of [`Verifier::verify`], including [`RowKind::Draft`](crate::RowKind::Draft)
+//! errors of draft-logit rows.
 //!
 //! ## Sources
 //!
@@ -129,8 +141,8 @@ pub struct DeviceBatch<'a> {
     /// `[batch + 1]` offsets into `draft_tokens`: starts at 0, non-decreasing, ends at
     /// `draft_tokens.len()`.
     pub draft_offsets: &'a [usize],
-    /// q for all sequences (host memory): point masses or `[sum_b k_b, draft_vocab]`
-    /// probabilities. `DraftProbs::Logits` is not supported on the GPU.
+    /// q for all sequences (host memory): point masses, or `[sum_b k_b, draft_vocab]`
+    /// probabilities or draft logits (uploaded, then processed on the device).
     pub draft_probs: DraftProbs<'a>,
     /// One entry per sequence.
     pub sequences: &'a [SequenceParams<'a>],
@@ -289,9 +301,9 @@ impl GpuVerifier {
     /// [`Verifier::verify_batch`].
     ///
     /// # Errors
-    /// The outer `Err` for a malformed batch (the errors of [`Verifier::verify_batch`]), for
-    /// `DraftProbs::Logits` ([`Error::InvalidRequest`]), or for a device failure
-    /// ([`Error::BackendUnavailable`]); each inner `Result` is that sequence's own outcome.
+    /// The outer `Err` for a malformed batch (the errors of [`Verifier::verify_batch`]) or for
+    /// a device failure ([`Error::BackendUnavailable`]); each inner `Result` is that sequence's
+    /// own outcome.
     pub fn verify_batch(&mut self, batch: &VerifyBatch<'_>) -> Result<Vec<Result<StepOutput>>> {
         let dev = DeviceBatch::from_batch(batch);
         match &mut self.inner {

@@ -36,13 +36,47 @@ pub(crate) struct Packed {
     /// Per sequence: `Err` from validation, or the first row and k.
     seqs: Vec<std::result::Result<(usize, usize), Error>>,
     logprobs: Vec<Option<usize>>,
+    /// Draft pass only: `(sequence, i)` of every row.
+    pub row_map: Vec<(usize, usize)>,
+    /// Draft pass only: `sum k * draft_vocab`, the dense q written after the row records.
+    pub dense_words: usize,
 }
 
 impl Packed {
     /// Output buffer length in `u32` words.
     pub fn out_words(&self) -> usize {
+        if self.globals[13] == 1 {
+            return self.n_rows * OUT_WORDS + self.dense_words;
+        }
         self.n_rows * OUT_WORDS + self.n_rows * MAX_TOP_LOGPROBS * 2
     }
+}
+
+/// The errors of the draft pass, by `(sequence, draft row)`: the draft-logit rows that have a
+/// NaN / `+inf` logit or no allowed token.
+pub(crate) fn draft_errors(
+    d: &Packed,
+    out: &[u32],
+) -> std::collections::HashMap<(usize, usize), Error> {
+    let mut m = std::collections::HashMap::new();
+    for (r, &(b, i)) in d.row_map.iter().enumerate() {
+        let o = &out[r * OUT_WORDS..(r + 1) * OUT_WORDS];
+        let e = match o[0] {
+            0 => continue,
+            1 => Error::NonFiniteLogits {
+                kind: RowKind::Draft,
+                row: i,
+                token: o[1] as usize,
+                value: f32::from_bits(o[2]),
+            },
+            _ => Error::NoAllowedToken {
+                kind: RowKind::Draft,
+                row: i,
+            },
+        };
+        m.insert((b, i), e);
+    }
+    m
 }
 
 fn token_check(t: u32, vocab: usize, what: &'static str) -> Result<()> {
@@ -92,7 +126,7 @@ pub(crate) fn check_batch(batch: &DeviceBatch<'_>) -> Result<usize> {
     let v = batch.vocab_size;
     match batch.draft_probs {
         DraftProbs::PointMass => Ok(0),
-        DraftProbs::Probs { probs: d, vocab } => {
+        DraftProbs::Probs { probs: d, vocab } | DraftProbs::Logits { logits: d, vocab } => {
             if vocab > v {
                 return Err(Error::DraftVocabTooLarge {
                     draft: vocab,
@@ -108,11 +142,6 @@ pub(crate) fn check_batch(batch: &DeviceBatch<'_>) -> Result<usize> {
             }
             Ok(vocab)
         }
-        DraftProbs::Logits { .. } => Err(Error::InvalidRequest(
-            "DraftProbs::Logits is not supported by the GPU backends: pass the processed \
-             draft probabilities (DraftProbs::Probs) or point masses"
-                .into(),
-        )),
     }
 }
 
@@ -159,18 +188,22 @@ fn check_sequence(
     Ok(())
 }
 
-/// Packs a validated batch. `logits_offset` is added to every logits index (elements).
-pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize) -> Result<Packed> {
+/// Packs a validated batch. With `draft`, packs the draft pass instead: the `[sum k, qv]`
+/// draft-logit rows of the stochastic sequences, processed with each sequence's configuration
+/// into dense q (`DraftProbs::Logits`).
+pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool) -> Result<Packed> {
     let v = batch.vocab_size;
+    let width = if draft { qv } else { v };
     if v >= (1 << 31) {
         return Err(Error::InvalidRequest(
             "vocab_size too large for the GPU backends".into(),
         ));
     }
-    let dense = matches!(batch.draft_probs, DraftProbs::Probs { .. });
+    let dense = !matches!(batch.draft_probs, DraftProbs::PointMass);
+    let checked = matches!(batch.draft_probs, DraftProbs::Probs { .. });
     let off = batch.draft_offsets;
     let n = batch.sequences.len();
-    let mask_words = v.div_ceil(32);
+    let mask_words = width.div_ceil(32);
     let mut seq_recs: Vec<u32> = Vec::with_capacity(n * SEQ_WORDS);
     let mut rows: Vec<u32> = Vec::new();
     let mut patches: Vec<u32> = Vec::new();
@@ -190,6 +223,10 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize) -> Result<Packed> {
             continue;
         }
         let cfg = s.config;
+        if draft && (cfg.is_greedy() || k == 0) {
+            p.seqs.push(Ok((n_rows, 0)));
+            continue;
+        }
         let sidx = seq_recs.len() / SEQ_WORDS;
         // Patches: every token whose logit the penalties or the bias may change.
         let patch_off = patches.len() / 4;
@@ -221,6 +258,8 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize) -> Result<Packed> {
                 _ => merged.push(e),
             }
         }
+        // Tokens beyond the row width (a shorter draft vocabulary) are ignored, as on the CPU.
+        merged.retain(|e| (e.0 as usize) < width);
         for &(t, c, bias, has) in &merged {
             patches.extend_from_slice(&[t, c, bias.to_bits(), has as u32]);
         }
@@ -235,11 +274,15 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize) -> Result<Packed> {
             base_mask = vec![0u32; mask_words];
             if let Some(a) = cfg.allowed_tokens() {
                 base_mask.iter_mut().for_each(|w| *w = u32::MAX);
-                for &t in a {
+                for &t in a.iter().filter(|&&t| (t as usize) < width) {
                     base_mask[t as usize / 32] &= !(1u32 << (t % 32));
                 }
             }
-            for &t in cfg.banned_tokens() {
+            for &t in cfg
+                .banned_tokens()
+                .iter()
+                .filter(|&&t| (t as usize) < width)
+            {
                 base_mask[t as usize / 32] |= 1u32 << (t % 32);
             }
             if cfg.mask().is_none() {
@@ -249,14 +292,15 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize) -> Result<Packed> {
         }
         let pos0 = s.position.unwrap_or(s.context.len() as u64);
         let first_row = n_rows;
-        for i in 0..=k {
+        let last_row = if draft { k - 1 } else { k };
+        for i in 0..=last_row {
             let mut row_mask = seq_mask;
             if let Some(m) = cfg.mask() {
                 prefix.clear();
                 prefix.extend_from_slice(s.context);
                 prefix.extend_from_slice(&drafts[..i]);
                 zero_row.clear();
-                zero_row.resize(v, 0.0);
+                zero_row.resize(width, 0.0);
                 m.apply(&prefix, &mut zero_row);
                 row_mask = masks.len() as u32;
                 let start = masks.len();
@@ -274,10 +318,13 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize) -> Result<Packed> {
             } else {
                 NONE
             };
+            if draft {
+                p.row_map.push((b, i));
+            }
             rows.extend_from_slice(&[
                 sidx as u32,
                 i as u32,
-                (lo + b + i) as u32,
+                if draft { lo + i } else { lo + b + i } as u32,
                 if i < k { drafts[i] } else { NONE },
                 pos as u32,
                 (pos >> 32) as u32,
@@ -322,10 +369,16 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize) -> Result<Packed> {
     let check = |x: usize| -> Result<u32> {
         u32::try_from(x).map_err(|_| Error::InvalidRequest("batch too large for one launch".into()))
     };
-    check(n_rows.saturating_mul(v))?;
-    check(slots.saturating_mul(v))?;
+    check(n_rows.saturating_mul(width))?;
+    check(slots.saturating_mul(width))?;
+    p.dense_words = if draft {
+        batch.draft_tokens.len() * qv
+    } else {
+        0
+    };
+    check(n_rows * OUT_WORDS + p.dense_words)?;
     p.globals = [
-        v as u32,
+        width as u32,
         qv as u32,
         n_rows as u32,
         row_base as u32,
@@ -338,9 +391,9 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize) -> Result<Packed> {
         0,
         dense as u32,
         0,
+        draft as u32,
         0,
-        0,
-        0,
+        checked as u32,
     ];
     p.n_rows = n_rows;
     p.scratch_rows = slots;
@@ -349,7 +402,14 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize) -> Result<Packed> {
 
 /// Builds each sequence's [`StepOutput`] from the per-row results (`out`, [`Packed::out_words`]
 /// words), walking its rows in order and stopping at the first rejection, as the CPU does.
-pub(crate) fn assemble(p: Packed, batch: &DeviceBatch<'_>, out: &[u32]) -> Vec<Result<StepOutput>> {
+/// `draft_errs` holds the draft pass's errors (`DraftProbs::Logits`), reported after the
+/// target row's own errors and before the checks of q, as the CPU does.
+pub(crate) fn assemble(
+    p: Packed,
+    batch: &DeviceBatch<'_>,
+    out: &[u32],
+    mut draft_errs: std::collections::HashMap<(usize, usize), Error>,
+) -> Vec<Result<StepOutput>> {
     let tops_base = p.n_rows * OUT_WORDS;
     let mut res = Vec::with_capacity(p.seqs.len());
     for (b, s) in p.seqs.into_iter().enumerate() {
@@ -397,6 +457,15 @@ pub(crate) fn assemble(p: Packed, batch: &DeviceBatch<'_>, out: &[u32]) -> Vec<R
                     reason: "the drafted token has probability 0 under q",
                 }),
             };
+            // Order of the CPU: the target row, then the draft row, then q.
+            if let Some(e @ (Error::NonFiniteLogits { .. } | Error::NoAllowedToken { .. })) = e {
+                err = Some(e);
+                break;
+            }
+            if let Some(e) = draft_errs.remove(&(b, i)) {
+                err = Some(e);
+                break;
+            }
             if let Some(e) = e {
                 err = Some(e);
                 break;

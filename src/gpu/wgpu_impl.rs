@@ -3,7 +3,7 @@
 use super::pack::{self, Packed};
 use super::{unavailable, Backend, DeviceBatch};
 use crate::error::{Error, Result};
-use crate::verify::StepOutput;
+use crate::verify::{DraftProbs, StepOutput};
 
 pub(crate) const COMPILED: bool = true;
 
@@ -77,6 +77,10 @@ pub(crate) struct WgpuVerifier {
     layout: wgpu::BindGroupLayout,
     read_pipeline: wgpu::ComputePipeline,
     uniform: wgpu::Buffer,
+    d_uniform: wgpu::Buffer,
+    d_params: Option<Buf>,
+    d_scratch: Option<Buf>,
+    d_out: Option<Buf>,
     logits: Option<Buf>,
     q: Option<Buf>,
     params: Option<Buf>,
@@ -193,7 +197,17 @@ impl WgpuVerifier {
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
+        let d_uniform = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("speculative draft globals"),
+            size: 64,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
         Ok(WgpuVerifier {
+            d_uniform,
+            d_params: None,
+            d_scratch: None,
+            d_out: None,
             dev,
             pipeline,
             layout,
@@ -306,27 +320,42 @@ impl WgpuVerifier {
         batch: &DeviceBatch<'_>,
         qv: usize,
     ) -> Result<Vec<Result<StepOutput>>> {
-        let mut p: Packed = pack::pack(batch, qv)?;
+        let mut p: Packed = pack::pack(batch, qv, false)?;
         if p.n_rows == 0 {
-            return Ok(pack::assemble(p, batch, &[]));
+            return Ok(pack::assemble(p, batch, &[], Default::default()));
         }
+        // DraftProbs::Logits: a draft pass turns the draft-logit rows into dense q first.
+        let mut d = match batch.draft_probs {
+            DraftProbs::Logits { .. } => Some(pack::pack(batch, qv, true)?),
+            _ => None,
+        }
+        .filter(|d| d.n_rows > 0);
         let offset = u32::try_from(offset)
             .map_err(|_| Error::InvalidRequest("logits offset too large for wgpu".into()))?;
-        let limits = self.dev.device.limits();
-        let max_bind = limits.max_storage_buffer_binding_size;
-        let dev = &self.dev.device;
-        let queue = &self.dev.queue;
+        let max_bind = self.dev.device.limits().max_storage_buffer_binding_size;
+        let dev = self.dev.device.clone();
+        let queue = self.dev.queue.clone();
         let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        let out_usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
         let q: &[f32] = match batch.draft_probs {
-            crate::verify::DraftProbs::Probs { probs, .. } if !probs.is_empty() => probs,
+            DraftProbs::Probs { probs, .. } if !probs.is_empty() => probs,
+            DraftProbs::Logits { logits, .. } if !logits.is_empty() => logits,
             _ => &[0.0],
         };
         let scratch_bytes = (p.scratch_rows * batch.vocab_size).max(1) as u64 * 4;
         let out_bytes = (p.out_words() * 4) as u64;
+        let d_scratch = d
+            .as_ref()
+            .map_or(4, |d| (d.scratch_rows * qv).max(1) as u64 * 4);
+        let d_out = d.as_ref().map_or(4, |d| (d.out_words() * 4) as u64);
+        let d_status = d
+            .as_ref()
+            .map_or(0, |d| (d.n_rows * pack::OUT_WORDS * 4) as u64);
         for (what, size) in [
             ("logits", logits.size()),
-            ("scratch", scratch_bytes),
+            ("scratch", scratch_bytes.max(d_scratch)),
             ("draft probabilities", (q.len() * 4) as u64),
+            ("draft output", d_out),
         ] {
             if size > max_bind {
                 return Err(Error::InvalidRequest(format!(
@@ -335,79 +364,138 @@ impl WgpuVerifier {
                 )));
             }
         }
-        ensure(dev, &mut self.q, (q.len() * 4) as u64, storage, "q");
+        ensure(&dev, &mut self.q, (q.len() * 4) as u64, storage, "q");
+        let pb = (p.params.len() * 4) as u64;
+        ensure(&dev, &mut self.params, pb, storage, "params");
         ensure(
-            dev,
-            &mut self.params,
-            (p.params.len() * 4) as u64,
-            storage,
-            "params",
-        );
-        ensure(
-            dev,
+            &dev,
             &mut self.scratch,
             scratch_bytes,
             wgpu::BufferUsages::STORAGE,
             "scratch",
         );
+        ensure(&dev, &mut self.out, out_bytes, out_usage, "out");
+        let rb_usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
         ensure(
-            dev,
-            &mut self.out,
-            out_bytes,
-            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-            "out",
-        );
-        ensure(
-            dev,
+            &dev,
             &mut self.readback,
-            out_bytes,
-            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            out_bytes + d_status,
+            rb_usage,
             "readback",
         );
+        p.globals[10] = offset;
+        queue.write_buffer(
+            self.q.as_ref().map(|b| &b.buf).expect("allocated"),
+            0,
+            as_bytes(q),
+        );
+        let mut enc = dev.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("speculative verify"),
+        });
+        let mut q_bind = self.q.as_ref().expect("allocated").buf.clone();
+        if let Some(d) = d.as_mut() {
+            let dpb = (d.params.len() * 4) as u64;
+            ensure(&dev, &mut self.d_params, dpb, storage, "draft params");
+            ensure(
+                &dev,
+                &mut self.d_scratch,
+                d_scratch,
+                wgpu::BufferUsages::STORAGE,
+                "draft scratch",
+            );
+            ensure(&dev, &mut self.d_out, d_out, out_usage, "draft out");
+            let dparams = &self.d_params.as_ref().expect("allocated").buf;
+            queue.write_buffer(dparams, 0, as_bytes(&d.params));
+            let dout = self.d_out.as_ref().expect("allocated").buf.clone();
+            // The draft logits are the `logits` of the draft pass; its q binding is unused.
+            let qbuf = self.q.as_ref().expect("allocated").buf.clone();
+            self.dispatch(
+                &mut enc,
+                &self.d_uniform,
+                d,
+                &qbuf,
+                &qbuf,
+                dparams,
+                &self.d_scratch.as_ref().expect("allocated").buf,
+                &dout,
+            );
+            p.globals[14] = (d.n_rows * pack::OUT_WORDS) as u32;
+            q_bind = dout;
+        }
+        let pbuf = &self.params.as_ref().expect("allocated").buf;
+        queue.write_buffer(pbuf, 0, as_bytes(&p.params));
+        let obuf = self.out.as_ref().expect("allocated").buf.clone();
+        self.dispatch(
+            &mut enc,
+            &self.uniform,
+            &mut p,
+            logits,
+            &q_bind,
+            pbuf,
+            &self.scratch.as_ref().expect("allocated").buf,
+            &obuf,
+        );
+        let rbuf = self.readback.as_ref().expect("allocated").buf.clone();
+        enc.copy_buffer_to_buffer(&obuf, 0, &rbuf, 0, out_bytes);
+        if d.is_some() {
+            let dout = &self.d_out.as_ref().expect("allocated").buf;
+            enc.copy_buffer_to_buffer(dout, 0, &rbuf, out_bytes, d_status);
+        }
+        queue.submit([enc.finish()]);
+        let all = readback(&dev, &rbuf, out_bytes + d_status)?;
+        let (out, dstat) = all.split_at(p.out_words());
+        let errs = d
+            .as_ref()
+            .map(|d| pack::draft_errors(d, dstat))
+            .unwrap_or_default();
+        Ok(pack::assemble(p, batch, out, errs))
+    }
+
+    /// Records one launch of the verification kernel (verify or draft pass) into `enc`.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        uniform: &wgpu::Buffer,
+        p: &mut Packed,
+        logits: &wgpu::Buffer,
+        qbuf: &wgpu::Buffer,
+        pbuf: &wgpu::Buffer,
+        sbuf: &wgpu::Buffer,
+        obuf: &wgpu::Buffer,
+    ) {
         let rows = p.n_rows as u32;
         let (gx, gy) = if rows <= 65_535 {
             (rows, 1)
         } else {
             (65_535, rows.div_ceil(65_535))
         };
-        p.globals[10] = offset;
         p.globals[12] = gx;
-        let qbuf = &self.q.as_ref().expect("allocated").buf;
-        let pbuf = &self.params.as_ref().expect("allocated").buf;
-        let sbuf = &self.scratch.as_ref().expect("allocated").buf;
-        let obuf = &self.out.as_ref().expect("allocated").buf;
-        let rbuf = &self.readback.as_ref().expect("allocated").buf;
-        queue.write_buffer(&self.uniform, 0, as_bytes(&p.globals));
-        queue.write_buffer(qbuf, 0, as_bytes(q));
-        queue.write_buffer(pbuf, 0, as_bytes(&p.params));
-        let bind = dev.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some("speculative verify"),
-            layout: &self.layout,
-            entries: &[
-                entry(0, &self.uniform),
-                entry(1, logits),
-                entry(2, qbuf),
-                entry(3, pbuf),
-                entry(4, sbuf),
-                entry(5, obuf),
-            ],
-        });
-        let mut enc = dev.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-            label: Some("speculative verify"),
-        });
-        {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+        self.dev
+            .queue
+            .write_buffer(uniform, 0, as_bytes(&p.globals));
+        let bind = self
+            .dev
+            .device
+            .create_bind_group(&wgpu::BindGroupDescriptor {
                 label: Some("speculative verify"),
-                timestamp_writes: None,
+                layout: &self.layout,
+                entries: &[
+                    entry(0, uniform),
+                    entry(1, logits),
+                    entry(2, qbuf),
+                    entry(3, pbuf),
+                    entry(4, sbuf),
+                    entry(5, obuf),
+                ],
             });
-            pass.set_pipeline(&self.pipeline);
-            pass.set_bind_group(0, &bind, &[]);
-            pass.dispatch_workgroups(gx, gy, 1);
-        }
-        enc.copy_buffer_to_buffer(obuf, 0, rbuf, 0, out_bytes);
-        queue.submit([enc.finish()]);
-        let out = readback(dev, rbuf, out_bytes)?;
-        Ok(pack::assemble(p, batch, &out))
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some("speculative verify"),
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(&self.pipeline);
+        pass.set_bind_group(0, &bind, &[]);
+        pass.dispatch_workgroups(gx, gy, 1);
     }
 }
 

@@ -46,10 +46,11 @@
 #define M_RESID 3u
 
 // Globals (16 words): vocab, qv, n_rows, row_base, patch_base, draft_base, mask_base,
-// mask_words, max_top, tops_base, logits_offset, q_dense, rows_per_y, -, -, -.
+// mask_words, max_top, tops_base, logits_offset, q_dense, rows_per_y, mode (0 verify, 1 draft
+// pass), q_offset (elements), q_checked (1: caller's q, check it; 0: q from the draft pass).
 struct G {
     unsigned vocab, qv, n_rows, row_base, patch_base, draft_base, mask_base, mask_words;
-    unsigned max_top, tops_base, logits_offset, q_dense, rows_per_y, pad0, pad1, pad2;
+    unsigned max_top, tops_base, logits_offset, q_dense, rows_per_y, mode, q_offset, q_checked;
 };
 
 struct Row {
@@ -99,7 +100,7 @@ __device__ __forceinline__ float ld(const Row& r, unsigned t) {
 
 __device__ __forceinline__ float qv_at(const Row& r, unsigned t) {
     if (r.g->q_dense == 0u) return t == r.draft ? 1.0f : 0.0f;
-    if (t < r.g->qv) return r.q[(size_t)r.qrow * r.g->qv + t];
+    if (t < r.g->qv) return r.q[(size_t)r.g->q_offset + (size_t)r.qrow * r.g->qv + t];
     return 0.0f;
 }
 
@@ -613,16 +614,21 @@ extern "C" __global__ void __launch_bounds__(256) verify_rows(
     }
     r.total = reduce_sum(r, s, tot);
     float log_norm = logf(r.total);
+    if (g->mode == 1u) {
+        for (unsigned t = r.tid; t < g->vocab; t += WG)
+            out[(size_t)g->tops_base + (size_t)r.lrow * g->vocab + t] = __float_as_uint(prob(r, t));
+        return;
+    }
 
     unsigned emit = 0u;
     if (r.i < k) {
         unsigned x = r.draft;
         float qx = 1.0f;
-        if (g->q_dense != 0u) {
+        if (g->q_dense != 0u && g->q_checked != 0u) {
             unsigned qbad = 0u;
             float qs = 0.0f;
             for (unsigned t = r.tid; t < g->qv; t += WG) {
-                float qq = qbuf[(size_t)r.qrow * g->qv + t];
+                float qq = qbuf[(size_t)g->q_offset + (size_t)r.qrow * g->qv + t];
                 if (is_bad(qq) || !is_fin(qq) || qq < 0.0f) {
                     qbad = 1u;
                 } else {
@@ -639,8 +645,8 @@ extern "C" __global__ void __launch_bounds__(256) verify_rows(
                 fail(r, ST_Q_SUM, 0u, 0.0f);
                 return;
             }
-            qx = qv_at(r, x);
         }
+        if (g->q_dense != 0u) qx = qv_at(r, x);
         if (!(qx > 0.0f)) {
             fail(r, ST_Q_ZERO, 0u, 0.0f);
             return;

@@ -28,9 +28,13 @@ struct Globals {
     logits_offset: u32,
     q_dense: u32,
     rows_per_y: u32,
-    pad0: u32,
-    pad1: u32,
-    pad2: u32,
+    // 0: verify rows; 1: draft pass (process draft-logit rows into dense q, written at
+    // tops_base + logits row * vocab).
+    mode: u32,
+    // Offset of the dense q rows in qbuf (elements).
+    q_offset: u32,
+    // 1: q came from the caller (check that rows are distributions); 0: from the draft pass.
+    q_checked: u32,
 }
 
 @group(0) @binding(0) var<uniform> g: Globals;
@@ -155,7 +159,7 @@ fn qv_at(t: u32) -> f32 {
         return select(0.0, 1.0, t == r_draft);
     }
     if (t < g.qv) {
-        return qbuf[s_qrow * g.qv + t];
+        return qbuf[g.q_offset + s_qrow * g.qv + t];
     }
     return 0.0;
 }
@@ -784,16 +788,23 @@ fn verify_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     }
     s_total = reduce_sum(tot);
     let log_norm = log(s_total);
+    if (g.mode == 1u) {
+        // Draft pass: the processed draft row as dense probabilities.
+        for (var t = tid; t < g.vocab; t += WG) {
+            outbuf[g.tops_base + r_lrow * g.vocab + t] = bitcast<u32>(prob(t));
+        }
+        return;
+    }
 
     var emit = 0u;
     if (r_i < k) {
         let x = r_draft;
         var qx = 1.0;
-        if (g.q_dense != 0u) {
+        if (g.q_dense != 0u && g.q_checked != 0u) {
             var qbad = 0u;
             var qs = 0.0;
             for (var t = tid; t < g.qv; t += WG) {
-                let q = qbuf[s_qrow * g.qv + t];
+                let q = qbuf[g.q_offset + s_qrow * g.qv + t];
                 if (is_bad(q) || !is_fin(q) || q < 0.0) {
                     qbad = 1u;
                 } else {
@@ -810,6 +821,8 @@ fn verify_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
                 fail(ST_Q_SUM, 0u, 0.0);
                 return;
             }
+        }
+        if (g.q_dense != 0u) {
             qx = qv_at(x);
         }
         if (!(qx > 0.0)) {
