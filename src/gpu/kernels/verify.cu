@@ -525,8 +525,10 @@ extern "C" __global__ void __launch_bounds__(256) verify_rows(
     write_out(r, 7u, 0u);
     if (r.slot != NONE) modify_row(r);
 
+    // Pass 1: maximum, argmax (ties to the lowest id), first NaN / +inf, number of finite
+    // entries. Greedy rows need no other pass over the row.
     float mx = neg_inf();
-    unsigned bad = NONE, nfin = 0u;
+    unsigned bad = NONE, nfin = 0u, bk = 0u, bi = NONE;
     for (unsigned t = r.tid; t < g->vocab; t += WG) {
         float x = ld(r, t);
         if (is_bad(x)) {
@@ -534,6 +536,11 @@ extern "C" __global__ void __launch_bounds__(256) verify_rows(
         } else if (is_fin(x)) {
             mx = fmaxf(mx, x);
             nfin++;
+            unsigned key = okey(x);
+            if (bi == NONE || key > bk) {
+                bk = key;
+                bi = t;
+            }
         }
     }
     unsigned first_bad = reduce_min_u(r, s, bad);
@@ -549,16 +556,6 @@ extern "C" __global__ void __launch_bounds__(256) verify_rows(
     r.m = reduce_max(r, s, mx);
 
     if (greedy) {
-        unsigned bk = 0u, bi = NONE;
-        for (unsigned t = r.tid; t < g->vocab; t += WG) {
-            float x = ld(r, t);
-            if (!is_fin(x)) continue;
-            unsigned key = okey(x);
-            if (bi == NONE || key > bk) {
-                bk = key;
-                bi = t;
-            }
-        }
         unsigned bkey;
         unsigned best = reduce_best(r, s, bk, bi, &bkey);
         write_out(r, 4u, best);

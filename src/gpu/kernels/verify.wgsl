@@ -693,10 +693,13 @@ fn verify_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         modify_row();
     }
 
-    // Pass 1: maximum, first NaN / +inf, number of finite entries.
+    // Pass 1: maximum, argmax (ties to the lowest id), first NaN / +inf, number of finite
+    // entries. Greedy rows need no other pass over the row.
     var mx = neg_inf();
     var bad = NONE;
     var nfin = 0u;
+    var bk = 0u;
+    var bi = NONE;
     for (var t = tid; t < g.vocab; t += WG) {
         let x = ld(t);
         if (is_bad(x)) {
@@ -704,6 +707,11 @@ fn verify_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         } else if (is_fin(x)) {
             mx = max(mx, x);
             nfin = nfin + 1u;
+            let key = okey(x);
+            if (bi == NONE || key > bk) {
+                bk = key;
+                bi = t;
+            }
         }
     }
     let first_bad = reduce_min_u(bad);
@@ -719,20 +727,6 @@ fn verify_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     s_m = reduce_max(mx);
 
     if (greedy) {
-        // Argmax, ties to the lowest id.
-        var bk = 0u;
-        var bi = NONE;
-        for (var t = tid; t < g.vocab; t += WG) {
-            let x = ld(t);
-            if (!is_fin(x)) {
-                continue;
-            }
-            let key = okey(x);
-            if (bi == NONE || key > bk) {
-                bk = key;
-                bi = t;
-            }
-        }
         let best = reduce_best(bk, bi);
         write_out(4u, best);
         write_out(3u, select(0u, 1u, r_i < k && r_draft == best));
