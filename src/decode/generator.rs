@@ -206,6 +206,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         }
         self.target.truncate(0)?;
         self.hidden.clear();
+        self.adaptive.begin_generation();
         let mut metrics = Metrics::default();
         if prompt.len() > 1 {
             let t = Instant::now();

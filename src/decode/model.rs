@@ -4,10 +4,14 @@ use crate::error::Result;
 
 /// A causal language model with a KV cache that can be rolled back.
 ///
-/// The decoding loop ([`crate::decode::Generator`]) calls [`TargetModel::forward`] exactly once
-/// per speculative step with `[last token, d_1 .. d_k]` and reads back the logits of every
-/// appended position (`[k + 1, vocab]`). After verification it calls
-/// [`TargetModel::truncate`] to drop the KV entries of rejected drafts.
+/// Call order in the decoding loop ([`crate::decode::Generator`]): at the start of a generation
+/// `truncate(0)`, then, for a prompt of `n >= 2` tokens, one [`TargetModel::prefill`] with
+/// `prompt[..n - 1]` (no logits needed). Then, once per speculative step, one
+/// [`TargetModel::forward`] with `[last token, d_1 .. d_k]`, reading back the logits of every
+/// appended position (`[k + 1, vocab]`), and after verification [`TargetModel::truncate`] to
+/// drop the KV entries of rejected drafts. [`crate::propose::DraftModelProposer`] drives a draft
+/// model through the same methods (its first proposal of a generation prefills the context but
+/// its last token).
 ///
 /// The trait is object safe, so engines can hold a `Box<dyn TargetModel>`.
 ///
@@ -73,13 +77,19 @@ pub trait TargetModel {
     fn truncate(&mut self, len: usize) -> Result<()>;
 
     /// Appends `tokens` (`n >= 1`) whose logits the caller will not read: the prompt before its
-    /// last token. [`crate::decode::Generator`] calls it once per generation, before the first
-    /// [`TargetModel::forward`].
+    /// last token. [`crate::decode::Generator`] calls it once per generation of a prompt of two
+    /// or more tokens, right after `truncate(0)` and before the first [`TargetModel::forward`];
+    /// [`crate::propose::DraftModelProposer`] calls it on its draft model at its first proposal.
+    /// Callers must not assume an empty sequence: it appends like `forward`.
     ///
-    /// The default runs [`TargetModel::forward`] and discards the `[n, vocab]` logits. Engines
-    /// should override it to skip the output head, which for a small model is a large share of
-    /// the prefill (SmolLM2-135M: 28M of 135M multiply-adds per token). The KV cache and
-    /// [`TargetModel::last_hidden`] afterwards must be exactly what `forward` would leave.
+    /// The default runs [`TargetModel::forward`] and discards the logits, which allocates
+    /// `[n, vocab]` f32 (about 4 GB for an 8k-token prompt and a 128k vocabulary); engines
+    /// should override it and skip the output head, which for a small model is also a large
+    /// share of the prefill work (SmolLM2-135M: 28M of 135M multiply-adds per token). The KV
+    /// cache afterwards must be exactly what `forward` would leave, and
+    /// [`TargetModel::last_hidden`] must return the appended positions' final hidden states as
+    /// after `forward` (heads proposers read the last prompt position's row). On error the
+    /// sequence should be left as it was (as `forward`).
     ///
     /// # Errors
     /// As [`TargetModel::forward`].
@@ -95,7 +105,9 @@ pub trait TargetModel {
     }
 
     /// The final hidden states (after the last norm, before the output head) of the positions
-    /// appended by the most recent [`TargetModel::forward`] call, shape `[n, hidden_size]`.
+    /// appended by the most recent [`TargetModel::forward`] or [`TargetModel::prefill`] call,
+    /// shape `[n, hidden_size]` (every appended row: the loop reads the row of the last accepted
+    /// position).
     /// Heads proposers (MTP / Medusa) read the last row. `None` when not supported.
     fn last_hidden(&self) -> Option<&[f32]> {
         None

@@ -48,7 +48,7 @@ pub struct AdaptiveConfig {
     /// While `k = 0` wins, every this many steps probe with `k = probe_k` (the initial interval).
     pub probe_interval: usize,
     /// Longest interval between probes, in steps, reached by doubling after each probe that
-    /// fails (`>= probe_interval`; equal to it for a fixed interval).
+    /// fails. Values below `probe_interval` act as `probe_interval` (a fixed interval).
     pub max_probe_interval: usize,
     /// Draft length of a probe step.
     pub probe_k: usize,
@@ -71,8 +71,8 @@ impl AdaptiveConfig {
     /// Checks the ranges documented on each field.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for `decay` or `time_smoothing` outside `(0, 1]`,
-    /// `probe_interval == 0` or `max_probe_interval < probe_interval`.
+    /// [`Error::InvalidConfig`] for `decay` or `time_smoothing` outside `(0, 1]` or
+    /// `probe_interval == 0`.
     pub fn validate(&self) -> Result<()> {
         if !(self.decay > 0.0 && self.decay <= 1.0) {
             return Err(Error::config("decay", self.decay, "must be in (0, 1]"));
@@ -86,13 +86,6 @@ impl AdaptiveConfig {
         }
         if self.probe_interval == 0 {
             return Err(Error::config("probe_interval", 0, "must be >= 1"));
-        }
-        if self.max_probe_interval < self.probe_interval {
-            return Err(Error::config(
-                "max_probe_interval",
-                self.max_probe_interval,
-                "must be >= probe_interval",
-            ));
         }
         Ok(())
     }
@@ -196,6 +189,13 @@ impl AdaptiveState {
             self.wait = cfg.probe_interval;
         }
         best.0
+    }
+
+    /// Starts a generation: the probe interval and the run of plain steps start over; the
+    /// acceptance and cost estimates are kept. Called by the generator at each new generation.
+    pub fn begin_generation(&mut self) {
+        self.zero_run = 0;
+        self.wait = 0;
     }
 
     fn cost_at(&self, n: usize) -> Option<f64> {
@@ -318,12 +318,15 @@ mod tests {
         }
         assert!(s.choose(&cfg, 100) > 0);
         assert_eq!(s.wait, cfg.probe_interval);
+        s.begin_generation();
+        assert_eq!(s.wait, 0);
+        // A maximum below the initial interval means a fixed interval, not an error.
         assert!(AdaptiveConfig {
             max_probe_interval: 3,
             ..cfg
         }
         .validate()
-        .is_err());
+        .is_ok());
     }
 
     #[test]

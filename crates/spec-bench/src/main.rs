@@ -1,11 +1,11 @@
 //! `spec-bench`: benchmark speculative decoding on a GGUF model, or simulate batch sizes.
 //!
 //! ```text
-//! cargo run --release -p spec-bench -- run --workload docs/workloads/all.jsonl --out bench-out
-//! cargo run --release -p spec-bench -- simulate --cost docs/cost-tables/cpu-smollm2.json \
+//! cargo run --release -p spec-bench -- run --workload docs/workloads/smollm2.jsonl --out bench-out
+//! cargo run --release -p spec-bench -- simulate --cost docs/cost-tables/cpu-smollm2-fast-q8.json \
 //!     --runs bench-out/runs.json --out sim-out
-//! cargo run --release -p spec-bench -- replay --workload docs/workloads/all.jsonl \
-//!     --runs bench-out/runs.json --cost docs/cost-tables/cpu-smollm2.json --out replay-out
+//! cargo run --release -p spec-bench -- replay --workload docs/workloads/smollm2.jsonl \
+//!     --runs bench-out/runs.json --cost docs/cost-tables/cpu-smollm2-fast-q8.json --out replay-out
 //! ```
 
 use std::path::PathBuf;
@@ -15,9 +15,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use spec_bench::matrix::{run_matrix, Matrix, PreparedRequest};
 use spec_bench::replay::{
     markdown as replay_markdown, oracle, replay, CostCurve, ReplayRow, ReplayStats, Trace,
+    MARKDOWN_NOTES as REPLAY_NOTES,
 };
 use spec_bench::report::{aggregate, markdown, sim_markdown, sim_plot, standard_plots, write_json};
-use spec_bench::run::{ConfigSpec, DraftSpec, RunRecord};
+use spec_bench::run::{token_hash, ConfigSpec, DraftSpec, RunRecord};
 use spec_bench::sim::{default_batches, simulate, AcceptanceModel, CostTable};
 use spec_bench::{workload, BenchError, Result};
 use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, SuffixProposer};
@@ -44,7 +45,8 @@ enum Cmd {
     /// Measure a cost table c(batch, tokens) for the simulator on this machine.
     CostTable(CostArgs),
     /// Replay recorded greedy generations through model-free proposers without the model, and
-    /// bound what any copying proposer could accept (the copy oracle).
+    /// bound what any proposer copying from the request's own context could accept (the copy
+    /// oracle; see the `spec_bench::replay` docs).
     Replay(ReplayArgs),
 }
 
@@ -58,13 +60,14 @@ struct ReplayArgs {
     /// taken from a run whose output equals plain greedy decoding.
     #[arg(long)]
     runs: PathBuf,
-    /// Cost table; its batch-1 row gives the forward cost curve c(n).
+    /// Cost table; its batch-1 row gives the forward cost curve c(n) (made non-decreasing).
     #[arg(long)]
     cost: PathBuf,
     /// GGUF file holding the tokenizer (default: the model of `run`).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Proposers: prompt-lookup, prompt-lookup:MIN-MAX, suffix.
+    /// Proposers: prompt-lookup, prompt-lookup:MIN-MAX (n-gram sizes), suffix,
+    /// suffix:MIN_CONFIDENCE (SuffixConfig::min_confidence).
     #[arg(long, value_delimiter = ',', default_value = "prompt-lookup,suffix")]
     proposers: Vec<String>,
     /// Draft lengths.
@@ -414,13 +417,24 @@ fn cost_table(a: CostArgs) -> Result<()> {
 }
 
 fn replay_proposer(name: &str) -> Result<Box<dyn Proposer>> {
-    let bad = || BenchError::Invalid {
+    let bad = || {
+        BenchError::Invalid {
         what: "proposer",
-        reason: format!("{name} (replay takes prompt-lookup, prompt-lookup:MIN-MAX, suffix)"),
+        reason: format!(
+            "{name} (replay takes prompt-lookup, prompt-lookup:MIN-MAX, suffix, suffix:MIN_CONFIDENCE)"
+        ),
+    }
     };
     Ok(match name {
         "prompt-lookup" => Box::new(PromptLookup::new(1, 4)?),
         "suffix" => Box::new(SuffixProposer::new(SuffixConfig::default())?),
+        other if other.starts_with("suffix:") => {
+            let c: f32 = other["suffix:".len()..].parse().map_err(|_| bad())?;
+            Box::new(SuffixProposer::new(SuffixConfig {
+                min_confidence: c,
+                ..SuffixConfig::default()
+            })?)
+        }
         other => {
             let range = other.strip_prefix("prompt-lookup:").ok_or_else(bad)?;
             let (lo, hi) = range.split_once('-').ok_or_else(bad)?;
@@ -446,16 +460,31 @@ fn replay_cmd(a: ReplayArgs) -> Result<()> {
     for p in &a.proposers {
         replay_proposer(p)?;
     }
+    if a.oracle_max_n == 0 {
+        return Err(BenchError::Invalid {
+            what: "--oracle-max-n",
+            reason: "must be at least 1".into(),
+        });
+    }
     let mut traces = Vec::new();
     for (i, r) in requests.iter().enumerate() {
         let Some(rec) = recs
             .iter()
             .find(|x| x.request == i && x.greedy_identical == Some(true))
         else {
+            eprintln!("replay: request {i} skipped: no greedy run whose output equals plain greedy decoding");
             continue;
         };
         let text = tok.apply_chat_template(&[ChatMessage::user(r.prompt.clone())])?;
         let prompt = tok.encode(&text)?;
+        if rec.prompt_hash.is_some_and(|h| h != token_hash(&prompt)) {
+            return Err(BenchError::Invalid {
+                what: "runs.json",
+                reason: format!(
+                    "request {i}: the workload prompt's tokens differ from the recorded run's: not recorded from this workload and model"
+                ),
+            });
+        }
         if prompt.len() != rec.prompt_tokens {
             return Err(BenchError::Invalid {
                 what: "runs.json",
@@ -495,7 +524,8 @@ fn replay_cmd(a: ReplayArgs) -> Result<()> {
                 let label = format!("{name} k={k} t=0 ");
                 let measured: Vec<f64> = recs
                     .iter()
-                    .filter(|x| &x.kind == kind && x.label.starts_with(&label))
+                    .filter(|x| of_kind.iter().any(|t| t.request == x.request))
+                    .filter(|x| x.label.starts_with(&label))
                     .filter_map(|x| x.speedup)
                     .collect();
                 if !measured.is_empty() {
@@ -523,10 +553,11 @@ fn replay_cmd(a: ReplayArgs) -> Result<()> {
     std::fs::write(
         &p,
         format!(
-            "Greedy traces: {} ({} requests); cost curve: {}\n\n{md}",
+            "Greedy traces: {} ({} requests); cost curve: {}\n\n{md}\n{}\n",
             a.runs.display(),
             traces.len(),
-            CostTable::from_json(&std::fs::read_to_string(&a.cost).map_err(io(&a.cost))?)?.source
+            CostTable::from_json(&std::fs::read_to_string(&a.cost).map_err(io(&a.cost))?)?.source,
+            REPLAY_NOTES
         ),
     )
     .map_err(io(&p))?;

@@ -15,16 +15,21 @@
 //! proposer's own time and the prefill are not included (both are in the measured end-to-end
 //! figures of `spec-bench run`).
 //!
-//! **Copy oracle.** [`oracle`] replays the same trace with the best draft any *copying*
-//! proposer could make at each step: among all earlier positions `j` of the context whose
-//! preceding `n` tokens equal the context's last `n` tokens (for some `n` in
-//! `min_n ..= max_n`; `min_n = 0` admits every position), it drafts the continuation that
-//! matches the most tokens of the true output. Prompt lookup (Saxena 2023), the request trie of
-//! SuffixDecoding (Oliaro et al. 2024) and any tree of such candidates verified at the cost of a
-//! single chain draw their drafts from this candidate set, so per step none of them can accept
-//! more. It is the ceiling of model-free copying on a workload: when it is below a goal, only a
-//! different proposer kind (a draft model, heads) or a different model can reach the goal.
-//! Cost: `O(steps * max_n * context)` per trace.
+//! **Copy oracle.** [`oracle`] replays the same trace with the best draft a proposer that
+//! *copies from the request's own context* could make at each step: among all earlier positions
+//! `j` of the context whose preceding `n` tokens equal the context's last `n` tokens (for some
+//! `n` in `min_n ..= max_n`; `min_n = 0` admits every position), it takes the continuation that
+//! matches the most tokens of the true output, and drafts just those tokens. Prompt lookup
+//! (Saxena 2023), the request trie of SuffixDecoding (Oliaro et al. 2024; not its cross-request
+//! corpus) and any tree of such candidates draw their drafts from this candidate set, so at
+//! each step none of them can accept more. Over a whole generation it also needs the fewest
+//! verify steps for `min_n <= 1`: if position `j` continues the output `a` tokens from output
+//! position `i`, then `j + 1` (preceded by `ctx[j]`, the token just emitted) continues it to the
+//! same end from `i + 1`, so the furthest reachable end never decreases and taking the longest
+//! copy at every step is optimal. Its mean accepted length is therefore the ceiling of
+//! model-free copying on a workload: when it is below what a goal needs, only a different
+//! proposer kind (a draft model, heads), a cross-request corpus or a different model can reach
+//! the goal. Cost: `O(steps * max_n * context)` per trace.
 
 use serde::{Deserialize, Serialize};
 use speculative::propose::{Draft, ProposeRequest, Proposer};
@@ -113,7 +118,10 @@ impl ReplayStats {
 }
 
 /// A forward cost curve relative to a single-token forward: `c(n) = cost(1, n) / cost(1, 1)`
-/// from a [`CostTable`]'s batch-1 row (interpolated between its points).
+/// from a [`CostTable`]'s batch-1 row (interpolated between its points), made non-decreasing
+/// in `n` (`c(n) = max over m <= n`): a forward over more tokens does the work of a shorter one
+/// and more, so a measured dip below an earlier point is timing noise, and taking it at face
+/// value would credit speculation with a verify call cheaper than a plain step.
 #[derive(Debug, Clone)]
 pub struct CostCurve {
     table: CostTable,
@@ -123,15 +131,32 @@ impl CostCurve {
     /// Wraps a validated table.
     ///
     /// # Errors
-    /// [`BenchError::Invalid`] when the table fails [`CostTable::validate`].
+    /// [`BenchError::Invalid`] when the table fails [`CostTable::validate`] or has no batch-1
+    /// row (`batch[0] != 1`).
     pub fn new(table: CostTable) -> Result<Self> {
         table.validate()?;
+        if table.batch[0] != 1 {
+            return Err(BenchError::Invalid {
+                what: "cost table",
+                reason: format!(
+                    "replay needs a batch-1 row; the first batch size is {}",
+                    table.batch[0]
+                ),
+            });
+        }
         Ok(CostCurve { table })
     }
 
-    /// `c(n)` for a forward over `n >= 1` new tokens, relative to `n = 1`.
+    /// `c(n)` for a forward over `n >= 1` new tokens, relative to `n = 1` (non-decreasing,
+    /// `c(1) = 1`).
     pub fn relative(&self, n: usize) -> f64 {
-        self.table.cost(1, n.max(1)) / self.table.cost(1, 1)
+        let one = self.table.cost(1, 1);
+        let mut c: f64 = 1.0;
+        // Running maximum over the table points below n, then n itself.
+        for &t in self.table.tokens.iter().take_while(|&&t| t < n) {
+            c = c.max(self.table.cost(1, t) / one);
+        }
+        c.max(self.table.cost(1, n.max(1)) / one)
     }
 }
 
@@ -177,11 +202,14 @@ pub fn replay(
     Ok(stats)
 }
 
-/// The copy-oracle bound of a trace (see the module docs): at each step the draft is the
-/// continuation, of length `k`, of the earlier context position that matches the true output
-/// longest, among positions preceded by the context's last `n` tokens for some
-/// `n` in `min_n ..= max_n` (`min_n = 0`: every position). A step with no candidate is a plain
-/// step.
+/// The copy-oracle bound of a trace (see the module docs): at each step the oracle drafts the
+/// longest prefix (at most `k` tokens) of the true output that continues some earlier context
+/// position preceded by the context's last `n` tokens, for some `n` in `min_n ..= max_n`
+/// (`min_n = 0`: every position). It drafts only tokens that will be accepted, so its
+/// acceptance rate is 1 by construction and a step that copies `a` tokens costs `c(a + 1)`
+/// (`c(1)`, a plain step, when nothing matches). Its mean accepted length bounds that of every
+/// proposer drawing from the same candidates (see the module docs); its predicted speed-up is
+/// the speed-up at those minimal draft lengths.
 ///
 /// # Errors
 /// [`BenchError::Invalid`] when `max_n < min_n`.
@@ -205,10 +233,9 @@ pub fn oracle(
         let remaining = trace.output.len() - i;
         let kk = k.min(remaining - 1);
         let truth = &trace.output[i..];
-        let best = best_copy(&ctx, truth, kk, min_n, max_n);
-        let (a, n) = best.unwrap_or((0, 0));
+        let a = best_copy(&ctx, truth, kk, min_n, max_n).map_or(0, |b| b.0);
         let emitted = (a + 1).min(remaining);
-        stats.record(n, a, emitted, cost.relative(n + 1));
+        stats.record(a, a, emitted, cost.relative(a + 1));
         ctx.extend_from_slice(&truth[..emitted]);
         i += emitted;
     }
@@ -309,6 +336,17 @@ impl ReplayRow {
     }
 }
 
+/// Notes printed under a replay table, explaining its columns.
+pub const MARKDOWN_NOTES: &str = "Acceptance rate and mean accepted length (emitted tokens per \
+verify step, bonus included) are pooled over the kind's requests and exact for greedy decoding. \
+Predicted decode speed-up = output tokens / sum over steps of c(drafts + 1), the mean of the \
+per-request ratios; it excludes the prefill and the proposer's time. Measured e2e speed-up is the \
+mean over the same requests of the runs' measured tokens-per-second ratios (prefill and proposer \
+included), for the same proposer and fixed k. Oracle rows draft only tokens that are accepted \
+(acceptance 1 by construction); their mean accepted length bounds every proposer that copies from \
+the request's own context (`oracle n>=1`: positions after a matching token, which includes \
+prompt lookup and suffix trees; `oracle any position`: every position).";
+
 /// A markdown table of replay rows.
 pub fn markdown(rows: &[ReplayRow]) -> String {
     use std::fmt::Write as _;
@@ -356,7 +394,7 @@ mod tests {
         // A toy model that copies with period 5 most of the time: prompt lookup gets long runs.
         let mut model = ToyModel::deterministic(16, 4096, |p: &[u32]| {
             let n = p.len();
-            if n < 5 || n % 11 == 0 {
+            if n < 5 || n.is_multiple_of(11) {
                 (p.last().copied().unwrap_or(0) + 3) % 16
             } else {
                 p[n - 5]
@@ -482,5 +520,34 @@ mod tests {
         // `4 5 6 7 8` at once after the first step.
         assert!(any.steps < matched1.steps);
         assert!(oracle(&trace, 4, 3, 2, &c).is_err());
+        assert_eq!(
+            any.accepted, any.proposed,
+            "the oracle drafts only accepted tokens"
+        );
+    }
+
+    #[test]
+    fn cost_curve_is_non_decreasing_and_needs_batch_one() {
+        let noisy = CostTable {
+            source: String::new(),
+            batch: vec![1, 2],
+            tokens: vec![1, 2, 5, 9],
+            cost: vec![vec![5.0, 4.5, 5.5, 7.5], vec![6.0, 7.0, 9.0, 12.0]],
+        };
+        let c = CostCurve::new(noisy.clone()).unwrap();
+        assert_eq!(c.relative(1), 1.0);
+        assert_eq!(c.relative(2), 1.0, "a dip below c(1) is noise");
+        assert!((c.relative(5) - 1.1).abs() < 1e-12);
+        let mut prev = 0.0;
+        for n in 1..20 {
+            assert!(c.relative(n) >= prev);
+            prev = c.relative(n);
+        }
+        let no_one = CostTable {
+            batch: vec![2],
+            cost: vec![noisy.cost[1].clone()],
+            ..noisy
+        };
+        assert!(CostCurve::new(no_one).is_err());
     }
 }

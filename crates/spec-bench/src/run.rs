@@ -120,6 +120,11 @@ pub struct RunRecord {
     pub rep: usize,
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
+    /// FNV-1a hash of the prompt's token ids (little-endian u32s), so that a later
+    /// `spec-bench replay` can check it re-tokenised the same prompt. `None` in files written
+    /// before it was recorded.
+    #[serde(default)]
+    pub prompt_hash: Option<u64>,
     /// Output tokens.
     pub tokens: Vec<u32>,
     /// End-to-end latency in seconds (prefill included).
@@ -273,6 +278,7 @@ pub fn run_one(
         config: config.cloned(),
         rep: input.rep,
         prompt_tokens: input.prompt.len(),
+        prompt_hash: Some(token_hash(input.prompt)),
         tokens_per_s: if e2e > 0.0 {
             out.tokens.len() as f64 / e2e
         } else {
@@ -324,4 +330,17 @@ pub fn itl_percentiles(r: &RunRecord) -> (f64, f64, f64) {
         percentile(&r.itl_s, 90.0).unwrap_or(0.0),
         percentile(&r.itl_s, 99.0).unwrap_or(0.0),
     )
+}
+
+/// FNV-1a (64-bit) over the little-endian bytes of `tokens`: the prompt fingerprint stored in
+/// [`RunRecord::prompt_hash`].
+pub fn token_hash(tokens: &[u32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for t in tokens {
+        for b in t.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
 }
