@@ -9,3 +9,12 @@ export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-1}"
 scripts/fetch-model.sh
 # Unit, integration, property and statistical tests, examples built, doc tests run.
 cargo test --workspace
+
+# GPU backends: lints of the `wgpu` and `cuda` builds (cudarc loads CUDA at run time, so the
+# `cuda` build needs no CUDA here), then tests/gpu.rs: the wgpu backend on any Vulkan / Metal /
+# DX12 adapter (Mesa's software Vulkan driver lavapipe in CI), compared with the CPU verifier.
+# Without an adapter the tests print why and skip, unless SPECULATIVE_REQUIRE_WGPU=1 (set by
+# .ci/run).
+cargo clippy -p speculative --all-targets --features wgpu -- -D warnings
+cargo clippy -p speculative --all-targets --features cuda -- -D warnings
+cargo test -p speculative --features wgpu --lib --test gpu
