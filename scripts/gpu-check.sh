@@ -2,8 +2,8 @@
 # GPU check of the `cuda` (and `wgpu`) backends, in one script that finishes in under 8 minutes.
 #
 # On a machine with cargo:   scripts/gpu-check.sh            (builds with --features cuda,wgpu)
-# For a GPU machine without a Rust toolchain (the `run` tool's H200 image has CUDA 13 but no
-# cargo, and cannot reach crates.io): build the two x86-64 binaries here first,
+# For a GPU machine without a Rust toolchain (the `run` tool's H200 image lists CUDA 13, nvcc
+# and PyTorch but no cargo, and cannot reach crates.io): build the two x86-64 binaries here first,
 #   scripts/gpu-check.sh --prepare        # writes .gpu-bin/ (git-ignored through .git/info/exclude)
 # then in one `run` call with carry [".gpu-bin"] and timeout_s 540:
 #   scripts/gpu-check.sh
