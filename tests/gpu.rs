@@ -738,3 +738,57 @@ mod wgpu_resident {
         ));
     }
 }
+
+/// Device-resident logits on CUDA: a cudarc slice and a raw device pointer give the same results
+/// as host logits, and the CPU's tokens; the read baseline sums the same values.
+#[cfg(feature = "cuda")]
+mod cuda_resident {
+    use super::*;
+    use speculative::gpu::cudarc::driver::DevicePtr;
+    use speculative::gpu::{CudaLogits, DeviceBatch};
+
+    #[test]
+    fn device_memory_matches_host_logits() {
+        let Some(mut gpu) = gpu_or_skip(Backend::Cuda) else {
+            return;
+        };
+        let mut r = Rng(98);
+        let o = Owned::random(&mut r, 300, 40, 2);
+        let seqs = o.params();
+        let batch = o.batch(&seqs);
+        let host = gpu.verify_batch(&batch).unwrap();
+        let st = gpu.cuda_device().unwrap().stream().clone();
+        let buf = st.clone_htod(&o.logits).unwrap();
+        let dbatch = DeviceBatch::from_batch(&batch);
+        let from_slice = gpu
+            .verify_cuda(CudaLogits::from_slice(&buf, &st), &dbatch)
+            .unwrap();
+        let ptr = buf.device_ptr(&st).0;
+        // SAFETY: `buf` holds `o.logits.len()` floats and outlives the call.
+        let raw = unsafe { CudaLogits::from_raw(ptr, o.logits.len()) };
+        let from_raw = gpu.verify_cuda(raw, &dbatch).unwrap();
+        let s = |v: &[speculative::Result<StepOutput>]| -> Vec<String> {
+            v.iter().map(|x| format!("{x:?}")).collect()
+        };
+        assert_eq!(s(&host), s(&from_slice));
+        assert_eq!(s(&host), s(&from_raw));
+        let mut t = Tally::default();
+        compare(
+            &Verifier::new().verify_batch(&batch).unwrap(),
+            &from_slice,
+            &mut t,
+        );
+        assert!(t.token_mismatch <= 1, "{t:?}");
+        let finite: f64 = o
+            .logits
+            .iter()
+            .filter(|x| x.is_finite())
+            .map(|&x| x as f64)
+            .sum();
+        let sum = gpu.read_cuda(raw, o.logits.len()).unwrap();
+        assert!(
+            sum == f32::NEG_INFINITY || (sum as f64 - finite).abs() < 1e-2 * (1.0 + finite.abs()),
+            "{sum} vs {finite}"
+        );
+    }
+}
