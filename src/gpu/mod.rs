@@ -34,7 +34,7 @@
 //! (`DraftProbs::Logits`, processed on the device by the same kernel in a first pass, with the
 //! sequence's configuration and history, into dense q).
 //!
-//! Differences from the CPU path, all reported as errors rather than different results:
+//! Differences from the CPU path:
 //! - At most [`MAX_TOP_LOGPROBS`] top log-probabilities per token ([`Error::InvalidConfig`] for
 //!   the sequence otherwise).
 //! - A caller [`TokenMask`](crate::TokenMask) is evaluated on the host on a row of zeros (the
@@ -42,6 +42,8 @@
 //!   contract says, not on the logit values.
 //! - Probabilities below the smallest normal f32 (about `1e-38`) may be flushed to 0 by the
 //!   device, so such tokens can be missing from the support and the top-n lists.
+//! - One launch addresses at most `2^32` logits elements (and, on wgpu, one storage binding of
+//!   the device's limit): larger batches are an [`Error::InvalidRequest`]; split them.
 //!
 //! ## Errors
 //!
