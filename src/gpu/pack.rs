@@ -91,58 +91,15 @@ fn token_check(t: u32, vocab: usize, what: &'static str) -> Result<()> {
     }
 }
 
-/// Batch-level checks (the outer `Err` of `verify_batch`), identical to the CPU's.
+/// Batch-level checks (the outer `Err` of `verify_batch`): the CPU's own.
 pub(crate) fn check_batch(batch: &DeviceBatch<'_>) -> Result<usize> {
-    let off = batch.draft_offsets;
-    let n = batch.sequences.len();
-    if off.len() != n + 1 {
-        return Err(Error::ShapeMismatch {
-            what: "draft_offsets ([batch + 1])",
-            expected: n + 1,
-            actual: off.len(),
-        });
-    }
-    if off[0] != 0 {
-        return Err(Error::InvalidRequest(format!(
-            "draft_offsets[0] = {} (must be 0)",
-            off[0]
-        )));
-    }
-    if let Some(i) = off.windows(2).position(|w| w[1] < w[0]) {
-        return Err(Error::InvalidRequest(format!(
-            "draft_offsets must be non-decreasing: draft_offsets[{}] = {} < draft_offsets[{i}] = {}",
-            i + 1,
-            off[i + 1],
-            off[i]
-        )));
-    }
-    if off[n] != batch.draft_tokens.len() {
-        return Err(Error::ShapeMismatch {
-            what: "draft_tokens (draft_offsets[batch])",
-            expected: off[n],
-            actual: batch.draft_tokens.len(),
-        });
-    }
-    let v = batch.vocab_size;
-    match batch.draft_probs {
-        DraftProbs::PointMass => Ok(0),
-        DraftProbs::Probs { probs: d, vocab } | DraftProbs::Logits { logits: d, vocab } => {
-            if vocab > v {
-                return Err(Error::DraftVocabTooLarge {
-                    draft: vocab,
-                    target: v,
-                });
-            }
-            if d.len() != batch.draft_tokens.len() * vocab {
-                return Err(Error::ShapeMismatch {
-                    what: "draft probabilities ([sum k, draft_vocab])",
-                    expected: batch.draft_tokens.len() * vocab,
-                    actual: d.len(),
-                });
-            }
-            Ok(vocab)
-        }
-    }
+    crate::verify::check_layout(
+        batch.draft_offsets,
+        batch.sequences.len(),
+        batch.draft_tokens.len(),
+        batch.vocab_size,
+        &batch.draft_probs,
+    )
 }
 
 fn check_sequence(

@@ -76,35 +76,8 @@ impl Verifier {
     pub fn verify_batch(&mut self, batch: &VerifyBatch<'_>) -> Result<Vec<Result<StepOutput>>> {
         let off = batch.draft_offsets;
         let n = batch.sequences.len();
-        if off.len() != n + 1 {
-            return Err(Error::ShapeMismatch {
-                what: "draft_offsets ([batch + 1])",
-                expected: n + 1,
-                actual: off.len(),
-            });
-        }
-        if off[0] != 0 {
-            return Err(Error::InvalidRequest(format!(
-                "draft_offsets[0] = {} (must be 0)",
-                off[0]
-            )));
-        }
-        if let Some(i) = off.windows(2).position(|w| w[1] < w[0]) {
-            return Err(Error::InvalidRequest(format!(
-                "draft_offsets must be non-decreasing: draft_offsets[{}] = {} < draft_offsets[{i}] = {}",
-                i + 1,
-                off[i + 1],
-                off[i]
-            )));
-        }
-        if off[n] != batch.draft_tokens.len() {
-            return Err(Error::ShapeMismatch {
-                what: "draft_tokens (draft_offsets[batch])",
-                expected: off[n],
-                actual: batch.draft_tokens.len(),
-            });
-        }
         let v = batch.vocab_size;
+        let qv = check_layout(off, n, batch.draft_tokens.len(), v, &batch.draft_probs)?;
         let rows = batch.draft_tokens.len() + n;
         if batch.target_logits.len() != rows * v {
             return Err(Error::ShapeMismatch {
@@ -113,25 +86,6 @@ impl Verifier {
                 actual: batch.target_logits.len(),
             });
         }
-        let qv = match batch.draft_probs {
-            DraftProbs::PointMass => 0,
-            DraftProbs::Probs { probs: d, vocab } | DraftProbs::Logits { logits: d, vocab } => {
-                if vocab > v {
-                    return Err(Error::DraftVocabTooLarge {
-                        draft: vocab,
-                        target: v,
-                    });
-                }
-                if d.len() != batch.draft_tokens.len() * vocab {
-                    return Err(Error::ShapeMismatch {
-                        what: "draft probabilities ([sum k, draft_vocab])",
-                        expected: batch.draft_tokens.len() * vocab,
-                        actual: d.len(),
-                    });
-                }
-                vocab
-            }
-        };
         let mut out = Vec::with_capacity(n);
         for (b, s) in batch.sequences.iter().enumerate() {
             let (lo, hi) = (off[b], off[b + 1]);
@@ -159,5 +113,76 @@ impl Verifier {
             out.push(self.verify(&req));
         }
         Ok(out)
+    }
+}
+
+/// The batch-level layout checks shared by [`Verifier::verify_batch`] and the GPU backends:
+/// `offsets` (`[n_seq + 1]`, from 0, non-decreasing, ending at `draft_tokens`) and the draft
+/// probabilities' shape (`[draft_tokens, draft_vocab]`, `draft_vocab <= vocab`). Returns the
+/// draft vocabulary (0 for point masses).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`], [`Error::InvalidRequest`] or [`Error::DraftVocabTooLarge`], as
+/// documented on [`Verifier::verify_batch`].
+pub(crate) fn check_layout(
+    off: &[usize],
+    n: usize,
+    draft_tokens: usize,
+    vocab: usize,
+    draft_probs: &DraftProbs<'_>,
+) -> Result<usize> {
+    if off.len() != n + 1 {
+        return Err(Error::ShapeMismatch {
+            what: "draft_offsets ([batch + 1])",
+            expected: n + 1,
+            actual: off.len(),
+        });
+    }
+    if off[0] != 0 {
+        return Err(Error::InvalidRequest(format!(
+            "draft_offsets[0] = {} (must be 0)",
+            off[0]
+        )));
+    }
+    if let Some(i) = off.windows(2).position(|w| w[1] < w[0]) {
+        return Err(Error::InvalidRequest(format!(
+            "draft_offsets must be non-decreasing: draft_offsets[{}] = {} < draft_offsets[{i}] = {}",
+            i + 1,
+            off[i + 1],
+            off[i]
+        )));
+    }
+    if off[n] != draft_tokens {
+        return Err(Error::ShapeMismatch {
+            what: "draft_tokens (draft_offsets[batch])",
+            expected: off[n],
+            actual: draft_tokens,
+        });
+    }
+    match *draft_probs {
+        DraftProbs::PointMass => Ok(0),
+        DraftProbs::Probs {
+            probs: d,
+            vocab: qv,
+        }
+        | DraftProbs::Logits {
+            logits: d,
+            vocab: qv,
+        } => {
+            if qv > vocab {
+                return Err(Error::DraftVocabTooLarge {
+                    draft: qv,
+                    target: vocab,
+                });
+            }
+            if d.len() != draft_tokens * qv {
+                return Err(Error::ShapeMismatch {
+                    what: "draft probabilities ([sum k, draft_vocab])",
+                    expected: draft_tokens * qv,
+                    actual: d.len(),
+                });
+            }
+            Ok(qv)
+        }
     }
 }

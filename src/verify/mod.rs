@@ -21,6 +21,7 @@
 //! the absolute position of the token, so results never depend on batch order or composition.
 
 mod batch;
+pub(crate) use batch::check_layout;
 pub mod exact;
 mod greedy;
 mod stochastic;
