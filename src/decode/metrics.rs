@@ -88,9 +88,12 @@ impl Metrics {
         }
     }
 
-    /// Records one verify step: `k` drafts proposed, `verified` accepted by the verifier, of which
-    /// `kept` survived the stop conditions (`kept <= verified`), `emitted` tokens kept.
-    pub(crate) fn record_step(&mut self, k: usize, verified: usize, kept: usize, emitted: usize) {
+    /// Records one verify step's counts: `k` drafts proposed, `verified` of them accepted by the
+    /// verifier, of which `kept` survived the stop conditions (`kept <= verified <= k`), and
+    /// `emitted` tokens kept (accepted drafts plus the correction or bonus token, unless a stop
+    /// cut it). The loop calls it once per step; offline replays of recorded generations (as in
+    /// `spec-bench replay`) call it to count exactly as the loop does. Timings are not touched.
+    pub fn record_step(&mut self, k: usize, verified: usize, kept: usize, emitted: usize) {
         self.target_calls += 1;
         self.proposed += k;
         self.accepted += kept;
@@ -110,6 +113,33 @@ impl Metrics {
         if kept == verified && verified < k {
             self.reached_at[verified] += 1;
         }
+    }
+}
+
+impl Metrics {
+    /// Adds `other`'s counters and timings to these (for totals over several generations).
+    pub fn merge(&mut self, other: &Metrics) {
+        self.proposed += other.proposed;
+        self.accepted += other.accepted;
+        self.emitted += other.emitted;
+        self.target_calls += other.target_calls;
+        self.plain_steps += other.plain_steps;
+        let n = self.reached_at.len().max(other.reached_at.len());
+        self.reached_at.resize(n, 0);
+        self.accepted_at.resize(n, 0);
+        for (i, (&r, &a)) in other.reached_at.iter().zip(&other.accepted_at).enumerate() {
+            self.reached_at[i] += r;
+            self.accepted_at[i] += a;
+        }
+        self.prefill_time += other.prefill_time;
+        self.propose_time += other.propose_time;
+        self.forward_time += other.forward_time;
+        self.verify_time += other.verify_time;
+        self.total_time += other.total_time;
+        self.time_to_first_token = match (self.time_to_first_token, other.time_to_first_token) {
+            (Some(a), Some(b)) => Some(a + b),
+            (a, b) => a.or(b),
+        };
     }
 }
 
@@ -133,5 +163,11 @@ mod tests {
         assert!((m.mean_accepted_length() - 7.0 / 3.0).abs() < 1e-12);
         assert_eq!(m.position_acceptance(), vec![1.0, 0.5, 1.0]);
         assert_eq!(m.plain_steps, 1);
+        let mut total = cut.clone();
+        total.merge(&m);
+        assert_eq!((total.proposed, total.accepted, total.emitted), (10, 6, 10));
+        assert_eq!(total.target_calls, 4);
+        assert_eq!(total.reached_at, vec![3, 3, 1, 0]);
+        assert_eq!(total.accepted_at, vec![3, 2, 1, 0]);
     }
 }

@@ -32,6 +32,7 @@
 //! the goal. Cost: `O(steps * max_n * context)` per trace.
 
 use serde::{Deserialize, Serialize};
+use speculative::decode::Metrics;
 use speculative::propose::{Draft, ProposeRequest, Proposer};
 use speculative::SamplingConfig;
 
@@ -51,68 +52,31 @@ pub struct Trace {
     pub output: Vec<u32>,
 }
 
-/// Counts of one replay (exact for greedy decoding) and its modelled cost.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+/// Counts of one replay (exact for greedy decoding: the loop's own [`Metrics`], without
+/// timings) and its modelled cost.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ReplayStats {
-    /// Output tokens replayed.
-    pub tokens: usize,
-    /// Verify steps (target forwards after the prefill).
-    pub steps: usize,
-    /// Drafts proposed.
-    pub proposed: usize,
-    /// Drafts accepted.
-    pub accepted: usize,
-    /// Per draft position: `(reached, accepted)`.
-    pub by_position: Vec<(usize, usize)>,
+    /// Steps, drafts, acceptances and emitted tokens, counted by [`Metrics::record_step`] as the
+    /// decoding loop counts them.
+    pub metrics: Metrics,
     /// Sum over steps of `c(k_step + 1)`, in units of one single-token forward.
     pub cost: f64,
 }
 
 impl ReplayStats {
-    /// Accepted / proposed drafts (0 when nothing was proposed).
-    pub fn acceptance_rate(&self) -> f64 {
-        if self.proposed == 0 {
-            0.0
-        } else {
-            self.accepted as f64 / self.proposed as f64
-        }
-    }
-
-    /// Emitted tokens per verify step (the bonus or correction token included).
-    pub fn mean_accepted_length(&self) -> f64 {
-        if self.steps == 0 {
-            0.0
-        } else {
-            self.tokens as f64 / self.steps as f64
-        }
-    }
-
-    /// Predicted decode speed-up over plain decoding: `tokens / cost` (plain decoding costs one
-    /// unit per token).
+    /// Predicted decode speed-up over plain decoding: `emitted tokens / cost` (plain decoding
+    /// costs one unit per token).
     pub fn predicted_speedup(&self) -> f64 {
         if self.cost > 0.0 {
-            self.tokens as f64 / self.cost
+            self.metrics.emitted as f64 / self.cost
         } else {
             0.0
         }
     }
 
     fn record(&mut self, drafted: usize, accepted: usize, emitted: usize, cost: f64) {
-        if self.by_position.len() < drafted {
-            self.by_position.resize(drafted, (0, 0));
-        }
-        for (i, slot) in self.by_position.iter_mut().enumerate().take(drafted) {
-            if i <= accepted {
-                slot.0 += 1;
-            }
-            if i < accepted {
-                slot.1 += 1;
-            }
-        }
-        self.steps += 1;
-        self.proposed += drafted;
-        self.accepted += accepted;
-        self.tokens += emitted;
+        self.metrics
+            .record_step(drafted, accepted, accepted, emitted);
         self.cost += cost;
     }
 }
@@ -280,18 +244,8 @@ pub fn best_copy(
 pub fn sum(stats: &[ReplayStats]) -> ReplayStats {
     let mut out = ReplayStats::default();
     for s in stats {
-        out.tokens += s.tokens;
-        out.steps += s.steps;
-        out.proposed += s.proposed;
-        out.accepted += s.accepted;
+        out.metrics.merge(&s.metrics);
         out.cost += s.cost;
-        if out.by_position.len() < s.by_position.len() {
-            out.by_position.resize(s.by_position.len(), (0, 0));
-        }
-        for (o, p) in out.by_position.iter_mut().zip(&s.by_position) {
-            o.0 += p.0;
-            o.1 += p.1;
-        }
     }
     out
 }
@@ -307,8 +261,20 @@ pub struct ReplayRow {
     pub k: usize,
     /// Traces replayed.
     pub traces: usize,
-    /// Summed counts over the traces.
-    pub total: ReplayStats,
+    /// Output tokens replayed (all traces).
+    pub tokens: usize,
+    /// Verify steps (all traces).
+    pub steps: usize,
+    /// Drafts proposed (all traces).
+    pub proposed: usize,
+    /// Drafts accepted (all traces).
+    pub accepted: usize,
+    /// Accepted / proposed drafts.
+    pub acceptance_rate: f64,
+    /// Emitted tokens per verify step, bonus included.
+    pub mean_accepted_length: f64,
+    /// Per draft position `i`: acceptance given positions `0..i` were accepted.
+    pub position_acceptance: Vec<f64>,
     /// Mean over traces of the predicted decode speed-up.
     pub predicted_speedup_mean: f64,
     /// Mean measured end-to-end speed-up of the same proposer and fixed k in the runs the
@@ -320,12 +286,19 @@ impl ReplayRow {
     /// Aggregates per-trace statistics into a row.
     pub fn new(kind: &str, proposer: &str, k: usize, per_trace: &[ReplayStats]) -> Self {
         let n = per_trace.len().max(1) as f64;
+        let m = sum(per_trace).metrics;
         ReplayRow {
             kind: kind.to_string(),
             proposer: proposer.to_string(),
             k,
             traces: per_trace.len(),
-            total: sum(per_trace),
+            tokens: m.emitted,
+            steps: m.target_calls,
+            proposed: m.proposed,
+            accepted: m.accepted,
+            acceptance_rate: m.acceptance_rate(),
+            mean_accepted_length: m.mean_accepted_length(),
+            position_acceptance: m.position_acceptance(),
             predicted_speedup_mean: per_trace
                 .iter()
                 .map(ReplayStats::predicted_speedup)
@@ -363,8 +336,8 @@ pub fn markdown(rows: &[ReplayRow]) -> String {
             r.kind,
             r.proposer,
             r.k,
-            r.total.acceptance_rate(),
-            r.total.mean_accepted_length(),
+            r.acceptance_rate,
+            r.mean_accepted_length,
             r.predicted_speedup_mean,
             measured
         );
@@ -423,11 +396,29 @@ mod tests {
         )
         .unwrap();
         let m = &real.metrics;
-        assert_eq!(s.tokens, real.tokens.len());
-        assert_eq!(s.steps, m.target_calls);
-        assert_eq!(s.proposed, m.proposed);
-        assert_eq!(s.accepted, m.accepted);
-        assert!(s.accepted > 10, "the toy must exercise acceptance");
+        let r = &s.metrics;
+        assert_eq!(r.emitted, real.tokens.len());
+        assert_eq!(
+            (
+                r.target_calls,
+                r.proposed,
+                r.accepted,
+                r.emitted,
+                r.plain_steps
+            ),
+            (
+                m.target_calls,
+                m.proposed,
+                m.accepted,
+                m.emitted,
+                m.plain_steps
+            )
+        );
+        assert_eq!(
+            (&r.reached_at, &r.accepted_at),
+            (&m.reached_at, &m.accepted_at)
+        );
+        assert!(r.accepted > 10, "the toy must exercise acceptance");
     }
 
     #[test]
@@ -442,8 +433,15 @@ mod tests {
         // and the last token is the bonus.
         let mut p = ScriptedProposer::new(vec![vec![1, 2, 7], vec![4]]);
         let s = replay(&mut p, &trace, 3, &flat_cost()).unwrap();
-        assert_eq!((s.steps, s.proposed, s.accepted, s.tokens), (2, 4, 3, 5));
-        assert_eq!(s.by_position, vec![(2, 2), (1, 1), (1, 0)]);
+        let m = &s.metrics;
+        assert_eq!(
+            (m.target_calls, m.proposed, m.accepted, m.emitted),
+            (2, 4, 3, 5)
+        );
+        assert_eq!(
+            (&m.reached_at[..], &m.accepted_at[..]),
+            (&[2, 1, 1][..], &[2, 1, 0][..])
+        );
         let c = flat_cost();
         assert!((s.cost - (c.relative(4) + c.relative(2))).abs() < 1e-12);
         assert!((s.predicted_speedup() - 5.0 / s.cost).abs() < 1e-12);
@@ -515,10 +513,11 @@ mod tests {
         let c = flat_cost();
         let any = oracle(&trace, 4, 0, 4, &c).unwrap();
         let matched1 = oracle(&trace, 4, 1, 4, &c).unwrap();
-        assert!(any.tokens == matched1.tokens && any.steps <= matched1.steps);
+        let (any, matched1) = (&any.metrics, &matched1.metrics);
+        assert!(any.emitted == matched1.emitted && any.target_calls <= matched1.target_calls);
         // `4` never follows `9`, so a matching oracle must wait; the any-position oracle copies
         // `4 5 6 7 8` at once after the first step.
-        assert!(any.steps < matched1.steps);
+        assert!(any.target_calls < matched1.target_calls);
         assert!(oracle(&trace, 4, 3, 2, &c).is_err());
         assert_eq!(
             any.accepted, any.proposed,
