@@ -157,6 +157,55 @@ impl TargetModel for ToyModel {
     }
 }
 
+/// Wraps a target and logs the size of every [`TargetModel::prefill`] and
+/// [`TargetModel::forward`] call, in order, to check how a caller drives a model. Its `prefill`
+/// appends through the inner model's `forward` and discards the logits, as an engine that skips
+/// its output head would.
+#[derive(Debug)]
+pub struct CallLog<M> {
+    /// The wrapped model.
+    pub inner: M,
+    /// Token counts of the `prefill` calls.
+    pub prefills: Vec<usize>,
+    /// Token counts of the `forward` calls.
+    pub forwards: Vec<usize>,
+}
+
+impl<M> CallLog<M> {
+    /// Wraps `inner` with empty logs.
+    pub fn new(inner: M) -> Self {
+        CallLog {
+            inner,
+            prefills: Vec::new(),
+            forwards: Vec::new(),
+        }
+    }
+}
+
+impl<M: TargetModel> TargetModel for CallLog<M> {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        self.inner.max_context()
+    }
+    fn seq_len(&self) -> usize {
+        self.inner.seq_len()
+    }
+    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        self.forwards.push(tokens.len());
+        self.inner.forward(tokens, logits)
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.inner.truncate(len)
+    }
+    fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        self.prefills.push(tokens.len());
+        let mut scratch = Vec::new();
+        self.inner.forward(tokens, &mut scratch)
+    }
+}
+
 /// A proposer of uniformly random tokens (point masses), keyed by seed and position.
 #[derive(Debug, Clone)]
 pub struct RandomProposer {

@@ -123,39 +123,8 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::ToyModel;
+    use crate::test_util::{CallLog, ToyModel};
     use crate::SamplingConfig;
-
-    /// Records the sizes of `prefill` and `forward` calls.
-    struct Calls {
-        inner: ToyModel,
-        prefills: Vec<usize>,
-        forwards: Vec<usize>,
-    }
-
-    impl TargetModel for Calls {
-        fn vocab_size(&self) -> usize {
-            self.inner.vocab_size()
-        }
-        fn max_context(&self) -> usize {
-            self.inner.max_context()
-        }
-        fn seq_len(&self) -> usize {
-            self.inner.seq_len()
-        }
-        fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
-            self.forwards.push(tokens.len());
-            self.inner.forward(tokens, logits)
-        }
-        fn truncate(&mut self, len: usize) -> Result<()> {
-            self.inner.truncate(len)
-        }
-        fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
-            self.prefills.push(tokens.len());
-            let mut scratch = Vec::new();
-            self.inner.forward(tokens, &mut scratch)
-        }
-    }
 
     #[test]
     fn prompt_is_prefilled_once_and_drafts_match_full_forwards() {
@@ -168,11 +137,7 @@ mod tests {
             seed: 0,
             target_hidden: None,
         };
-        let mut p = DraftModelProposer::new(Calls {
-            inner: ToyModel::c10(),
-            prefills: vec![],
-            forwards: vec![],
-        });
+        let mut p = DraftModelProposer::new(CallLog::new(ToyModel::c10()));
         p.begin(&prompt).unwrap();
         assert!(
             p.model().prefills.is_empty(),
