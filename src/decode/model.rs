@@ -80,7 +80,7 @@ pub trait TargetModel {
     /// last token. [`crate::decode::Generator`] calls it once per generation of a prompt of two
     /// or more tokens, right after `truncate(0)` and before the first [`TargetModel::forward`];
     /// [`crate::propose::DraftModelProposer`] calls it on its draft model at its first proposal.
-    /// Callers must not assume an empty sequence: it appends like `forward`.
+    /// Implementations must not assume an empty sequence: it appends, like `forward`.
     ///
     /// The default runs [`TargetModel::forward`] and discards the logits, which allocates
     /// `[n, vocab]` f32 (about 4 GB for an 8k-token prompt and a 128k vocabulary); engines
