@@ -95,8 +95,8 @@ struct Args {
     #[arg(long, default_value_t = 8)]
     exit_layers: usize,
     /// Draft length: an integer, or `adaptive` / `adaptive:MAX`.
-    #[arg(long, default_value = "4")]
-    k: String,
+    #[arg(long, default_value = "4", value_parser = draft_length)]
+    k: DraftLength,
     /// Temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
@@ -150,20 +150,21 @@ fn read_prompt(a: &Args) -> Result<String, DynError> {
     }
 }
 
-fn draft_length(s: &str) -> Result<DraftLength, DynError> {
+/// Parses `--k` (checked by clap before the model loads).
+fn draft_length(s: &str) -> Result<DraftLength, String> {
+    let bad = || format!("{s}: expected an integer or adaptive[:MAX]");
     if let Some(rest) = s.strip_prefix("adaptive") {
         let max_k = match rest.strip_prefix(':') {
-            Some(m) => m.parse()?,
-            None => 8,
+            Some(m) => m.parse().map_err(|_| bad())?,
+            None if rest.is_empty() => 8,
+            None => return Err(bad()),
         };
         return Ok(DraftLength::Adaptive(AdaptiveConfig {
             max_k,
             ..Default::default()
         }));
     }
-    Ok(DraftLength::Fixed(s.parse().map_err(|_| {
-        format!("--k {s}: expected an integer or adaptive[:MAX]")
-    })?))
+    Ok(DraftLength::Fixed(s.parse().map_err(|_| bad())?))
 }
 
 fn run() -> Result<(), DynError> {
@@ -216,7 +217,9 @@ fn run() -> Result<(), DynError> {
     let tok = GgufTokenizer::load(&path)?;
     eprintln!(
         "loaded {} ({:?} backend, {:?} weights) in {:.2} s",
-        path.display(),
+        std::fs::canonicalize(&path)
+            .unwrap_or_else(|_| path.clone())
+            .display(),
         a.backend,
         a.format,
         t0.elapsed().as_secs_f64()
@@ -240,7 +243,7 @@ fn run() -> Result<(), DynError> {
     let draft = if a.proposer == ProposerKind::None {
         DraftLength::Off
     } else {
-        draft_length(&a.k)?
+        a.k.clone()
     };
     let params = GenerationParams {
         sampling,
