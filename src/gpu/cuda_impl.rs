@@ -13,7 +13,7 @@ use cudarc::driver::{
 use super::pack::{self, Packed};
 use super::{unavailable, Backend, DeviceBatch};
 use crate::error::{Error, Result};
-use crate::verify::{DraftProbs, StepOutput};
+use crate::verify::StepOutput;
 
 pub(crate) const COMPILED: bool = true;
 
@@ -260,21 +260,15 @@ impl CudaVerifier {
         batch: &DeviceBatch<'_>,
         qv: usize,
     ) -> Result<Vec<Result<StepOutput>>> {
-        let mut p: Packed = pack::pack(batch, qv, false)?;
+        // DraftProbs::Logits: a draft pass (`d`) turns the draft-logit rows into dense q first.
+        let pack::Prepared {
+            main: mut p,
+            draft: mut d,
+            q,
+        } = pack::prepare(batch, qv)?;
         if p.n_rows == 0 {
             return Ok(pack::assemble(p, batch, &[], Default::default()));
         }
-        // DraftProbs::Logits: a draft pass turns the draft-logit rows into dense q first.
-        let mut d = match batch.draft_probs {
-            DraftProbs::Logits { .. } => Some(pack::pack(batch, qv, true)?),
-            _ => None,
-        }
-        .filter(|d| d.n_rows > 0);
-        let q: &[f32] = match batch.draft_probs {
-            DraftProbs::Probs { probs, .. } if !probs.is_empty() => probs,
-            DraftProbs::Logits { logits, .. } if !logits.is_empty() => logits,
-            _ => &[0.0],
-        };
         let st = self.stream.clone();
         upload(&st, &mut self.q, q)?;
         let q_ptr = {

@@ -145,6 +145,31 @@ fn check_sequence(
     Ok(())
 }
 
+/// The host side of one verify call, shared by the backends: the main pass's packed rows, the
+/// draft pass's (`DraftProbs::Logits` with at least one row), and the host q data to upload
+/// (dense q or draft logits; a single 0.0 for point masses).
+pub(crate) struct Prepared<'b> {
+    pub main: Packed,
+    pub draft: Option<Packed>,
+    pub q: &'b [f32],
+}
+
+/// Packs `batch` for the main pass and, for draft logits, the draft pass.
+pub(crate) fn prepare<'b>(batch: &DeviceBatch<'b>, qv: usize) -> Result<Prepared<'b>> {
+    let main = pack(batch, qv, false)?;
+    let draft = match batch.draft_probs {
+        DraftProbs::Logits { .. } => Some(pack(batch, qv, true)?),
+        _ => None,
+    }
+    .filter(|d| d.n_rows > 0);
+    let q: &'b [f32] = match batch.draft_probs {
+        DraftProbs::Probs { probs, .. } if !probs.is_empty() => probs,
+        DraftProbs::Logits { logits, .. } if !logits.is_empty() => logits,
+        _ => &[0.0],
+    };
+    Ok(Prepared { main, draft, q })
+}
+
 /// Packs a validated batch. With `draft`, packs the draft pass instead: the `[sum k, qv]`
 /// draft-logit rows of the stochastic sequences, processed with each sequence's configuration
 /// into dense q (`DraftProbs::Logits`).

@@ -3,7 +3,7 @@
 use super::pack::{self, Packed};
 use super::{unavailable, Backend, DeviceBatch};
 use crate::error::{Error, Result};
-use crate::verify::{DraftProbs, StepOutput};
+use crate::verify::StepOutput;
 
 pub(crate) const COMPILED: bool = true;
 
@@ -320,16 +320,15 @@ impl WgpuVerifier {
         batch: &DeviceBatch<'_>,
         qv: usize,
     ) -> Result<Vec<Result<StepOutput>>> {
-        let mut p: Packed = pack::pack(batch, qv, false)?;
+        // DraftProbs::Logits: a draft pass (`d`) turns the draft-logit rows into dense q first.
+        let pack::Prepared {
+            main: mut p,
+            draft: mut d,
+            q,
+        } = pack::prepare(batch, qv)?;
         if p.n_rows == 0 {
             return Ok(pack::assemble(p, batch, &[], Default::default()));
         }
-        // DraftProbs::Logits: a draft pass turns the draft-logit rows into dense q first.
-        let mut d = match batch.draft_probs {
-            DraftProbs::Logits { .. } => Some(pack::pack(batch, qv, true)?),
-            _ => None,
-        }
-        .filter(|d| d.n_rows > 0);
         let offset = u32::try_from(offset)
             .map_err(|_| Error::InvalidRequest("logits offset too large for wgpu".into()))?;
         let max_bind = self.dev.device.limits().max_storage_buffer_binding_size;
@@ -337,11 +336,6 @@ impl WgpuVerifier {
         let queue = self.dev.queue.clone();
         let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
         let out_usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
-        let q: &[f32] = match batch.draft_probs {
-            DraftProbs::Probs { probs, .. } if !probs.is_empty() => probs,
-            DraftProbs::Logits { logits, .. } if !logits.is_empty() => logits,
-            _ => &[0.0],
-        };
         let scratch_bytes = (p.scratch_rows * batch.vocab_size).max(1) as u64 * 4;
         let out_bytes = (p.out_words() * 4) as u64;
         let d_scratch = d
