@@ -224,6 +224,9 @@ fn bench(c: &mut Criterion) {
                     seed: b as u64,
                     context: &[],
                     position: Some(100),
+                    prompt_len: 0,
+                    suppress: &[],
+                    suppress_rows: 0,
                 })
                 .collect();
             let batch = DeviceBatch {

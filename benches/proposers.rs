@@ -69,6 +69,9 @@ fn propose(p: &mut dyn Proposer, context: &[u32], config: &SamplingConfig, draft
         max_draft: K,
         seed: 0,
         target_hidden: None,
+        prompt_len: 0,
+        eos: &[],
+        suppress_eos_rows: 0,
     };
     p.propose(&req, draft).expect("propose");
 }

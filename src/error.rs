@@ -110,11 +110,76 @@ pub enum Error {
     /// The proposer failed.
     #[error("proposer error: {0}")]
     Proposer(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
-    /// A generation request is invalid (empty prompt, prompt longer than the context, ...).
-    #[error("invalid request: {0}")]
-    InvalidRequest(String),
-    /// An optional backend was not compiled in or has no usable device (reserved for the GPU
-    /// backends; no backend of this version returns it).
+    /// The prompt is empty: a generation needs at least one token to condition on.
+    #[error("empty prompt: a generation needs at least one prompt token")]
+    EmptyPrompt,
+    /// The prompt does not fit the model's context. Shorten the prompt or use a model with a
+    /// longer context.
+    #[error("prompt of {len} tokens exceeds the model's context of {max_context} tokens")]
+    PromptTooLong {
+        /// Prompt length, in tokens.
+        len: usize,
+        /// [`crate::TargetModel::max_context`], in tokens.
+        max_context: usize,
+    },
+    /// The draft offsets of a batch are malformed: `draft_offsets[0]` is not 0, or an offset is
+    /// smaller than the one before it.
+    #[error("draft_offsets[{index}] = {value} is invalid: {reason}")]
+    InvalidOffsets {
+        /// Index into `draft_offsets`.
+        index: usize,
+        /// The offending offset.
+        value: usize,
+        /// What was expected.
+        reason: &'static str,
+    },
+    /// A method for one backend was called on a verifier of another backend (for example
+    /// `verify_cuda` on a wgpu verifier). Call the method that matches
+    /// [`crate::gpu::GpuVerifier::backend`].
+    #[error("{method} called on a {backend} verifier")]
+    WrongBackend {
+        /// The method called.
+        method: &'static str,
+        /// The verifier's backend.
+        backend: &'static str,
+    },
+    /// A batch is larger than one launch of a backend can take (a buffer over the device's
+    /// binding limit, or an index over 32 bits). Split the batch into smaller ones.
+    #[error("batch too large for one {backend} launch: {what} is {size}, the limit is {limit}; split the batch")]
+    BatchTooLarge {
+        /// Backend name.
+        backend: &'static str,
+        /// What is too large (a buffer or an index space).
+        what: &'static str,
+        /// Its size (bytes for buffers, elements for index spaces).
+        size: u64,
+        /// The limit it exceeds, in the same unit.
+        limit: u64,
+    },
+    /// A proposer returned a draft the loop cannot use. The draft never reaches the target.
+    #[error("proposer {proposer} returned an invalid draft: {fault}")]
+    InvalidProposal {
+        /// [`crate::Proposer::name`] of the proposer.
+        proposer: &'static str,
+        /// What is wrong with the draft.
+        fault: ProposalFault,
+    },
+    /// A proposer was asked to continue a context that does not extend the one it was started
+    /// with (used directly, without [`crate::Proposer::begin`]), and it cannot rebuild its state.
+    #[error("proposer {proposer} was asked for a context it was not started with; call begin() with the new prompt")]
+    StaleProposerState {
+        /// [`crate::Proposer::name`] of the proposer.
+        proposer: &'static str,
+    },
+    /// A target model broke the loop's contract (for example a sequence length that does not
+    /// match the tokens fed). `what` says which rule.
+    #[error("target model broke the TargetModel contract: {what}")]
+    TargetContract {
+        /// The broken rule.
+        what: &'static str,
+    },
+    /// An optional backend was not compiled in, or has no usable device or driver
+    /// ([`crate::gpu::GpuVerifier::new`], device failures of the GPU backends).
     #[error("backend {backend} unavailable: {reason}")]
     BackendUnavailable {
         /// Backend name.
@@ -122,6 +187,57 @@ pub enum Error {
         /// Why it is unavailable.
         reason: String,
     },
+}
+
+/// What is wrong with a proposer's draft ([`Error::InvalidProposal`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ProposalFault {
+    /// More draft tokens than the request's `max_draft`.
+    TooLong {
+        /// Draft length returned.
+        len: usize,
+        /// The request's `max_draft`.
+        max_draft: usize,
+    },
+    /// A draft token is outside the target vocabulary.
+    TokenOutOfVocab {
+        /// Index of the draft token.
+        index: usize,
+        /// The token id.
+        token: u32,
+        /// The target vocabulary size.
+        vocab_size: usize,
+    },
+    /// q does not have the shape `[k, q_vocab]` with `0 < q_vocab <= vocab`.
+    QShape {
+        /// Expected number of elements.
+        expected: usize,
+        /// Number found.
+        actual: usize,
+    },
+}
+
+impl fmt::Display for ProposalFault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProposalFault::TooLong { len, max_draft } => {
+                write!(f, "{len} draft tokens, max_draft is {max_draft}")
+            }
+            ProposalFault::TokenOutOfVocab {
+                index,
+                token,
+                vocab_size,
+            } => write!(
+                f,
+                "draft token {index} = {token} is outside the vocabulary of size {vocab_size}"
+            ),
+            ProposalFault::QShape { expected, actual } => write!(
+                f,
+                "q must be [k, q_vocab] with 0 < q_vocab <= vocab: expected {expected} elements, got {actual}"
+            ),
+        }
+    }
 }
 
 impl Error {

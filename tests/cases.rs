@@ -559,6 +559,9 @@ fn run_batch(v: &mut Verifier, seqs: &[&Seq], mode: Mode) -> Vec<Result<StepOutp
             seed: s.seed,
             context: &s.context,
             position: None,
+            prompt_len: 0,
+            suppress: &[],
+            suppress_rows: 0,
         })
         .collect();
     let draft_probs = match mode {

@@ -231,6 +231,9 @@ impl Owned {
                 seed: self.seeds[b],
                 context: &self.contexts[b],
                 position: None,
+                prompt_len: 0,
+                suppress: &[],
+                suppress_rows: 0,
             })
             .collect()
     }
@@ -542,6 +545,9 @@ fn stat_fit(gpu: &mut GpuVerifier, n: usize, k: usize, q_pass: u8) -> Fit {
                 seed: s as u64 + 77,
                 context: &ctxs[s],
                 position: None,
+                prompt_len: 0,
+                suppress: &[],
+                suppress_rows: 0,
             })
             .collect();
         let batch = VerifyBatch {
@@ -736,7 +742,7 @@ mod wgpu_resident {
         let mut cpu = GpuVerifier::new(Backend::Cpu).unwrap();
         assert!(matches!(
             cpu.verify_wgpu(logits, &DeviceBatch::from_batch(&batch)),
-            Err(Error::InvalidRequest(_))
+            Err(Error::WrongBackend { .. })
         ));
     }
 }

@@ -483,6 +483,9 @@ fn greedy_batches_match_reference() {
                 seed: c.seeds.0,
                 context: &c.context,
                 position: None,
+                prompt_len: 0,
+                suppress: &[],
+                suppress_rows: 0,
             })
             .collect();
         let out = Verifier::new()

@@ -35,7 +35,9 @@ fn draft_model() -> ToyModel {
 /// Exact processed conditional of the target after `prefix`.
 fn conditional(cfg: &SamplingConfig, prefix: &[u32]) -> TokenDist {
     let logits = target().logits(prefix);
-    let counts = TokenCounts::from_tokens(prefix, VOCAB).unwrap();
+    // Frequency / presence penalties count generated tokens only (the loop passes the prompt
+    // length); the repetition penalty counts the prompt too.
+    let counts = TokenCounts::from_context(prefix, PROMPT.len(), VOCAB).unwrap();
     let mut d = TokenDist::default();
     RowProcessor::new()
         .distribution(
@@ -44,6 +46,7 @@ fn conditional(cfg: &SamplingConfig, prefix: &[u32]) -> TokenDist {
             &History {
                 counts: Some(&counts),
                 prefix,
+                suppress: &[],
             },
             RowKind::Target,
             0,

@@ -171,14 +171,14 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
     ) -> Result<Session<'g, T, P>> {
         let start = Instant::now();
         if prompt.is_empty() {
-            return Err(Error::InvalidRequest("empty prompt".into()));
+            return Err(Error::EmptyPrompt);
         }
         let max_ctx = self.target.max_context();
         if prompt.len() > max_ctx {
-            return Err(Error::InvalidRequest(format!(
-                "prompt of {} tokens exceeds the model's context of {max_ctx}",
-                prompt.len()
-            )));
+            return Err(Error::PromptTooLong {
+                len: prompt.len(),
+                max_context: max_ctx,
+            });
         }
         let vocab = self.target.vocab_size();
         if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
@@ -348,6 +348,9 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                 max_draft: k_req,
                 seed: params.seed,
                 target_hidden: (!g.hidden.is_empty()).then_some(&g.hidden[..]),
+                prompt_len: self.prompt_len,
+                eos: &params.stop.eos,
+                suppress_eos_rows: 0,
             };
             g.proposer.propose(&req, &mut g.draft)?;
             g.draft.tokens.truncate(k_req);
@@ -376,7 +379,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         // One target forward over [last token, d_1 .. d_k].
         let t = Instant::now();
         let Some(&last) = self.context.last() else {
-            return Err(Error::InvalidRequest("empty context".into()));
+            return Err(Error::EmptyPrompt);
         };
         let mut feed = Vec::with_capacity(k + 1);
         feed.push(last);
@@ -402,6 +405,10 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             context: &self.context,
             seed: params.seed,
             position: Some(self.context.len() as u64),
+            prompt_len: self.prompt_len,
+            suppress: &[],
+            suppress_rows: 0,
+            final_draft_ends: false,
         };
         let out = g.verifier.verify(&req)?;
         let verify_time = t.elapsed();

@@ -43,12 +43,12 @@
 //! - Probabilities below the smallest normal f32 (about `1e-38`) may be flushed to 0 by the
 //!   device, so such tokens can be missing from the support and the top-n lists.
 //! - One launch addresses at most `2^32` logits elements (and, on wgpu, one storage binding of
-//!   the device's limit): larger batches are an [`Error::InvalidRequest`]; split them.
+//!   the device's limit): larger batches are an [`Error::BatchTooLarge`]; split them.
 //!
 //! ## Errors
 //!
 //! The outer `Err` of the verify methods is for a malformed batch (the errors of
-//! [`Verifier::verify_batch`]), a call on the wrong backend ([`Error::InvalidRequest`]), or a
+//! [`Verifier::verify_batch`]), a call on the wrong backend ([`Error::WrongBackend`]), or a
 //! device failure ([`Error::BackendUnavailable`]); each inner `Result` is one sequence's outcome
 //! with the errors of [`Verifier::verify`], including [`RowKind::Draft`](crate::RowKind::Draft)
 //! errors of draft-logit rows.
@@ -271,16 +271,17 @@ impl GpuVerifier {
     /// verification time as a ratio to this. Returns the sum (f32, order unspecified).
     ///
     /// # Errors
-    /// [`Error::InvalidRequest`] when this verifier is not on wgpu, [`Error::ShapeMismatch`]
+    /// [`Error::WrongBackend`] when this verifier is not on wgpu, [`Error::ShapeMismatch`]
     /// when the buffer holds fewer than `n` values, [`Error::BackendUnavailable`] on a device
     /// failure.
     pub fn read_wgpu(&mut self, logits: WgpuLogits<'_>, n: usize) -> Result<f32> {
         let b = self.backend();
         match &mut self.inner {
             Inner::Wgpu(w) => w.read(logits, n),
-            _ => Err(Error::InvalidRequest(format!(
-                "read_wgpu on a {b} verifier"
-            ))),
+            _ => Err(Error::WrongBackend {
+                method: "read_wgpu",
+                backend: b.name(),
+            }),
         }
     }
 
@@ -292,9 +293,10 @@ impl GpuVerifier {
         let b = self.backend();
         match &mut self.inner {
             Inner::Cuda(c) => c.read(logits, n),
-            _ => Err(Error::InvalidRequest(format!(
-                "read_cuda on a {b} verifier"
-            ))),
+            _ => Err(Error::WrongBackend {
+                method: "read_cuda",
+                backend: b.name(),
+            }),
         }
     }
 
@@ -324,7 +326,7 @@ impl GpuVerifier {
     /// Verifies a batch whose logits are in a wgpu buffer of this verifier's device.
     ///
     /// # Errors
-    /// As [`GpuVerifier::verify_batch`]; [`Error::InvalidRequest`] when this verifier is not
+    /// As [`GpuVerifier::verify_batch`]; [`Error::WrongBackend`] when this verifier is not
     /// on wgpu; [`Error::ShapeMismatch`] when the buffer is smaller than the batch's logits.
     pub fn verify_wgpu(
         &mut self,
@@ -336,10 +338,10 @@ impl GpuVerifier {
                 let qv = check(batch, logits.len(), false)?;
                 w.verify_device(logits, batch, qv)
             }
-            _ => Err(Error::InvalidRequest(format!(
-                "verify_wgpu on a {} verifier",
-                self.backend()
-            ))),
+            _ => Err(Error::WrongBackend {
+                method: "verify_wgpu",
+                backend: self.backend().name(),
+            }),
         }
     }
 
@@ -357,10 +359,10 @@ impl GpuVerifier {
                 let qv = check(batch, logits.len(), false)?;
                 c.verify_device(logits, batch, qv)
             }
-            _ => Err(Error::InvalidRequest(format!(
-                "verify_cuda on a {} verifier",
-                self.backend()
-            ))),
+            _ => Err(Error::WrongBackend {
+                method: "verify_cuda",
+                backend: self.backend().name(),
+            }),
         }
     }
 }

@@ -177,9 +177,12 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool) -> Result<Pa
     let v = batch.vocab_size;
     let width = if draft { qv } else { v };
     if v >= (1 << 31) {
-        return Err(Error::InvalidRequest(
-            "vocab_size too large for the GPU backends".into(),
-        ));
+        return Err(Error::BatchTooLarge {
+            backend: "gpu",
+            what: "vocab_size",
+            size: v as u64,
+            limit: (1u64 << 31) - 1,
+        });
     }
     let dense = !matches!(batch.draft_probs, DraftProbs::PointMass);
     let checked = matches!(batch.draft_probs, DraftProbs::Probs { .. });
@@ -349,7 +352,12 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool) -> Result<Pa
         p.params.push(0);
     }
     let check = |x: usize| -> Result<u32> {
-        u32::try_from(x).map_err(|_| Error::InvalidRequest("batch too large for one launch".into()))
+        u32::try_from(x).map_err(|_| Error::BatchTooLarge {
+            backend: "gpu",
+            what: "logits elements of one launch",
+            size: x as u64,
+            limit: u32::MAX as u64,
+        })
     };
     check(n_rows.saturating_mul(width))?;
     check(slots.saturating_mul(width))?;

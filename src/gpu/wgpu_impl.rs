@@ -330,7 +330,12 @@ impl WgpuVerifier {
             return Ok(pack::assemble(p, batch, &[], Default::default()));
         }
         let offset = u32::try_from(offset)
-            .map_err(|_| Error::InvalidRequest("logits offset too large for wgpu".into()))?;
+            .map_err(|_| Error::BatchTooLarge {
+                backend: "wgpu",
+                what: "logits offset",
+                size: offset as u64,
+                limit: u32::MAX as u64,
+            })?;
         let max_bind = self.dev.device.limits().max_storage_buffer_binding_size;
         let dev = self.dev.device.clone();
         let queue = self.dev.queue.clone();
@@ -352,10 +357,12 @@ impl WgpuVerifier {
             ("draft output", d_out),
         ] {
             if size > max_bind {
-                return Err(Error::InvalidRequest(format!(
-                    "{what} buffer of {size} bytes exceeds this wgpu device's storage binding \
-                     limit of {max_bind} bytes: split the batch"
-                )));
+                return Err(Error::BatchTooLarge {
+                    backend: "wgpu",
+                    what,
+                    size,
+                    limit: max_bind,
+                });
             }
         }
         ensure(&dev, &mut self.q, (q.len() * 4) as u64, storage, "q");

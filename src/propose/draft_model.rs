@@ -108,11 +108,14 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
         }
 
         let cfg = req.config;
-        self.sampler.begin(cfg, ctx, vocab)?;
+        self.sampler.begin(req, vocab)?;
         for i in 0..k {
             let t = self.sampler.draw(cfg, req.seed, &self.logits, i, draft)?;
-            if i + 1 < k {
+            // A draft ends at its own EOS: no draft row after it is computed or processed.
+            if i + 1 < k && !req.is_eos(t) {
                 self.feed(&[t])?;
+            } else {
+                break;
             }
         }
         self.sampler.finish(cfg, vocab, draft);
@@ -130,13 +133,7 @@ mod tests {
     fn prompt_is_prefilled_once_and_drafts_match_full_forwards() {
         let prompt = [1u32, 2, 3, 4, 5, 6, 0, 2];
         let cfg = SamplingConfig::greedy();
-        let req = ProposeRequest {
-            context: &prompt,
-            config: &cfg,
-            max_draft: 3,
-            seed: 0,
-            target_hidden: None,
-        };
+        let req = ProposeRequest::new(&prompt, &cfg, 3);
         let mut p = DraftModelProposer::new(CallLog::new(ToyModel::c10()));
         p.begin(&prompt).unwrap();
         assert!(

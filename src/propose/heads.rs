@@ -88,10 +88,14 @@ impl<H: DraftHeads> Proposer for HeadsProposer<H> {
             });
         }
         let cfg = req.config;
-        self.sampler.begin(cfg, req.context, vocab)?;
+        self.sampler.begin(req, vocab)?;
         for i in 0..k {
             let row = &self.logits[i * vocab..(i + 1) * vocab];
-            self.sampler.draw(cfg, req.seed, row, i, draft)?;
+            let t = self.sampler.draw(cfg, req.seed, row, i, draft)?;
+            // A draft ends at its own EOS: no head row after it is processed.
+            if req.is_eos(t) {
+                break;
+            }
         }
         self.sampler.finish(cfg, vocab, draft);
         Ok(())

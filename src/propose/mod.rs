@@ -44,6 +44,37 @@ pub struct ProposeRequest<'a> {
     /// The target's final hidden state for the position that predicts the next token
     /// (`[hidden_size]`), when the target exposes hidden states. Used by [`HeadsProposer`].
     pub target_hidden: Option<&'a [f32]>,
+    /// Number of leading `context` tokens that are the prompt (frequency and presence penalties
+    /// count only the tokens after it; see [`crate::sampling::PenaltyScope`]).
+    pub prompt_len: usize,
+    /// End-of-sequence token ids. A draft ends at its first EOS: a proposer never drafts past
+    /// one (nothing after an end can be emitted), and sampling proposers process no row after it.
+    pub eos: &'a [u32],
+    /// Draft rows `0..suppress_eos_rows` ban the `eos` ids (`min_tokens` not yet reached), exactly
+    /// as the verifier's target rows at the same positions do.
+    pub suppress_eos_rows: usize,
+}
+
+impl<'a> ProposeRequest<'a> {
+    /// A request for at most `max_draft` tokens after `context` with seed 0, no hidden state,
+    /// no prompt split, no EOS and no suppression.
+    pub fn new(context: &'a [u32], config: &'a SamplingConfig, max_draft: usize) -> Self {
+        ProposeRequest {
+            context,
+            config,
+            max_draft,
+            seed: 0,
+            target_hidden: None,
+            prompt_len: 0,
+            eos: &[],
+            suppress_eos_rows: 0,
+        }
+    }
+
+    /// `true` when `token` is one of the request's EOS ids.
+    pub fn is_eos(&self, token: u32) -> bool {
+        self.eos.contains(&token)
+    }
 }
 
 /// A proposal: draft tokens and, for sampling proposers, the draft probabilities q.

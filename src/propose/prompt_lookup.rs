@@ -250,6 +250,9 @@ impl NgramIndex {
 ///     max_draft: 3,
 ///     seed: 0,
 ///     target_hidden: None,
+///     prompt_len: 0,
+///     eos: &[],
+///     suppress_eos_rows: 0,
 /// };
 /// let mut draft = Draft::default();
 /// lookup.propose(&req, &mut draft)?;
@@ -392,6 +395,9 @@ mod tests {
             max_draft: k,
             seed: 0,
             target_hidden: None,
+            prompt_len: 0,
+            eos: &[],
+            suppress_eos_rows: 0,
         };
         let mut draft = Draft {
             tokens: vec![99; 7],

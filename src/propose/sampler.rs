@@ -1,6 +1,6 @@
 //! Drawing draft tokens from processed rows: the step shared by every sampling proposer.
 
-use super::Draft;
+use super::{Draft, ProposeRequest};
 use crate::error::{Result, RowKind};
 use crate::rng::{lane, Stream};
 use crate::sampling::{History, RowProcessor, SamplingConfig, TokenCounts, TokenDist};
@@ -20,21 +20,24 @@ pub(crate) struct DraftSampler {
     prefix: Vec<u32>,
     q: Vec<f32>,
     base: usize,
+    suppress: Vec<u32>,
+    suppress_rows: usize,
 }
 
 impl DraftSampler {
-    /// Starts a block after `context` over a vocabulary of `vocab` tokens.
-    pub(crate) fn begin(
-        &mut self,
-        cfg: &SamplingConfig,
-        context: &[u32],
-        vocab: usize,
-    ) -> Result<()> {
+    /// Starts a block after `req.context` over a vocabulary of `vocab` tokens, with the
+    /// request's prompt split and EOS suppression.
+    pub(crate) fn begin(&mut self, req: &ProposeRequest<'_>, vocab: usize) -> Result<()> {
+        let (cfg, context) = (req.config, req.context);
         self.counts = if cfg.has_penalties() {
-            Some(TokenCounts::from_tokens(context, vocab)?)
+            Some(TokenCounts::from_context(context, req.prompt_len, vocab)?)
         } else {
             None
         };
+        // EOS ids outside a shorter draft vocabulary are impossible there anyway.
+        self.suppress.clear();
+        self.suppress.extend(req.eos.iter().filter(|&&t| (t as usize) < vocab));
+        self.suppress_rows = req.suppress_eos_rows;
         self.prefix.clear();
         if cfg.mask().is_some() {
             self.prefix.extend_from_slice(context);
@@ -57,6 +60,11 @@ impl DraftSampler {
         let hist = History {
             counts: self.counts.as_ref(),
             prefix: &self.prefix,
+            suppress: if i < self.suppress_rows {
+                &self.suppress
+            } else {
+                &[]
+            },
         };
         let t = if cfg.is_greedy() {
             self.proc.argmax(cfg, logits, &hist, RowKind::Draft, i)?
@@ -72,7 +80,11 @@ impl DraftSampler {
             self.dist.sample(u)
         };
         if let Some(c) = self.counts.as_mut() {
-            c.add(t, vocab)?;
+            c.add(t, vocab).map_err(|_| crate::Error::TokenOutOfVocab {
+                what: "draft token",
+                token: t,
+                vocab_size: vocab,
+            })?;
         }
         if cfg.mask().is_some() {
             self.prefix.push(t);

@@ -517,6 +517,9 @@ impl Corpus {
 ///     max_draft: 4,
 ///     seed: 0,
 ///     target_hidden: None,
+///     prompt_len: 0,
+///     eos: &[],
+///     suppress_eos_rows: 0,
 /// };
 /// let mut draft = Draft::default();
 /// suffix.propose(&req, &mut draft)?;
@@ -774,6 +777,9 @@ mod tests {
             max_draft: k,
             seed: 0,
             target_hidden: None,
+            prompt_len: 0,
+            eos: &[],
+            suppress_eos_rows: 0,
         };
         let mut draft = Draft {
             tokens: vec![77; 3],

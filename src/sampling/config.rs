@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
+use super::PenaltyScope;
 use crate::error::{Error, Result};
 
 /// A caller-supplied, per-position token mask (grammars, JSON schemas, structured output).
@@ -33,7 +34,8 @@ impl<F: Fn(&[u32], &mut [f32]) + Send + Sync> TokenMask for F {
 /// the block) -> logit bias -> allowed / banned sets and the caller's [`TokenMask`] ->
 /// temperature -> top-k -> softmax -> top-p -> min-p -> renormalise.
 ///
-/// Build it with [`SamplingConfig::builder`]; [`SamplingConfig::greedy`] is the default.
+/// Build it with [`SamplingConfig::builder`]. [`SamplingConfig::default`] is
+/// [`SamplingConfig::greedy`]: temperature 0 and every other processor off.
 ///
 /// | field | off value | meaning |
 /// |---|---|---|
@@ -41,9 +43,13 @@ impl<F: Fn(&[u32], &mut [f32]) + Send + Sync> TokenMask for F {
 /// | top_k | `0` | keep the k highest-probability tokens |
 /// | top_p | `1.0` | keep the smallest highest-probability set with mass `>= top_p` |
 /// | min_p | `0.0` | keep tokens with `prob >= min_p * max prob` |
-/// | repetition_penalty | `1.0` | CTRL (Keskar et al. 2019): positive logits `/ r`, negative `* r`, once per distinct earlier token |
-/// | frequency_penalty, presence_penalty | `0.0` | OpenAI: `logit -= count * f + (count > 0) * pr` |
-#[derive(Clone, Default)]
+/// | repetition_penalty | `1.0` | CTRL (Keskar et al. 2019): positive logits `/ r`, negative `* r`, once per distinct earlier token of prompt and output |
+/// | frequency_penalty, presence_penalty | `0.0` | OpenAI: `logit -= count * f + (count > 0) * pr`, `count` over generated tokens ([`PenaltyScope`]) |
+/// | penalty_scope | - | [`PenaltyScope::Generated`] (vLLM / OpenAI) or [`PenaltyScope::WholeContext`] |
+///
+/// `SamplingConfig` is `Send + Sync` (a caller's [`TokenMask`] must be too) and cheap to clone
+/// (the mask is shared through an `Arc`).
+#[derive(Clone)]
 pub struct SamplingConfig {
     pub(crate) temperature: f32,
     pub(crate) top_k: usize,
@@ -52,6 +58,7 @@ pub struct SamplingConfig {
     pub(crate) repetition_penalty: f32,
     pub(crate) frequency_penalty: f32,
     pub(crate) presence_penalty: f32,
+    pub(crate) penalty_scope: PenaltyScope,
     pub(crate) logit_bias: Vec<(u32, f32)>,
     pub(crate) allowed: Option<Vec<u32>>,
     pub(crate) banned: Vec<u32>,
@@ -69,12 +76,21 @@ impl fmt::Debug for SamplingConfig {
             .field("repetition_penalty", &self.repetition_penalty)
             .field("frequency_penalty", &self.frequency_penalty)
             .field("presence_penalty", &self.presence_penalty)
+            .field("penalty_scope", &self.penalty_scope)
             .field("logit_bias", &self.logit_bias)
             .field("allowed", &self.allowed.as_ref().map(|a| a.len()))
             .field("banned", &self.banned.len())
             .field("mask", &self.mask.is_some())
             .field("logprobs", &self.logprobs)
             .finish()
+    }
+}
+
+impl Default for SamplingConfig {
+    /// [`SamplingConfig::greedy`]: a valid configuration (temperature 0, top-p 1, repetition
+    /// penalty 1, every other processor off).
+    fn default() -> Self {
+        SamplingConfig::greedy()
     }
 }
 
@@ -89,6 +105,7 @@ impl SamplingConfig {
             repetition_penalty: 1.0,
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
+            penalty_scope: PenaltyScope::Generated,
             logit_bias: Vec::new(),
             allowed: None,
             banned: Vec::new(),
@@ -149,6 +166,10 @@ impl SamplingConfig {
     /// Presence penalty (0 = off), in logits.
     pub fn presence_penalty(&self) -> f32 {
         self.presence_penalty
+    }
+    /// Which tokens the frequency and presence penalties count.
+    pub fn penalty_scope(&self) -> PenaltyScope {
+        self.penalty_scope
     }
     /// Logit bias entries `(token, added logit)`, sorted by token, one per token.
     pub fn logit_bias(&self) -> &[(u32, f32)] {
@@ -247,6 +268,12 @@ impl SamplingConfigBuilder {
     /// OpenAI presence penalty (finite, usually in `[-2, 2]`); 0 turns it off.
     pub fn presence_penalty(mut self, p: f32) -> Self {
         self.cfg.presence_penalty = p;
+        self
+    }
+    /// Which earlier tokens the frequency and presence penalties count (default
+    /// [`PenaltyScope::Generated`], the vLLM / OpenAI convention).
+    pub fn penalty_scope(mut self, scope: PenaltyScope) -> Self {
+        self.cfg.penalty_scope = scope;
         self
     }
     /// Adds `bias` to the logit of `token`. Later entries for the same token replace earlier.
@@ -372,6 +399,14 @@ mod tests {
             .allowed_tokens([])
             .build()
             .is_err());
+    }
+
+    #[test]
+    fn default_is_valid_greedy() {
+        let d = SamplingConfig::default();
+        assert!(d.is_greedy());
+        let rebuilt = d.to_builder().build().unwrap();
+        assert_eq!(format!("{rebuilt:?}"), format!("{:?}", SamplingConfig::greedy()));
     }
 
     #[test]

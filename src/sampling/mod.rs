@@ -2,10 +2,12 @@
 //!
 //! The pipeline (GUIDE section 1), applied by [`RowProcessor`] to one row of logits `[vocab]`:
 //!
-//! 1. penalties: repetition (CTRL), frequency and presence (OpenAI), counted over the context
-//!    plus the earlier drafts of the same block ([`TokenCounts`]);
+//! 1. penalties: repetition (CTRL) over the prompt and generated tokens, frequency and presence
+//!    (OpenAI) over the generated tokens only unless [`PenaltyScope::WholeContext`]; the earlier
+//!    drafts of the same block count as generated ([`TokenCounts`]);
 //! 2. logit bias;
-//! 3. allowed / banned token sets and the caller's per-position [`TokenMask`];
+//! 3. allowed / banned token sets, the row's suppressed tokens ([`History::suppress`], for
+//!    `min_tokens`) and the caller's per-position [`TokenMask`];
 //! 4. temperature (0 = greedy: argmax, ties to the lowest id, no softmax);
 //! 5. top-k (selection, no sort);
 //! 6. softmax;
@@ -24,8 +26,8 @@ mod top_k;
 mod top_p;
 
 pub use config::{SamplingConfig, SamplingConfigBuilder, TokenMask};
-pub use penalties::{apply_penalties, TokenCounts};
-pub(crate) use process::sample_weighted;
+pub use penalties::{apply_penalties, PenaltyScope, TokenCounts};
+pub(crate) use process::{non_finite_in, sample_weighted};
 pub use process::{History, RowProcessor, TokenDist};
 pub use top_k::select_top_k;
 pub use top_p::{apply_min_p, apply_top_p};

@@ -5,52 +5,83 @@ use std::collections::HashMap;
 use crate::error::{Error, Result};
 use crate::sampling::SamplingConfig;
 
-/// Occurrence counts of earlier tokens, the input of the penalties.
+/// Which earlier tokens the frequency and presence penalties count ([`SamplingConfig`]).
 ///
-/// At verify row `i` of a block the counts cover the context plus drafts `0..i`, so a target row
-/// and the draft row at the same prefix are penalised identically.
+/// The repetition penalty always counts the prompt and the generated tokens (CTRL, and vLLM /
+/// HF transformers); the scope only changes the frequency and presence penalties.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PenaltyScope {
+    /// Frequency and presence penalties count generated tokens only: tokens after the prompt,
+    /// including the earlier drafts of the block (the OpenAI API and vLLM convention; case C12).
+    #[default]
+    Generated,
+    /// Frequency and presence penalties count every earlier token, prompt included.
+    WholeContext,
+}
+
+/// Occurrence counts of earlier tokens, the input of the penalties, split into prompt and
+/// generated occurrences.
+///
+/// At verify row `i` of a block the counts cover the context plus drafts `0..i` (drafts are
+/// generated tokens), so a target row and the draft row at the same prefix are penalised
+/// identically.
 #[derive(Debug, Clone, Default)]
 pub struct TokenCounts {
-    counts: HashMap<u32, u32>,
+    /// token -> (occurrences in the prompt, occurrences generated).
+    counts: HashMap<u32, (u32, u32)>,
 }
 
 impl TokenCounts {
-    /// Counts of `tokens`.
+    /// Counts of `tokens`, all of them generated (no prompt).
     ///
     /// # Errors
     /// [`Error::TokenOutOfVocab`] when a token is `>= vocab_size`.
     pub fn from_tokens(tokens: &[u32], vocab_size: usize) -> Result<Self> {
+        Self::from_context(tokens, 0, vocab_size)
+    }
+
+    /// Counts of `context`, whose first `prompt_len` tokens are the prompt and the rest generated
+    /// (`prompt_len` larger than the context counts everything as prompt).
+    ///
+    /// # Errors
+    /// [`Error::TokenOutOfVocab`] when a token is `>= vocab_size`.
+    pub fn from_context(context: &[u32], prompt_len: usize, vocab_size: usize) -> Result<Self> {
         let mut c = TokenCounts::default();
-        for &t in tokens {
+        let split = prompt_len.min(context.len());
+        for &t in &context[..split] {
+            check(t, vocab_size)?;
+            c.counts.entry(t).or_insert((0, 0)).0 += 1;
+        }
+        for &t in &context[split..] {
             c.add(t, vocab_size)?;
         }
         Ok(c)
     }
 
-    /// Adds one occurrence of `token`.
+    /// Adds one generated occurrence of `token`.
     ///
     /// # Errors
     /// [`Error::TokenOutOfVocab`] when `token >= vocab_size`.
     pub fn add(&mut self, token: u32, vocab_size: usize) -> Result<()> {
-        if token as usize >= vocab_size {
-            return Err(Error::TokenOutOfVocab {
-                what: "context token",
-                token,
-                vocab_size,
-            });
-        }
-        *self.counts.entry(token).or_insert(0) += 1;
+        check(token, vocab_size)?;
+        self.counts.entry(token).or_insert((0, 0)).1 += 1;
         Ok(())
     }
 
-    /// Number of occurrences of `token`.
+    /// Number of occurrences of `token`, prompt and generated.
     pub fn get(&self, token: u32) -> u32 {
-        self.counts.get(&token).copied().unwrap_or(0)
+        self.counts.get(&token).map_or(0, |&(p, g)| p + g)
     }
 
-    /// `(token, count)` pairs in unspecified order.
-    pub fn iter(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
-        self.counts.iter().map(|(&t, &c)| (t, c))
+    /// Number of generated occurrences of `token`.
+    pub fn generated(&self, token: u32) -> u32 {
+        self.counts.get(&token).map_or(0, |&(_, g)| g)
+    }
+
+    /// `(token, prompt count, generated count)` triples in unspecified order.
+    pub fn iter(&self) -> impl Iterator<Item = (u32, u32, u32)> + '_ {
+        self.counts.iter().map(|(&t, &(p, g))| (t, p, g))
     }
 
     /// Number of distinct tokens.
@@ -64,23 +95,38 @@ impl TokenCounts {
     }
 }
 
+fn check(token: u32, vocab_size: usize) -> Result<()> {
+    if token as usize >= vocab_size {
+        return Err(Error::TokenOutOfVocab {
+            what: "context token",
+            token,
+            vocab_size,
+        });
+    }
+    Ok(())
+}
+
 /// Applies the penalties of `cfg` to `logits` (`[vocab]`, in place), for every counted token.
 ///
-/// Repetition penalty `r` (CTRL): a positive logit is divided by `r`, a negative one multiplied by
-/// `r`, once per distinct earlier token. Then frequency `f` and presence `pr` (OpenAI):
-/// `logit -= count * f + (count > 0) * pr`. Tokens outside `logits` are ignored (the caller
-/// checked them against the vocabulary).
+/// Repetition penalty `r` (CTRL, Keskar et al. 2019, section 4.1): a positive logit is divided by
+/// `r`, a negative one multiplied by `r`, once per distinct earlier token of prompt and output.
+/// Then frequency `f` and presence `pr` (OpenAI API): `logit -= count * f + (count > 0) * pr`,
+/// where `count` counts generated tokens only, or every earlier token with
+/// [`PenaltyScope::WholeContext`]. Tokens outside `logits` are ignored (the caller checked them
+/// against the vocabulary).
 pub fn apply_penalties(cfg: &SamplingConfig, counts: &TokenCounts, logits: &mut [f32]) {
     let r = cfg.repetition_penalty;
     let f = cfg.frequency_penalty;
     let pr = cfg.presence_penalty;
-    for (t, c) in counts.iter() {
+    let whole = cfg.penalty_scope == PenaltyScope::WholeContext;
+    for (t, p, g) in counts.iter() {
         let Some(l) = logits.get_mut(t as usize) else {
             continue;
         };
-        if r != 1.0 {
+        if r != 1.0 && p + g > 0 {
             *l = if *l > 0.0 { *l / r } else { *l * r };
         }
+        let c = if whole { p + g } else { g };
         if c > 0 {
             *l -= c as f32 * f + pr;
         }
@@ -102,6 +148,15 @@ mod tests {
         let counts = TokenCounts::from_tokens(&[0, 1, 1, 3], 4).unwrap();
         let mut l = [4.0, -2.0, 1.0, f32::NEG_INFINITY];
         apply_penalties(&cfg, &counts, &mut l);
+        // The prompt's tokens feed the repetition penalty only (default scope).
+        let prompt = TokenCounts::from_context(&[0, 1, 1, 3], 4, 4).unwrap();
+        let mut lp = [4.0, -2.0, 1.0, 0.5];
+        apply_penalties(&cfg, &prompt, &mut lp);
+        assert_eq!(lp, [2.0, -4.0, 1.0, 0.25]);
+        let whole = cfg.to_builder().penalty_scope(PenaltyScope::WholeContext).build().unwrap();
+        let mut lw = [4.0, -2.0, 1.0, f32::NEG_INFINITY];
+        apply_penalties(&whole, &prompt, &mut lw);
+        assert_eq!(lw, l);
         assert_eq!(l[0], 4.0 / 2.0 - 0.5 - 0.25);
         assert_eq!(l[1], -2.0 * 2.0 - 2.0 * 0.5 - 0.25);
         assert_eq!(l[2], 1.0);

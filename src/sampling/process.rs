@@ -182,6 +182,9 @@ pub struct History<'a> {
     pub counts: Option<&'a TokenCounts>,
     /// The full prefix, passed to the caller's [`super::TokenMask`].
     pub prefix: &'a [u32],
+    /// Tokens banned at this row only, applied with the banned set: the EOS ids while fewer than
+    /// `min_tokens` tokens have been generated. Usually empty.
+    pub suppress: &'a [u32],
 }
 
 /// Reusable buffers for processing rows; one per thread. Processing never allocates once the
@@ -288,6 +291,21 @@ fn scan_argmax(row: &[f32]) -> (f32, usize, bool) {
     (best, idx, has_nan_or_pos_inf(sum, row))
 }
 
+/// The [`Error::NonFiniteLogits`] of `row` if it holds a NaN or `+inf`, found by one vectorisable
+/// pass (a sum screen; entries are inspected only when the screen fails).
+pub(crate) fn non_finite_in(row: &[f32], kind: RowKind, row_idx: usize) -> Option<Error> {
+    let mut acc = [0.0f32; 16];
+    let chunks = row.chunks_exact(16);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for j in 0..16 {
+            acc[j] += c[j];
+        }
+    }
+    let sum = acc.iter().sum::<f32>() + rem.iter().sum::<f32>();
+    has_nan_or_pos_inf(sum, row).then(|| non_finite(row, kind, row_idx))
+}
+
 fn non_finite(row: &[f32], kind: RowKind, row_idx: usize) -> Error {
     let (token, value) = row
         .iter()
@@ -322,6 +340,7 @@ impl RowProcessor {
             || !cfg.logit_bias.is_empty()
             || cfg.allowed.is_some()
             || !cfg.banned.is_empty()
+            || !hist.suppress.is_empty()
             || cfg.mask.is_some();
         if !copy {
             return logits;
@@ -348,7 +367,7 @@ impl RowProcessor {
                 *l += b;
             }
         }
-        for &t in &cfg.banned {
+        for &t in cfg.banned.iter().chain(hist.suppress) {
             if let Some(l) = scratch.get_mut(t as usize) {
                 *l = f32::NEG_INFINITY;
             }
@@ -632,6 +651,7 @@ mod tests {
         let h = History {
             counts: None,
             prefix: &[7],
+            suppress: &[],
         };
         assert_eq!(
             p.argmax(&c, &[9.0, 1.0, 0.0], &h, RowKind::Target, 0)

@@ -19,6 +19,12 @@ pub struct SequenceParams<'a> {
     /// tokens before the block): random draws are keyed by `(seed, position)`, so a position that
     /// stays at 0 reuses the same uniforms every step and correlates the steps.
     pub position: Option<u64>,
+    /// Number of leading `context` tokens that are the prompt ([`VerifyRequest::prompt_len`]).
+    pub prompt_len: usize,
+    /// Tokens banned at the sequence's rows `0..suppress_rows` ([`VerifyRequest::suppress`]).
+    pub suppress: &'a [u32],
+    /// Number of leading rows at which `suppress` applies.
+    pub suppress_rows: usize,
 }
 
 impl<'a> SequenceParams<'a> {
@@ -29,7 +35,35 @@ impl<'a> SequenceParams<'a> {
             seed,
             context: &[],
             position: None,
+            prompt_len: 0,
+            suppress: &[],
+            suppress_rows: 0,
         }
+    }
+
+    /// Sets the context (prompt + generated tokens before the block).
+    pub fn context(mut self, context: &'a [u32]) -> Self {
+        self.context = context;
+        self
+    }
+
+    /// Sets the absolute position of the first emitted token.
+    pub fn position(mut self, position: u64) -> Self {
+        self.position = Some(position);
+        self
+    }
+
+    /// Sets the prompt length within the context.
+    pub fn prompt_len(mut self, prompt_len: usize) -> Self {
+        self.prompt_len = prompt_len;
+        self
+    }
+
+    /// Bans `tokens` at rows `0..rows` only.
+    pub fn suppress(mut self, tokens: &'a [u32], rows: usize) -> Self {
+        self.suppress = tokens;
+        self.suppress_rows = rows;
+        self
     }
 }
 
@@ -69,7 +103,7 @@ impl Verifier {
     ///
     /// # Errors
     /// The outer `Err` is for a malformed batch: [`Error::ShapeMismatch`] when the offsets,
-    /// sequences and arrays disagree, [`Error::InvalidRequest`] when the offsets do not start at
+    /// sequences and arrays disagree, [`Error::InvalidOffsets`] when the offsets do not start at
     /// 0 or decrease, [`Error::DraftVocabTooLarge`]. Each inner `Result` is that
     /// sequence's own outcome with the errors of [`Verifier::verify`]; one bad sequence does not
     /// fail the others.
@@ -109,6 +143,10 @@ impl Verifier {
                 context: s.context,
                 seed: s.seed,
                 position: s.position,
+                prompt_len: s.prompt_len,
+                suppress: s.suppress,
+                suppress_rows: s.suppress_rows,
+                final_draft_ends: false,
             };
             out.push(self.verify(&req));
         }
@@ -122,7 +160,7 @@ impl Verifier {
 /// draft vocabulary (0 for point masses).
 ///
 /// # Errors
-/// [`Error::ShapeMismatch`], [`Error::InvalidRequest`] or [`Error::DraftVocabTooLarge`], as
+/// [`Error::ShapeMismatch`], [`Error::InvalidOffsets`] or [`Error::DraftVocabTooLarge`], as
 /// documented on [`Verifier::verify_batch`].
 pub(crate) fn check_layout(
     off: &[usize],
@@ -139,18 +177,18 @@ pub(crate) fn check_layout(
         });
     }
     if off[0] != 0 {
-        return Err(Error::InvalidRequest(format!(
-            "draft_offsets[0] = {} (must be 0)",
-            off[0]
-        )));
+        return Err(Error::InvalidOffsets {
+            index: 0,
+            value: off[0],
+            reason: "must be 0",
+        });
     }
     if let Some(i) = off.windows(2).position(|w| w[1] < w[0]) {
-        return Err(Error::InvalidRequest(format!(
-            "draft_offsets must be non-decreasing: draft_offsets[{}] = {} < draft_offsets[{i}] = {}",
-            i + 1,
-            off[i + 1],
-            off[i]
-        )));
+        return Err(Error::InvalidOffsets {
+            index: i + 1,
+            value: off[i + 1],
+            reason: "offsets must be non-decreasing",
+        });
     }
     if off[n] != draft_tokens {
         return Err(Error::ShapeMismatch {

@@ -6,45 +6,44 @@ use crate::error::{Result, RowKind};
 pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOutput> {
     let vocab = req.vocab_size;
     let k = req.draft_tokens.len();
+    let rows = req.target_rows();
     let want_lp = req.config.logprobs();
     let mut tokens = Vec::with_capacity(k + 1);
     let mut logprobs = want_lp.map(|_| Vec::with_capacity(k + 1));
-    let mut end = if k == 0 {
-        StepEnd::NoDraft
-    } else {
-        StepEnd::AllAccepted
+    let mut end = match (k, req.final_draft_ends) {
+        (0, _) => StepEnd::NoDraft,
+        (_, true) => StepEnd::Ended,
+        _ => StepEnd::AllAccepted,
     };
-    for i in 0..=k {
+    for i in 0..rows {
         let logits = row(req.target_logits, vocab, i);
         let hist = v.hist.view();
         let best = v
             .proc
             .argmax(req.config, logits, &hist, RowKind::Target, i)?;
-        let emit = if i < k {
-            let d = req.draft_tokens[i];
-            if d != best {
-                end = StepEnd::Rejected { index: i };
-            }
-            best
-        } else {
-            best
-        };
+        if i < k && req.draft_tokens[i] != best {
+            end = StepEnd::Rejected { index: i };
+        }
         if let (Some(lps), Some(n)) = (logprobs.as_mut(), want_lp) {
-            let (lp, top) = v.proc.greedy_logprobs(req.config, logits, &hist, emit, n)?;
+            let (lp, top) = v.proc.greedy_logprobs(req.config, logits, &hist, best, n)?;
             lps.push(TokenLogprob {
-                token: emit,
+                token: best,
                 logprob: lp,
                 top,
             });
         }
-        tokens.push(emit);
-        if i == k || matches!(end, StepEnd::Rejected { .. }) {
+        tokens.push(best);
+        if i + 1 == rows || matches!(end, StepEnd::Rejected { .. }) {
             break;
         }
-        v.hist.push(emit, vocab)?;
+        v.hist.push(best, vocab)?;
     }
+    let accepted = match end {
+        StepEnd::Ended => tokens.len(),
+        _ => tokens.len() - 1,
+    };
     Ok(StepOutput {
-        accepted: tokens.len() - 1,
+        accepted,
         tokens,
         logprobs,
         end,

@@ -12,8 +12,39 @@
 //!   `min(1, p(d_i) / q(d_i))`; at the first rejection emit a sample of the residual distribution
 //!   `normalise(max(0, p - q))`; after `k` acceptances emit a bonus token sampled from row `k`.
 //!   `p` is the processed target row, `q` the distribution the draft was really sampled from.
-//!   A proposer without `q` (prompt lookup, suffix) is a point mass: accept with `p(d_i)`, else
-//!   sample `p` with `d_i` removed.
+//!   A proposer without `q` (prompt lookup, suffix) is a point mass: the verifier draws the
+//!   position's token `t` from `p` with the uniform keyed by `(seed, position)` (inverse CDF in
+//!   token-id order, exactly as plain sampling draws it) and accepts `d_i` iff `t == d_i`. That
+//!   accepts with probability `p(d_i)` and on rejection emits a draw of `p` with `d_i` removed,
+//!   renormalised, which is the optimal rule for a point mass; and because the emitted token is
+//!   the one plain sampling with the same seed would emit at that position, **seeded output is
+//!   reproducible**: the same seed, prompt and configuration give the same tokens with any
+//!   point-mass proposer, any draft length, any draft-length policy, and no proposer at all
+//!   (case C15).
+//!
+//! ## What a seed reproduces with dense q
+//!
+//! With a sampling draft (q given as probabilities or draft logits) the acceptance test uses its
+//! own uniform (lane [`crate::rng::lane::ACCEPT`]) and the residual draw another. The emitted
+//! sequence still has the target's law, and the same seed, prompt, configuration, proposer and
+//! draft lengths give the same tokens, but the tokens change when the draft or its length
+//! changes. No rule can do better in general: making the emitted token a fixed function of the
+//! seed and `p` alone forces acceptance to depend on `q` only through the event "draft equals the
+//! token plain sampling would draw", whose probability `sum_x min(p(x), q(x))` is reached only by
+//! coupling the draft's own draw to the target's, which a draft sampled before `p` is known
+//! cannot do.
+//!
+//! ## Validation
+//!
+//! Everything a step checks on its input is checked for the whole input before any random draw,
+//! so whether a request is rejected never depends on the seed (case C14): shapes, every draft
+//! token against the target vocabulary and (dense q) the draft vocabulary, every q row (finite,
+//! non-negative, sums to 1 within 1e-3, gives its own draft token probability > 0, in greedy
+//! mode too), every draft-logit row (processed with its history; its draft token must have
+//! probability > 0) and every raw target logit (no NaN or `+inf`). Only [`Error::NoAllowedToken`]
+//! for a target row is reported when that row is processed: whether a row is reached is part of
+//! the step's outcome (a row after a draft token that the mask forbids can legitimately allow
+//! nothing).
 //!
 //! Every emitted token is distributed exactly as plain sampling from the processed target
 //! (the losslessness theorem of both papers); in greedy mode the tokens are identical to plain
@@ -28,7 +59,7 @@ mod stochastic;
 
 pub use batch::{SequenceParams, VerifyBatch};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, RowKind};
 use crate::sampling::{History, RowProcessor, SamplingConfig, TokenCounts, TokenDist};
 
 /// The draft probabilities q handed to the verifier.
@@ -119,6 +150,9 @@ pub enum StepEnd {
     },
     /// All `k >= 1` drafts were accepted; the last emitted token is the bonus token from row `k`.
     AllAccepted,
+    /// All `k >= 1` drafts were accepted and the final one ends the sequence
+    /// ([`VerifyRequest::final_draft_ends`]): no bonus token, `tokens.len() == accepted`.
+    Ended,
     /// There was no draft (`k = 0`): a plain decoding step.
     NoDraft,
 }
@@ -143,7 +177,8 @@ pub struct StepOutput {
     /// Number of accepted draft tokens (the leading run; the bonus token is not counted).
     pub accepted: usize,
     /// Emitted tokens: the accepted drafts followed by one correction or bonus token, so
-    /// `tokens.len() == accepted + 1` always.
+    /// `tokens.len() == accepted + 1`, except after [`StepEnd::Ended`] (an accepted final draft
+    /// that ends the sequence), where `tokens.len() == accepted`.
     pub tokens: Vec<u32>,
     /// Per emitted token, when the configuration asked for log-probabilities.
     pub logprobs: Option<Vec<TokenLogprob>>,
@@ -180,6 +215,21 @@ pub struct VerifyRequest<'a> {
     /// draws are keyed by `(seed, position)`, so a position left at 0 reuses the same uniforms at
     /// every step, and consecutive steps are no longer independent.
     pub position: Option<u64>,
+    /// Number of leading `context` tokens that are the prompt. Frequency and presence penalties
+    /// count only the tokens after it (with [`crate::sampling::PenaltyScope::Generated`], the
+    /// default); the repetition penalty counts all. 0 (the default) counts the whole context as
+    /// generated.
+    pub prompt_len: usize,
+    /// Tokens banned at rows `0..suppress_rows` only (`min_tokens`: the EOS ids while fewer than
+    /// `min_tokens` tokens have been generated). Empty by default.
+    pub suppress: &'a [u32],
+    /// Number of leading rows at which `suppress` applies.
+    pub suppress_rows: usize,
+    /// `true` when accepting the final draft token ends the sequence (it is an EOS or completes a
+    /// stop). Then nothing after it is processed: `target_logits` holds `k` rows, not `k + 1`
+    /// (no row follows the end), and a step that accepts every draft ends with
+    /// [`StepEnd::Ended`] and no bonus token. Requires `k >= 1`.
+    pub final_draft_ends: bool,
 }
 
 impl<'a> VerifyRequest<'a> {
@@ -201,6 +251,10 @@ impl<'a> VerifyRequest<'a> {
             context: &[],
             seed: 0,
             position: None,
+            prompt_len: 0,
+            suppress: &[],
+            suppress_rows: 0,
+            final_draft_ends: false,
         }
     }
 
@@ -228,11 +282,36 @@ impl<'a> VerifyRequest<'a> {
         self
     }
 
+    /// Sets the prompt length within the context (see [`VerifyRequest::prompt_len`]).
+    pub fn prompt_len(mut self, prompt_len: usize) -> Self {
+        self.prompt_len = prompt_len;
+        self
+    }
+
+    /// Bans `tokens` at rows `0..rows` only (see [`VerifyRequest::suppress`]).
+    pub fn suppress(mut self, tokens: &'a [u32], rows: usize) -> Self {
+        self.suppress = tokens;
+        self.suppress_rows = rows;
+        self
+    }
+
+    /// Marks the final draft token as an end (see [`VerifyRequest::final_draft_ends`]).
+    pub fn final_draft_ends(mut self, ends: bool) -> Self {
+        self.final_draft_ends = ends;
+        self
+    }
+
     fn k(&self) -> usize {
         self.draft_tokens.len()
     }
 
-    /// Checks shapes, vocabularies and token ids.
+    /// Number of target rows: `k + 1`, or `k` when the final draft ends the sequence.
+    fn target_rows(&self) -> usize {
+        self.k() + 1 - self.final_draft_ends as usize
+    }
+
+    /// Checks everything that does not need processing: shapes, vocabularies, token ids, dense q
+    /// rows and raw logit values, for the whole input (case C14).
     fn validate(&self) -> Result<()> {
         let v = self.vocab_size;
         let k = self.k();
@@ -243,14 +322,26 @@ impl<'a> VerifyRequest<'a> {
                 actual: 0,
             });
         }
-        let expected = (k + 1).checked_mul(v).ok_or(Error::ShapeMismatch {
+        if self.final_draft_ends && k == 0 {
+            return Err(Error::ShapeMismatch {
+                what: "draft_tokens (final_draft_ends needs k >= 1)",
+                expected: 1,
+                actual: 0,
+            });
+        }
+        let rows = self.target_rows();
+        let expected = rows.checked_mul(v).ok_or(Error::ShapeMismatch {
             what: "target_logits",
             expected: usize::MAX,
             actual: self.target_logits.len(),
         })?;
         if self.target_logits.len() != expected {
             return Err(Error::ShapeMismatch {
-                what: "target_logits ([k + 1, vocab])",
+                what: if self.final_draft_ends {
+                    "target_logits ([k, vocab]: final_draft_ends)"
+                } else {
+                    "target_logits ([k + 1, vocab])"
+                },
                 expected,
                 actual: self.target_logits.len(),
             });
@@ -265,6 +356,13 @@ impl<'a> VerifyRequest<'a> {
             }
         }
         self.config.check_vocab(v)?;
+        if let Some(&t) = self.suppress.iter().find(|&&t| t as usize >= v) {
+            return Err(Error::TokenOutOfVocab {
+                what: "suppressed token",
+                token: t,
+                vocab_size: v,
+            });
+        }
         match self.draft_probs {
             DraftProbs::PointMass => {}
             DraftProbs::Probs { probs: data, vocab }
@@ -292,10 +390,71 @@ impl<'a> VerifyRequest<'a> {
                         actual: data.len(),
                     });
                 }
+                for &t in self.draft_tokens {
+                    if t as usize >= vocab {
+                        return Err(Error::TokenOutOfVocab {
+                            what: "draft token (draft vocabulary)",
+                            token: t,
+                            vocab_size: vocab,
+                        });
+                    }
+                }
             }
         }
-        Ok(())
+        if let DraftProbs::Probs { probs, vocab: qv } = self.draft_probs {
+            for (i, &d) in self.draft_tokens.iter().enumerate() {
+                let q = &probs[i * qv..(i + 1) * qv];
+                check_dense_q(q, i)?;
+                if q[d as usize] <= 0.0 {
+                    return Err(Error::InvalidDraftProbs {
+                        row: i,
+                        reason: "the drafted token has probability 0 under q",
+                    });
+                }
+            }
+        }
+        if let DraftProbs::Logits { logits, vocab: qv } = self.draft_probs {
+            check_finite(logits, qv, RowKind::Draft)?;
+        }
+        check_finite(self.target_logits, v, RowKind::Target)
     }
+}
+
+/// Tolerance on the total of a dense q row (probabilities must sum to 1 within this).
+pub(crate) const Q_SUM_TOLERANCE: f64 = 1e-3;
+
+/// Checks one dense q row: finite, non-negative, sums to 1 within [`Q_SUM_TOLERANCE`].
+fn check_dense_q(q: &[f32], row: usize) -> Result<()> {
+    let mut total = 0.0f64;
+    for &x in q {
+        if !(x.is_finite() && x >= 0.0) {
+            return Err(Error::InvalidDraftProbs {
+                row,
+                reason: "a probability is negative or not finite",
+            });
+        }
+        total += x as f64;
+    }
+    if (total - 1.0).abs() > Q_SUM_TOLERANCE {
+        return Err(Error::InvalidDraftProbs {
+            row,
+            reason: "probabilities do not sum to 1 (tolerance 1e-3)",
+        });
+    }
+    Ok(())
+}
+
+/// Checks every row of `[rows, width]` logits for NaN and `+inf` (`-inf` means banned).
+fn check_finite(logits: &[f32], width: usize, kind: RowKind) -> Result<()> {
+    if width == 0 {
+        return Ok(());
+    }
+    for (r, row) in logits.chunks_exact(width).enumerate() {
+        if let Some(e) = crate::sampling::non_finite_in(row, kind, r) {
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 /// Penalty counts and mask prefix for the rows of one block, built once per request and
@@ -305,23 +464,36 @@ struct BlockHistory {
     counts: Option<TokenCounts>,
     prefix: Vec<u32>,
     use_prefix: bool,
+    suppress: Vec<u32>,
+    suppress_rows: usize,
+    row: usize,
 }
 
 impl BlockHistory {
-    fn begin(&mut self, cfg: &SamplingConfig, context: &[u32], vocab: usize) -> Result<()> {
+    fn begin(&mut self, req: &VerifyRequest<'_>) -> Result<()> {
+        let cfg = req.config;
         self.counts = if cfg.has_penalties() {
-            Some(TokenCounts::from_tokens(context, vocab)?)
+            Some(TokenCounts::from_context(
+                req.context,
+                req.prompt_len,
+                req.vocab_size,
+            )?)
         } else {
             None
         };
         self.use_prefix = cfg.mask.is_some();
         self.prefix.clear();
         if self.use_prefix {
-            self.prefix.extend_from_slice(context);
+            self.prefix.extend_from_slice(req.context);
         }
+        self.suppress.clear();
+        self.suppress.extend_from_slice(req.suppress);
+        self.suppress_rows = req.suppress_rows;
+        self.row = 0;
         Ok(())
     }
 
+    /// Moves to the next row: `token` (an accepted draft) joins the history.
     fn push(&mut self, token: u32, vocab: usize) -> Result<()> {
         if let Some(c) = self.counts.as_mut() {
             c.add(token, vocab)?;
@@ -329,13 +501,20 @@ impl BlockHistory {
         if self.use_prefix {
             self.prefix.push(token);
         }
+        self.row += 1;
         Ok(())
     }
 
+    /// What the current row's processing sees.
     fn view(&self) -> History<'_> {
         History {
             counts: self.counts.as_ref(),
             prefix: &self.prefix,
+            suppress: if self.row < self.suppress_rows {
+                &self.suppress
+            } else {
+                &[]
+            },
         }
     }
 }
@@ -364,9 +543,10 @@ impl BlockHistory {
 pub struct Verifier {
     proc: RowProcessor,
     p: TokenDist,
-    q: TokenDist,
     hist: BlockHistory,
     residual: Vec<(u32, f64)>,
+    /// Processed draft-logit rows (`DraftProbs::Logits`), computed before any draw.
+    q_rows: Vec<TokenDist>,
 }
 
 impl Verifier {
@@ -383,18 +563,60 @@ impl Verifier {
     /// - [`Error::TokenOutOfVocab`]: a draft or context token (or a token of the configuration)
     ///   is outside the vocabulary.
     /// - [`Error::DraftVocabTooLarge`]: the draft vocabulary is wider than the target's.
-    /// - [`Error::NonFiniteLogits`], [`Error::NoAllowedToken`]: a row that is read has a NaN /
-    ///   `+inf` logit, or no token left after masking.
+    /// - [`Error::NonFiniteLogits`]: a target or draft logit (any row) is NaN or `+inf`.
     /// - [`Error::InvalidDraftProbs`]: a q row is not a distribution, or gives its own draft
-    ///   token probability 0.
+    ///   token probability 0 (any row; draft-logit rows after processing).
+    /// - [`Error::NoAllowedToken`]: a draft-logit row (any), or a target row that the step
+    ///   processes, has no token left after masking.
+    ///
+    /// All but the last are decided before any random draw: they never depend on the seed.
     pub fn verify(&mut self, req: &VerifyRequest<'_>) -> Result<StepOutput> {
         req.validate()?;
-        self.hist.begin(req.config, req.context, req.vocab_size)?;
+        self.prepare_draft_rows(req)?;
+        self.hist.begin(req)?;
         if req.config.is_greedy() {
             greedy::verify(self, req)
         } else {
             stochastic::verify(self, req)
         }
+    }
+
+    /// Processes every draft-logit row with its history (context plus drafts `0..i`), before any
+    /// draw, and checks that each draft token is possible under its processed row.
+    fn prepare_draft_rows(&mut self, req: &VerifyRequest<'_>) -> Result<()> {
+        let DraftProbs::Logits { logits, vocab: qv } = req.draft_probs else {
+            return Ok(());
+        };
+        let k = req.k();
+        self.hist.begin(req)?;
+        self.q_rows.resize_with(k.max(self.q_rows.len()), TokenDist::default);
+        for (i, &d) in req.draft_tokens.iter().enumerate() {
+            let row = &logits[i * qv..(i + 1) * qv];
+            let hist = self.hist.view();
+            if req.config.is_greedy() {
+                let t = self
+                    .proc
+                    .argmax(req.config, row, &hist, RowKind::Draft, i)?;
+                self.q_rows[i] = TokenDist::point_mass(t, qv);
+            } else {
+                self.proc.distribution(
+                    req.config,
+                    row,
+                    &hist,
+                    RowKind::Draft,
+                    i,
+                    &mut self.q_rows[i],
+                )?;
+            }
+            if self.q_rows[i].prob(d) <= 0.0 {
+                return Err(Error::InvalidDraftProbs {
+                    row: i,
+                    reason: "the drafted token has probability 0 under the processed draft logits",
+                });
+            }
+            self.hist.push(d, req.vocab_size)?;
+        }
+        Ok(())
     }
 }
 

@@ -1,37 +1,16 @@
 //! Stochastic verification: speculative sampling with residual resampling.
 //!
 //! Leviathan, Kalman & Matias 2023 (section 2.3, algorithm 1); Chen et al. 2023 (algorithm 2).
+//! Point-mass drafts use the reproducible form of the same rule (see the module docs of
+//! [`crate::verify`], case C15).
 
 use super::{
     acceptance_probability, residual_weights, row, DraftProbs, DraftRow, StepEnd, StepOutput,
     TokenLogprob, Verifier, VerifyRequest,
 };
-use crate::error::{Error, Result, RowKind};
+use crate::error::{Result, RowKind};
 use crate::rng::{lane, Stream};
-use crate::sampling::sample_weighted;
-
-/// Tolerance on the total of a dense q row (probabilities must sum to 1 within this).
-pub(crate) const Q_SUM_TOLERANCE: f64 = 1e-3;
-
-fn check_dense_q(q: &[f32], row: usize) -> Result<()> {
-    let mut total = 0.0f64;
-    for &x in q {
-        if !(x.is_finite() && x >= 0.0) {
-            return Err(Error::InvalidDraftProbs {
-                row,
-                reason: "a probability is negative or not finite",
-            });
-        }
-        total += x as f64;
-    }
-    if (total - 1.0).abs() > Q_SUM_TOLERANCE {
-        return Err(Error::InvalidDraftProbs {
-            row,
-            reason: "probabilities do not sum to 1 (tolerance 1e-3)",
-        });
-    }
-    Ok(())
-}
+use crate::sampling::{sample_weighted, TokenDist};
 
 pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOutput> {
     let vocab = req.vocab_size;
@@ -42,7 +21,7 @@ pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOu
     let want_lp = cfg.logprobs();
     let mut tokens = Vec::with_capacity(k + 1);
     let mut logprobs: Option<Vec<TokenLogprob>> = want_lp.map(|_| Vec::with_capacity(k + 1));
-    let push_lp = |lps: &mut Option<Vec<TokenLogprob>>, p: &crate::sampling::TokenDist, t: u32| {
+    let push_lp = |lps: &mut Option<Vec<TokenLogprob>>, p: &TokenDist, t: u32| {
         if let (Some(lps), Some(n)) = (lps.as_mut(), want_lp) {
             lps.push(TokenLogprob {
                 token: t,
@@ -64,51 +43,60 @@ pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOu
             &mut v.p,
         )?;
         let q_row = match req.draft_probs {
-            DraftProbs::PointMass => DraftRow::PointMass,
+            DraftProbs::PointMass => None,
             DraftProbs::Probs { probs, vocab: qv } => {
-                let q = &probs[i * qv..(i + 1) * qv];
-                check_dense_q(q, i)?;
-                DraftRow::Dense(q)
+                Some(DraftRow::Dense(&probs[i * qv..(i + 1) * qv]))
             }
-            DraftProbs::Logits { logits, vocab: qv } => {
-                v.proc.distribution(
-                    cfg,
-                    &logits[i * qv..(i + 1) * qv],
-                    &hist,
-                    RowKind::Draft,
-                    i,
-                    &mut v.q,
-                )?;
-                DraftRow::Dist(&v.q)
+            DraftProbs::Logits { .. } => Some(DraftRow::Dist(&v.q_rows[i])),
+        };
+        let emitted = match q_row {
+            // Point mass: draw the position's token as plain sampling would and accept the draft
+            // iff it is that token (accepts with p(x); on rejection the draw is a sample of p
+            // without x). Validation guaranteed nothing here can fail.
+            None => {
+                let t = v.p.sample(stream.uniform(pos, lane::SAMPLE));
+                (t != x).then_some(t)
+            }
+            Some(q_row) => {
+                // Validation checked q(x) > 0 for every row.
+                let q_x = q_row.prob(x, x);
+                let u = stream.uniform(pos, lane::ACCEPT) as f64;
+                if u < acceptance_probability(v.p.prob(x), q_x) {
+                    None
+                } else {
+                    // Rejected: sample the residual normalise(max(0, p - q)). If rounding left
+                    // no residual mass (p == q up to float error, where rejection has
+                    // probability ~0), sample p.
+                    residual_weights(&v.p, &q_row, x, &mut v.residual);
+                    let u2 = stream.uniform(pos, lane::SAMPLE);
+                    Some(
+                        sample_weighted(v.residual.iter().copied(), u2)
+                            .unwrap_or_else(|| v.p.sample(u2)),
+                    )
+                }
             }
         };
-        let q_x = q_row.prob(x, x);
-        if q_x <= 0.0 {
-            return Err(Error::InvalidDraftProbs {
-                row: i,
-                reason: "the drafted token has probability 0 under q",
+        if let Some(t) = emitted {
+            tokens.push(t);
+            push_lp(&mut logprobs, &v.p, t);
+            return Ok(StepOutput {
+                accepted: i,
+                tokens,
+                logprobs,
+                end: StepEnd::Rejected { index: i },
             });
         }
-        let p_x = v.p.prob(x);
-        let u = stream.uniform(pos, lane::ACCEPT) as f64;
-        if u < acceptance_probability(p_x, q_x) {
-            tokens.push(x);
-            push_lp(&mut logprobs, &v.p, x);
-            v.hist.push(x, vocab)?;
-            continue;
-        }
-        // Rejected: sample the residual normalise(max(0, p - q)). If rounding left no residual
-        // mass (p == q up to float error, where rejection has probability ~0), sample p.
-        residual_weights(&v.p, &q_row, x, &mut v.residual);
-        let u2 = stream.uniform(pos, lane::SAMPLE);
-        let t = sample_weighted(v.residual.iter().copied(), u2).unwrap_or_else(|| v.p.sample(u2));
-        tokens.push(t);
-        push_lp(&mut logprobs, &v.p, t);
+        tokens.push(x);
+        push_lp(&mut logprobs, &v.p, x);
+        v.hist.push(x, vocab)?;
+    }
+    if req.final_draft_ends {
+        // The accepted final draft ends the sequence: no row after it is processed.
         return Ok(StepOutput {
-            accepted: i,
+            accepted: k,
             tokens,
             logprobs,
-            end: StepEnd::Rejected { index: i },
+            end: StepEnd::Ended,
         });
     }
     // All k accepted (or k = 0): the bonus / plain token from row k.

@@ -21,6 +21,7 @@ pub fn process(
     let hist = History {
         counts: Some(&counts),
         prefix,
+        suppress: &[],
     };
     let mut d = TokenDist::default();
     RowProcessor::new().distribution(cfg, logits, &hist, RowKind::Target, 0, &mut d)?;

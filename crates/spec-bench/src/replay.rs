@@ -153,6 +153,9 @@ pub fn replay(
             max_draft: k.min(remaining - 1),
             seed: 0,
             target_hidden: None,
+            prompt_len: 0,
+            eos: &[],
+            suppress_eos_rows: 0,
         };
         proposer.propose(&req, &mut draft)?;
         let n = draft.tokens.len().min(req.max_draft);
@@ -489,6 +492,9 @@ mod tests {
                     max_draft: 4,
                     seed: 0,
                     target_hidden: None,
+                    prompt_len: 0,
+                    eos: &[],
+                    suppress_eos_rows: 0,
                 };
                 pl.propose(&req, &mut d).unwrap();
                 let a_pl = matched(&d.tokens, &trace.output[i..]);
