@@ -21,7 +21,7 @@ pub struct GenerationParams {
     pub sampling: SamplingConfig,
     /// Seed of the request's random stream ([`crate::rng::Stream`]).
     pub seed: u64,
-    /// Stop conditions (EOS ids, stop sequences, token budget).
+    /// Stop conditions (EOS ids, stop sequences, stop strings).
     pub stop: StopConditions,
     /// Draft length policy for this request (per-request override or opt-out).
     pub draft: DraftLength,

@@ -14,4 +14,4 @@ pub use generator::{Generation, GenerationParams, Generator, Session};
 pub use metrics::Metrics;
 pub use model::TargetModel;
 pub use policy::{AdaptiveConfig, AdaptiveState, DraftLength};
-pub use stop::{FinishReason, StopConditions};
+pub use stop::{Detokenizer, FinishReason, StopConditions};

@@ -87,3 +87,48 @@ impl std::fmt::Display for FinishReason {
         })
     }
 }
+
+/// Turns generated token ids into text, so the loop can match stop strings that span token
+/// boundaries and steps, and stream text (the hook behind [`StopConditions::stop_strings`]).
+///
+/// The loop decodes incrementally: it calls [`Detokenizer::decode`] on a short window of recent
+/// tokens and keeps only complete characters, so an implementation only needs a stateless
+/// decode of any token slice. The result must not drop or add characters at the window's start
+/// other than what the tokenizer itself does for a leading token (byte-level BPE and
+/// SentencePiece decoders qualify). Bytes that do not yet form a complete UTF-8 character must
+/// come out as U+FFFD (the usual lossy decode); the loop then waits for the next token.
+///
+/// `Send + Sync`, so a [`crate::decode::Generator`] holding one stays `Send`.
+///
+/// # Example
+/// ```
+/// use speculative::decode::Detokenizer;
+///
+/// /// One character per token id: 0 = 'a', 1 = 'b', ...
+/// struct Letters;
+/// impl Detokenizer for Letters {
+///     fn decode(&self, tokens: &[u32]) -> speculative::Result<String> {
+///         Ok(tokens.iter().map(|&t| (b'a' + (t % 26) as u8) as char).collect())
+///     }
+/// }
+/// assert_eq!(Letters.decode(&[7, 8]).unwrap(), "hi");
+/// ```
+pub trait Detokenizer: Send + Sync {
+    /// The text of `tokens`.
+    ///
+    /// # Errors
+    /// Implementation defined (wrap tokenizer errors in [`crate::Error::Model`]).
+    fn decode(&self, tokens: &[u32]) -> crate::Result<String>;
+}
+
+impl<D: Detokenizer + ?Sized> Detokenizer for Box<D> {
+    fn decode(&self, tokens: &[u32]) -> crate::Result<String> {
+        (**self).decode(tokens)
+    }
+}
+
+impl<D: Detokenizer + ?Sized> Detokenizer for std::sync::Arc<D> {
+    fn decode(&self, tokens: &[u32]) -> crate::Result<String> {
+        (**self).decode(tokens)
+    }
+}
