@@ -1006,7 +1006,7 @@ fn bad_inputs_give_documented_errors() {
         matches!(e, Err(Error::InvalidDraftProbs { row: 0, .. })),
         "{e:?}"
     );
-    // A drafted token beyond a shorter draft vocabulary has q = 0.
+    // A drafted token beyond a shorter draft vocabulary cannot have been drawn from q.
     let qs = vec![0.25f32; k * 4];
     let e = v.verify(
         &VerifyRequest::new(cfg, &target, vocab, &[4, 0]).draft_probs(DraftProbs::Probs {
@@ -1015,7 +1015,14 @@ fn bad_inputs_give_documented_errors() {
         }),
     );
     assert!(
-        matches!(e, Err(Error::InvalidDraftProbs { row: 0, .. })),
+        matches!(
+            e,
+            Err(Error::TokenOutOfVocab {
+                token: 4,
+                vocab_size: 4,
+                ..
+            })
+        ),
         "{e:?}"
     );
 }

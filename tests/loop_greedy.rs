@@ -212,7 +212,7 @@ fn c02_eos_inside_an_accepted_block_ends_the_generation() {
     let target = ToyModel::deterministic(10, 100, move |p: &[u32]| cont[(p.len() - 1).min(7)]);
     let mut g = Generator::new(target, ScriptedProposer::new(vec![vec![5, 9, 2, 7]]));
     let params = GenerationParams {
-        stop: StopConditions::max_tokens(50).with_eos(2),
+        stop: StopConditions::default().with_eos(2),
         ..GenerationParams::greedy(50)
     };
     let mut streamed = Vec::new();
@@ -232,7 +232,7 @@ fn c02_eos_inside_an_accepted_block_ends_the_generation() {
     let target = ToyModel::deterministic(10, 100, move |p: &[u32]| cont[(p.len() - 1).min(7)]);
     let mut g = Generator::new(target, ScriptedProposer::new(vec![vec![5, 9, 2, 7]]));
     let params = GenerationParams {
-        stop: StopConditions::max_tokens(50).with_stop_sequence(vec![9, 2]),
+        stop: StopConditions::default().with_stop_sequence(vec![9, 2]),
         ..GenerationParams::greedy(50)
     };
     let out = g.generate(&[0], &params).unwrap();
@@ -306,17 +306,20 @@ fn bad_requests_are_typed_errors() {
     let mut g = Generator::new(ToyModel::c10(), NoProposer);
     let p = GenerationParams::greedy(4);
     assert!(matches!(
-        g.generate(&[], &p),
-        Err(speculative::Error::InvalidRequest(_))
+        g.generate(&[], &p).map_err(|e| e.error),
+        Err(speculative::Error::EmptyPrompt)
     ));
     assert!(matches!(
-        g.generate(&[9], &p),
+        g.generate(&[9], &p).map_err(|e| e.error),
         Err(speculative::Error::TokenOutOfVocab { token: 9, .. })
     ));
     let mut g = Generator::new(ToyModel::deterministic(5, 4, |_| 0), NoProposer);
     assert!(matches!(
-        g.generate(&[0; 5], &p),
-        Err(speculative::Error::InvalidRequest(_))
+        g.generate(&[0; 5], &p).map_err(|e| e.error),
+        Err(speculative::Error::PromptTooLong {
+            len: 5,
+            max_context: 4
+        })
     ));
     let bad = GenerationParams {
         sampling: SamplingConfig::builder()
@@ -328,11 +331,11 @@ fn bad_requests_are_typed_errors() {
     assert!(g.generate(&[0], &bad).is_err());
     // An EOS id from the wrong tokenizer is caught before any work.
     let wrong_eos = GenerationParams {
-        stop: StopConditions::max_tokens(4).with_eos(999),
+        stop: StopConditions::default().with_eos(999),
         ..GenerationParams::greedy(4)
     };
     assert!(matches!(
-        g.generate(&[0], &wrong_eos),
+        g.generate(&[0], &wrong_eos).map_err(|e| e.error),
         Err(speculative::Error::TokenOutOfVocab { token: 999, .. })
     ));
 }

@@ -45,14 +45,15 @@ proptest! {
             let m = ToyModel::markov(vocab, 2, 2.0, seed);
             move |p: &[u32]| m.logits(p)
         }));
-        let mut stop = StopConditions::max_tokens(max_new).with_stop_sequence(stop_seq.clone());
+        let mut stop = StopConditions::default().with_stop_sequence(stop_seq.clone());
         if let Some(e) = eos { stop = stop.with_eos(e); }
         let params = GenerationParams {
             sampling: if greedy { SamplingConfig::greedy() } else { SamplingConfig::sampling(0.8).unwrap() },
             seed,
+            max_new_tokens: max_new,
             stop,
             draft: DraftLength::Fixed(k),
-            cancel: None,
+            ..Default::default()
         };
         let mut g = Generator::new(target, RandomProposer::new(vocab, seed));
         let mut streamed = Vec::new();

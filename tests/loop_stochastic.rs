@@ -9,7 +9,7 @@
 //! distribution while it samples from the processed one) runs through the same test and must be
 //! rejected (p < alpha). Outputs with exact probability 0 must never be observed.
 
-use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
+use speculative::decode::{DraftLength, GenerationParams, Generator};
 use speculative::propose::{
     DraftHeads, DraftModelProposer, HeadsProposer, PromptLookup, SuffixConfig, SuffixProposer,
 };
@@ -99,9 +99,9 @@ fn sequence_counts<P: Proposer, T: TargetModel>(
         let params = GenerationParams {
             sampling: cfg.clone(),
             seed,
-            stop: StopConditions::max_tokens(LEN),
+            max_new_tokens: LEN,
             draft: DraftLength::Fixed(k),
-            cancel: None,
+            ..Default::default()
         };
         let out = g.generate(&PROMPT, &params).unwrap();
         assert_eq!(out.tokens.len(), LEN);

@@ -8,20 +8,33 @@ use std::time::{Duration, Instant};
 use super::metrics::Metrics;
 use super::model::TargetModel;
 use super::policy::{AdaptiveState, DraftLength};
-use super::stop::{FinishReason, StopConditions};
-use crate::error::{Error, Result};
+use super::stop::{Detokenizer, FinishReason, StopConditions, TextTracker};
+use crate::error::{Error, ProposalFault, Result};
 use crate::propose::{Draft, ProposeRequest, Proposer};
 use crate::sampling::SamplingConfig;
-use crate::verify::{DraftProbs, TokenLogprob, Verifier, VerifyRequest};
+use crate::verify::{DraftProbs, StepOutput, TokenLogprob, Verifier, VerifyRequest};
 
 /// Parameters of one generation request.
-#[derive(Debug, Clone, Default)]
+///
+/// The [`Default`] is valid: greedy sampling, seed 0, at most 256 new tokens, no `min_tokens`,
+/// no stop condition, a fixed draft length of 4 ([`DraftLength::default`]), no cancel flag.
+/// Every field is validated by [`Generator::session`] before the target runs.
+#[derive(Debug, Clone)]
 pub struct GenerationParams {
     /// Sampling configuration, used by the verifier and by sampling proposers alike.
     pub sampling: SamplingConfig,
-    /// Seed of the request's random stream ([`crate::rng::Stream`]).
+    /// Seed of the request's random stream ([`crate::rng::Stream`]). With point-mass proposers
+    /// (prompt lookup, suffix) the same seed gives the same tokens whatever the proposer, the
+    /// draft length and the policy, and the same tokens as plain sampling (case C15).
     pub seed: u64,
-    /// Stop conditions (EOS ids, stop sequences, stop strings).
+    /// Maximum number of new tokens (the token budget). Default 256.
+    pub max_new_tokens: usize,
+    /// Minimum number of new tokens before the generation may stop: until then the EOS ids (and
+    /// single-token stop sequences) are banned at every target and draft row, and no stop
+    /// sequence or stop string ends the generation (vLLM's `min_tokens`). Must not exceed
+    /// `max_new_tokens`. Default 0.
+    pub min_tokens: usize,
+    /// Stop conditions (EOS ids, stop sequences, stop strings). Default: none.
     pub stop: StopConditions,
     /// Draft length policy for this request (per-request override or opt-out).
     pub draft: DraftLength,
@@ -29,14 +42,103 @@ pub struct GenerationParams {
     pub cancel: Option<Arc<AtomicBool>>,
 }
 
-impl GenerationParams {
-    /// Greedy decoding of at most `max_new_tokens`, fixed draft length 4.
-    pub fn greedy(max_new_tokens: usize) -> Self {
+impl Default for GenerationParams {
+    fn default() -> Self {
         GenerationParams {
             sampling: SamplingConfig::greedy(),
-            stop: StopConditions::max_tokens(max_new_tokens),
+            seed: 0,
+            max_new_tokens: 256,
+            min_tokens: 0,
+            stop: StopConditions::default(),
+            draft: DraftLength::default(),
+            cancel: None,
+        }
+    }
+}
+
+impl GenerationParams {
+    /// Greedy decoding of at most `max_new_tokens`, fixed draft length 4, no stop condition.
+    pub fn greedy(max_new_tokens: usize) -> Self {
+        GenerationParams {
+            max_new_tokens,
             ..Default::default()
         }
+    }
+
+    /// Sampling with `sampling` and `seed`, at most `max_new_tokens`, fixed draft length 4.
+    pub fn sampled(sampling: SamplingConfig, seed: u64, max_new_tokens: usize) -> Self {
+        GenerationParams {
+            sampling,
+            seed,
+            max_new_tokens,
+            ..Default::default()
+        }
+    }
+
+    /// Replaces the stop conditions (the token budget is kept).
+    pub fn with_stop(mut self, stop: StopConditions) -> Self {
+        self.stop = stop;
+        self
+    }
+
+    /// Sets the draft length policy.
+    pub fn with_draft(mut self, draft: DraftLength) -> Self {
+        self.draft = draft;
+        self
+    }
+
+    /// Sets `min_tokens`.
+    pub fn with_min_tokens(mut self, min_tokens: usize) -> Self {
+        self.min_tokens = min_tokens;
+        self
+    }
+
+    /// Checks the parameters against a vocabulary of `vocab` tokens.
+    ///
+    /// # Errors
+    /// [`Error::TokenOutOfVocab`] for a configuration, EOS or stop-sequence token outside the
+    /// vocabulary; [`Error::InvalidConfig`] for `min_tokens > max_new_tokens`, an empty stop
+    /// string, stop strings without a detokenizer (`has_detokenizer`), or an invalid adaptive
+    /// configuration.
+    pub fn validate(&self, vocab: usize, has_detokenizer: bool) -> Result<()> {
+        self.sampling.check_vocab(vocab)?;
+        let stop_tokens = self
+            .stop
+            .eos
+            .iter()
+            .chain(self.stop.stop_sequences.iter().flatten());
+        if let Some(&t) = stop_tokens.into_iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::TokenOutOfVocab {
+                what: "EOS or stop-sequence token",
+                token: t,
+                vocab_size: vocab,
+            });
+        }
+        if self.min_tokens > self.max_new_tokens {
+            return Err(Error::config(
+                "min_tokens",
+                self.min_tokens,
+                "must not exceed max_new_tokens",
+            ));
+        }
+        if self.stop.stop_strings.iter().any(String::is_empty) {
+            return Err(Error::config(
+                "stop.stop_strings",
+                "\"\"",
+                "stop strings must not be empty",
+            ));
+        }
+        if !self.stop.stop_strings.is_empty() && !has_detokenizer {
+            return Err(Error::config(
+                "stop.stop_strings",
+                self.stop.stop_strings.len(),
+                "stop strings need a Detokenizer (Generator::with_detokenizer)",
+            ));
+        }
+        if let DraftLength::Adaptive(a) = &self.draft {
+            a.validate()?;
+        }
+        Ok(())
     }
 }
 
@@ -51,6 +153,61 @@ pub struct Generation {
     pub metrics: Metrics,
     /// Per new token, when the sampling configuration asked for log-probabilities.
     pub logprobs: Option<Vec<TokenLogprob>>,
+    /// The text of the new tokens when the generator has a [`Detokenizer`], cut before a
+    /// completed stop string (or after it with
+    /// [`StopConditions::include_stop_str_in_output`]).
+    pub text: Option<String>,
+}
+
+/// A generation that failed: the error, and everything emitted before it.
+///
+/// `partial.finish` is [`FinishReason::Error`]; `partial.tokens` (and `text`, `logprobs`) hold
+/// every token the generation emitted, and streamed, before the failure. The target's KV cache
+/// was rolled back to the emitted tokens, so the [`Generator`] can run the next request, which
+/// gives the same output as on a fresh generator.
+#[derive(Debug)]
+pub struct GenerationError {
+    /// What failed.
+    pub error: Error,
+    /// The generation up to the failure.
+    pub partial: Generation,
+}
+
+impl std::fmt::Display for GenerationError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (after {} generated tokens)",
+            self.error,
+            self.partial.tokens.len()
+        )
+    }
+}
+
+impl std::error::Error for GenerationError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl From<GenerationError> for Error {
+    /// Keeps the error, drops the partial output.
+    fn from(e: GenerationError) -> Self {
+        e.error
+    }
+}
+
+/// One streamed step: what [`Generator::generate_stream`] hands the callback.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamChunk<'a> {
+    /// The tokens this step emitted (1 to k + 1, cut at a stop).
+    pub tokens: &'a [u32],
+    /// Their log-probabilities, when the sampling configuration asked for them.
+    pub logprobs: Option<&'a [TokenLogprob]>,
+    /// New text that can no longer become part of a stop string (empty without a
+    /// [`Detokenizer`]). Text that could still complete a stop string is held back until it
+    /// cannot; the concatenation of every chunk's text is [`Generation::text`].
+    pub text: &'a str,
 }
 
 /// Runs speculative decoding: propose, one target forward over `[last token, d_1 .. d_k]`, verify,
@@ -58,7 +215,10 @@ pub struct Generation {
 ///
 /// The target is called exactly once per step. The draft length is capped so that accepted drafts
 /// plus the bonus token never exceed the token budget or the model's context; with one slot left
-/// the step is a plain decoding step.
+/// the step is a plain decoding step. A draft that reaches an end (EOS, a stop sequence or a stop
+/// string) is cut there, and the target processes no row after it (case C11).
+///
+/// `Generator<T, P>` is `Send` when `T` and `P` are.
 ///
 /// # Example
 ///
@@ -70,8 +230,8 @@ pub struct Generation {
 /// use speculative::test_util::ToyModel;
 ///
 /// let target = ToyModel::c10();
-/// let mut gen = Generator::new(target, PromptLookup::new(2, 5).unwrap());
-/// let out = gen.generate(&[3; 48], &GenerationParams::greedy(32)).unwrap();
+/// let mut generator = Generator::new(target, PromptLookup::new(2, 5).unwrap());
+/// let out = generator.generate(&[3; 48], &GenerationParams::greedy(32)).unwrap();
 /// assert_eq!(out.tokens.len(), 32);
 /// ```
 pub struct Generator<T, P> {
@@ -82,6 +242,7 @@ pub struct Generator<T, P> {
     logits: Vec<f32>,
     draft: Draft,
     hidden: Vec<f32>,
+    detokenizer: Option<Box<dyn Detokenizer>>,
 }
 
 impl<T: TargetModel, P: Proposer> Generator<T, P> {
@@ -95,7 +256,15 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             logits: Vec::new(),
             draft: Draft::default(),
             hidden: Vec::new(),
+            detokenizer: None,
         }
+    }
+
+    /// Adds a [`Detokenizer`]: generations then report their text, stream text, and may use stop
+    /// strings.
+    pub fn with_detokenizer(mut self, detokenizer: impl Detokenizer + 'static) -> Self {
+        self.detokenizer = Some(Box::new(detokenizer));
+        self
     }
 
     /// The target model.
@@ -131,39 +300,85 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
     /// Generates until a stop condition; returns the new tokens and metrics.
     ///
     /// # Errors
-    /// See [`Generator::session`] and [`Session::step`].
-    pub fn generate(&mut self, prompt: &[u32], params: &GenerationParams) -> Result<Generation> {
-        self.generate_with(prompt, params, |_| ControlFlow::Continue(()))
+    /// A [`GenerationError`] holding the error (see [`Generator::session`] and
+    /// [`Session::step`]) and the tokens emitted before it.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerationParams,
+    ) -> Result<Generation, GenerationError> {
+        self.generate_stream(prompt, params, |_| ControlFlow::Continue(()))
     }
 
     /// Generates, calling `on_tokens` with the tokens of each verified step as soon as it is
     /// verified (streaming). Returning `ControlFlow::Break(())` cancels the generation.
     ///
     /// # Errors
-    /// See [`Generator::session`] and [`Session::step`].
+    /// As [`Generator::generate`].
     pub fn generate_with(
         &mut self,
         prompt: &[u32],
         params: &GenerationParams,
         mut on_tokens: impl FnMut(&[u32]) -> ControlFlow<()>,
-    ) -> Result<Generation> {
-        let mut s = self.session(prompt, params)?;
-        while let Some(tokens) = s.step()? {
-            if on_tokens(tokens).is_break() {
-                s.cancel();
-            }
-        }
-        Ok(s.into_generation())
+    ) -> Result<Generation, GenerationError> {
+        self.generate_stream(prompt, params, |c| on_tokens(c.tokens))
     }
 
-    /// Starts a generation: resets the target's sequence, prefills `prompt[..n - 1]` and returns
-    /// a [`Session`] that advances one verify step per [`Session::step`]. The session is also an
-    /// iterator over the tokens of each step.
+    /// Generates, calling `on_chunk` after each verified step with its tokens, their
+    /// log-probabilities and the text that became final ([`StreamChunk`]). Returning
+    /// `ControlFlow::Break(())` cancels the generation.
     ///
     /// # Errors
-    /// [`Error::InvalidRequest`] for an empty prompt or one longer than the model's context, an
-    /// invalid adaptive configuration; [`Error::TokenOutOfVocab`] for a prompt, EOS, stop-sequence
-    /// or configuration token outside the vocabulary; errors of the target's forward.
+    /// As [`Generator::generate`]; everything streamed before an error is also in the
+    /// [`GenerationError`]'s partial generation.
+    pub fn generate_stream(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerationParams,
+        mut on_chunk: impl FnMut(StreamChunk<'_>) -> ControlFlow<()>,
+    ) -> Result<Generation, GenerationError> {
+        let mut s = match self.session(prompt, params) {
+            Ok(s) => s,
+            Err(error) => {
+                return Err(GenerationError {
+                    error,
+                    partial: Generation {
+                        tokens: Vec::new(),
+                        finish: FinishReason::Error,
+                        metrics: Metrics::default(),
+                        logprobs: None,
+                        text: None,
+                    },
+                })
+            }
+        };
+        loop {
+            match s.step() {
+                Ok(Some(_)) => {
+                    if on_chunk(s.last_chunk()).is_break() {
+                        s.cancel();
+                    }
+                }
+                Ok(None) => return Ok(s.into_generation()),
+                Err(error) => {
+                    return Err(GenerationError {
+                        error,
+                        partial: s.into_generation(),
+                    })
+                }
+            }
+        }
+    }
+
+    /// Starts a generation: validates `params`, resets the target's sequence, prefills
+    /// `prompt[..n - 1]` and returns a [`Session`] that advances one verify step per
+    /// [`Session::step`]. The session is also an iterator over the tokens of each step.
+    ///
+    /// # Errors
+    /// [`Error::EmptyPrompt`], [`Error::PromptTooLong`]; [`Error::TokenOutOfVocab`] for a prompt
+    /// token; the errors of [`GenerationParams::validate`]; errors of the target's truncate and
+    /// prefill and of the proposer's `begin`. Nothing reaches the target before the request is
+    /// validated.
     pub fn session<'g>(
         &'g mut self,
         prompt: &[u32],
@@ -188,22 +403,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
                 vocab_size: vocab,
             });
         }
-        params.sampling.check_vocab(vocab)?;
-        let stop_tokens = params
-            .stop
-            .eos
-            .iter()
-            .chain(params.stop.stop_sequences.iter().flatten());
-        if let Some(&t) = stop_tokens.into_iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::TokenOutOfVocab {
-                what: "EOS or stop-sequence token",
-                token: t,
-                vocab_size: vocab,
-            });
-        }
-        if let DraftLength::Adaptive(a) = &params.draft {
-            a.validate()?;
-        }
+        params.validate(vocab, self.detokenizer.is_some())?;
         self.target.truncate(0)?;
         self.hidden.clear();
         self.adaptive.begin_generation();
@@ -212,6 +412,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             let t = Instant::now();
             self.target.prefill(&prompt[..prompt.len() - 1])?;
             metrics.prefill_time = t.elapsed();
+            check_seq_len(&self.target, prompt.len() - 1, "seq_len after prefill")?;
             self.capture_hidden(prompt.len() - 2);
         }
         let t = Instant::now();
@@ -224,6 +425,9 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             prompt_len: prompt.len(),
             metrics,
             logprobs: params.sampling.logprobs().map(|_| Vec::new()),
+            suppressed: params.stop.suppressed_ids(),
+            text: TextTracker::default(),
+            last: LastStep::default(),
             finish: None,
             cancelled: false,
             start,
@@ -249,6 +453,21 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
     }
 }
 
+/// `Err(TargetContract)` unless the target holds `expected` positions.
+fn check_seq_len<T: TargetModel>(target: &T, expected: usize, what: &'static str) -> Result<()> {
+    if target.seq_len() != expected {
+        return Err(Error::TargetContract { what });
+    }
+    Ok(())
+}
+
+/// Ranges of the last step's output, for [`Session::last_chunk`].
+#[derive(Debug, Default, Clone, Copy)]
+struct LastStep {
+    tokens: (usize, usize),
+    text: (usize, usize),
+}
+
 /// One generation in progress; see [`Generator::session`].
 pub struct Session<'g, T, P> {
     g: &'g mut Generator<T, P>,
@@ -257,15 +476,33 @@ pub struct Session<'g, T, P> {
     prompt_len: usize,
     metrics: Metrics,
     logprobs: Option<Vec<TokenLogprob>>,
+    /// Ids banned before `min_tokens` ([`StopConditions::suppressed_ids`]).
+    suppressed: Vec<u32>,
+    text: TextTracker,
+    last: LastStep,
     finish: Option<FinishReason>,
     cancelled: bool,
     start: Instant,
+}
+
+/// What the draft phase produced: draft length, whether the final draft ends the sequence,
+/// and the time spent.
+struct Proposed {
+    k: usize,
+    ends: bool,
+    time: Duration,
 }
 
 impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
     /// The new tokens so far.
     pub fn tokens(&self) -> &[u32] {
         &self.context[self.prompt_len..]
+    }
+
+    /// The text of the new tokens so far (complete characters only; `None` without a
+    /// [`Detokenizer`]).
+    pub fn text(&self) -> Option<&str> {
+        self.g.detokenizer.as_ref().map(|_| self.text.output())
     }
 
     /// The finish reason once the generation has ended.
@@ -283,11 +520,25 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         self.cancelled = true;
     }
 
+    /// The tokens, log-probabilities and released text of the last successful
+    /// [`Session::step`].
+    pub fn last_chunk(&self) -> StreamChunk<'_> {
+        let (a, b) = self.last.tokens;
+        let (ta, tb) = self.last.text;
+        StreamChunk {
+            tokens: &self.tokens()[a..b],
+            logprobs: self.logprobs.as_deref().map(|l| &l[a..b]),
+            text: &self.text.text[ta..tb],
+        }
+    }
+
     fn end(&mut self, reason: FinishReason) {
         if self.finish.is_none() {
             self.finish = Some(reason);
             self.metrics.total_time = self.start.elapsed();
-            self.g.proposer.finish(&self.context);
+            if reason != FinishReason::Error {
+                self.g.proposer.finish(&self.context);
+            }
         }
     }
 
@@ -296,13 +547,46 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
     ///
     /// # Errors
     /// Errors of the proposer, the target's forward or truncate, and the verifier (for example
-    /// [`Error::NonFiniteLogits`]); [`Error::ShapeMismatch`] when the target returns logits of the
-    /// wrong size or a proposer returns q of the wrong size. After an error the session should be
-    /// dropped.
+    /// [`Error::NonFiniteLogits`]); [`Error::InvalidProposal`] when the proposer returns more
+    /// than `max_draft` tokens, a token outside the vocabulary or q of the wrong shape (the
+    /// target never sees such a draft); [`Error::ShapeMismatch`] when the target returns logits
+    /// of the wrong size; [`Error::TargetContract`] when its sequence length is off. After an
+    /// error the session has ended ([`FinishReason::Error`]), [`Session::tokens`] holds every
+    /// token emitted by the steps before (the failed step emits nothing), and the target's KV
+    /// cache is rolled back to them.
     pub fn step(&mut self) -> Result<Option<&[u32]>> {
         if self.finish.is_some() {
             return Ok(None);
         }
+        let (len, text) = (self.context.len(), self.text.mark());
+        match self.step_inner() {
+            Ok(true) => {
+                let (a, b) = self.last.tokens;
+                Ok(Some(
+                    &self.context[self.prompt_len + a..self.prompt_len + b],
+                ))
+            }
+            Ok(false) => Ok(None),
+            Err(e) => {
+                // Forget the failed step's tokens (they were never streamed), and leave the
+                // target holding exactly the emitted tokens but the last (the loop's
+                // invariant), whatever the failing call left behind. Best effort: the next
+                // generation starts with truncate(0) anyway.
+                self.context.truncate(len);
+                self.text.reset(text);
+                if let Some(l) = self.logprobs.as_mut() {
+                    l.truncate(len - self.prompt_len);
+                }
+                let _ = self.g.target.truncate(len - 1);
+                self.end(FinishReason::Error);
+                Err(e)
+            }
+        }
+    }
+
+    /// The step's phases: budget, propose, forward, verify, commit, observe. `Ok(false)` when
+    /// the generation ended before doing anything.
+    fn step_inner(&mut self) -> Result<bool> {
         let cancelled_flag = self
             .params
             .cancel
@@ -310,11 +594,11 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             .is_some_and(|c| c.load(Ordering::Relaxed));
         if self.cancelled || cancelled_flag {
             self.end(FinishReason::Cancelled);
-            return Ok(None);
+            return Ok(false);
         }
         let params = self.params;
         let generated = self.context.len() - self.prompt_len;
-        let remaining = params.stop.max_new_tokens.saturating_sub(generated);
+        let remaining = params.max_new_tokens.saturating_sub(generated);
         let room = self
             .g
             .target
@@ -322,11 +606,11 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             .saturating_sub(self.context.len());
         if remaining == 0 {
             self.end(FinishReason::MaxTokens);
-            return Ok(None);
+            return Ok(false);
         }
         if room == 0 {
             self.end(FinishReason::ContextFull);
-            return Ok(None);
+            return Ok(false);
         }
         // Accepted drafts plus the bonus token must fit the budget and the context.
         let cap = remaining.min(room) - 1;
@@ -335,11 +619,19 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             DraftLength::Fixed(k) => (*k).min(cap),
             DraftLength::Adaptive(a) => self.g.adaptive.choose(a, cap),
         };
-        let g = &mut *self.g;
-        let vocab = g.target.vocab_size();
+        let suppress_rows = params.min_tokens.saturating_sub(generated);
+        let proposed = self.propose(k_req, suppress_rows)?;
+        let out = self.forward_and_verify(&proposed, suppress_rows)?;
+        self.commit(&proposed, out)?;
+        Ok(true)
+    }
 
-        // Propose.
+    /// Propose phase: asks the proposer for up to `k_req` drafts, checks them, and cuts the
+    /// draft at its first end (EOS, stop sequence or stop string; case C11).
+    fn propose(&mut self, k_req: usize, suppress_rows: usize) -> Result<Proposed> {
         let t = Instant::now();
+        let params = self.params;
+        let g = &mut *self.g;
         g.draft.clear();
         if k_req > 0 {
             let req = ProposeRequest {
@@ -350,52 +642,91 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                 target_hidden: (!g.hidden.is_empty()).then_some(&g.hidden[..]),
                 prompt_len: self.prompt_len,
                 eos: &params.stop.eos,
-                suppress_eos_rows: 0,
+                suppress_eos_rows: suppress_rows,
             };
             g.proposer.propose(&req, &mut g.draft)?;
-            g.draft.tokens.truncate(k_req);
         }
-        let k = g.draft.tokens.len();
-        let draft_probs = match &mut g.draft.q {
-            None => DraftProbs::PointMass,
-            Some(q) => {
-                let qv = g.draft.q_vocab;
-                if q.len() < k * qv {
-                    return Err(Error::ShapeMismatch {
-                        what: "proposer q ([k, q_vocab])",
-                        expected: k * qv,
-                        actual: q.len(),
-                    });
-                }
-                q.truncate(k * qv);
-                DraftProbs::Probs {
-                    probs: q,
-                    vocab: qv,
+        check_proposal(&g.draft, k_req, g.target.vocab_size(), g.proposer.name())?;
+        let (k, ends) = self.draft_end()?;
+        let g = &mut *self.g;
+        g.draft.tokens.truncate(k);
+        if let Some(q) = g.draft.q.as_mut() {
+            q.truncate(k * g.draft.q_vocab);
+        }
+        Ok(Proposed {
+            k,
+            ends,
+            time: t.elapsed(),
+        })
+    }
+
+    /// The draft length after cutting at the first draft token that would end the generation,
+    /// and whether the (new) final draft ends it.
+    fn draft_end(&self) -> Result<(usize, bool)> {
+        let drafts = &self.g.draft.tokens;
+        let stop = &self.params.stop;
+        let token_stops = !stop.eos.is_empty() || !stop.stop_sequences.is_empty();
+        let text_stops = !stop.stop_strings.is_empty();
+        if drafts.is_empty() || !(token_stops || text_stops) {
+            return Ok((drafts.len(), false));
+        }
+        let mut generated = self.tokens().to_vec();
+        let mut text = text_stops.then(|| self.text.clone());
+        for (j, &d) in drafts.iter().enumerate() {
+            generated.push(d);
+            if generated.len() < self.params.min_tokens {
+                continue;
+            }
+            if stop.check(&generated).is_some() {
+                return Ok((j + 1, true));
+            }
+            if let (Some(tt), Some(det)) = (text.as_mut(), self.g.detokenizer.as_deref()) {
+                if tt.push(det, &generated, stop, true)? {
+                    return Ok((j + 1, true));
                 }
             }
-        };
-        let propose_time = t.elapsed();
+        }
+        Ok((drafts.len(), false))
+    }
 
-        // One target forward over [last token, d_1 .. d_k].
+    /// Forward and verify phases: one target forward over `[last, d_1 .. d_k]` (without the
+    /// final draft when it ends the sequence), then verification.
+    fn forward_and_verify(&mut self, p: &Proposed, suppress_rows: usize) -> Result<Timed> {
+        let params = self.params;
+        let g = &mut *self.g;
+        let vocab = g.target.vocab_size();
+        let k = p.k;
+        let rows = k + 1 - p.ends as usize;
         let t = Instant::now();
         let Some(&last) = self.context.last() else {
             return Err(Error::EmptyPrompt);
         };
-        let mut feed = Vec::with_capacity(k + 1);
+        let mut feed = Vec::with_capacity(rows);
         feed.push(last);
-        feed.extend_from_slice(&g.draft.tokens);
+        feed.extend_from_slice(&g.draft.tokens[..rows - 1]);
         g.target.forward(&feed, &mut g.logits)?;
         let forward_time = t.elapsed();
-        if g.logits.len() != (k + 1) * vocab {
+        if g.logits.len() != rows * vocab {
             return Err(Error::ShapeMismatch {
                 what: "target logits ([k + 1, vocab])",
-                expected: (k + 1) * vocab,
+                expected: rows * vocab,
                 actual: g.logits.len(),
             });
         }
+        check_seq_len(
+            &g.target,
+            self.context.len() - 1 + rows,
+            "seq_len after forward",
+        )?;
 
-        // Verify.
         let t = Instant::now();
+        let draft_probs = match &g.draft.q {
+            None => DraftProbs::PointMass,
+            Some(q) => DraftProbs::Probs {
+                probs: q,
+                vocab: g.draft.q_vocab,
+            },
+        };
         let req = VerifyRequest {
             config: &params.sampling,
             target_logits: &g.logits,
@@ -406,28 +737,54 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             seed: params.seed,
             position: Some(self.context.len() as u64),
             prompt_len: self.prompt_len,
-            suppress: &[],
-            suppress_rows: 0,
-            final_draft_ends: false,
+            suppress: &self.suppressed,
+            suppress_rows,
+            final_draft_ends: p.ends,
         };
         let out = g.verifier.verify(&req)?;
-        let verify_time = t.elapsed();
+        Ok(Timed {
+            out,
+            forward: forward_time,
+            verify: t.elapsed(),
+        })
+    }
 
-        // Commit: keep the context and the accepted drafts in the target's cache.
+    /// Commit and observe phases: appends the emitted tokens up to the first stop, rolls the
+    /// target's KV cache back to them, tells the proposer, records metrics and policy
+    /// observations, and ends the generation when a stop or the budget is reached.
+    fn commit(&mut self, p: &Proposed, timed: Timed) -> Result<()> {
+        let Timed {
+            out,
+            forward,
+            verify,
+        } = timed;
+        let params = self.params;
         let before = self.context.len();
-        g.target.truncate(before + out.accepted)?;
-        g.capture_hidden(out.accepted);
-
+        let gen_before = before - self.prompt_len;
+        let text_before = self.text.released;
         let mut kept = 0;
         let mut reason = None;
         for &tok in &out.tokens {
             self.context.push(tok);
             kept += 1;
-            if let Some(r) = params.stop.check(&self.context[self.prompt_len..]) {
-                reason = Some(r);
+            let generated = &self.context[self.prompt_len..];
+            let check = generated.len() >= params.min_tokens;
+            if check {
+                reason = params.stop.check(generated);
+            }
+            if let Some(det) = self.g.detokenizer.as_deref() {
+                if self.text.push(det, generated, &params.stop, check)? && reason.is_none() {
+                    reason = Some(FinishReason::StopString);
+                }
+            }
+            if reason.is_some() {
                 break;
             }
         }
+        // The KV cache keeps every emitted token but the last (the next step feeds it).
+        let g = &mut *self.g;
+        g.target.truncate(before + kept - 1)?;
+        g.capture_hidden(kept - 1);
         let accepted_kept = out.accepted.min(kept);
         if let (Some(all), Some(lps)) = (self.logprobs.as_mut(), out.logprobs) {
             all.extend(lps.into_iter().take(kept));
@@ -438,32 +795,41 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         let observe_time = t.elapsed();
 
         let m = &mut self.metrics;
-        m.record_step(k, out.accepted, accepted_kept, kept);
-        m.propose_time += propose_time + observe_time;
-        m.forward_time += forward_time;
-        m.verify_time += verify_time;
+        m.record_step(p.k, out.accepted, accepted_kept, kept);
+        m.propose_time += p.time + observe_time;
+        m.forward_time += forward;
+        m.verify_time += verify;
         if m.time_to_first_token.is_none() {
             m.time_to_first_token = Some(self.start.elapsed());
         }
         if let DraftLength::Adaptive(a) = &params.draft {
             g.adaptive.observe(
                 a,
-                k,
+                p.k,
                 out.accepted,
-                forward_time.as_secs_f64(),
-                (propose_time + observe_time).as_secs_f64(),
+                forward.as_secs_f64(),
+                (p.time + observe_time).as_secs_f64(),
             );
         }
 
         let generated = self.context.len() - self.prompt_len;
         if let Some(r) = reason {
             self.end(r);
-        } else if generated >= params.stop.max_new_tokens {
+        } else if generated >= params.max_new_tokens {
             self.end(FinishReason::MaxTokens);
         } else if self.context.len() >= self.g.target.max_context() {
             self.end(FinishReason::ContextFull);
         }
-        Ok(Some(&self.context[before..before + kept]))
+        let released = self
+            .text
+            .releasable(&params.stop, self.finish.is_some())
+            .max(text_before);
+        self.text.released = released;
+        self.last = LastStep {
+            tokens: (gen_before, gen_before + kept),
+            text: (text_before, released),
+        };
+        Ok(())
     }
 
     /// Ends the session (as cancelled if it was still running) and returns the result.
@@ -471,11 +837,17 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         if self.finish.is_none() {
             self.end(FinishReason::Cancelled);
         }
+        let text = self
+            .g
+            .detokenizer
+            .as_ref()
+            .map(|_| self.text.output().to_string());
         Generation {
             tokens: self.context[self.prompt_len..].to_vec(),
             finish: self.finish.unwrap_or(FinishReason::Cancelled),
             metrics: std::mem::take(&mut self.metrics),
             logprobs: self.logprobs.take(),
+            text,
         }
     }
 
@@ -483,6 +855,45 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
     pub fn elapsed(&self) -> Duration {
         self.start.elapsed()
     }
+}
+
+/// A verified step with its timings.
+struct Timed {
+    out: StepOutput,
+    forward: Duration,
+    verify: Duration,
+}
+
+/// Checks a proposer's draft before the target sees it: at most `max_draft` tokens, every id in
+/// the vocabulary, q of shape `[k, q_vocab]` with `0 < q_vocab <= vocab`.
+fn check_proposal(d: &Draft, max_draft: usize, vocab: usize, proposer: &'static str) -> Result<()> {
+    let fault = |fault| Error::InvalidProposal { proposer, fault };
+    let k = d.tokens.len();
+    if k > max_draft {
+        return Err(fault(ProposalFault::TooLong { len: k, max_draft }));
+    }
+    if let Some((index, &token)) = d
+        .tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= vocab)
+    {
+        return Err(fault(ProposalFault::TokenOutOfVocab {
+            index,
+            token,
+            vocab_size: vocab,
+        }));
+    }
+    if let Some(q) = &d.q {
+        let qv = d.q_vocab;
+        if qv == 0 || qv > vocab || q.len() != k * qv {
+            return Err(fault(ProposalFault::QShape {
+                expected: k * qv.max(1),
+                actual: q.len(),
+            }));
+        }
+    }
+    Ok(())
 }
 
 impl<T: TargetModel, P: Proposer> Iterator for Session<'_, T, P> {
@@ -493,10 +904,7 @@ impl<T: TargetModel, P: Proposer> Iterator for Session<'_, T, P> {
         match self.step() {
             Ok(Some(t)) => Some(Ok(t.to_vec())),
             Ok(None) => None,
-            Err(e) => {
-                self.finish = Some(FinishReason::Cancelled);
-                Some(Err(e))
-            }
+            Err(e) => Some(Err(e)),
         }
     }
 }

@@ -10,7 +10,9 @@ mod model;
 mod policy;
 mod stop;
 
-pub use generator::{Generation, GenerationParams, Generator, Session};
+pub use generator::{
+    Generation, GenerationError, GenerationParams, Generator, Session, StreamChunk,
+};
 pub use metrics::Metrics;
 pub use model::TargetModel;
 pub use policy::{AdaptiveConfig, AdaptiveState, DraftLength};

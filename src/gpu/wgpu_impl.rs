@@ -329,13 +329,12 @@ impl WgpuVerifier {
         if p.n_rows == 0 {
             return Ok(pack::assemble(p, batch, &[], Default::default()));
         }
-        let offset = u32::try_from(offset)
-            .map_err(|_| Error::BatchTooLarge {
-                backend: "wgpu",
-                what: "logits offset",
-                size: offset as u64,
-                limit: u32::MAX as u64,
-            })?;
+        let offset = u32::try_from(offset).map_err(|_| Error::BatchTooLarge {
+            backend: "wgpu",
+            what: "logits offset",
+            size: offset as u64,
+            limit: u32::MAX as u64,
+        })?;
         let max_bind = self.dev.device.limits().max_storage_buffer_binding_size;
         let dev = self.dev.device.clone();
         let queue = self.dev.queue.clone();

@@ -168,6 +168,12 @@ pub trait Proposer {
     fn finish(&mut self, sequence: &[u32]) {
         let _ = sequence;
     }
+
+    /// A short name for errors and reports ([`crate::Error::InvalidProposal`]). The default is
+    /// the type's name.
+    fn name(&self) -> &'static str {
+        std::any::type_name::<Self>()
+    }
 }
 
 impl<P: Proposer + ?Sized> Proposer for Box<P> {
@@ -183,6 +189,9 @@ impl<P: Proposer + ?Sized> Proposer for Box<P> {
     fn finish(&mut self, sequence: &[u32]) {
         (**self).finish(sequence)
     }
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
 }
 
 impl<P: Proposer + ?Sized> Proposer for &mut P {
@@ -197,6 +206,9 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
     }
     fn finish(&mut self, sequence: &[u32]) {
         (**self).finish(sequence)
+    }
+    fn name(&self) -> &'static str {
+        (**self).name()
     }
 }
 

@@ -36,7 +36,8 @@ impl DraftSampler {
         };
         // EOS ids outside a shorter draft vocabulary are impossible there anyway.
         self.suppress.clear();
-        self.suppress.extend(req.eos.iter().filter(|&&t| (t as usize) < vocab));
+        self.suppress
+            .extend(req.eos.iter().filter(|&&t| (t as usize) < vocab));
         self.suppress_rows = req.suppress_eos_rows;
         self.prefix.clear();
         if cfg.mask().is_some() {

@@ -406,7 +406,10 @@ mod tests {
         let d = SamplingConfig::default();
         assert!(d.is_greedy());
         let rebuilt = d.to_builder().build().unwrap();
-        assert_eq!(format!("{rebuilt:?}"), format!("{:?}", SamplingConfig::greedy()));
+        assert_eq!(
+            format!("{rebuilt:?}"),
+            format!("{:?}", SamplingConfig::greedy())
+        );
     }
 
     #[test]

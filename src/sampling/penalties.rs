@@ -153,7 +153,11 @@ mod tests {
         let mut lp = [4.0, -2.0, 1.0, 0.5];
         apply_penalties(&cfg, &prompt, &mut lp);
         assert_eq!(lp, [2.0, -4.0, 1.0, 0.25]);
-        let whole = cfg.to_builder().penalty_scope(PenaltyScope::WholeContext).build().unwrap();
+        let whole = cfg
+            .to_builder()
+            .penalty_scope(PenaltyScope::WholeContext)
+            .build()
+            .unwrap();
         let mut lw = [4.0, -2.0, 1.0, f32::NEG_INFINITY];
         apply_penalties(&whole, &prompt, &mut lw);
         assert_eq!(lw, l);

@@ -589,7 +589,8 @@ impl Verifier {
         };
         let k = req.k();
         self.hist.begin(req)?;
-        self.q_rows.resize_with(k.max(self.q_rows.len()), TokenDist::default);
+        self.q_rows
+            .resize_with(k.max(self.q_rows.len()), TokenDist::default);
         for (i, &d) in req.draft_tokens.iter().enumerate() {
             let row = &logits[i * qv..(i + 1) * qv];
             let hist = self.hist.view();
