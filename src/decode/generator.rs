@@ -169,8 +169,8 @@ pub struct Generation {
 pub struct GenerationError {
     /// What failed.
     pub error: Error,
-    /// The generation up to the failure.
-    pub partial: Generation,
+    /// The generation up to the failure (boxed: it is large and the error path is rare).
+    pub partial: Box<Generation>,
 }
 
 impl std::fmt::Display for GenerationError {
@@ -342,13 +342,13 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             Err(error) => {
                 return Err(GenerationError {
                     error,
-                    partial: Generation {
+                    partial: Box::new(Generation {
                         tokens: Vec::new(),
                         finish: FinishReason::Error,
                         metrics: Metrics::default(),
                         logprobs: None,
                         text: None,
-                    },
+                    }),
                 })
             }
         };
@@ -363,7 +363,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
                 Err(error) => {
                     return Err(GenerationError {
                         error,
-                        partial: s.into_generation(),
+                        partial: Box::new(s.into_generation()),
                     })
                 }
             }

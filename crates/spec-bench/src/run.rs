@@ -235,18 +235,19 @@ pub fn run_one(
     sampling: &SamplingConfig,
     seed: u64,
 ) -> Result<RunRecord> {
-    let mut stop = StopConditions::max_tokens(input.max_tokens);
+    let mut stop = StopConditions::default();
     for &e in input.eos {
         stop = stop.with_eos(e);
     }
     let params = GenerationParams {
         sampling: sampling.clone(),
         seed,
+        max_new_tokens: input.max_tokens,
         stop,
         draft: config
             .map(|c| c.draft.to_length())
             .unwrap_or(DraftLength::Off),
-        cancel: None,
+        ..Default::default()
     };
     let mut no = NoProposer;
     let inner: &mut dyn Proposer = if config.is_some() { proposer } else { &mut no };
@@ -264,7 +265,8 @@ pub fn run_one(
         g.generate_with(input.prompt, &params, |t| {
             arrivals.push((start.elapsed().as_secs_f64(), t.len()));
             std::ops::ControlFlow::Continue(())
-        })?
+        })
+        .map_err(speculative::Error::from)?
     };
     let e2e = start.elapsed().as_secs_f64();
     let peak = peak_rss_kib();

@@ -248,9 +248,10 @@ fn run() -> Result<(), DynError> {
     let params = GenerationParams {
         sampling,
         seed: a.seed,
-        stop: StopConditions::max_tokens(a.max_tokens).with_eos(tok.eos_id()),
+        max_new_tokens: a.max_tokens,
+        stop: StopConditions::eos(tok.eos_id()),
         draft,
-        cancel: None,
+        ..Default::default()
     };
     let proposer: Box<dyn Proposer> = match a.proposer {
         ProposerKind::PromptLookup => Box::new(PromptLookup::new(1, 4)?),

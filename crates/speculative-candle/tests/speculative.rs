@@ -6,9 +6,7 @@
 
 mod common;
 
-use speculative::decode::{
-    AdaptiveConfig, DraftLength, GenerationParams, Generator, StopConditions,
-};
+use speculative::decode::{AdaptiveConfig, DraftLength, GenerationParams, Generator};
 use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, SuffixProposer};
 use speculative::{NoProposer, Proposer, TargetModel};
 use speculative_candle::{CandleTarget, ChatMessage, WeightFormat};
@@ -34,7 +32,7 @@ fn prompts() -> Vec<Vec<u32>> {
 fn params(draft: DraftLength) -> GenerationParams {
     // No EOS: every run generates exactly NEW_TOKENS tokens, even past the end of the answer.
     GenerationParams {
-        stop: StopConditions::max_tokens(NEW_TOKENS),
+        max_new_tokens: NEW_TOKENS,
         draft,
         ..GenerationParams::greedy(NEW_TOKENS)
     }
