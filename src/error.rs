@@ -3,9 +3,11 @@
 //! Every fallible function in `speculative` returns [`Error`]. Bad user input (a malformed
 //! configuration, logits of the wrong shape, a draft token outside the vocabulary, NaN logits)
 //! is reported through one of these variants, never through a panic, a NaN or a token id
-//! outside the vocabulary. Shapes and token ids are checked for the whole input; the values of
-//! logits rows are checked in the rows the verifier reads (it stops at the first rejected draft,
-//! so a NaN in a later row of the same step is not seen).
+//! outside the vocabulary. The verifier checks shapes, token ids, q rows and raw logit values for
+//! the whole input before any random draw, so whether an input is rejected never depends on the
+//! seed (case C14); only [`Error::NoAllowedToken`] for a target row depends on which rows a step
+//! reaches. The enum is `Send + Sync` and `'static`, so it crosses threads and boxes into
+//! `Box<dyn std::error::Error + Send + Sync>`.
 
 use std::fmt;
 
