@@ -14,7 +14,9 @@
 //! - [`WeightFormat`] chooses between Q8_0 re-quantised weights (default, fast) and the exact
 //!   f32 dequantisation of the file.
 //! - [`GgufTokenizer`] builds the byte-level BPE tokenizer, eos id and chat template from the
-//!   GGUF metadata; [`StreamDecoder`] yields valid UTF-8 text token by token.
+//!   GGUF metadata; [`StreamDecoder`] yields valid UTF-8 text token by token. [`GgufTokenizer`]
+//!   and [`GgufDetokenizer`] implement [`speculative::decode::Detokenizer`] (stop strings and
+//!   text streaming in the decoding loop).
 //!
 //! ## Getting the model
 //!
@@ -60,7 +62,7 @@ use std::path::PathBuf;
 
 pub use error::{CandleError, Result};
 pub use model::{CandleTarget, LlamaConfig, LlamaWeights, LoadOptions, WeightFormat};
-pub use tokenizer::{ChatMessage, GgufTokenizer, StreamDecoder};
+pub use tokenizer::{ChatMessage, GgufDetokenizer, GgufTokenizer, StreamDecoder};
 
 /// File name of the default model, SmolLM2-135M-Instruct quantised to Q4_1.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

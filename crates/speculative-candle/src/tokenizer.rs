@@ -5,9 +5,15 @@
 //! a GPT-2 style byte-level BPE (pre-tokenizer: individual digits, then the byte-level regex
 //! split without a prefix space; byte-level decoder) with the control tokens
 //! (`token_type == 3`) added as special tokens. No BOS token is added.
+//!
+//! [`GgufTokenizer`] and [`GgufDetokenizer`] implement [`speculative::decode::Detokenizer`], the
+//! hook the decoding loop uses to match stop strings across token boundaries and to stream text.
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
+
+use speculative::decode::Detokenizer;
 
 use candle_core::quantized::gguf_file::{self, Value};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -312,6 +318,12 @@ impl GgufTokenizer {
     /// # Errors
     /// [`CandleError::TokenOutOfVocab`] for an id outside the vocabulary.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        let bytes = self.concat_bytes(ids, skip_special)?;
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// The raw bytes of `ids` one after the other (control tokens dropped when `skip_special`).
+    fn concat_bytes(&self, ids: &[u32], skip_special: bool) -> Result<Vec<u8>> {
         let mut bytes = Vec::new();
         for &id in ids {
             let b = self.token_bytes(id).ok_or(CandleError::TokenOutOfVocab {
@@ -322,7 +334,23 @@ impl GgufTokenizer {
                 bytes.extend_from_slice(b);
             }
         }
-        Ok(String::from_utf8_lossy(&bytes).into_owned())
+        Ok(bytes)
+    }
+
+    /// [`Detokenizer::decode`] for both implementations: the lossy UTF-8 text of `ids`, with an
+    /// out-of-vocabulary id reported as [`speculative::Error::TokenOutOfVocab`].
+    fn detokenize(&self, ids: &[u32], skip_special: bool) -> speculative::Result<String> {
+        match self.concat_bytes(ids, skip_special) {
+            Ok(bytes) => Ok(String::from_utf8_lossy(&bytes).into_owned()),
+            Err(CandleError::TokenOutOfVocab { token, vocab_size }) => {
+                Err(speculative::Error::TokenOutOfVocab {
+                    what: "token to detokenize",
+                    token,
+                    vocab_size,
+                })
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Renders the file's chat template (Jinja, via minijinja) for `messages` with
@@ -377,6 +405,85 @@ impl GgufTokenizer {
             pending: Vec::new(),
             skip_special,
         }
+    }
+}
+
+/// The text a reader sees: control tokens (`<|im_end|>`, ...) are skipped, as in
+/// [`GgufTokenizer::decode`] with `skip_special = true` and the `speculate` example's stream.
+/// Use [`GgufDetokenizer`] to keep them in the text.
+///
+/// Stateless and exact for any slice: the text of `tokens` is the lossy UTF-8 decode of the
+/// concatenated raw bytes of the tokens ([`GgufTokenizer::token_bytes`]), so a window that starts
+/// and ends on character boundaries decodes to exactly the corresponding part of the full text,
+/// and bytes that do not yet form a complete character (a 4-byte emoji cut after its first
+/// tokens) come out as U+FFFD. `O(bytes of tokens)`.
+///
+/// Note that the inherent [`GgufTokenizer::decode`] (two arguments) takes precedence in method
+/// syntax; call this one as `Detokenizer::decode(&tokenizer, ids)`.
+///
+/// # Errors
+/// [`speculative::Error::TokenOutOfVocab`] for an id `>= vocab_size()`.
+impl Detokenizer for GgufTokenizer {
+    fn decode(&self, tokens: &[u32]) -> speculative::Result<String> {
+        self.detokenize(tokens, true)
+    }
+}
+
+/// A [`Detokenizer`] over a shared [`GgufTokenizer`] that chooses whether control tokens are
+/// part of the text.
+///
+/// With `skip_special = false` the text of `<|im_end|>` is in the decoded text (so a stop
+/// string can match it, and a stream shows it); with `true` it behaves exactly as the
+/// [`Detokenizer`] implementation of [`GgufTokenizer`]. Cloning shares the tokenizer.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use speculative::decode::Detokenizer;
+/// use speculative_candle::{default_model_path, GgufDetokenizer, GgufTokenizer};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let tok = Arc::new(GgufTokenizer::load(default_model_path())?);
+/// let ids = tok.encode("<|im_start|>Hi")?;
+/// let raw: Box<dyn Detokenizer> = Box::new(GgufDetokenizer::new(tok.clone(), false));
+/// assert_eq!(raw.decode(&ids)?, "<|im_start|>Hi");
+/// assert_eq!(Detokenizer::decode(&*tok, &ids)?, "Hi");
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct GgufDetokenizer {
+    tokenizer: Arc<GgufTokenizer>,
+    skip_special: bool,
+}
+
+impl GgufDetokenizer {
+    /// A detokenizer over `tokenizer`; `skip_special` drops control tokens from the text.
+    pub fn new(tokenizer: Arc<GgufTokenizer>, skip_special: bool) -> Self {
+        GgufDetokenizer {
+            tokenizer,
+            skip_special,
+        }
+    }
+
+    /// The shared tokenizer.
+    pub fn tokenizer(&self) -> &Arc<GgufTokenizer> {
+        &self.tokenizer
+    }
+
+    /// Whether control tokens are dropped from the text.
+    pub fn skip_special(&self) -> bool {
+        self.skip_special
+    }
+}
+
+/// The lossy UTF-8 text of the tokens' raw bytes, control tokens dropped when
+/// [`GgufDetokenizer::skip_special`]; the same guarantees as the implementation on
+/// [`GgufTokenizer`]. `O(bytes of tokens)`.
+///
+/// # Errors
+/// [`speculative::Error::TokenOutOfVocab`] for an id `>= vocab_size()`.
+impl Detokenizer for GgufDetokenizer {
+    fn decode(&self, tokens: &[u32]) -> speculative::Result<String> {
+        self.tokenizer.detokenize(tokens, self.skip_special)
     }
 }
 
