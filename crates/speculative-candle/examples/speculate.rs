@@ -26,8 +26,8 @@ use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, Suffi
 use speculative::{NoProposer, Proposer, SamplingConfig, TargetModel};
 use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
 use speculative_candle::{
-    default_model_path, CandleTarget, ChatMessage, GgufTokenizer, LlamaWeights, LoadOptions,
-    WeightFormat,
+    default_model_path, CandleTarget, ChatMessage, GgufDetokenizer, GgufTokenizer, LlamaWeights,
+    LoadOptions, WeightFormat,
 };
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
@@ -112,6 +112,13 @@ struct Args {
     /// Maximum new tokens.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
+    /// Minimum new tokens before EOS or a stop may end the generation.
+    #[arg(long, default_value_t = 0)]
+    min_tokens: usize,
+    /// Stop string (repeatable): the generation ends when the text contains it, even across
+    /// tokens; the stop string itself is not printed.
+    #[arg(long = "stop")]
+    stop: Vec<String>,
     /// Also decode plainly and print the speed-up.
     #[arg(long)]
     compare: bool,
@@ -214,7 +221,7 @@ fn run() -> Result<(), DynError> {
             )
         }
     };
-    let tok = GgufTokenizer::load(&path)?;
+    let tok = std::sync::Arc::new(GgufTokenizer::load(&path)?);
     eprintln!(
         "loaded {} ({:?} backend, {:?} weights) in {:.2} s",
         std::fs::canonicalize(&path)
@@ -249,7 +256,13 @@ fn run() -> Result<(), DynError> {
         sampling,
         seed: a.seed,
         max_new_tokens: a.max_tokens,
-        stop: StopConditions::eos(tok.eos_id()),
+        min_tokens: a.min_tokens,
+        stop: a
+            .stop
+            .iter()
+            .fold(StopConditions::eos(tok.eos_id()), |s, t| {
+                s.with_stop_string(t.as_str())
+            }),
         draft,
         ..Default::default()
     };
@@ -273,8 +286,8 @@ fn run() -> Result<(), DynError> {
 
     // Speculative run, streamed.
     let spec = {
-        let mut g = Generator::new(&mut *target, proposer);
-        let mut dec = tok.stream(true);
+        let mut g = Generator::new(&mut *target, proposer)
+            .with_detokenizer(GgufDetokenizer::new(tok.clone(), true));
         let mut out = std::io::stdout();
         let quiet = a.quiet;
         // With --quiet the text is not streamed, so a progress bar counts the tokens instead.
@@ -287,16 +300,14 @@ fn run() -> Result<(), DynError> {
             }
             b
         });
-        let r = g.generate_with(&prompt, &params, |toks| {
+        // The text arrives in whole characters; text that could still become a stop string is
+        // held back until it cannot.
+        let r = g.generate_stream(&prompt, &params, |chunk| {
             if let Some(b) = &bar {
-                b.inc(toks.len() as u64);
+                b.inc(chunk.tokens.len() as u64);
             }
             if !quiet {
-                for &t in toks {
-                    if let Ok(s) = dec.push(t) {
-                        let _ = out.write_all(s.as_bytes());
-                    }
-                }
+                let _ = out.write_all(chunk.text.as_bytes());
                 let _ = out.flush();
             }
             ControlFlow::Continue(())
@@ -304,11 +315,10 @@ fn run() -> Result<(), DynError> {
         if let Some(b) = bar {
             b.finish_and_clear();
         }
-        if !quiet {
-            println!("{}", dec.finish());
-        } else {
-            println!("{}", tok.decode(&r.tokens, true)?);
+        if quiet {
+            print!("{}", r.text.as_deref().unwrap_or_default());
         }
+        println!();
         r
     };
     println!();
