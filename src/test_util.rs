@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::decode::TargetModel;
 use crate::error::{Error, Result};
-use crate::propose::{Draft, ProposeRequest, Proposer};
+use crate::propose::{Draft, DraftHeads, HeadsInput, ProposeRequest, Proposer};
 use crate::rng::Stream;
 
 /// The logits function of a toy model: prefix -> logits `[vocab]`.
@@ -287,6 +287,155 @@ impl Proposer for ScriptedProposer {
             draft.tokens.extend(s.iter().take(req.max_draft));
         }
         self.next += 1;
+        Ok(())
+    }
+}
+
+/// Wraps a target and gives it hidden states: the hidden state of a position is the one-hot
+/// vector (`[vocab]`) of that position's input token, so [`TargetModel::hidden_size`] is the
+/// vocabulary size. `prefill` and `forward` both record one row per appended token.
+#[derive(Debug)]
+pub struct OneHotHidden<M> {
+    /// The wrapped model.
+    pub inner: M,
+    hidden: Vec<f32>,
+}
+
+impl<M> OneHotHidden<M> {
+    /// Wraps `inner`.
+    pub fn new(inner: M) -> Self {
+        OneHotHidden {
+            inner,
+            hidden: Vec::new(),
+        }
+    }
+}
+
+impl<M: TargetModel> OneHotHidden<M> {
+    fn record(&mut self, tokens: &[u32]) {
+        let v = self.inner.vocab_size();
+        self.hidden.clear();
+        self.hidden.resize(tokens.len() * v, 0.0);
+        for (row, &t) in tokens.iter().enumerate() {
+            if let Some(x) = self.hidden.get_mut(row * v + t as usize) {
+                *x = 1.0;
+            }
+        }
+    }
+}
+
+impl<M: TargetModel> TargetModel for OneHotHidden<M> {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        self.inner.max_context()
+    }
+    fn seq_len(&self) -> usize {
+        self.inner.seq_len()
+    }
+    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        self.inner.forward(tokens, logits)?;
+        self.record(tokens);
+        Ok(())
+    }
+    fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        self.inner.prefill(tokens)?;
+        self.record(tokens);
+        Ok(())
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.inner.truncate(len)
+    }
+    fn hidden_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn last_hidden(&self) -> Option<&[f32]> {
+        Some(&self.hidden)
+    }
+}
+
+/// How [`ToyHeads`] use their input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadsConditioning {
+    /// MTP-style: head `j` predicts `next^(j + 1)(last_token)`.
+    LastToken,
+    /// Medusa-style, ignoring the last token: head `j` predicts `next^(j + 2)(x)`, where `x` is
+    /// the argmax of the (one-hot) hidden state, i.e. the input token of the row that predicted
+    /// the last token, and `next(x)` the target's own prediction there.
+    HiddenOnly,
+}
+
+/// Draft heads for a target whose greedy next token depends only on the last token
+/// (`next(t)`), reading one-hot hidden states such as [`OneHotHidden`]'s. Each head puts logit
+/// 10 on its prediction and 0 elsewhere. Every input is recorded in [`ToyHeads::inputs`].
+pub struct ToyHeads {
+    next: Box<dyn Fn(u32) -> u32 + Send + Sync>,
+    vocab: usize,
+    heads: usize,
+    conditioning: HeadsConditioning,
+    /// `(hidden, last_token, position)` of every [`DraftHeads::logits`] call, in order.
+    pub inputs: Vec<(Vec<f32>, u32, usize)>,
+}
+
+impl std::fmt::Debug for ToyHeads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ToyHeads")
+            .field("vocab", &self.vocab)
+            .field("heads", &self.heads)
+            .field("conditioning", &self.conditioning)
+            .finish()
+    }
+}
+
+impl ToyHeads {
+    /// `heads` heads over `vocab` tokens for the chain `next` (results are taken mod `vocab`).
+    pub fn new(
+        vocab: usize,
+        heads: usize,
+        conditioning: HeadsConditioning,
+        next: impl Fn(u32) -> u32 + Send + Sync + 'static,
+    ) -> Self {
+        ToyHeads {
+            next: Box::new(next),
+            vocab,
+            heads,
+            conditioning,
+            inputs: Vec::new(),
+        }
+    }
+}
+
+impl DraftHeads for ToyHeads {
+    fn num_heads(&self) -> usize {
+        self.heads
+    }
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+    fn hidden_size(&self) -> usize {
+        self.vocab
+    }
+    fn logits(&mut self, input: &HeadsInput<'_>, n: usize, logits: &mut Vec<f32>) -> Result<()> {
+        self.inputs
+            .push((input.hidden.to_vec(), input.last_token, input.position));
+        let v = self.vocab as u32;
+        let mut t = match self.conditioning {
+            HeadsConditioning::LastToken => input.last_token,
+            HeadsConditioning::HiddenOnly => {
+                let x = input
+                    .hidden
+                    .iter()
+                    .position(|&h| h > 0.5)
+                    .ok_or_else(|| Error::proposer("toy heads: hidden state is not one-hot"))?;
+                (self.next)(x as u32) % v
+            }
+        };
+        logits.clear();
+        for _ in 0..n {
+            t = (self.next)(t) % v;
+            logits.extend((0..v).map(|x| if x == t { 10.0 } else { 0.0 }));
+        }
         Ok(())
     }
 }

@@ -7,7 +7,8 @@ use speculative::decode::{
     AdaptiveConfig, DraftLength, FinishReason, GenerationParams, Generator, StopConditions,
 };
 use speculative::propose::{
-    DraftHeads, DraftModelProposer, HeadsProposer, PromptLookup, SuffixConfig, SuffixProposer,
+    DraftHeads, DraftModelProposer, HeadsInput, HeadsProposer, PromptLookup, SuffixConfig,
+    SuffixProposer,
 };
 use speculative::test_util::{CallLog, RandomProposer, ScriptedProposer, ToyModel, WrongProposer};
 use speculative::{NoProposer, Proposer, Result, SamplingConfig, TargetModel};
@@ -73,7 +74,8 @@ impl DraftHeads for TableHeads {
     fn hidden_size(&self) -> usize {
         1
     }
-    fn logits(&mut self, hidden: &[f32], n: usize, logits: &mut Vec<f32>) -> Result<()> {
+    fn logits(&mut self, input: &HeadsInput<'_>, n: usize, logits: &mut Vec<f32>) -> Result<()> {
+        let hidden = input.hidden;
         logits.clear();
         for j in 0..n {
             let t = (hidden[0] as usize + j) % 7;

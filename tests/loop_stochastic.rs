@@ -11,7 +11,8 @@
 
 use speculative::decode::{DraftLength, GenerationParams, Generator};
 use speculative::propose::{
-    DraftHeads, DraftModelProposer, HeadsProposer, PromptLookup, SuffixConfig, SuffixProposer,
+    DraftHeads, DraftModelProposer, HeadsInput, HeadsProposer, PromptLookup, SuffixConfig,
+    SuffixProposer,
 };
 use speculative::sampling::{History, RowProcessor, TokenCounts, TokenDist};
 use speculative::test_util::{RandomProposer, ToyModel};
@@ -228,7 +229,8 @@ impl DraftHeads for SynthHeads {
     fn hidden_size(&self) -> usize {
         1
     }
-    fn logits(&mut self, hidden: &[f32], n: usize, logits: &mut Vec<f32>) -> Result<()> {
+    fn logits(&mut self, input: &HeadsInput<'_>, n: usize, logits: &mut Vec<f32>) -> Result<()> {
+        let hidden = input.hidden;
         logits.clear();
         for j in 0..n {
             for v in 0..VOCAB {

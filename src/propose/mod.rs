@@ -23,7 +23,7 @@ mod sampler;
 mod suffix;
 
 pub use draft_model::DraftModelProposer;
-pub use heads::{DraftHeads, HeadsProposer};
+pub use heads::{DraftHeads, HeadsInput, HeadsProposer};
 pub use prompt_lookup::PromptLookup;
 pub use suffix::{SuffixConfig, SuffixProposer};
 
@@ -41,8 +41,11 @@ pub struct ProposeRequest<'a> {
     /// The request's seed. Proposers that sample draw from the counter-based stream
     /// [`crate::rng::Stream`] keyed by this seed and the absolute token position.
     pub seed: u64,
-    /// The target's final hidden state for the position that predicts the next token
-    /// (`[hidden_size]`), when the target exposes hidden states. Used by [`HeadsProposer`].
+    /// The target's final hidden state (`[hidden_size]`) of the row that predicted
+    /// `context.last()` (the row whose input is `context[context.len() - 2]`), when the target
+    /// exposes hidden states. For a generated token the target's own prediction from this row is
+    /// that token; for the prompt's last token it may not be. [`HeadsProposer`] passes it to its
+    /// heads together with `context.last()` (see [`HeadsInput`]).
     pub target_hidden: Option<&'a [f32]>,
     /// Number of leading `context` tokens that are the prompt (frequency and presence penalties
     /// count only the tokens after it; see [`crate::sampling::PenaltyScope`]).
@@ -74,6 +77,15 @@ impl<'a> ProposeRequest<'a> {
     /// `true` when `token` is one of the request's EOS ids.
     pub fn is_eos(&self, token: u32) -> bool {
         self.eos.contains(&token)
+    }
+
+    /// Length of `tokens` cut right after its first EOS id (`tokens.len()` when it holds none):
+    /// the longest prefix a proposer may return as a draft. `O(tokens.len() * eos.len())`.
+    pub fn draft_len_to_eos(&self, tokens: &[u32]) -> usize {
+        tokens
+            .iter()
+            .position(|&t| self.is_eos(t))
+            .map_or(tokens.len(), |i| i + 1)
     }
 }
 
@@ -114,6 +126,20 @@ impl Draft {
 /// Object safe: engines can hold `Box<dyn Proposer>`. The decoding loop calls
 /// [`Proposer::begin`] once per generation, then for each step [`Proposer::propose`] followed by
 /// [`Proposer::observe`] with the verified outcome.
+///
+/// # State across requests
+///
+/// A proposer may be used directly, without the loop and without [`Proposer::begin`]. It must
+/// then never serve drafts from a previous request's state: a proposer that keeps per-request
+/// state checks in `propose` whether `req.context` extends what it has seen, and rebuilds its
+/// state from `req.context` when it does not (or, only if it cannot rebuild, returns
+/// [`crate::Error::StaleProposerState`]). Every shipped proposer rebuilds; see each type's docs.
+///
+/// # Drafts end at EOS
+///
+/// A draft never holds a token after its first EOS id ([`ProposeRequest::eos`]; see
+/// [`ProposeRequest::draft_len_to_eos`]): nothing after an end can be emitted, and sampling
+/// proposers process no draft row after it.
 ///
 /// # Example
 ///
@@ -169,8 +195,14 @@ pub trait Proposer {
         let _ = sequence;
     }
 
-    /// A short name for errors and reports ([`crate::Error::InvalidProposal`]). The default is
-    /// the type's name.
+    /// A short, stable name for messages and metrics. The decoding loop puts it in
+    /// [`crate::Error::InvalidProposal`] and [`crate::Error::StaleProposerState`] so that a caller
+    /// with several proposers sees which one failed.
+    ///
+    /// The default is [`std::any::type_name`] of the implementing type (for example
+    /// `my_crate::Repeat`); the shipped proposers return `"prompt-lookup"`, `"suffix"`,
+    /// `"draft-model"`, `"heads"` and `"none"`. `Box<P>` and `&mut P` forward to `P`, so a
+    /// `Box<dyn Proposer>` reports the boxed proposer's name.
     fn name(&self) -> &'static str {
         std::any::type_name::<Self>()
     }
@@ -220,5 +252,54 @@ impl Proposer for NoProposer {
     fn propose(&mut self, _req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
         Ok(())
+    }
+
+    /// `"none"`.
+    fn name(&self) -> &'static str {
+        "none"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SamplingConfig;
+
+    struct Unnamed;
+    impl Proposer for Unnamed {
+        fn propose(&mut self, _req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+            draft.clear();
+            Ok(())
+        }
+    }
+
+    /// The name as seen through a generic `P: Proposer` (the impls for `Box` and `&mut`).
+    fn name_of<P: Proposer>(p: P) -> &'static str {
+        p.name()
+    }
+
+    #[test]
+    fn name_defaults_to_the_type_name_and_is_forwarded() {
+        assert!(Unnamed.name().ends_with("::Unnamed"), "{}", Unnamed.name());
+        let boxed: Box<dyn Proposer> = Box::new(Unnamed);
+        assert_eq!(name_of(boxed), Unnamed.name());
+        let mut none = NoProposer;
+        assert_eq!(none.name(), "none");
+        assert_eq!(name_of(&mut none), "none");
+        let mut boxed: Box<dyn Proposer> = Box::new(NoProposer);
+        assert_eq!(name_of(&mut boxed), "none");
+        assert_eq!(name_of(Box::new(&mut boxed)), "none");
+    }
+
+    #[test]
+    fn draft_len_to_eos_cuts_after_the_first_eos() {
+        let cfg = SamplingConfig::greedy();
+        let mut req = ProposeRequest::new(&[1], &cfg, 4);
+        assert_eq!(req.draft_len_to_eos(&[3, 4, 5]), 3);
+        req.eos = &[4, 9];
+        assert_eq!(req.draft_len_to_eos(&[3, 4, 5]), 2);
+        assert_eq!(req.draft_len_to_eos(&[9, 4, 5]), 1);
+        assert_eq!(req.draft_len_to_eos(&[]), 0);
+        assert_eq!(req.draft_len_to_eos(&[1, 2]), 2);
     }
 }

@@ -74,36 +74,13 @@ pub(super) fn edge_key(parent: u32, token: u32) -> u64 {
     (u64::from(parent) << 32) | u64::from(token)
 }
 
-/// Number of trailing tokens [`extends`] compares one by one.
-const CHECK_TAIL: usize = 16;
-
-/// `true` when `context` looks like `indexed` followed by zero or more new tokens.
+/// `true` when `context` is `indexed` followed by zero or more new tokens.
 ///
-/// Compares the lengths, the last [`CHECK_TAIL`] indexed tokens, tokens at exponentially growing
-/// distances (32, 64, 128, ...) from the end, and the first token: `O(log len)` work, not a
-/// rescan. A caller that switches to an unrelated sequence which agrees with the old one at all
-/// of these positions must call [`Proposer::begin`] (the decoding loop always does).
+/// Exact: compares every indexed token with the context's prefix (one `memcmp` of
+/// `4 * indexed.len()` bytes), so a proposer used without [`Proposer::begin`] never serves
+/// drafts from an unrelated sequence that happens to agree at a few positions.
 pub(super) fn extends(indexed: &[u32], context: &[u32]) -> bool {
-    let n = indexed.len();
-    if context.len() < n {
-        return false;
-    }
-    if n == 0 {
-        return true;
-    }
-    let tail = n.min(CHECK_TAIL);
-    if context.get(n - tail..n) != indexed.get(n - tail..) {
-        return false;
-    }
-    let mut back = 2 * CHECK_TAIL;
-    while back < n {
-        let i = n - 1 - back;
-        if context.get(i) != indexed.get(i) {
-            return false;
-        }
-        back = back.saturating_mul(2);
-    }
-    context.first() == indexed.first()
+    context.get(..indexed.len()) == Some(indexed)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -117,7 +94,7 @@ pub(super) fn extends(indexed: &[u32], context: &[u32]) -> bool {
 /// the exclusive end of an occurrence: the n-gram occupies `seq[e - n .. e]`.
 #[derive(Debug, Clone)]
 struct NgramIndex {
-    /// Copy of the sequence indexed so far (checked by [`extends`] on every call).
+    /// Copy of the sequence indexed so far (compared by [`extends`] on every call).
     seq: Vec<u32>,
     /// `(node, token) -> child`.
     edges: EdgeMap,
@@ -222,18 +199,27 @@ impl NgramIndex {
 /// to `max_draft` tokens that followed the **most recent** such occurrence. If that continuation
 /// reaches the end of the context the proposal is shorter (unless
 /// [`PromptLookup::periodic_extension`] is on). No match gives an empty draft, as does an empty
-/// context or one shorter than `min_n + 1`. No end-of-sequence id is needed.
+/// context or one shorter than `min_n + 1`. The draft ends right after its first EOS id
+/// ([`ProposeRequest::eos`]), if it holds one.
 ///
 /// The proposer is deterministic: [`Draft::q`] is `None` (a point mass on each draft token).
+///
+/// # State across requests
+///
+/// The index belongs to one context. Every call checks exactly that `req.context` starts with
+/// the whole indexed sequence (a `memcmp`); when it does not (another request, a context that
+/// shrank or changed anywhere), the index is rebuilt from `req.context`, as
+/// [`Proposer::begin`] would. So the drafts never depend on an earlier request, with or without
+/// `begin`: they equal a fresh proposer's drafts on the same context.
 ///
 /// # Complexity
 ///
 /// The index is updated incrementally: a call whose context extends the previous one by `a`
-/// tokens costs `O(a * max_n + max_n + max_draft)` expected time (hash look-ups), independent of
-/// the context length `L`. A context that does not extend the indexed one (detected by comparing
-/// the length and `O(log L)` sampled positions, or announced by [`Proposer::begin`]) is indexed
-/// from scratch in `O(L * max_n)`. Memory: a copy of the context plus at most `max_n` trie nodes
-/// per token (about 30 bytes each), so `O(L * max_n)`.
+/// tokens costs `O(a * max_n + max_n + max_draft)` expected time (hash look-ups) plus the
+/// `O(L)` comparison above (a `memcmp` of `4 L` bytes, a few microseconds at `L = 32,000`). A
+/// context that does not extend the indexed one is indexed from scratch in `O(L * max_n)`.
+/// Memory: a copy of the context plus at most `max_n` trie nodes per token (about 30 bytes
+/// each), so `O(L * max_n)`.
 ///
 /// # Example
 ///
@@ -342,7 +328,9 @@ impl PromptLookup {
 
 impl Proposer for PromptLookup {
     /// Proposes up to `req.max_draft` tokens that followed the most recent earlier occurrence of
-    /// the longest matching trailing n-gram of `req.context`; see [`PromptLookup`].
+    /// the longest matching trailing n-gram of `req.context`, cut after the first EOS; see
+    /// [`PromptLookup`]. Rebuilds the index when `req.context` does not extend the indexed
+    /// sequence (see "State across requests" there).
     ///
     /// # Errors
     /// [`Error::Proposer`] only if the index would exceed `2^32 - 1` n-grams (a context of
@@ -368,7 +356,15 @@ impl Proposer for PromptLookup {
             let take = req.max_draft.min(continuation.len());
             draft.tokens.extend_from_slice(&continuation[..take]);
         }
+        // A draft ends at its first EOS.
+        let keep = req.draft_len_to_eos(&draft.tokens);
+        draft.tokens.truncate(keep);
         Ok(())
+    }
+
+    /// `"prompt-lookup"`.
+    fn name(&self) -> &'static str {
+        "prompt-lookup"
     }
 
     /// Indexes the prompt ahead of the first proposal (replacing any earlier index).
@@ -640,5 +636,101 @@ mod tests {
         b[0] = 0;
         b[990] = 7;
         assert!(!extends(&a, &b));
+        // Any single position counts, not only sampled ones.
+        for i in [1, 500, 700, 966, 983] {
+            let mut c = a.clone();
+            c.push(5);
+            c[i] = 7;
+            assert!(!extends(&a, &c), "change at {i}");
+        }
+    }
+
+    fn propose_eos(p: &mut PromptLookup, context: &[u32], k: usize, eos: &[u32]) -> Vec<u32> {
+        let config = SamplingConfig::greedy();
+        let req = ProposeRequest {
+            eos,
+            ..ProposeRequest::new(context, &config, k)
+        };
+        let mut draft = Draft::default();
+        p.propose(&req, &mut draft).unwrap();
+        draft.tokens
+    }
+
+    #[test]
+    fn draft_ends_at_the_first_eos() {
+        let ctx = [5, 6, 7, 2, 9, 10, 3, 11, 5, 6];
+        let mut p = PromptLookup::new(1, 2).unwrap();
+        assert_eq!(propose_eos(&mut p, &ctx, 6, &[]), [7, 2, 9, 10, 3, 11]);
+        assert_eq!(propose_eos(&mut p, &ctx, 6, &[2]), [7, 2]);
+        assert_eq!(propose_eos(&mut p, &ctx, 6, &[3, 2]), [7, 2]);
+        assert_eq!(propose_eos(&mut p, &ctx, 6, &[3]), [7, 2, 9, 10, 3]);
+        assert_eq!(propose_eos(&mut p, &ctx, 6, &[7]), [7]);
+        // Periodic extension: the cycle is cut at the EOS too.
+        let mut p = PromptLookup::new(1, 2).unwrap().periodic_extension(true);
+        assert_eq!(
+            propose_eos(&mut p, &[1, 4, 8, 1, 4], 6, &[]),
+            [8, 1, 4, 8, 1, 4]
+        );
+        assert_eq!(propose_eos(&mut p, &[1, 4, 8, 1, 4], 6, &[4]), [8, 1, 4]);
+    }
+
+    /// Two requests of 400 tokens that differ only at positions 303..308: the same length,
+    /// first token, last 16 tokens and tokens at distances 32, 64, 128, 256 from the end, so a
+    /// check that samples those positions takes B for a continuation of A.
+    fn look_alike_requests() -> (Vec<u32>, Vec<u32>) {
+        let mut a: Vec<u32> = (100..500).collect();
+        a[397..400].copy_from_slice(&[7, 8, 9]);
+        a[300..303].copy_from_slice(&[7, 8, 9]);
+        a[303..308].copy_from_slice(&[50, 51, 52, 53, 54]);
+        let mut b = a.clone();
+        b[303..308].copy_from_slice(&[60, 61, 62, 63, 64]);
+        (a, b)
+    }
+
+    #[test]
+    fn stale_state_unrelated_request_equals_a_fresh_proposer() {
+        let (a, b) = look_alike_requests();
+        for (min_n, max_n) in [(1, 3), (2, 4), (3, 3)] {
+            let mut p = PromptLookup::new(min_n, max_n).unwrap();
+            assert_eq!(propose(&mut p, &a, 5), [50, 51, 52, 53, 54]);
+            // Directly on B, without begin.
+            let got = propose(&mut p, &b, 5);
+            let mut fresh = PromptLookup::new(min_n, max_n).unwrap();
+            assert_eq!(got, propose(&mut fresh, &b, 5));
+            assert_eq!(got, [60, 61, 62, 63, 64]);
+            // And back to A.
+            assert_eq!(propose(&mut p, &a, 5), [50, 51, 52, 53, 54]);
+        }
+    }
+
+    #[test]
+    fn stale_state_context_that_shrinks_or_diverges() {
+        let mut x = 7u64;
+        let seq: Vec<u32> = (0..300)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 6) as u32
+            })
+            .collect();
+        let mut p = PromptLookup::new(1, 3).unwrap();
+        propose(&mut p, &seq, 4);
+        // Shrinks: a prefix of what was indexed.
+        for cut in [299, 150, 2, 0] {
+            let got = propose(&mut p, &seq[..cut], 4);
+            assert_eq!(got, reference(&seq[..cut], 1, 3, 4, false), "cut {cut}");
+            propose(&mut p, &seq, 4);
+        }
+        // Diverges mid-way, then grows past the old length.
+        for at in [0, 1, 77, 150, 298] {
+            let mut other = seq.clone();
+            other[at] = (other[at] + 1) % 6;
+            other.extend_from_slice(&seq[..20]);
+            propose(&mut p, &seq, 4);
+            let got = propose(&mut p, &other, 4);
+            assert_eq!(got, reference(&other, 1, 3, 4, false), "diverge at {at}");
+            assert_eq!(p.indexed_len(), other.len());
+        }
     }
 }

@@ -302,10 +302,12 @@ impl Trie {
 
     /// Greedy draft from node `start` (a string of `depth` tokens): repeatedly moves to the most
     /// frequent child while the product of `count(child) / denominator(node)` stays at or above
-    /// `min_confidence`, writing the tokens to `out`. `tail[d]`, when given, is the node of the
+    /// `min_confidence`, writing the tokens to `out` and stopping after the first token in
+    /// `eos`. `tail[d]`, when given, is the node of the
     /// context's suffix of length `d`: that occurrence has no continuation yet and is left out
     /// of the denominator. Returns the expected number of accepted tokens under these estimates
     /// (the sum of the path probabilities after each step).
+    #[allow(clippy::too_many_arguments)]
     fn greedy_path(
         &mut self,
         start: u32,
@@ -313,6 +315,7 @@ impl Trie {
         tail: Option<&[u32]>,
         max_draft: usize,
         min_confidence: f64,
+        eos: &[u32],
         out: &mut Vec<u32>,
     ) -> f64 {
         out.clear();
@@ -331,8 +334,13 @@ impl Trie {
             if confidence < min_confidence {
                 break;
             }
-            out.push(self.nodes[c as usize].token);
+            let token = self.nodes[c as usize].token;
+            out.push(token);
             score += confidence;
+            // A draft ends at its first EOS.
+            if eos.contains(&token) {
+                break;
+            }
             u = c;
             d += 1;
         }
@@ -467,11 +475,23 @@ impl Corpus {
 ///    (in the request trie, the context's own last occurrence, which has no continuation yet,
 ///    is not counted in `count(node)`); the path confidence is the product of the step
 ///    confidences. Stop before the step that brings it below
-///    [`SuffixConfig::min_confidence`], at `max_draft` tokens, or at depth `max_depth`.
+///    [`SuffixConfig::min_confidence`], at `max_draft` tokens, at depth `max_depth`, or right
+///    after an EOS id ([`ProposeRequest::eos`]; a draft ends at its first EOS).
 /// 3. Choose: the candidate with the larger sum of path confidences after each step (the
 ///    expected number of accepted tokens under these estimates); ties go to the request trie.
 ///
 /// The proposer is deterministic: [`Draft::q`] is `None` (a point mass on each draft token).
+///
+/// # State across requests
+///
+/// The request trie belongs to one context. Every call checks exactly that `req.context`
+/// starts with the whole indexed sequence (a `memcmp`); when it does not (another request, a
+/// context that shrank or changed anywhere), the request trie is rebuilt from `req.context`, as
+/// [`Proposer::begin`] would (the prompt length for
+/// [`SuffixConfig::corpus_outputs_only`] is then unknown until the next `begin`). The shared
+/// corpus of earlier generations is cross-request state by design and is kept. So the drafts
+/// never depend on an earlier request's context: they equal the drafts of a proposer with the
+/// same corpus that is given the same context fresh.
 ///
 /// # Memory bound and eviction
 ///
@@ -495,9 +515,8 @@ impl Corpus {
 ///
 /// Per call, `O(a * (max_depth + max_match_len) + max_match_len + max_draft)` expected time for
 /// a context that extends the previous one by `a` tokens (usually 1 to `k + 1`), independent of
-/// the context length. A context that is not an extension of the indexed one (checked by
-/// length and `O(log L)` sampled positions; [`Proposer::begin`] announces a new one) is
-/// re-indexed in `O(L * max_depth)`. Adding a generation of `g` tokens costs `O(g *
+/// the context length, plus the `O(L)` comparison above (a `memcmp` of `4 L` bytes). A context
+/// that is not an extension of the indexed one is re-indexed in `O(L * max_depth)`. Adding a generation of `g` tokens costs `O(g *
 /// max_depth)` plus the same per evicted token.
 ///
 /// # Example
@@ -669,7 +688,9 @@ fn advance_match(trie: &Trie, cur: &mut Vec<u32>, next: &mut Vec<u32>, token: u3
 }
 
 impl Proposer for SuffixProposer {
-    /// Proposes up to `req.max_draft` tokens by the algorithm described on [`SuffixProposer`].
+    /// Proposes up to `req.max_draft` tokens by the algorithm described on [`SuffixProposer`],
+    /// ending at the first EOS. Rebuilds the request trie when `req.context` does not extend the
+    /// indexed sequence (see "State across requests" there).
     ///
     /// # Errors
     /// [`Error::Proposer`] only if the request trie would exceed `2^32 - 2` nodes (a context of
@@ -697,6 +718,7 @@ impl Proposer for SuffixProposer {
                 Some(active),
                 req.max_draft,
                 min_confidence,
+                req.eos,
                 &mut self.request_draft,
             );
         }
@@ -717,6 +739,7 @@ impl Proposer for SuffixProposer {
                 None,
                 req.max_draft,
                 min_confidence,
+                req.eos,
                 &mut self.corpus_draft,
             );
         }
@@ -761,6 +784,11 @@ impl Proposer for SuffixProposer {
         self.add_to_corpus(part);
         self.reset();
     }
+
+    /// `"suffix"`.
+    fn name(&self) -> &'static str {
+        "suffix"
+    }
 }
 
 #[cfg(test)]
@@ -792,6 +820,109 @@ mod tests {
         draft.tokens
     }
 
+    fn propose_eos(p: &mut SuffixProposer, context: &[u32], k: usize, eos: &[u32]) -> Vec<u32> {
+        let config = SamplingConfig::greedy();
+        let req = ProposeRequest {
+            eos,
+            ..ProposeRequest::new(context, &config, k)
+        };
+        let mut draft = Draft::default();
+        p.propose(&req, &mut draft).unwrap();
+        draft.tokens
+    }
+
+    /// Two requests of 400 tokens that differ only at positions 303..308: the same length,
+    /// first token, last 16 tokens and tokens at distances 32, 64, 128, 256 from the end, so a
+    /// check that samples those positions takes B for a continuation of A.
+    fn look_alike_requests() -> (Vec<u32>, Vec<u32>) {
+        let mut a: Vec<u32> = (100..500).collect();
+        a[397..400].copy_from_slice(&[7, 8, 9]);
+        a[300..303].copy_from_slice(&[7, 8, 9]);
+        a[303..308].copy_from_slice(&[50, 51, 52, 53, 54]);
+        let mut b = a.clone();
+        b[303..308].copy_from_slice(&[60, 61, 62, 63, 64]);
+        (a, b)
+    }
+
+    #[test]
+    fn stale_state_unrelated_request_equals_a_fresh_proposer() {
+        let (a, b) = look_alike_requests();
+        let corpus = [1u32, 2, 3, 4, 5];
+        let mut p = SuffixProposer::new(SuffixConfig::default()).unwrap();
+        p.add_to_corpus(&corpus);
+        assert_eq!(propose(&mut p, &a, 5), [50, 51, 52, 53, 54]);
+        // Directly on B, without begin.
+        let got = propose(&mut p, &b, 5);
+        let mut fresh = SuffixProposer::new(SuffixConfig::default()).unwrap();
+        fresh.add_to_corpus(&corpus);
+        assert_eq!(got, propose(&mut fresh, &b, 5));
+        assert_eq!(got, [60, 61, 62, 63, 64]);
+        assert_eq!(p.indexed_len(), b.len());
+        assert_eq!(p.node_counts(), fresh.node_counts());
+        // The shared corpus is intended cross-request state: it stays.
+        assert_eq!(p.corpus_tokens(), 5);
+        assert_eq!(propose(&mut p, &[9, 9, 2, 3], 4), [4, 5]);
+        // And back to A.
+        assert_eq!(propose(&mut p, &a, 5), [50, 51, 52, 53, 54]);
+    }
+
+    #[test]
+    fn stale_state_context_that_shrinks_or_diverges() {
+        let c = cfg(8, 3, 0.1);
+        let corpus = vec![(0..40).map(|i| (i * 5 % 7) as u32).collect::<Vec<u32>>()];
+        let mut x = 11u64;
+        let seq: Vec<u32> = (0..300)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 7) as u32
+            })
+            .collect();
+        let mut p = SuffixProposer::new(c.clone()).unwrap();
+        p.add_to_corpus(&corpus[0]);
+        propose(&mut p, &seq, 4);
+        // Shrinks: a prefix of what was indexed.
+        for cut in [299, 150, 2, 0] {
+            let got = propose(&mut p, &seq[..cut], 4);
+            assert_eq!(got, reference(&seq[..cut], &corpus, &c, 4), "cut {cut}");
+            propose(&mut p, &seq, 4);
+        }
+        // Diverges mid-way, then grows past the old length.
+        for at in [0, 1, 77, 150, 298] {
+            let mut other = seq.clone();
+            other[at] = (other[at] + 1) % 7;
+            other.extend_from_slice(&seq[..20]);
+            propose(&mut p, &seq, 4);
+            let got = propose(&mut p, &other, 4);
+            assert_eq!(got, reference(&other, &corpus, &c, 4), "diverge at {at}");
+            assert_eq!(p.indexed_len(), other.len());
+        }
+        assert_eq!(p.corpus_tokens(), 40);
+    }
+
+    #[test]
+    fn draft_ends_at_the_first_eos() {
+        let ctx = [5, 6, 7, 2, 9, 10, 3, 11, 5, 6];
+        let mut p = SuffixProposer::new(cfg(12, 4, 0.0)).unwrap();
+        assert_eq!(propose_eos(&mut p, &ctx, 6, &[]), [7, 2, 9, 10, 3, 11]);
+        assert_eq!(propose_eos(&mut p, &ctx, 6, &[2]), [7, 2]);
+        assert_eq!(propose_eos(&mut p, &ctx, 6, &[3, 2]), [7, 2]);
+        assert_eq!(propose_eos(&mut p, &ctx, 6, &[3]), [7, 2, 9, 10, 3]);
+        assert_eq!(propose_eos(&mut p, &ctx, 6, &[7]), [7]);
+        // From the corpus as well.
+        let mut p = SuffixProposer::new(cfg(12, 4, 0.0)).unwrap();
+        p.add_to_corpus(&[1, 2, 3, 0, 4, 5]);
+        assert_eq!(propose_eos(&mut p, &[9, 1, 2], 6, &[]), [3, 0, 4, 5]);
+        assert_eq!(propose_eos(&mut p, &[9, 1, 2], 6, &[0]), [3, 0]);
+    }
+
+    #[test]
+    fn name_is_suffix() {
+        let p = SuffixProposer::new(SuffixConfig::default()).unwrap();
+        assert_eq!(p.name(), "suffix");
+    }
+
     fn cfg(max_depth: usize, max_match_len: usize, min_confidence: f32) -> SuffixConfig {
         SuffixConfig {
             max_depth,
@@ -813,6 +944,17 @@ mod tests {
 
     /// Brute-force specification: counts by scanning the texts.
     fn reference(context: &[u32], corpus: &[Vec<u32>], c: &SuffixConfig, k: usize) -> Vec<u32> {
+        reference_eos(context, corpus, c, k, &[])
+    }
+
+    /// [`reference`] with EOS ids: a path ends right after its first EOS.
+    fn reference_eos(
+        context: &[u32],
+        corpus: &[Vec<u32>],
+        c: &SuffixConfig,
+        k: usize,
+        eos: &[u32],
+    ) -> Vec<u32> {
         let len = context.len();
         // count(w) for a path string, denominator excludes the context's own last occurrence.
         let walk =
@@ -848,6 +990,9 @@ mod tests {
                     out.push(t);
                     score += conf;
                     w.push(t);
+                    if eos.contains(&t) {
+                        break;
+                    }
                 }
                 (out, score)
             };
@@ -1128,6 +1273,28 @@ mod tests {
             let got = propose(&mut inc, &seq, k);
             prop_assert_eq!(&got, &propose(&mut fresh, &seq, k));
             prop_assert_eq!(got, reference(&seq, &kept, &c, k));
+        }
+
+        /// With EOS ids, drafts follow the specification whose paths end at the first EOS, and
+        /// never hold a token after an EOS.
+        #[test]
+        fn drafts_end_at_eos(
+            seq in proptest::collection::vec(0u32..4, 0..60),
+            corpus in proptest::collection::vec(proptest::collection::vec(0u32..4, 0..12), 0..4),
+            eos in proptest::collection::vec(0u32..4, 0..2),
+            k in 0usize..8,
+        ) {
+            let c = cfg(6, 3, 0.0);
+            let mut p = SuffixProposer::new(c.clone()).unwrap();
+            for g in &corpus {
+                p.add_to_corpus(g);
+            }
+            let kept: Vec<Vec<u32>> = corpus.iter().filter(|g| !g.is_empty()).cloned().collect();
+            let got = propose_eos(&mut p, &seq, k, &eos);
+            if let Some(i) = got.iter().position(|t| eos.contains(t)) {
+                prop_assert_eq!(i + 1, got.len());
+            }
+            prop_assert_eq!(got, reference_eos(&seq, &kept, &c, k, &eos));
         }
 
         /// After any sequence of additions the corpus holds at most the bound, keeps the newest
