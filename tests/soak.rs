@@ -34,13 +34,9 @@ const ORDER: usize = 4;
 /// Prompts that end with one of these tails continue the same way (the target reads only the
 /// last `ORDER` tokens), so the corpus has something to draft from.
 const HOT_TAILS: usize = 16;
-/// Bytes per trie node documented on `SuffixProposer` ("Memory bound and eviction"): "about 24
-/// bytes plus its entry in the edge hash map (about 20 bytes)", so about 66 MiB for the default
-/// bound of `1 + 65,536 * 24` corpus nodes ("about 70 MB").
-const DOC_BYTES_PER_NODE: usize = 24 + 20;
-/// Peak RSS may grow by at most this multiple of the documented bound. The documented figure
-/// counts one live node and one map entry, not what the process holds for them at the node
-/// bound `N = 1 + 65,536 * 24` (default config):
+/// Bytes per node of the corpus bound at the peak, documented on `SuffixProposer` ("Memory
+/// bound and eviction": "105 bytes per node of the bound at the peak", about 160 MiB for the
+/// default bound of `1 + 65,536 * 24` nodes). Where it comes from, at the node bound `N`:
 /// - the node vector grows by doubling: at most `2^21 * 24` B = 48 MiB;
 /// - the edge map (`HashMap<u64, u32>`, 17 B per bucket) keeps at most 7/8 of its power-of-two
 ///   buckets full, and under the corpus's steady insert/evict churn it grows once the live
@@ -49,11 +45,11 @@ const DOC_BYTES_PER_NODE: usize = 24 + 20;
 ///   table (34 MiB) while it grows;
 /// - the free list keeps 4 B per freed node (at most 8 MiB).
 ///
-/// That is about 158 MiB at the peak (and 110 MiB after it), 2.4x the documented 66 MiB;
-/// measured: about 80 B per live node in steady state and 105 B at the peak
-/// (docs/benchmarks.md, "Soak"). 2.5x is that worst case with a small allowance for the
-/// allocator, the request trie and the generator's buffers.
-const RSS_FACTOR_OVER_DOC: f64 = 2.5;
+/// That is about 158 MiB at the peak (and 110 MiB after it).
+const DOC_BYTES_PER_NODE: usize = 105;
+/// Peak RSS may grow by at most this multiple of the documented bound: a small allowance for
+/// the allocator, the request trie and the generator's buffers.
+const RSS_FACTOR_OVER_DOC: f64 = 1.1;
 /// After the corpus is full and its node vector and edge map have reached their final capacity
 /// (by generation 3,000 here), peak RSS must not keep growing: at most this much from then to
 /// the end (a leak of 1 byte per generated token would exceed it).

@@ -504,12 +504,19 @@ impl Corpus {
 ///   reaches 0, so the corpus trie always equals a trie freshly built from the stored
 ///   generations. It has at most `1 + max_corpus_tokens * max_depth` nodes.
 /// - Request trie: at most `1 + L * max_depth` nodes for a context of `L` tokens, plus a copy of
-///   the context; it is emptied by [`Proposer::finish`].
-/// - A node costs about 24 bytes plus its entry in the edge hash map (about 20 bytes). Repeated
-///   text shares nodes; the bounds are reached only by text with no repeated strings. With the
-///   defaults the corpus trie stays below 1.6 million nodes (about 70 MB); on the benchmark's
-///   synthetic text (`benches/proposers.rs`) 65,000 corpus tokens took 418,000 nodes and a
-///   32,000-token context 566,000.
+///   the context; it is emptied by [`Proposer::finish`], which keeps its allocation, so it holds
+///   the memory of the longest context it has indexed.
+/// - Bytes: a live node is 24 bytes plus its edge hash-map entry, but the process holds more
+///   per node: the node vector grows by doubling, the edge map (17 bytes a bucket) grows to the
+///   next power of two under the corpus's insert / evict churn and holds its old table while it
+///   grows, and the free list keeps 4 bytes per freed node. Budget **105 bytes per node of the
+///   bound at the peak and 75 in steady state**: with the defaults the corpus trie stays below
+///   1.6 million nodes, about 160 MiB at the peak and 110 MiB after. Measured
+///   (`scripts/soak.sh`, 10,000 generations through one generator, docs/benchmarks.md
+///   section 8): peak RSS 136 MiB with at most 1.33 million live nodes. Repeated text shares nodes; the bounds are reached
+///   only by text with no repeated strings: on the benchmark's synthetic text
+///   (`benches/proposers.rs`) 65,000 corpus tokens took 418,000 nodes and a 32,000-token
+///   context 566,000.
 ///
 /// # Complexity
 ///
