@@ -21,6 +21,8 @@ use crate::error::{Error, Result};
 /// generation feeds the context but its last token through [`TargetModel::prefill`], which lets
 /// the model skip its output head for those rows; a generation in which the draft-length policy
 /// never asks for drafts never runs the draft model.
+///
+/// `DraftModelProposer<M>` is `Send` when `M` is `Send`, and `Sync` when `M` is `Sync`.
 #[derive(Debug)]
 pub struct DraftModelProposer<M> {
     model: M,

@@ -38,6 +38,8 @@ pub trait DraftHeads {
 ///
 /// Without a hidden state (the target does not expose one, or the prompt had a single token) it
 /// proposes nothing.
+///
+/// `HeadsProposer<H>` is `Send` when `H` is `Send`, and `Sync` when `H` is `Sync`.
 #[derive(Debug)]
 pub struct HeadsProposer<H> {
     heads: H,

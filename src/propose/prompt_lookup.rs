@@ -226,6 +226,8 @@ impl NgramIndex {
 ///
 /// The proposer is deterministic: [`Draft::q`] is `None` (a point mass on each draft token).
 ///
+/// `PromptLookup` is `Send + Sync`; it holds one request's index, so use one per sequence.
+///
 /// # Complexity
 ///
 /// The index is updated incrementally: a call whose context extends the previous one by `a`
