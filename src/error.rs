@@ -32,7 +32,9 @@ impl fmt::Display for RowKind {
 
 /// Errors returned by `speculative`.
 ///
-/// The enum is `#[non_exhaustive]`: match with a wildcard arm.
+/// The enum is `#[non_exhaustive]`: match with a wildcard arm. `Error` is `Send + Sync` (the
+/// wrapped model and proposer errors are required to be), so it crosses threads and converts
+/// into `Box<dyn std::error::Error + Send + Sync>`.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

@@ -49,6 +49,8 @@ pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
 }
 
 /// The random stream of one request: uniforms keyed by `(position, lane)`.
+///
+/// `Stream` is `Send + Sync` and `Copy`: it holds only the key, so share or copy it freely.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Stream {
     key: [u32; 2],

@@ -7,6 +7,8 @@ use std::time::Duration;
 ///
 /// Tokens cut by a stop condition are not counted. Proposed drafts are all the drafts that were
 /// verified (each verify step's `k`).
+///
+/// `Metrics` is `Send + Sync` (plain counters and durations).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Metrics {
     /// Draft tokens proposed and verified.

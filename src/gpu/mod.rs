@@ -179,6 +179,9 @@ enum Inner {
 ///
 /// Holds the device, the compiled kernel and reusable device buffers; create one per device
 /// and reuse it for every step.
+///
+/// `GpuVerifier` is `Send + Sync` under every feature set (`wgpu`, `cuda` or neither): it can be
+/// moved to the thread that drives its device. Its methods take `&mut self`.
 pub struct GpuVerifier {
     inner: Inner,
 }

@@ -36,6 +36,8 @@ use crate::error::{Error, Result};
 /// model was driven from elsewhere), the proposer starts over from an empty sequence. So the
 /// drafts never depend on an earlier request: they equal a fresh proposer's drafts on the same
 /// context (for a model whose logits depend only on its sequence).
+///
+/// `DraftModelProposer<M>` is `Send` when `M` is `Send`, and `Sync` when `M` is `Sync`.
 #[derive(Debug)]
 pub struct DraftModelProposer<M> {
     model: M,

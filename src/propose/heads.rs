@@ -89,6 +89,8 @@ pub trait DraftHeads {
 /// The proposer keeps no per-request state: every proposal is a function of the request alone
 /// (and of the heads), so using it directly on another request without [`Proposer::begin`] is
 /// always exact. Stateful heads follow the rule on [`DraftHeads`].
+///
+/// `HeadsProposer<H>` is `Send` when `H` is `Send`, and `Sync` when `H` is `Sync`.
 #[derive(Debug)]
 pub struct HeadsProposer<H> {
     heads: H,
@@ -126,7 +128,7 @@ impl<H: DraftHeads> Proposer for HeadsProposer<H> {
     /// the request's configuration (for example [`Error::NoAllowedToken`]).
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
-        let (Some(hidden), Some(&last_token)) = (req.target_hidden, req.context.last()) else {
+        let Some(hidden) = req.target_hidden else {
             return Ok(());
         };
         if hidden.len() != self.heads.hidden_size() {
@@ -136,6 +138,9 @@ impl<H: DraftHeads> Proposer for HeadsProposer<H> {
                 actual: hidden.len(),
             });
         }
+        let Some(&last_token) = req.context.last() else {
+            return Ok(());
+        };
         let k = req.max_draft.min(self.heads.num_heads());
         if k == 0 {
             return Ok(());

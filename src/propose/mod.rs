@@ -90,6 +90,8 @@ impl<'a> ProposeRequest<'a> {
 }
 
 /// A proposal: draft tokens and, for sampling proposers, the draft probabilities q.
+///
+/// `Draft` is `Send + Sync`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Draft {
     /// Draft tokens `d_1 .. d_k` (`k <= max_draft`).

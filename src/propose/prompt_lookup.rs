@@ -212,6 +212,8 @@ impl NgramIndex {
 /// [`Proposer::begin`] would. So the drafts never depend on an earlier request, with or without
 /// `begin`: they equal a fresh proposer's drafts on the same context.
 ///
+/// `PromptLookup` is `Send + Sync`; it holds one request's index, so use one per sequence.
+///
 /// # Complexity
 ///
 /// The index is updated incrementally: a call whose context extends the previous one by `a`

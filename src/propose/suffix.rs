@@ -461,6 +461,9 @@ impl Corpus {
 /// Speeding Up Large Language Model Inference", arXiv 2411.04975): a model-free proposer over
 /// suffix tries of the current request and of earlier generations.
 ///
+/// `SuffixProposer` is `Send + Sync`; it holds one request's index and the shared corpus, so use
+/// one per sequence (or per generator).
+///
 /// # Algorithm
 ///
 /// Two tries count every token string of at most [`SuffixConfig::max_depth`] tokens: the

@@ -6,6 +6,8 @@ use crate::error::{Error, Result, RowKind};
 
 /// A processed distribution over the vocabulary: probabilities (not logits) that sum to 1, stored
 /// sparsely as the tokens with non-zero probability in increasing id order.
+///
+/// `TokenDist` is `Send + Sync`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TokenDist {
     ids: Vec<u32>,
@@ -189,6 +191,8 @@ pub struct History<'a> {
 
 /// Reusable buffers for processing rows; one per thread. Processing never allocates once the
 /// buffers have grown to the vocabulary size.
+///
+/// `RowProcessor` is `Send + Sync`; its methods take `&mut self`, so use one per thread.
 #[derive(Debug, Default, Clone)]
 pub struct RowProcessor {
     scratch: Vec<f32>,

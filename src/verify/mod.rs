@@ -172,6 +172,8 @@ pub struct TokenLogprob {
 }
 
 /// The result of one verify step for one sequence.
+///
+/// `StepOutput` is `Send + Sync`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepOutput {
     /// Number of accepted draft tokens (the leading run; the bonus token is not counted).
@@ -520,6 +522,9 @@ impl BlockHistory {
 }
 
 /// The verifier. Holds reusable buffers; create one per thread and call it for every step.
+///
+/// `Verifier` is `Send + Sync`; its methods take `&mut self`, so use one per thread (a
+/// [`SamplingConfig`] can be shared between them).
 ///
 /// # Example
 ///
