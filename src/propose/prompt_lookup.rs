@@ -19,6 +19,10 @@ use std::hash::{BuildHasherDefault, Hasher};
 use super::{Draft, ProposeRequest, Proposer};
 use crate::error::{Error, Result};
 
+/// The longest draft periodic extension builds, in tokens, whatever `max_draft` asks for: it
+/// bounds the allocation for direct callers that pass a huge `max_draft`.
+pub const MAX_PERIODIC_DRAFT: usize = 4096;
+
 /// Largest n-gram size [`PromptLookup::new`] accepts. The index holds up to `max_n` trie nodes
 /// per context token, so the bound keeps memory linear with a small constant.
 const MAX_NGRAM: usize = 64;
@@ -351,9 +355,9 @@ impl Proposer for PromptLookup {
             return Ok(());
         };
         if self.periodic {
-            draft
-                .tokens
-                .extend(continuation.iter().cycle().take(req.max_draft));
+            // Bounded whatever `max_draft` says (returning fewer tokens is always allowed).
+            let take = req.max_draft.min(MAX_PERIODIC_DRAFT);
+            draft.tokens.extend(continuation.iter().cycle().take(take));
         } else {
             let take = req.max_draft.min(continuation.len());
             draft.tokens.extend_from_slice(&continuation[..take]);

@@ -78,7 +78,10 @@ impl DraftSampler {
             for (&id, &p) in self.dist.ids().iter().zip(self.dist.probs()) {
                 self.q[row + id as usize] = p;
             }
-            self.dist.sample(u)
+            self.dist.sample(u).ok_or(crate::Error::NoAllowedToken {
+                kind: RowKind::Draft,
+                row: i,
+            })?
         };
         if let Some(c) = self.counts.as_mut() {
             c.add(t, vocab).map_err(|_| crate::Error::TokenOutOfVocab {

@@ -54,12 +54,19 @@ impl Cand {
 
     /// The ranking used everywhere: higher logit first, ties to the lower id.
     /// `Less` means `self` ranks before `other`.
+    ///
+    /// A total order (sorts never panic on it): a NaN logit ranks after every other value, and
+    /// NaNs among themselves by id. The pipeline never produces NaN logits (it rejects them);
+    /// this only matters to direct callers of the processing helpers.
     #[inline]
     pub fn rank(&self, other: &Cand) -> Ordering {
-        other
-            .logit
-            .partial_cmp(&self.logit)
-            .unwrap_or(Ordering::Equal)
-            .then(self.id.cmp(&other.id))
+        let by_logit = match (self.logit.is_nan(), other.logit.is_nan()) {
+            (false, false) => other
+                .logit
+                .partial_cmp(&self.logit)
+                .unwrap_or(Ordering::Equal),
+            (a, b) => a.cmp(&b),
+        };
+        by_logit.then(self.id.cmp(&other.id))
     }
 }

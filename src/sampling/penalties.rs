@@ -113,24 +113,55 @@ fn check(token: u32, vocab_size: usize) -> Result<()> {
 /// Then frequency `f` and presence `pr` (OpenAI API): `logit -= count * f + (count > 0) * pr`,
 /// where `count` counts generated tokens only, or every earlier token with
 /// [`PenaltyScope::WholeContext`]. Tokens outside `logits` are ignored (the caller checked them
-/// against the vocabulary).
+/// against the vocabulary). A `-inf` logit (a banned token) stays `-inf`, and a finite logit
+/// stays finite: results beyond the f32 range saturate at `±f32::MAX`, so extreme penalties
+/// never turn finite logits into `inf` or NaN.
 pub fn apply_penalties(cfg: &SamplingConfig, counts: &TokenCounts, logits: &mut [f32]) {
     let r = cfg.repetition_penalty;
     let f = cfg.frequency_penalty;
     let pr = cfg.presence_penalty;
     let whole = cfg.penalty_scope == PenaltyScope::WholeContext;
     for (t, p, g) in counts.iter() {
-        let Some(l) = logits.get_mut(t as usize) else {
+        let Some(l) = logits.get_mut(t as usize).filter(|l| l.is_finite()) else {
             continue;
         };
-        if r != 1.0 && p + g > 0 {
-            *l = if *l > 0.0 { *l / r } else { *l * r };
-        }
         let c = if whole { p + g } else { g };
-        if c > 0 {
-            *l -= c as f32 * f + pr;
-        }
+        let x = penalise(*l, p + g > 0, c, r, f, pr);
+        // Only a result outside the f32 range is recomputed (in f64) and saturated, so every
+        // ordinary logit gets exactly the f32 arithmetic the GPU kernels use too.
+        *l = if x.is_finite() {
+            x
+        } else {
+            let mut y = *l as f64;
+            if r != 1.0 && p + g > 0 {
+                y = if y > 0.0 { y / r as f64 } else { y * r as f64 };
+            }
+            if c > 0 {
+                y -= c as f64 * f as f64 + pr as f64;
+            }
+            saturate(y)
+        };
     }
+}
+
+/// The penalties of one finite logit in f32: repetition (`present`, factor `r`), then frequency
+/// `f` per counted occurrence (`c`) and presence `pr`.
+#[inline]
+fn penalise(l: f32, present: bool, c: u32, r: f32, f: f32, pr: f32) -> f32 {
+    let mut l = l;
+    if r != 1.0 && present {
+        l = if l > 0.0 { l / r } else { l * r };
+    }
+    if c > 0 {
+        l -= c as f32 * f + pr;
+    }
+    l
+}
+
+/// `x` rounded to f32 and clamped to the finite range `[-f32::MAX, f32::MAX]`.
+#[inline]
+pub(crate) fn saturate(x: f64) -> f32 {
+    x.clamp(-(f32::MAX as f64), f32::MAX as f64) as f32
 }
 
 #[cfg(test)]

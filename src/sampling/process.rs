@@ -21,15 +21,16 @@ pub struct TokenDist {
 
 impl TokenDist {
     /// A distribution from `(id, probability)` pairs over a vocabulary of `vocab` tokens.
-    /// Probabilities are normalised; zero entries are dropped.
+    /// Probabilities are normalised; entries of a repeated id add up; entries whose normalised
+    /// probability is 0 in f32 are dropped, so the support holds only non-zero probabilities.
     ///
     /// # Errors
     /// [`Error::TokenOutOfVocab`] for an id `>= vocab`, [`Error::InvalidDraftProbs`] for a
-    /// negative or non-finite probability or when every probability is 0.
+    /// negative or non-finite probability or when every probability is 0 (every pair is checked,
+    /// whatever its order).
     pub fn from_pairs(pairs: impl IntoIterator<Item = (u32, f32)>, vocab: usize) -> Result<Self> {
         let mut v: Vec<(u32, f32)> = pairs.into_iter().collect();
-        v.sort_unstable_by_key(|&(t, _)| t);
-        v.dedup_by_key(|&mut (t, _)| t);
+        v.sort_by_key(|&(t, _)| t);
         let mut total = 0.0f64;
         for &(t, p) in &v {
             if t as usize >= vocab {
@@ -53,28 +54,47 @@ impl TokenDist {
                 reason: "all probabilities are zero",
             });
         }
-        v.retain(|&(_, p)| p > 0.0);
         let mut d = TokenDist {
             vocab,
             ..Default::default()
         };
-        for (t, p) in v {
-            d.ids.push(t);
-            d.probs.push((p as f64 / total) as f32);
-            d.scaled.push(((p as f64 / total).ln()) as f32);
+        let mut i = 0;
+        while i < v.len() {
+            let t = v[i].0;
+            let mut p = 0.0f64;
+            while i < v.len() && v[i].0 == t {
+                p += v[i].1 as f64;
+                i += 1;
+            }
+            let norm = p / total;
+            if norm as f32 > 0.0 {
+                d.ids.push(t);
+                d.probs.push(norm as f32);
+                d.scaled.push(norm.ln() as f32);
+            }
         }
         Ok(d)
     }
 
     /// A point mass on `token`.
-    pub fn point_mass(token: u32, vocab: usize) -> Self {
-        TokenDist {
+    ///
+    /// # Errors
+    /// [`Error::TokenOutOfVocab`] when `token >= vocab`.
+    pub fn point_mass(token: u32, vocab: usize) -> Result<Self> {
+        if token as usize >= vocab {
+            return Err(Error::TokenOutOfVocab {
+                what: "point mass",
+                token,
+                vocab_size: vocab,
+            });
+        }
+        Ok(TokenDist {
             ids: vec![token],
             probs: vec![1.0],
             log_norm: 0.0,
             scaled: vec![0.0],
             vocab,
-        }
+        })
     }
 
     /// Vocabulary size the distribution is over.
@@ -137,8 +157,9 @@ impl TokenDist {
     }
 
     /// The token whose cumulative probability interval (in id order) contains `u * total`,
-    /// for a uniform `u` in `[0, 1)`. Never returns a token outside the support.
-    pub fn sample(&self, u: f32) -> u32 {
+    /// for a uniform `u` in `[0, 1)`. Never returns a token outside the support; `None` only for
+    /// an empty distribution (such as [`TokenDist::default`], an output buffer not yet filled).
+    pub fn sample(&self, u: f32) -> Option<u32> {
         sample_weighted(
             self.ids
                 .iter()
@@ -146,7 +167,7 @@ impl TokenDist {
                 .zip(self.probs.iter().map(|&p| p as f64)),
             u,
         )
-        .unwrap_or(self.ids[0])
+        .or_else(|| self.ids.first().copied())
     }
 }
 
@@ -368,7 +389,14 @@ impl RowProcessor {
         }
         for &(t, b) in &cfg.logit_bias {
             if let Some(l) = scratch.get_mut(t as usize) {
-                *l += b;
+                // A finite logit plus a finite bias saturates instead of overflowing to `inf`
+                // (the model's logits were fine); a `-inf` bias bans, a banned token stays so.
+                let x = *l + b;
+                *l = if x.is_finite() || !(l.is_finite() && b.is_finite()) {
+                    x
+                } else {
+                    super::penalties::saturate(*l as f64 + b as f64)
+                };
             }
         }
         for &t in cfg.banned.iter().chain(hist.suppress) {
@@ -444,6 +472,7 @@ impl RowProcessor {
             .map(|&v| (v as f64 - lse) as f32)
             .unwrap_or(f32::NEG_INFINITY);
         let mut top = Vec::new();
+        let top_n = top_n.min(eff.len());
         if top_n > 0 {
             scan_top_k(eff, top_n, &mut self.cands, &mut self.blocks);
             self.cands.sort_unstable_by(Cand::rank);
@@ -477,7 +506,7 @@ impl RowProcessor {
         let vocab = logits.len();
         if cfg.is_greedy() {
             let t = self.argmax(cfg, logits, hist, kind, row)?;
-            *out = TokenDist::point_mass(t, vocab);
+            *out = TokenDist::point_mass(t, vocab)?;
             return Ok(());
         }
         let eff = Self::effective(&mut self.scratch, cfg, logits, hist);

@@ -10,7 +10,7 @@ use super::Cand;
 /// reuses its own.
 pub fn select_top_k(logits: &[f32], k: usize, out: &mut Vec<Cand>) {
     let mut blocks = Vec::new();
-    scan_top_k(logits, k, out, &mut blocks);
+    scan_top_k(logits, k.min(logits.len()), out, &mut blocks);
 }
 
 /// Largest float below `x` (`x` itself for NaN and `-inf`), so that `v > next_down(x)` is

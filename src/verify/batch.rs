@@ -113,10 +113,11 @@ impl Verifier {
         let v = batch.vocab_size;
         let qv = check_layout(off, n, batch.draft_tokens.len(), v, &batch.draft_probs)?;
         let rows = batch.draft_tokens.len() + n;
-        if batch.target_logits.len() != rows * v {
+        let expected = rows.checked_mul(v).unwrap_or(usize::MAX);
+        if batch.target_logits.len() != expected {
             return Err(Error::ShapeMismatch {
                 what: "target_logits ([sum(k + 1), vocab])",
-                expected: rows * v,
+                expected,
                 actual: batch.target_logits.len(),
             });
         }
@@ -213,10 +214,11 @@ pub(crate) fn check_layout(
                     target: vocab,
                 });
             }
-            if d.len() != draft_tokens * qv {
+            let expected = draft_tokens.checked_mul(qv).unwrap_or(usize::MAX);
+            if d.len() != expected {
                 return Err(Error::ShapeMismatch {
                     what: "draft probabilities ([sum k, draft_vocab])",
-                    expected: draft_tokens * qv,
+                    expected,
                     actual: d.len(),
                 });
             }

@@ -358,6 +358,16 @@ impl<'a> VerifyRequest<'a> {
             }
         }
         self.config.check_vocab(v)?;
+        // The context reaches the caller's mask (and the penalties, which check it themselves).
+        if self.config.mask.is_some() {
+            if let Some(&t) = self.context.iter().find(|&&t| t as usize >= v) {
+                return Err(Error::TokenOutOfVocab {
+                    what: "context token",
+                    token: t,
+                    vocab_size: v,
+                });
+            }
+        }
         if let Some(&t) = self.suppress.iter().find(|&&t| t as usize >= v) {
             return Err(Error::TokenOutOfVocab {
                 what: "suppressed token",
@@ -385,10 +395,11 @@ impl<'a> VerifyRequest<'a> {
                         actual: 0,
                     });
                 }
-                if data.len() != k * vocab {
+                let expected = k.checked_mul(vocab).unwrap_or(usize::MAX);
+                if data.len() != expected {
                     return Err(Error::ShapeMismatch {
                         what: "draft probabilities ([k, draft_vocab])",
-                        expected: k * vocab,
+                        expected,
                         actual: data.len(),
                     });
                 }
@@ -603,7 +614,7 @@ impl Verifier {
                 let t = self
                     .proc
                     .argmax(req.config, row, &hist, RowKind::Draft, i)?;
-                self.q_rows[i] = TokenDist::point_mass(t, qv);
+                self.q_rows[i] = TokenDist::point_mass(t, qv)?;
             } else {
                 self.proc.distribution(
                     req.config,

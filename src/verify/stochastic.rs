@@ -8,7 +8,7 @@ use super::{
     acceptance_probability, residual_weights, row, DraftProbs, DraftRow, StepEnd, StepOutput,
     TokenLogprob, Verifier, VerifyRequest,
 };
-use crate::error::{Result, RowKind};
+use crate::error::{Error, Result, RowKind};
 use crate::rng::{lane, Stream};
 use crate::sampling::{sample_weighted, TokenDist};
 
@@ -31,7 +31,7 @@ pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOu
         }
     };
     for i in 0..k {
-        let pos = pos0 + i as u64;
+        let pos = pos0.wrapping_add(i as u64);
         let x = req.draft_tokens[i];
         let hist = v.hist.view();
         v.proc.distribution(
@@ -54,7 +54,7 @@ pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOu
             // iff it is that token (accepts with p(x); on rejection the draw is a sample of p
             // without x). Validation guaranteed nothing here can fail.
             None => {
-                let t = v.p.sample(stream.uniform(pos, lane::SAMPLE));
+                let t = draw(&v.p, stream.uniform(pos, lane::SAMPLE), i)?;
                 (t != x).then_some(t)
             }
             Some(q_row) => {
@@ -69,10 +69,10 @@ pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOu
                     // probability ~0), sample p.
                     residual_weights(&v.p, &q_row, x, &mut v.residual);
                     let u2 = stream.uniform(pos, lane::SAMPLE);
-                    Some(
-                        sample_weighted(v.residual.iter().copied(), u2)
-                            .unwrap_or_else(|| v.p.sample(u2)),
-                    )
+                    match sample_weighted(v.residual.iter().copied(), u2) {
+                        Some(t) => Some(t),
+                        None => Some(draw(&v.p, u2, i)?),
+                    }
                 }
             }
         };
@@ -109,7 +109,11 @@ pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOu
         k,
         &mut v.p,
     )?;
-    let t = v.p.sample(stream.uniform(pos0 + k as u64, lane::SAMPLE));
+    let t = draw(
+        &v.p,
+        stream.uniform(pos0.wrapping_add(k as u64), lane::SAMPLE),
+        k,
+    )?;
     tokens.push(t);
     push_lp(&mut logprobs, &v.p, t);
     Ok(StepOutput {
@@ -121,5 +125,14 @@ pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOu
         } else {
             StepEnd::AllAccepted
         },
+    })
+}
+
+/// The token of processed target row `row` at uniform `u` (a processed row is never empty; the
+/// error is for completeness).
+fn draw(p: &TokenDist, u: f32, row: usize) -> Result<u32> {
+    p.sample(u).ok_or(Error::NoAllowedToken {
+        kind: RowKind::Target,
+        row,
     })
 }
