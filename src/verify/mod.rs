@@ -312,7 +312,7 @@ impl<'a> VerifyRequest<'a> {
 
     /// Checks everything that does not need processing: shapes, vocabularies, token ids, dense q
     /// rows and raw logit values, for the whole input (case C14).
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         let v = self.vocab_size;
         let k = self.k();
         if v == 0 {
@@ -424,7 +424,7 @@ impl<'a> VerifyRequest<'a> {
 pub(crate) const Q_SUM_TOLERANCE: f64 = 1e-3;
 
 /// Checks one dense q row: finite, non-negative, sums to 1 within [`Q_SUM_TOLERANCE`].
-fn check_dense_q(q: &[f32], row: usize) -> Result<()> {
+pub(crate) fn check_dense_q(q: &[f32], row: usize) -> Result<()> {
     let mut total = 0.0f64;
     for &x in q {
         if !(x.is_finite() && x >= 0.0) {
@@ -445,7 +445,7 @@ fn check_dense_q(q: &[f32], row: usize) -> Result<()> {
 }
 
 /// Checks every row of `[rows, width]` logits for NaN and `+inf` (`-inf` means banned).
-fn check_finite(logits: &[f32], width: usize, kind: RowKind) -> Result<()> {
+pub(crate) fn check_finite(logits: &[f32], width: usize, kind: RowKind) -> Result<()> {
     if width == 0 {
         return Ok(());
     }
