@@ -94,7 +94,10 @@ fn c01_top_p_shapes_both_sides_of_the_ratio() {
     let target: Vec<f32> = [t_row.clone(), t_row.clone()].concat();
     let q_dense = dense(&q, vocab);
     let n = 20_000;
-    let draw = |seed: u64| q.sample(Stream::new(!seed).uniform(0, lane::DRAFT));
+    let draw = |seed: u64| {
+        q.sample(Stream::new(!seed).uniform(0, lane::DRAFT))
+            .unwrap()
+    };
     let mut v = Verifier::new();
     for pass_logits in [false, true] {
         let counts = first_token_counts(n, vocab, |seed| {
@@ -174,7 +177,9 @@ fn c05_q_is_the_distribution_the_draft_was_sampled_from() {
     let mut v = Verifier::new();
     let mut run = |q: &[f32]| {
         first_token_counts(n, vocab, |seed| {
-            let x = q_proc.sample(Stream::new(!seed).uniform(0, lane::DRAFT));
+            let x = q_proc
+                .sample(Stream::new(!seed).uniform(0, lane::DRAFT))
+                .unwrap();
             assert_eq!(x, 0);
             v.verify(
                 &VerifyRequest::new(&cfg, &target, vocab, &[0])
@@ -515,7 +520,9 @@ fn make_seq(config: SamplingConfig, seed: u64, k: usize, salt: u64) -> Seq {
     let mut q = Vec::new();
     for i in 0..k {
         let d = process(&config, &draft_logits[i * V8..(i + 1) * V8], &prefix, V8).unwrap();
-        let x = d.sample(Stream::new(salt).uniform(i as u64, lane::DRAFT));
+        let x = d
+            .sample(Stream::new(salt).uniform(i as u64, lane::DRAFT))
+            .unwrap();
         q.extend(dense(&d, V8));
         drafts.push(x);
         prefix.push(x);

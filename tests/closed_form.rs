@@ -492,7 +492,7 @@ fn draw_drafts(c: &StepCase, cfg: &SamplingConfig) -> (Vec<u32>, Vec<f32>) {
     for i in 0..c.k {
         let row = &c.draft_logits[i * c.qv..(i + 1) * c.qv];
         let q = process(cfg, row, &prefix, c.vocab).unwrap();
-        let x = q.sample(c.draft_uniforms[i]);
+        let x = q.sample(c.draft_uniforms[i]).unwrap();
         q_rows.extend(dense(&q, c.qv));
         drafts.push(x);
         prefix.push(x);

@@ -18,11 +18,14 @@ fn cases() -> u32 {
         .unwrap_or(64)
 }
 
+/// One scripted proposal: draft tokens and optional q with its row width.
+type Step = (Vec<u32>, Option<(Vec<f32>, usize)>);
+
 /// A proposer that returns arbitrary drafts from a script (ids possibly out of range, lengths
 /// possibly over `max_draft`, q possibly malformed).
 #[derive(Debug, Clone)]
 struct Rogue {
-    steps: Vec<(Vec<u32>, Option<(Vec<f32>, usize)>)>,
+    steps: Vec<Step>,
     next: usize,
 }
 
@@ -82,7 +85,7 @@ impl TargetModel for Wobbly {
     }
 }
 
-fn draft_step() -> impl Strategy<Value = (Vec<u32>, Option<(Vec<f32>, usize)>)> {
+fn draft_step() -> impl Strategy<Value = Step> {
     (
         proptest::collection::vec(prop_oneof![9 => 0u32..8, 1 => any::<u32>()], 0..7),
         proptest::option::of((

@@ -3,12 +3,20 @@
 //!
 //! - `matches_cpu_on_random_batches`: random batches (vocab sizes from 5 to 49,152, ragged k
 //!   including 0, per-sequence configurations with temperature 0 and > 0, top-k, top-p, min-p,
-//!   penalties, logit bias, banned / allowed sets, caller masks, log-probabilities; point-mass,
-//!   dense-probability and draft-logit drafts, the latter also with a shorter draft vocabulary;
-//!   quantised logits so that ties are common). The GPU must emit the
-//!   same tokens as `Verifier::verify_batch` on at least 99.9% of the sequences (float rounding
-//!   may move a draw across a boundary) and report log-probabilities within 1e-4.
+//!   penalties of both scopes with a prompt length, logit bias, banned / allowed sets, caller
+//!   masks, tokens suppressed at the first rows, log-probabilities; point-mass, dense-probability
+//!   and draft-logit drafts, the last two also with a shorter draft vocabulary; quantised logits
+//!   so that ties are common; now and then an input the verifier must reject whatever the seed
+//!   (case C14: NaN in any target row, a draft outside the draft vocabulary, a q row that is not
+//!   a distribution or gives its draft probability 0, a context token outside the vocabulary) or
+//!   a target row that allows nothing). The GPU must emit the same tokens as
+//!   `Verifier::verify_batch` on at least 99.9% of the sequences (float rounding may move a draw
+//!   across a boundary), report log-probabilities within 1e-4, and the same errors.
 //! - `same_errors_as_cpu`: NaN / `+inf` logits, rows with no allowed token, invalid q.
+//! - `c14_validation_does_not_depend_on_the_seed`: the two inputs of case C14 fail for every seed,
+//!   with the CPU's error.
+//! - `c15_point_mass_drafts_emit_the_plain_sampling_tokens`: with point-mass drafts every emitted
+//!   token equals the token plain sampling (no drafts) draws with the same seed at its position.
 //! - `statistical_distribution` (+ negative control): the chi-square test of
 //!   `tests/statistical.rs`, run through the backend with many generations batched per step.
 //!
@@ -21,9 +29,11 @@ mod common;
 use common::{chi_square, dense, process, raw_softmax, Fit};
 use speculative::gpu::{Backend, GpuVerifier};
 use speculative::rng::{lane, Stream};
+use speculative::sampling::PenaltyScope;
 use speculative::test_util::ToyModel;
 use speculative::{
-    DraftProbs, Error, SamplingConfig, SequenceParams, StepOutput, TokenMask, Verifier, VerifyBatch,
+    DraftProbs, Error, SamplingConfig, SequenceParams, StepEnd, StepOutput, TokenMask, Verifier,
+    VerifyBatch,
 };
 use std::sync::Arc;
 
@@ -90,9 +100,12 @@ fn random_config(r: &mut Rng, vocab: usize) -> SamplingConfig {
     }
     if r.chance(0.25) {
         b = b
-            .repetition_penalty([0.8, 1.2, 1.5][r.below(3)])
+            .repetition_penalty([0.8, 1.0, 1.2, 1.5][r.below(4)])
             .frequency_penalty([0.0, 0.3][r.below(2)])
             .presence_penalty([0.0, 0.5][r.below(2)]);
+        if r.chance(0.3) {
+            b = b.penalty_scope(PenaltyScope::WholeContext);
+        }
     }
     if r.chance(0.2) {
         for _ in 0..3 {
@@ -126,6 +139,7 @@ fn random_config(r: &mut Rng, vocab: usize) -> SamplingConfig {
 }
 
 /// One random batch: everything `VerifyBatch` borrows.
+#[derive(Clone)]
 struct Owned {
     vocab: usize,
     logits: Vec<f32>,
@@ -137,12 +151,16 @@ struct Owned {
     qv: usize,
     configs: Vec<SamplingConfig>,
     contexts: Vec<Vec<u32>>,
+    prompt_lens: Vec<usize>,
+    suppress: Vec<(Vec<u32>, usize)>,
     seeds: Vec<u64>,
 }
 
 impl Owned {
-    fn random(r: &mut Rng, vocab: usize, n: usize, q_kind: u8) -> Self {
-        let qv = if q_kind == 2 && r.chance(0.5) {
+    /// A random batch; with `faults`, about one sequence in six also gets an input that the
+    /// verifier must reject (case C14) or a target row that allows no token.
+    fn random(r: &mut Rng, vocab: usize, n: usize, q_kind: u8, faults: bool) -> Self {
+        let qv = if q_kind != 0 && r.chance(0.5) {
             vocab - vocab / 8
         } else {
             vocab
@@ -157,13 +175,23 @@ impl Owned {
             qv,
             configs: Vec::new(),
             contexts: Vec::new(),
+            prompt_lens: Vec::new(),
+            suppress: Vec::new(),
             seeds: Vec::new(),
         };
         for _ in 0..n {
             let k = r.below(7);
             let quant = r.chance(0.5);
             let scale = [1.0, 3.0, 8.0][r.below(3)];
-            let ctx: Vec<u32> = (0..r.below(12)).map(|_| r.below(vocab) as u32).collect();
+            let mut ctx: Vec<u32> = (0..r.below(12)).map(|_| r.below(vocab) as u32).collect();
+            // 0: none; 1: NaN / +inf in a target row; 2: a target row of -inf; 3: a draft outside
+            // the draft vocabulary; 4: a bad q row; 5: a context token outside the vocabulary.
+            let fault = if faults && r.chance(0.17) {
+                1 + r.below(5)
+            } else {
+                0
+            };
+            let row0 = o.offsets.len() - 1 + o.drafts.len();
             for _ in 0..=k {
                 let start = o.logits.len();
                 for _ in 0..vocab {
@@ -182,7 +210,6 @@ impl Owned {
                     o.logits[start + fav] = 4.0 * scale + 4.0;
                 }
             }
-            let row0 = o.offsets.len() - 1 + o.drafts.len();
             for i in 0..k {
                 // Draft: the row's argmax (often accepted) or a random token.
                 let row = &o.logits[(row0 + i) * vocab..(row0 + i + 1) * vocab];
@@ -206,19 +233,73 @@ impl Owned {
                     }
                     o.q.extend(dl);
                 }
-                o.drafts.push(d as u32);
                 if q_kind == 1 {
-                    let mut q: Vec<f32> = (0..vocab)
+                    if d >= qv {
+                        d = r.below(qv);
+                    }
+                    let mut q: Vec<f32> = (0..qv)
                         .map(|_| if r.chance(0.3) { 0.0 } else { r.unit() })
                         .collect();
                     q[d] += 0.5 + r.unit() * vocab as f32 * 0.05;
                     let s: f32 = q.iter().sum();
                     o.q.extend(q.iter().map(|x| x / s));
                 }
+                o.drafts.push(d as u32);
+            }
+            let rows = k + 1;
+            let lo = o.drafts.len() - k;
+            match fault {
+                1 => {
+                    let at = (row0 + r.below(rows)) * vocab + r.below(vocab);
+                    o.logits[at] = [f32::NAN, f32::INFINITY][r.below(2)];
+                }
+                2 => {
+                    let row = row0 + r.below(rows);
+                    o.logits[row * vocab..(row + 1) * vocab].fill(f32::NEG_INFINITY);
+                }
+                3 if k > 0 && q_kind != 0 && qv < vocab => {
+                    o.drafts[lo + r.below(k)] = (qv + r.below(vocab - qv)) as u32;
+                }
+                4 if k > 0 && q_kind == 1 => {
+                    let i = r.below(k);
+                    let d = o.drafts[lo + i] as usize;
+                    let q = &mut o.q[(lo + i) * qv..(lo + i + 1) * qv];
+                    match r.below(3) {
+                        0 => q.iter_mut().for_each(|x| *x *= 1.01),
+                        1 => q[(d + 1) % qv] = -0.25,
+                        _ => {
+                            let moved = q[d];
+                            q[d] = 0.0;
+                            q[(d + 1) % qv] += moved;
+                        }
+                    }
+                }
+                4 if k > 0 && q_kind == 2 => {
+                    let i = r.below(k);
+                    o.q[(lo + i) * qv + r.below(qv)] = f32::NAN;
+                }
+                5 => ctx.push((vocab + r.below(3)) as u32),
+                _ => {}
             }
             o.offsets.push(o.drafts.len());
-            o.configs.push(random_config(r, vocab));
+            let mut cfg = random_config(r, vocab);
+            if fault == 5 && !cfg.has_penalties() {
+                cfg = cfg.to_builder().repetition_penalty(1.1).build().unwrap();
+            }
+            o.configs.push(cfg);
+            o.prompt_lens.push(r.below(ctx.len() + 2));
             o.contexts.push(ctx);
+            // Suppressed tokens (`min_tokens`): often a row's favourite or a draft.
+            let sup = if r.chance(0.2) {
+                let mut t = vec![r.below(vocab) as u32];
+                if k > 0 && r.chance(0.5) {
+                    t.push(o.drafts[o.drafts.len() - k + r.below(k)]);
+                }
+                (t, r.below(k + 2))
+            } else {
+                (Vec::new(), 0)
+            };
+            o.suppress.push(sup);
             o.seeds.push(r.next());
         }
         o
@@ -231,9 +312,9 @@ impl Owned {
                 seed: self.seeds[b],
                 context: &self.contexts[b],
                 position: None,
-                prompt_len: 0,
-                suppress: &[],
-                suppress_rows: 0,
+                prompt_len: self.prompt_lens[b],
+                suppress: &self.suppress[b].0,
+                suppress_rows: self.suppress[b].1,
             })
             .collect()
     }
@@ -264,6 +345,7 @@ impl Owned {
 struct Tally {
     seqs: usize,
     ok: usize,
+    errors: usize,
     token_mismatch: usize,
     lp_checked: usize,
     max_lp_err: f32,
@@ -316,7 +398,10 @@ fn compare(
                     t.lp_checked += 1;
                 }
             }
-            (Err(c), Err(g)) => assert_eq!(c.to_string(), g.to_string(), "sequence {b}"),
+            (Err(c), Err(g)) => {
+                t.errors += 1;
+                assert_eq!(format!("{c:?}"), format!("{g:?}"), "sequence {b}");
+            }
             (c, g) => panic!("sequence {b}: cpu {c:?} gpu {g:?}"),
         }
     }
@@ -341,7 +426,7 @@ fn run_matches_cpu(backend: Backend) {
         let t0 = std::time::Instant::now();
         for rep in 0..reps {
             for q_kind in [0, 1, 2] {
-                let o = Owned::random(&mut r, vocab, n, q_kind);
+                let o = Owned::random(&mut r, vocab, n, q_kind, true);
                 let seqs = o.params();
                 let batch = o.batch(&seqs);
                 let c = cpu.verify_batch(&batch).unwrap();
@@ -361,6 +446,10 @@ fn run_matches_cpu(backend: Backend) {
         t.seqs
     );
     assert!(t.lp_checked > 100);
+    assert!(
+        t.errors > 50,
+        "the rejected inputs must be exercised: {t:?}"
+    );
     assert!(
         t.ok * 2 > t.seqs,
         "most sequences must verify without error: {t:?}"
@@ -477,6 +566,289 @@ fn run_same_errors(backend: Backend) {
     );
 }
 
+/// Runs `batch` on the CPU and the backend; every sequence must fail, with the same error.
+fn all_fail_alike(gpu: &mut GpuVerifier, batch: &VerifyBatch<'_>) -> Vec<Error> {
+    let c = Verifier::new().verify_batch(batch).unwrap();
+    let g = gpu.verify_batch(batch).unwrap();
+    assert_eq!(c.len(), g.len());
+    c.into_iter()
+        .zip(g)
+        .enumerate()
+        .map(|(b, (c, g))| match (c, g) {
+            (Err(c), Err(g)) => {
+                assert_eq!(format!("{c:?}"), format!("{g:?}"), "sequence {b}");
+                g
+            }
+            (c, g) => panic!("sequence {b}: cpu {c:?} gpu {g:?}"),
+        })
+        .collect()
+}
+
+/// Case C14: whether an input is rejected never depends on the seed (64 seeds per input).
+fn run_c14(backend: Backend) {
+    let Some(mut gpu) = gpu_or_skip(backend) else {
+        return;
+    };
+    let n = 64;
+    let sampled = SamplingConfig::sampling(1.0).unwrap();
+    let greedy = SamplingConfig::greedy();
+    // Target vocab 2, draft vocab 1, k = 2, all logits 0, drafts [0, 1], q = [[1.0], [1.0]]:
+    // draft 1 is outside the draft vocabulary.
+    let logits = vec![0.0f32; n * 3 * 2];
+    let drafts: Vec<u32> = (0..n).flat_map(|_| [0u32, 1]).collect();
+    let offsets: Vec<usize> = (0..=n).map(|b| 2 * b).collect();
+    let q = vec![1.0f32; n * 2];
+    let seqs: Vec<SequenceParams<'_>> = (0..n)
+        .map(|s| SequenceParams::new(&sampled, s as u64 * 7919))
+        .collect();
+    let batch = VerifyBatch {
+        vocab_size: 2,
+        target_logits: &logits,
+        draft_tokens: &drafts,
+        draft_offsets: &offsets,
+        draft_probs: DraftProbs::Probs {
+            probs: &q,
+            vocab: 1,
+        },
+        sequences: &seqs,
+    };
+    for e in all_fail_alike(&mut gpu, &batch) {
+        assert!(
+            matches!(e, Error::TokenOutOfVocab { token: 1, .. }),
+            "{e:?}"
+        );
+    }
+    // Greedy, drafts [1], q = [1.0] of width 1, logits [[0, 1], [0, 0]]: q gives the draft
+    // probability 0 (it is outside the draft vocabulary), so the draft is not accepted.
+    let logits: Vec<f32> = (0..n).flat_map(|_| [0.0f32, 1.0, 0.0, 0.0]).collect();
+    let drafts = vec![1u32; n];
+    let offsets: Vec<usize> = (0..=n).collect();
+    let q = vec![1.0f32; n];
+    let seqs: Vec<SequenceParams<'_>> = (0..n)
+        .map(|s| SequenceParams::new(&greedy, s as u64))
+        .collect();
+    let batch = VerifyBatch {
+        vocab_size: 2,
+        target_logits: &logits,
+        draft_tokens: &drafts,
+        draft_offsets: &offsets,
+        draft_probs: DraftProbs::Probs {
+            probs: &q,
+            vocab: 1,
+        },
+        sequences: &seqs,
+    };
+    for e in all_fail_alike(&mut gpu, &batch) {
+        assert!(
+            matches!(e, Error::TokenOutOfVocab { token: 1, .. }),
+            "{e:?}"
+        );
+    }
+    // The same kind: a NaN in a row the step never reaches (the draft is rejected at row 0 on
+    // every seed), a greedy draft that is not its draft row's argmax, and a greedy draft to which
+    // a dense q row gives probability 0.
+    let v = 4;
+    let mut logits = Vec::new();
+    for _ in 0..n {
+        logits.extend([30.0f32, 0.0, 0.0, 0.0]);
+        logits.extend([0.0f32, 0.0, f32::NAN, 0.0]);
+    }
+    let drafts = vec![3u32; n];
+    let seqs: Vec<SequenceParams<'_>> = (0..n)
+        .map(|s| SequenceParams::new(&sampled, s as u64))
+        .collect();
+    let batch = VerifyBatch {
+        vocab_size: v,
+        target_logits: &logits,
+        draft_tokens: &drafts,
+        draft_offsets: &offsets,
+        draft_probs: DraftProbs::PointMass,
+        sequences: &seqs,
+    };
+    for e in all_fail_alike(&mut gpu, &batch) {
+        assert!(
+            matches!(
+                e,
+                Error::NonFiniteLogits {
+                    row: 1,
+                    token: 2,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    }
+    let clean: Vec<f32> = (0..n * 2 * v).map(|i| (i % v) as f32).collect();
+    let draft_logits: Vec<f32> = (0..n).flat_map(|_| [0.0f32, 2.0, 1.0, 0.0]).collect();
+    let mut q = Vec::new();
+    for _ in 0..n {
+        q.extend([0.5f32, 0.5, 0.0, 0.0]);
+    }
+    let seqs: Vec<SequenceParams<'_>> = (0..n)
+        .map(|s| SequenceParams::new(&greedy, s as u64))
+        .collect();
+    for (qp, want) in [
+        (
+            DraftProbs::Logits {
+                logits: &draft_logits,
+                vocab: v,
+            },
+            "processed draft logits",
+        ),
+        (
+            DraftProbs::Probs {
+                probs: &q,
+                vocab: v,
+            },
+            "under q",
+        ),
+    ] {
+        let batch = VerifyBatch {
+            vocab_size: v,
+            target_logits: &clean,
+            draft_tokens: &drafts,
+            draft_offsets: &offsets,
+            draft_probs: qp,
+            sequences: &seqs,
+        };
+        for e in all_fail_alike(&mut gpu, &batch) {
+            assert!(
+                matches!(&e, Error::InvalidDraftProbs { row: 0, reason } if reason.contains(want)),
+                "{e:?}"
+            );
+        }
+    }
+}
+
+/// Case C15 on the device: with point-mass drafts, every emitted token is the token plain
+/// sampling (k = 0) draws with the same seed at that position, whatever the drafts.
+fn run_c15(backend: Backend) {
+    let Some(mut gpu) = gpu_or_skip(backend) else {
+        return;
+    };
+    let mut r = Rng(0xC15);
+    let vocab = 50;
+    let cfgs = [
+        SamplingConfig::builder()
+            .temperature(1.0)
+            .top_p(0.9)
+            .build()
+            .unwrap(),
+        SamplingConfig::builder()
+            .temperature(0.7)
+            .top_k(20)
+            .repetition_penalty(1.2)
+            .frequency_penalty(0.3)
+            .presence_penalty(0.2)
+            .build()
+            .unwrap(),
+        SamplingConfig::builder()
+            .temperature(1.3)
+            .min_p(0.05)
+            .banned_tokens([7])
+            .build()
+            .unwrap(),
+    ];
+    let n = 90;
+    let (mut logits, mut drafts, mut offsets) = (Vec::new(), Vec::new(), vec![0usize]);
+    let mut ctxs: Vec<Vec<u32>> = Vec::new();
+    let mut prompt_lens = Vec::new();
+    for _ in 0..n {
+        let k = 1 + r.below(6);
+        for i in 0..=k {
+            let start = logits.len();
+            logits.extend((0..vocab).map(|_| r.normal() * 2.0));
+            let fav = r.below(vocab);
+            logits[start + fav] = 6.0;
+            // The draft: often the favourite (accepted with high probability), else anything.
+            if i < k {
+                let d = if r.chance(0.7) { fav } else { r.below(vocab) };
+                drafts.push(d as u32);
+            }
+        }
+        offsets.push(drafts.len());
+        let ctx: Vec<u32> = (0..r.below(8)).map(|_| r.below(vocab) as u32).collect();
+        prompt_lens.push(r.below(ctx.len() + 1));
+        ctxs.push(ctx);
+    }
+    let seqs: Vec<SequenceParams<'_>> = (0..n)
+        .map(|b| {
+            SequenceParams::new(&cfgs[b % cfgs.len()], 1000 + b as u64)
+                .context(&ctxs[b])
+                .prompt_len(prompt_lens[b])
+        })
+        .collect();
+    let batch = VerifyBatch {
+        vocab_size: vocab,
+        target_logits: &logits,
+        draft_tokens: &drafts,
+        draft_offsets: &offsets,
+        draft_probs: DraftProbs::PointMass,
+        sequences: &seqs,
+    };
+    let spec: Vec<StepOutput> = gpu
+        .verify_batch(&batch)
+        .unwrap()
+        .into_iter()
+        .map(|o| o.unwrap())
+        .collect();
+    let mut t = Tally::default();
+    compare(
+        &Verifier::new().verify_batch(&batch).unwrap(),
+        &spec.iter().cloned().map(Ok).collect::<Vec<_>>(),
+        &mut t,
+    );
+    assert!(t.token_mismatch <= 1, "{t:?}");
+    // Plain sampling of every emitted position: row j of the block, after the context and the
+    // drafts before it (all accepted, since j is emitted), at position context + j.
+    let (mut plain_logits, mut plain_ctx, mut who) = (Vec::new(), Vec::new(), Vec::new());
+    for (b, o) in spec.iter().enumerate() {
+        for j in 0..o.tokens.len() {
+            let row = offsets[b] + b + j;
+            plain_logits.extend_from_slice(&logits[row * vocab..(row + 1) * vocab]);
+            let mut c = ctxs[b].clone();
+            c.extend_from_slice(&drafts[offsets[b]..offsets[b] + j]);
+            plain_ctx.push(c);
+            who.push((b, j));
+        }
+    }
+    let plain_seqs: Vec<SequenceParams<'_>> = who
+        .iter()
+        .zip(&plain_ctx)
+        .map(|(&(b, _), c)| {
+            SequenceParams::new(&cfgs[b % cfgs.len()], 1000 + b as u64)
+                .context(c)
+                .prompt_len(prompt_lens[b])
+        })
+        .collect();
+    let plain_offsets = vec![0usize; who.len() + 1];
+    let plain = gpu
+        .verify_batch(&VerifyBatch {
+            vocab_size: vocab,
+            target_logits: &plain_logits,
+            draft_tokens: &[],
+            draft_offsets: &plain_offsets,
+            draft_probs: DraftProbs::PointMass,
+            sequences: &plain_seqs,
+        })
+        .unwrap();
+    for (&(b, j), p) in who.iter().zip(&plain) {
+        assert_eq!(
+            p.as_ref().unwrap().tokens,
+            vec![spec[b].tokens[j]],
+            "sequence {b}, position {j}: {:?}",
+            spec[b]
+        );
+    }
+    let rejected = spec
+        .iter()
+        .filter(|o| matches!(o.end, StepEnd::Rejected { .. }))
+        .count();
+    let accepted: usize = spec.iter().map(|o| o.accepted).sum();
+    eprintln!("{backend} C15: {accepted} drafts accepted, {rejected} rejections");
+    assert!(accepted > 50 && rejected > 10, "{accepted} {rejected}");
+}
+
 // ---- statistics ---------------------------------------------------------------------------
 
 const ALPHA: f64 = 1e-3;
@@ -520,7 +892,9 @@ fn stat_fit(gpu: &mut GpuVerifier, n: usize, k: usize, q_pass: u8) -> Fit {
             for i in 0..k {
                 let dl = draft.logits(&prefix);
                 let qd = process(&cfg, &dl, &prefix, vocab).unwrap();
-                let x = qd.sample(ds.uniform(ctx.len() as u64 + i as u64, lane::DRAFT));
+                let x = qd
+                    .sample(ds.uniform(ctx.len() as u64 + i as u64, lane::DRAFT))
+                    .unwrap();
                 match q_pass {
                     0 => q.extend(dense(&qd, vocab)),
                     1 => q.extend(raw_softmax(&dl)),
@@ -632,6 +1006,16 @@ macro_rules! backend_tests {
             }
 
             #[test]
+            fn c14_validation_does_not_depend_on_the_seed() {
+                run_c14($backend);
+            }
+
+            #[test]
+            fn c15_point_mass_drafts_emit_the_plain_sampling_tokens() {
+                run_c15($backend);
+            }
+
+            #[test]
             fn statistical_distribution() {
                 run_statistical($backend);
             }
@@ -703,7 +1087,7 @@ mod wgpu_resident {
             return;
         };
         let mut r = Rng(99);
-        let o = Owned::random(&mut r, 300, 40, 2);
+        let o = Owned::random(&mut r, 300, 40, 2, false);
         let seqs = o.params();
         let batch = o.batch(&seqs);
         let host = gpu.verify_batch(&batch).unwrap();
@@ -745,6 +1129,126 @@ mod wgpu_resident {
             Err(Error::WrongBackend { .. })
         ));
     }
+
+    /// Device-resident logits are validated as host logits are (case C14): the device reports a
+    /// NaN / `+inf` in any raw target row, reached or not, and the other checks keep the CPU's
+    /// order.
+    #[test]
+    fn device_buffer_validates_like_host_logits() {
+        let Some(mut gpu) = gpu_or_skip(Backend::Wgpu) else {
+            return;
+        };
+        let mut r = Rng(97);
+        let mut t = Tally::default();
+        for (vocab, q_kind) in [(37, 0), (37, 1), (37, 2), (300, 0), (300, 1), (300, 2)] {
+            let o = Owned::random(&mut r, vocab, 150, q_kind, true);
+            let seqs = o.params();
+            let batch = o.batch(&seqs);
+            let host = gpu.verify_batch(&batch).unwrap();
+            let dev = gpu.wgpu_device().unwrap().clone();
+            let buf = dev.device().create_buffer_init(
+                &speculative::gpu::wgpu::util::BufferInitDescriptor {
+                    label: Some("engine logits"),
+                    contents: unsafe {
+                        std::slice::from_raw_parts(
+                            o.logits.as_ptr() as *const u8,
+                            o.logits.len() * 4,
+                        )
+                    },
+                    usage: speculative::gpu::wgpu::BufferUsages::STORAGE,
+                },
+            );
+            let dev_out = gpu
+                .verify_wgpu(WgpuLogits::new(&buf), &DeviceBatch::from_batch(&batch))
+                .unwrap();
+            let a: Vec<String> = host.iter().map(|x| format!("{x:?}")).collect();
+            let b: Vec<String> = dev_out.iter().map(|x| format!("{x:?}")).collect();
+            assert_eq!(a, b, "vocab {vocab}, q kind {q_kind}");
+            compare(
+                &Verifier::new().verify_batch(&batch).unwrap(),
+                &dev_out,
+                &mut t,
+            );
+        }
+        eprintln!("{t:?}");
+        assert!(t.errors > 20 && t.token_mismatch <= 1, "{t:?}");
+
+        // The order of the checks: a NaN in a raw target row (here at a banned token of a row
+        // the step may not reach) before a context token outside the vocabulary, before the
+        // draft-logit rows.
+        let v = 6;
+        let sampled = SamplingConfig::builder()
+            .temperature(1.0)
+            .banned_tokens([2])
+            .build()
+            .unwrap();
+        let penalised = SamplingConfig::builder()
+            .temperature(1.0)
+            .repetition_penalty(1.2)
+            .banned_tokens([3])
+            .build()
+            .unwrap();
+        let greedy = SamplingConfig::greedy();
+        let mut logits: Vec<f32> = (0..8 * v).map(|i| (i % v) as f32 * 0.1).collect();
+        logits[v + 2] = f32::NAN; // sequence 0, row 1, banned token 2
+        logits[3 * v + 4] = f32::INFINITY; // sequence 1, row 1
+        let drafts = [3u32, 3, 3, 3];
+        let offsets = [0usize, 1, 2, 3, 4];
+        let draft_logits: Vec<f32> = (0..4 * v).map(|i| (i % v) as f32).collect();
+        let bad_ctx = [9u32];
+        let seqs = [
+            SequenceParams::new(&sampled, 1),
+            SequenceParams::new(&penalised, 2).context(&bad_ctx),
+            SequenceParams::new(&penalised, 3).context(&bad_ctx),
+            SequenceParams::new(&greedy, 4).context(&[1]),
+        ];
+        let batch = VerifyBatch {
+            vocab_size: v,
+            target_logits: &logits,
+            draft_tokens: &drafts,
+            draft_offsets: &offsets,
+            draft_probs: DraftProbs::Logits {
+                logits: &draft_logits,
+                vocab: v,
+            },
+            sequences: &seqs,
+        };
+        let errs = all_fail_alike(&mut gpu, &batch);
+        let dev = gpu.wgpu_device().unwrap().clone();
+        let buf =
+            dev.device()
+                .create_buffer_init(&speculative::gpu::wgpu::util::BufferInitDescriptor {
+                    label: Some("engine logits"),
+                    contents: unsafe {
+                        std::slice::from_raw_parts(logits.as_ptr() as *const u8, logits.len() * 4)
+                    },
+                    usage: speculative::gpu::wgpu::BufferUsages::STORAGE,
+                });
+        let dev_out = gpu
+            .verify_wgpu(WgpuLogits::new(&buf), &DeviceBatch::from_batch(&batch))
+            .unwrap();
+        let a: Vec<String> = errs.iter().map(|e| format!("Err({e:?})")).collect();
+        let b: Vec<String> = dev_out.iter().map(|x| format!("{x:?}")).collect();
+        assert_eq!(a, b);
+        assert!(matches!(
+            errs[0],
+            Error::NonFiniteLogits {
+                row: 1,
+                token: 2,
+                ..
+            }
+        ));
+        assert!(matches!(
+            errs[1],
+            Error::NonFiniteLogits {
+                row: 1,
+                token: 4,
+                ..
+            }
+        ));
+        assert!(matches!(errs[2], Error::TokenOutOfVocab { token: 9, .. }));
+        assert!(matches!(errs[3], Error::InvalidDraftProbs { row: 0, .. }));
+    }
 }
 
 /// Device-resident logits on CUDA: a cudarc slice and a raw device pointer give the same results
@@ -761,7 +1265,7 @@ mod cuda_resident {
             return;
         };
         let mut r = Rng(98);
-        let o = Owned::random(&mut r, 300, 40, 2);
+        let o = Owned::random(&mut r, 300, 40, 2, false);
         let seqs = o.params();
         let batch = o.batch(&seqs);
         let host = gpu.verify_batch(&batch).unwrap();
@@ -780,6 +1284,29 @@ mod cuda_resident {
         };
         assert_eq!(s(&host), s(&from_slice));
         assert_eq!(s(&host), s(&from_raw));
+        // Validation of device-resident logits (case C14): the device reports a NaN / +inf in
+        // any raw target row, and the other checks keep the CPU's order.
+        let mut tv = Tally::default();
+        for (vocab, q_kind) in [(37, 0), (37, 1), (37, 2), (300, 0), (300, 1), (300, 2)] {
+            let f = Owned::random(&mut r, vocab, 150, q_kind, true);
+            let fseqs = f.params();
+            let fbatch = f.batch(&fseqs);
+            let fhost = gpu.verify_batch(&fbatch).unwrap();
+            let fbuf = st.clone_htod(&f.logits).unwrap();
+            let fdev = gpu
+                .verify_cuda(
+                    CudaLogits::from_slice(&fbuf, &st),
+                    &DeviceBatch::from_batch(&fbatch),
+                )
+                .unwrap();
+            assert_eq!(s(&fhost), s(&fdev), "vocab {vocab}, q kind {q_kind}");
+            compare(
+                &Verifier::new().verify_batch(&fbatch).unwrap(),
+                &fdev,
+                &mut tv,
+            );
+        }
+        assert!(tv.errors > 20 && tv.token_mismatch <= 1, "{tv:?}");
         let mut t = Tally::default();
         compare(
             &Verifier::new().verify_batch(&batch).unwrap(),

@@ -315,7 +315,7 @@ fn plain_sampling(seed: u64, n: usize) -> Vec<u32> {
         )
         .unwrap();
         let u = Stream::new(seed).uniform(ctx.len() as u64, lane::SAMPLE);
-        ctx.push(d.sample(u));
+        ctx.push(d.sample(u).unwrap());
     }
     ctx[C15_PROMPT.len()..].to_vec()
 }

@@ -138,7 +138,9 @@ impl Setup {
                 let dl = self.draft.logits(&prefix);
                 let q = process(&self.config, &dl, &prefix, v).unwrap();
                 let x = match self.drafter {
-                    Drafter::Model => q.sample(draft_stream.uniform(pos + i as u64, lane::DRAFT)),
+                    Drafter::Model => q
+                        .sample(draft_stream.uniform(pos + i as u64, lane::DRAFT))
+                        .unwrap(),
                     Drafter::Argmax => argmax(&q),
                     Drafter::Random => draft_stream.bits(pos + i as u64, lane::DRAFT)[1] % v as u32,
                 };
@@ -228,7 +230,7 @@ fn always_accept(
     let p = process(cfg, &logits[k * vocab..], &prefix, vocab).unwrap();
     let u = Stream::new(seed).uniform(prefix.len() as u64, lane::SAMPLE);
     let mut tokens = drafts.to_vec();
-    tokens.push(p.sample(u));
+    tokens.push(p.sample(u).unwrap());
     StepOutput {
         accepted: k,
         tokens,

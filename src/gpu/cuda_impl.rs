@@ -242,7 +242,7 @@ impl CudaVerifier {
             let (p, _sync) = s.device_ptr(&self.stream);
             p
         };
-        self.run(ptr, batch, qv)
+        self.run(ptr, batch, qv, Some(logits))
     }
 
     pub(crate) fn verify_device(
@@ -251,7 +251,7 @@ impl CudaVerifier {
         batch: &DeviceBatch<'_>,
         qv: usize,
     ) -> Result<Vec<Result<StepOutput>>> {
-        self.run(logits.ptr, batch, qv)
+        self.run(logits.ptr, batch, qv, None)
     }
 
     fn run(
@@ -259,15 +259,17 @@ impl CudaVerifier {
         logits: u64,
         batch: &DeviceBatch<'_>,
         qv: usize,
+        host: Option<&[f32]>,
     ) -> Result<Vec<Result<StepOutput>>> {
         // DraftProbs::Logits: a draft pass (`d`) turns the draft-logit rows into dense q first.
         let pack::Prepared {
+            pre,
             main: mut p,
             draft: mut d,
             q,
-        } = pack::prepare(batch, qv)?;
+        } = pack::prepare(batch, qv, host)?;
         if p.n_rows == 0 {
-            return Ok(pack::assemble(p, batch, &[], Default::default()));
+            return Ok(pack::assemble(p, pre, batch, &[], Vec::new()));
         }
         let st = self.stream.clone();
         upload(&st, &mut self.q, q)?;
@@ -301,7 +303,7 @@ impl CudaVerifier {
         ];
         self.launch(&st, &mut p, false, logits, q_main, ptrs)?;
         let out = self.out.as_ref().expect("allocated");
-        let host: Vec<u32> = st
+        let out_host: Vec<u32> = st
             .clone_dtoh(&out.slice(0..p.out_words()))
             .map_err(|e| err(format!("readback failed: {e}")))?;
         let errs = match d.as_ref() {
@@ -316,7 +318,7 @@ impl CudaVerifier {
         };
         st.synchronize()
             .map_err(|e| err(format!("stream synchronize failed: {e}")))?;
-        Ok(pack::assemble(p, batch, &host, errs))
+        Ok(pack::assemble(p, pre, batch, &out_host, errs))
     }
 
     /// Launches the verification kernel (verify or draft pass); `bufs` are the device pointers

@@ -19,29 +19,56 @@
 //! ## Semantics
 //!
 //! Exactly those of [`crate::Verifier::verify_batch`]: ragged drafts by offsets, a
-//! [`SamplingConfig`](crate::SamplingConfig), seed, context and position per sequence,
-//! processing order penalties -> logit bias -> allowed / banned sets and the caller's mask ->
-//! temperature -> top-k -> softmax -> top-p -> min-p -> renormalise, greedy argmax with ties to
-//! the lowest id, stochastic acceptance `min(1, p / q)` with residual `normalise(max(0, p - q))`,
-//! point-mass drafts and the bonus token. Random draws use the same Philox4x32-10 stream
-//! ([`crate::rng::Stream::uniform`], same positions and lanes), so the GPU emits the same tokens
-//! as the CPU except where float rounding moves a draw across a boundary (the GPU sums in f32
-//! where the CPU sums in f64). Top-k and top-p never sort the vocabulary: the threshold is found
-//! by a multi-pivot bisection on the order-preserving bit pattern of the keys, with counting
-//! (top-k) or mass (top-p) passes, and ties at the threshold go to the lowest ids as on the CPU.
+//! [`SamplingConfig`](crate::SamplingConfig), seed, context, prompt length, position and
+//! suppressed tokens per sequence ([`SequenceParams`]).
 //!
-//! Draft probabilities may be point masses, dense probabilities, or raw draft logits
-//! (`DraftProbs::Logits`, processed on the device by the same kernel in a first pass, with the
-//! sequence's configuration and history, into dense q).
+//! - Processing order: penalties -> logit bias -> allowed / banned sets, the tokens suppressed at
+//!   rows `0..suppress_rows` and the caller's mask -> temperature -> top-k -> softmax -> top-p ->
+//!   min-p -> renormalise. The repetition penalty counts every earlier token (prompt and
+//!   generated); frequency and presence count the generated ones (context from `prompt_len` on,
+//!   and the earlier drafts of the block) unless
+//!   [`PenaltyScope::WholeContext`](crate::sampling::PenaltyScope::WholeContext) (case C12).
+//! - Greedy rows: the argmax, ties to the lowest id.
+//! - Point-mass drafts at temperature > 0: the row's token is drawn from the processed row with
+//!   the SAMPLE-lane uniform of its position (inverse CDF in token-id order) and the draft is
+//!   accepted iff it is that token, which is also the token emitted on rejection (case C15): on
+//!   the device as on the CPU, seeded output does not depend on the drafts or their number.
+//! - Dense-q drafts (probabilities, or draft logits processed on the device by the same kernel
+//!   in a first pass, with the sequence's configuration and history, into dense q): acceptance
+//!   `min(1, p / q)` with the ACCEPT-lane uniform, residual `normalise(max(0, p - q))` with the
+//!   SAMPLE-lane one; the bonus token from row `k`.
+//!
+//! Random draws use the same Philox4x32-10 stream ([`crate::rng::Stream::uniform`], same
+//! positions and lanes), so the GPU emits the same tokens as the CPU except where float rounding
+//! moves a draw across a boundary (the GPU sums in f32 where the CPU sums in f64). Top-k and
+//! top-p never sort the vocabulary: the threshold is found by a multi-pivot bisection on the
+//! order-preserving bit pattern of the keys, with counting (top-k) or mass (top-p) passes, and
+//! ties at the threshold go to the lowest ids as on the CPU.
+//!
+//! ## Validation
+//!
+//! As on the CPU, whether a sequence is rejected never depends on its seed (case C14), and its
+//! first error is the CPU's. Everything that is in host memory (shapes, token ids against the
+//! target and draft vocabularies, the configuration's and the suppressed tokens, every dense q
+//! row, every draft logit) is checked on the host before the launch by the CPU's own checks;
+//! with host logits ([`GpuVerifier::verify_batch`]) the raw target logits too. With
+//! device-resident logits ([`GpuVerifier::verify_wgpu`], [`GpuVerifier::verify_cuda`]) every
+//! target row reports its first NaN / `+inf` from the device, reached by the step or not. Then
+//! come the context tokens (with penalties), the draft-logit rows in order (processed on the
+//! device: no allowed token, or a draft the processed row gives probability 0, in greedy mode a
+//! draft that is not its argmax), and last [`Error::NoAllowedToken`] (or a NaN / `+inf` made by
+//! the penalties or the bias) for the target rows the step reaches.
 //!
 //! Differences from the CPU path:
 //! - At most [`MAX_TOP_LOGPROBS`] top log-probabilities per token ([`Error::InvalidConfig`] for
-//!   the sequence otherwise).
+//!   the sequence otherwise, reported after the CPU's input checks, before the raw target check
+//!   of device-resident logits).
 //! - A caller [`TokenMask`](crate::TokenMask) is evaluated on the host on a row of zeros (the
 //!   device logits are never read by the host): it must depend only on the prefix, as its
 //!   contract says, not on the logit values.
 //! - Probabilities below the smallest normal f32 (about `1e-38`) may be flushed to 0 by the
-//!   device, so such tokens can be missing from the support and the top-n lists.
+//!   device, so such tokens can be missing from the support and the top-n lists (and a draft of
+//!   such a probability can be reported as impossible).
 //! - One launch addresses at most `2^32` logits elements (and, on wgpu, one storage binding of
 //!   the device's limit): larger batches are an [`Error::BatchTooLarge`]; split them.
 //!

@@ -5,18 +5,25 @@
 //! - sequence records, 16 words each (see `S_*` in `kernels/verify.wgsl`);
 //! - row records, 8 words each: sequence, row index `i`, logits row, draft token (or `NONE`),
 //!   position low / high, mask word offset (or `NONE`), scratch slot (or `NONE`);
-//! - patches, 4 words each: token, count in the context, logit bias bits, has-bias flag;
+//! - patches, 4 words each: token, frequency / presence count from the context, logit bias
+//!   bits, flags (bit 0: has a bias, bit 1: occurs in the context, for the repetition penalty);
 //! - all draft tokens (penalty counts of earlier drafts);
 //! - mask words (bit set = token forbidden), `ceil(vocab / 32)` words per mask.
 //!
 //! The per-row output is 8 words (status, error token, error value, accept flag, emitted token,
 //! log-prob of the draft, log-prob of the emitted token, number of top entries), followed by
 //! `[rows, max_top]` pairs `(token, logprob bits)`.
+//!
+//! Order of the errors of one sequence, as on the CPU ([`crate::Verifier::verify`]): the input
+//! checks of `VerifyRequest::validate` (on the host; with device-resident logits the check of the
+//! raw target logits comes from the device, every row), the context tokens (penalties), the
+//! draft-logit rows in order (the draft pass), then the target rows in the order the step reaches
+//! them.
 
 use super::DeviceBatch;
 use crate::error::{Error, Result, RowKind};
-use crate::sampling::SamplingConfig;
-use crate::verify::{DraftProbs, StepEnd, StepOutput, TokenLogprob};
+use crate::sampling::PenaltyScope;
+use crate::verify::{DraftProbs, StepEnd, StepOutput, TokenLogprob, VerifyRequest};
 
 pub(crate) const NONE: u32 = u32::MAX;
 /// The most top log-probabilities a GPU row reports.
@@ -24,17 +31,39 @@ pub const MAX_TOP_LOGPROBS: usize = 32;
 pub(crate) const SEQ_WORDS: usize = 16;
 pub(crate) const OUT_WORDS: usize = 8;
 
+/// Row status codes written by the kernels (`ST_*` in both sources).
+const ST_OK: u32 = 0;
+/// NaN / `+inf` in the processed row (penalties or bias overflowed).
+const ST_NON_FINITE: u32 = 1;
+const ST_NO_TOKEN: u32 = 2;
+/// NaN / `+inf` in the raw row (validation: reported whether or not the row is reached).
+const ST_RAW_NON_FINITE: u32 = 3;
+/// Draft pass: the draft token has probability 0 under its processed draft row (greedy: is not
+/// its argmax).
+const ST_DRAFT_ZERO: u32 = 4;
+
+/// What the host decided about one sequence before the launch.
+#[derive(Debug)]
+pub(crate) enum Pre {
+    /// Rejected by the host checks: not packed.
+    Fail(Error),
+    /// Packed. `deferred` is an error the CPU reports after the check of the raw target logits
+    /// (a context token outside the vocabulary), held until the device has reported that check.
+    Run { deferred: Option<Error> },
+}
+
 /// Everything a kernel launch needs, built on the host.
 #[derive(Debug, Default)]
 pub(crate) struct Packed {
     /// The uniform block (16 words, see `Globals` in the WGSL source).
     pub globals: [u32; 16],
     pub params: Vec<u32>,
-    /// Dense q rows (`[sum k, draft_vocab]`), or one zero when q is a point mass.
+    /// Number of rows launched.
     pub n_rows: usize,
+    /// Number of scratch rows (`[scratch_rows, width]` f32).
     pub scratch_rows: usize,
-    /// Per sequence: `Err` from validation, or the first row and k.
-    seqs: Vec<std::result::Result<(usize, usize), Error>>,
+    /// Per sequence: the first row and k when packed.
+    seqs: Vec<Option<(usize, usize)>>,
     logprobs: Vec<Option<usize>>,
     /// Draft pass only: `(sequence, i)` of every row.
     pub row_map: Vec<(usize, usize)>,
@@ -52,31 +81,85 @@ impl Packed {
     }
 }
 
-/// The errors of the draft pass, by `(sequence, draft row)`: the draft-logit rows that have a
-/// NaN / `+inf` logit or no allowed token.
-pub(crate) fn draft_errors(
-    d: &Packed,
-    out: &[u32],
-) -> std::collections::HashMap<(usize, usize), Error> {
-    let mut m = std::collections::HashMap::new();
+/// The first error of each sequence's draft-logit rows (`[n_seq]`, `None` when all are fine),
+/// from the draft pass's row statuses: NaN / `+inf` after processing, no allowed token, or a
+/// draft token the processed row cannot produce.
+pub(crate) fn draft_errors(d: &Packed, out: &[u32]) -> Vec<Option<Error>> {
+    let mut errs: Vec<Option<Error>> = Vec::new();
+    errs.resize_with(d.seqs.len(), || None);
     for (r, &(b, i)) in d.row_map.iter().enumerate() {
         let o = &out[r * OUT_WORDS..(r + 1) * OUT_WORDS];
-        let e = match o[0] {
-            0 => continue,
-            1 => Error::NonFiniteLogits {
+        if o[0] == ST_OK || errs[b].is_some() {
+            continue;
+        }
+        errs[b] = Some(match o[0] {
+            ST_NON_FINITE | ST_RAW_NON_FINITE => Error::NonFiniteLogits {
                 kind: RowKind::Draft,
                 row: i,
                 token: o[1] as usize,
                 value: f32::from_bits(o[2]),
             },
-            _ => Error::NoAllowedToken {
+            ST_NO_TOKEN => Error::NoAllowedToken {
                 kind: RowKind::Draft,
                 row: i,
             },
-        };
-        m.insert((b, i), e);
+            st => {
+                debug_assert_eq!(st, ST_DRAFT_ZERO);
+                Error::InvalidDraftProbs {
+                    row: i,
+                    reason: "the drafted token has probability 0 under the processed draft logits",
+                }
+            }
+        });
     }
-    m
+    errs
+}
+
+/// Batch-level checks (the outer `Err` of `verify_batch`): the CPU's own.
+pub(crate) fn check_batch(batch: &DeviceBatch<'_>) -> Result<usize> {
+    crate::verify::check_layout(
+        batch.draft_offsets,
+        batch.sequences.len(),
+        batch.draft_tokens.len(),
+        batch.vocab_size,
+        &batch.draft_probs,
+    )
+}
+
+/// Sequence `b` of a layout-checked batch as the request [`crate::Verifier::verify_batch`] builds
+/// for it, with `target` as its target logits (empty for device-resident logits).
+fn request<'b>(
+    batch: &DeviceBatch<'b>,
+    b: usize,
+    qv: usize,
+    target: &'b [f32],
+) -> VerifyRequest<'b> {
+    let (lo, hi) = (batch.draft_offsets[b], batch.draft_offsets[b + 1]);
+    let s = &batch.sequences[b];
+    VerifyRequest {
+        config: s.config,
+        target_logits: target,
+        vocab_size: batch.vocab_size,
+        draft_tokens: &batch.draft_tokens[lo..hi],
+        draft_probs: match batch.draft_probs {
+            DraftProbs::PointMass => DraftProbs::PointMass,
+            DraftProbs::Probs { probs, .. } => DraftProbs::Probs {
+                probs: &probs[lo * qv..hi * qv],
+                vocab: qv,
+            },
+            DraftProbs::Logits { logits, .. } => DraftProbs::Logits {
+                logits: &logits[lo * qv..hi * qv],
+                vocab: qv,
+            },
+        },
+        context: s.context,
+        seed: s.seed,
+        position: s.position,
+        prompt_len: s.prompt_len,
+        suppress: s.suppress,
+        suppress_rows: s.suppress_rows,
+        final_draft_ends: false,
+    }
 }
 
 fn token_check(t: u32, vocab: usize, what: &'static str) -> Result<()> {
@@ -91,74 +174,69 @@ fn token_check(t: u32, vocab: usize, what: &'static str) -> Result<()> {
     }
 }
 
-/// Batch-level checks (the outer `Err` of `verify_batch`): the CPU's own.
-pub(crate) fn check_batch(batch: &DeviceBatch<'_>) -> Result<usize> {
-    crate::verify::check_layout(
-        batch.draft_offsets,
-        batch.sequences.len(),
-        batch.draft_tokens.len(),
-        batch.vocab_size,
-        &batch.draft_probs,
-    )
+/// The host's decision for every sequence of a layout-checked batch. `host_logits`: the batch's
+/// target logits when they are in host memory (then the CPU's own `validate` runs, raw target
+/// values included), `None` for device-resident logits (the device checks the raw values).
+fn pre_checks(batch: &DeviceBatch<'_>, qv: usize, host_logits: Option<&[f32]>) -> Vec<Pre> {
+    let v = batch.vocab_size;
+    let off = batch.draft_offsets;
+    (0..batch.sequences.len())
+        .map(|b| {
+            let s = &batch.sequences[b];
+            let checked = match host_logits {
+                Some(l) => {
+                    request(batch, b, qv, &l[(off[b] + b) * v..(off[b + 1] + b + 1) * v]).validate()
+                }
+                None => request(batch, b, qv, &[]).validate_inputs(),
+            };
+            if let Err(e) = checked {
+                return Pre::Fail(e);
+            }
+            if let Some(n) = s.config.logprobs().filter(|&n| n > MAX_TOP_LOGPROBS) {
+                return Pre::Fail(Error::config(
+                    "logprobs",
+                    n,
+                    "the GPU backends report at most 32 top log-probabilities",
+                ));
+            }
+            // The penalties' token counts (`TokenCounts::from_context` on the CPU).
+            let context = if s.config.has_penalties() {
+                s.context
+                    .iter()
+                    .try_for_each(|&t| token_check(t, v, "context token"))
+                    .err()
+            } else {
+                None
+            };
+            match (context, host_logits) {
+                (Some(e), Some(_)) => Pre::Fail(e),
+                (deferred, _) => Pre::Run { deferred },
+            }
+        })
+        .collect()
 }
 
-fn check_sequence(
-    cfg: &SamplingConfig,
-    drafts: &[u32],
-    context: &[u32],
-    vocab: usize,
-    qv: usize,
-    dense: bool,
-) -> Result<()> {
-    if vocab == 0 {
-        return Err(Error::ShapeMismatch {
-            what: "vocab_size",
-            expected: 1,
-            actual: 0,
-        });
-    }
-    for &t in drafts {
-        token_check(t, vocab, "draft token")?;
-    }
-    cfg.check_vocab(vocab)?;
-    if dense && qv == 0 && !drafts.is_empty() {
-        return Err(Error::ShapeMismatch {
-            what: "draft vocab",
-            expected: 1,
-            actual: 0,
-        });
-    }
-    if cfg.has_penalties() {
-        for &t in context {
-            token_check(t, vocab, "context token")?;
-        }
-    }
-    if let Some(n) = cfg.logprobs() {
-        if n > MAX_TOP_LOGPROBS {
-            return Err(Error::config(
-                "logprobs",
-                n,
-                "the GPU backends report at most 32 top log-probabilities",
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The host side of one verify call, shared by the backends: the main pass's packed rows, the
-/// draft pass's (`DraftProbs::Logits` with at least one row), and the host q data to upload
-/// (dense q or draft logits; a single 0.0 for point masses).
+/// The host side of one verify call, shared by the backends: the host's per-sequence decisions,
+/// the main pass's packed rows, the draft pass's (`DraftProbs::Logits` with at least one row),
+/// and the host q data to upload (dense q or draft logits; a single 0.0 for point masses).
 pub(crate) struct Prepared<'b> {
+    pub pre: Vec<Pre>,
     pub main: Packed,
     pub draft: Option<Packed>,
     pub q: &'b [f32],
 }
 
-/// Packs `batch` for the main pass and, for draft logits, the draft pass.
-pub(crate) fn prepare<'b>(batch: &DeviceBatch<'b>, qv: usize) -> Result<Prepared<'b>> {
-    let main = pack(batch, qv, false)?;
+/// Checks and packs `batch` (layout-checked, dense q width `qv`) for the main pass and, for draft
+/// logits, the draft pass. `host_logits`: the target logits when they are in host memory.
+pub(crate) fn prepare<'b>(
+    batch: &DeviceBatch<'b>,
+    qv: usize,
+    host_logits: Option<&[f32]>,
+) -> Result<Prepared<'b>> {
+    let pre = pre_checks(batch, qv, host_logits);
+    let main = pack(batch, qv, false, &pre)?;
     let draft = match batch.draft_probs {
-        DraftProbs::Logits { .. } => Some(pack(batch, qv, true)?),
+        DraftProbs::Logits { .. } => Some(pack(batch, qv, true, &pre)?),
         _ => None,
     }
     .filter(|d| d.n_rows > 0);
@@ -167,13 +245,26 @@ pub(crate) fn prepare<'b>(batch: &DeviceBatch<'b>, qv: usize) -> Result<Prepared
         DraftProbs::Logits { logits, .. } if !logits.is_empty() => logits,
         _ => &[0.0],
     };
-    Ok(Prepared { main, draft, q })
+    Ok(Prepared {
+        pre,
+        main,
+        draft,
+        q,
+    })
 }
 
-/// Packs a validated batch. With `draft`, packs the draft pass instead: the `[sum k, qv]`
-/// draft-logit rows of the stochastic sequences, processed with each sequence's configuration
-/// into dense q (`DraftProbs::Logits`).
-pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool) -> Result<Packed> {
+/// Sets bit `t` (token forbidden) of a mask.
+fn forbid(mask: &mut [u32], t: u32) {
+    mask[t as usize / 32] |= 1u32 << (t % 32);
+}
+
+/// One patch before merging: token, frequency / presence count, bias, has bias, in context.
+type Patch = (u32, u32, f32, bool, bool);
+
+/// Packs the sequences that `pre` lets run. With `draft`, packs the draft pass instead: the
+/// `[sum k, qv]` draft-logit rows, processed with each sequence's configuration and history into
+/// dense q (stochastic) or checked against their argmax (greedy) (`DraftProbs::Logits`).
+fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool, pre: &[Pre]) -> Result<Packed> {
     let v = batch.vocab_size;
     let width = if draft { qv } else { v };
     if v >= (1 << 31) {
@@ -185,7 +276,6 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool) -> Result<Pa
         });
     }
     let dense = !matches!(batch.draft_probs, DraftProbs::PointMass);
-    let checked = matches!(batch.draft_probs, DraftProbs::Probs { .. });
     let off = batch.draft_offsets;
     let n = batch.sequences.len();
     let mask_words = width.div_ceil(32);
@@ -202,39 +292,46 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool) -> Result<Pa
         let (lo, hi) = (off[b], off[b + 1]);
         let drafts = &batch.draft_tokens[lo..hi];
         let k = drafts.len();
-        p.logprobs.push(s.config.logprobs());
-        if let Err(e) = check_sequence(s.config, drafts, s.context, v, qv, dense) {
-            p.seqs.push(Err(e));
-            continue;
-        }
         let cfg = s.config;
-        if draft && (cfg.is_greedy() || k == 0) {
-            p.seqs.push(Ok((n_rows, 0)));
+        p.logprobs.push(cfg.logprobs());
+        // A sequence with a deferred error runs only for the device's check of its raw target
+        // rows: no draft pass, and the caller's mask is not called with its invalid context.
+        let deferred = match &pre[b] {
+            Pre::Fail(_) => None,
+            Pre::Run { deferred } => Some(deferred.is_some()),
+        };
+        if deferred.is_none() || (draft && (k == 0 || deferred == Some(true))) {
+            p.seqs.push(None);
             continue;
         }
+        let caller_mask = cfg.mask().filter(|_| deferred == Some(false));
         let sidx = seq_recs.len() / SEQ_WORDS;
-        // Patches: every token whose logit the penalties or the bias may change.
+        // Patches: every token whose logit the penalties or the bias may change. The repetition
+        // penalty counts prompt and generated tokens; frequency and presence count generated
+        // tokens (context from `prompt_len` on, and the earlier drafts, which the kernel adds)
+        // unless the scope is the whole context.
         let patch_off = patches.len() / 4;
-        let mut entries: Vec<(u32, u32, f32, bool)> = Vec::new();
+        let mut entries: Vec<Patch> = Vec::new();
         if cfg.has_penalties() {
-            let mut c: Vec<u32> = s.context.to_vec();
-            c.sort_unstable();
-            for g in c.chunk_by(|a, b| a == b) {
-                entries.push((g[0], g.len() as u32, 0.0, false));
+            let whole = cfg.penalty_scope() == PenaltyScope::WholeContext;
+            let split = s.prompt_len.min(s.context.len());
+            for (j, &t) in s.context.iter().enumerate() {
+                entries.push((t, (whole || j >= split) as u32, 0.0, false, true));
             }
             for &d in drafts {
-                entries.push((d, 0, 0.0, false));
+                entries.push((d, 0, 0.0, false, false));
             }
         }
         for &(t, bias) in cfg.logit_bias() {
-            entries.push((t, 0, bias, true));
+            entries.push((t, 0, bias, true, false));
         }
         entries.sort_by_key(|e| e.0);
-        let mut merged: Vec<(u32, u32, f32, bool)> = Vec::with_capacity(entries.len());
+        let mut merged: Vec<Patch> = Vec::with_capacity(entries.len());
         for e in entries {
             match merged.last_mut() {
                 Some(m) if m.0 == e.0 => {
                     m.1 += e.1;
+                    m.4 |= e.4;
                     if e.3 {
                         m.2 = e.2;
                         m.3 = true;
@@ -245,42 +342,51 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool) -> Result<Pa
         }
         // Tokens beyond the row width (a shorter draft vocabulary) are ignored, as on the CPU.
         merged.retain(|e| (e.0 as usize) < width);
-        for &(t, c, bias, has) in &merged {
-            patches.extend_from_slice(&[t, c, bias.to_bits(), has as u32]);
+        for &(t, c, bias, has, seen) in &merged {
+            patches.extend_from_slice(&[t, c, bias.to_bits(), has as u32 | (seen as u32) << 1]);
         }
-        let has_mask = cfg.allowed_tokens().is_some()
-            || !cfg.banned_tokens().is_empty()
-            || cfg.mask().is_some();
-        let needs_scratch = has_mask || !merged.is_empty();
-        // Masks: one per sequence, or one per row with a caller mask.
-        let mut seq_mask = NONE;
-        let mut base_mask: Vec<u32> = Vec::new();
-        if has_mask {
-            base_mask = vec![0u32; mask_words];
-            if let Some(a) = cfg.allowed_tokens() {
-                base_mask.iter_mut().for_each(|w| *w = u32::MAX);
-                for &t in a.iter().filter(|&&t| (t as usize) < width) {
-                    base_mask[t as usize / 32] &= !(1u32 << (t % 32));
-                }
+        // Masks: the allowed / banned sets (`base`), plus the suppressed tokens at rows
+        // `0..suppress_rows`, plus the caller's mask per row.
+        let has_base = cfg.allowed_tokens().is_some() || !cfg.banned_tokens().is_empty();
+        let mut base = vec![0u32; mask_words];
+        if let Some(a) = cfg.allowed_tokens() {
+            base.iter_mut().for_each(|w| *w = u32::MAX);
+            for &t in a.iter().filter(|&&t| (t as usize) < width) {
+                base[t as usize / 32] &= !(1u32 << (t % 32));
             }
-            for &t in cfg
-                .banned_tokens()
-                .iter()
-                .filter(|&&t| (t as usize) < width)
-            {
-                base_mask[t as usize / 32] |= 1u32 << (t % 32);
-            }
-            if cfg.mask().is_none() {
+        }
+        for &t in cfg
+            .banned_tokens()
+            .iter()
+            .filter(|&&t| (t as usize) < width)
+        {
+            forbid(&mut base, t);
+        }
+        let mut with_sup = base.clone();
+        let mut any_sup = false;
+        for &t in s.suppress.iter().filter(|&&t| (t as usize) < width) {
+            forbid(&mut with_sup, t);
+            any_sup = true;
+        }
+        let sup_rows = if any_sup { s.suppress_rows } else { 0 };
+        let (mut seq_mask, mut sup_mask) = (NONE, NONE);
+        if caller_mask.is_none() {
+            if has_base {
                 seq_mask = masks.len() as u32;
-                masks.extend_from_slice(&base_mask);
+                masks.extend_from_slice(&base);
+            }
+            if sup_rows > 0 {
+                sup_mask = masks.len() as u32;
+                masks.extend_from_slice(&with_sup);
             }
         }
         let pos0 = s.position.unwrap_or(s.context.len() as u64);
         let first_row = n_rows;
         let last_row = if draft { k - 1 } else { k };
         for i in 0..=last_row {
-            let mut row_mask = seq_mask;
-            if let Some(m) = cfg.mask() {
+            let sup = i < sup_rows;
+            let mut row_mask = if sup { sup_mask } else { seq_mask };
+            if let Some(m) = caller_mask {
                 prefix.clear();
                 prefix.extend_from_slice(s.context);
                 prefix.extend_from_slice(&drafts[..i]);
@@ -289,15 +395,15 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool) -> Result<Pa
                 m.apply(&prefix, &mut zero_row);
                 row_mask = masks.len() as u32;
                 let start = masks.len();
-                masks.extend_from_slice(&base_mask);
+                masks.extend_from_slice(if sup { &with_sup } else { &base });
                 for (t, &z) in zero_row.iter().enumerate() {
                     if z == f32::NEG_INFINITY {
-                        masks[start + t / 32] |= 1u32 << (t % 32);
+                        forbid(&mut masks[start..], t as u32);
                     }
                 }
             }
             let pos = pos0 + i as u64;
-            let slot = if needs_scratch {
+            let slot = if row_mask != NONE || !merged.is_empty() {
                 slots += 1;
                 (slots - 1) as u32
             } else {
@@ -337,7 +443,7 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool) -> Result<Pa
             cfg.logprobs().map(|n| n as u32).unwrap_or(NONE),
             lo as u32,
         ]);
-        p.seqs.push(Ok((first_row, k)));
+        p.seqs.push(Some((first_row, k)));
     }
     let row_base = seq_recs.len();
     let patch_base = row_base + rows.len();
@@ -361,6 +467,7 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool) -> Result<Pa
     };
     check(n_rows.saturating_mul(width))?;
     check(slots.saturating_mul(width))?;
+    check(p.params.len())?;
     p.dense_words = if draft {
         batch.draft_tokens.len() * qv
     } else {
@@ -383,7 +490,7 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool) -> Result<Pa
         0,
         draft as u32,
         0,
-        checked as u32,
+        0,
     ];
     p.n_rows = n_rows;
     p.scratch_rows = slots;
@@ -391,25 +498,46 @@ pub(crate) fn pack(batch: &DeviceBatch<'_>, qv: usize, draft: bool) -> Result<Pa
 }
 
 /// Builds each sequence's [`StepOutput`] from the per-row results (`out`, [`Packed::out_words`]
-/// words), walking its rows in order and stopping at the first rejection, as the CPU does.
-/// `draft_errs` holds the draft pass's errors (`DraftProbs::Logits`), reported after the
-/// target row's own errors and before the checks of q, as the CPU does.
+/// words of the main pass), in the CPU's order: the host's error (`pre`), a NaN / `+inf` in any
+/// raw target row, the deferred context error, the first draft-row error (`draft_errs`, from
+/// [`draft_errors`]; empty without a draft pass), then the target rows in order, stopping at the
+/// first rejection.
 pub(crate) fn assemble(
     p: Packed,
+    pre: Vec<Pre>,
     batch: &DeviceBatch<'_>,
     out: &[u32],
-    mut draft_errs: std::collections::HashMap<(usize, usize), Error>,
+    mut draft_errs: Vec<Option<Error>>,
 ) -> Vec<Result<StepOutput>> {
     let tops_base = p.n_rows * OUT_WORDS;
-    let mut res = Vec::with_capacity(p.seqs.len());
-    for (b, s) in p.seqs.into_iter().enumerate() {
-        let (r0, k) = match s {
-            Err(e) => {
+    let mut res = Vec::with_capacity(pre.len());
+    for (b, pre) in pre.into_iter().enumerate() {
+        let deferred = match pre {
+            Pre::Fail(e) => {
                 res.push(Err(e));
                 continue;
             }
-            Ok(x) => x,
+            Pre::Run { deferred } => deferred,
         };
+        let Some((r0, k)) = p.seqs[b] else {
+            unreachable!("a sequence that runs is packed");
+        };
+        let row = |i: usize| &out[(r0 + i) * OUT_WORDS..(r0 + i + 1) * OUT_WORDS];
+        let raw = (0..=k).find(|&i| row(i)[0] == ST_RAW_NON_FINITE);
+        if let Some(i) = raw {
+            let o = row(i);
+            res.push(Err(Error::NonFiniteLogits {
+                kind: RowKind::Target,
+                row: i,
+                token: o[1] as usize,
+                value: f32::from_bits(o[2]),
+            }));
+            continue;
+        }
+        if let Some(e) = deferred.or_else(|| draft_errs.get_mut(b).and_then(Option::take)) {
+            res.push(Err(e));
+            continue;
+        }
         let drafts = &batch.draft_tokens[batch.draft_offsets[b]..batch.draft_offsets[b + 1]];
         let want = p.logprobs[b];
         let mut tokens = Vec::with_capacity(k + 1);
@@ -420,56 +548,38 @@ pub(crate) fn assemble(
             StepEnd::AllAccepted
         };
         let mut err = None;
-        for (i, r) in (r0..=r0 + k).enumerate() {
-            let o = &out[r * OUT_WORDS..(r + 1) * OUT_WORDS];
-            let e = match o[0] {
-                0 => None,
-                1 => Some(Error::NonFiniteLogits {
-                    kind: RowKind::Target,
-                    row: i,
-                    token: o[1] as usize,
-                    value: f32::from_bits(o[2]),
-                }),
-                2 => Some(Error::NoAllowedToken {
-                    kind: RowKind::Target,
-                    row: i,
-                }),
-                3 => Some(Error::InvalidDraftProbs {
-                    row: i,
-                    reason: "a probability is negative or not finite",
-                }),
-                4 => Some(Error::InvalidDraftProbs {
-                    row: i,
-                    reason: "probabilities do not sum to 1 (tolerance 1e-3)",
-                }),
-                _ => Some(Error::InvalidDraftProbs {
-                    row: i,
-                    reason: "the drafted token has probability 0 under q",
-                }),
-            };
-            // Order of the CPU: the target row, then the draft row, then q.
-            if let Some(e @ (Error::NonFiniteLogits { .. } | Error::NoAllowedToken { .. })) = e {
-                err = Some(e);
-                break;
+        for i in 0..=k {
+            let o = row(i);
+            match o[0] {
+                ST_OK => {}
+                ST_NO_TOKEN => {
+                    err = Some(Error::NoAllowedToken {
+                        kind: RowKind::Target,
+                        row: i,
+                    });
+                    break;
+                }
+                _ => {
+                    err = Some(Error::NonFiniteLogits {
+                        kind: RowKind::Target,
+                        row: i,
+                        token: o[1] as usize,
+                        value: f32::from_bits(o[2]),
+                    });
+                    break;
+                }
             }
-            if let Some(e) = draft_errs.remove(&(b, i)) {
-                err = Some(e);
-                break;
-            }
-            if let Some(e) = e {
-                err = Some(e);
-                break;
-            }
-            let accepted = i < k && o[3] != 0;
-            let (tok, lp) = if accepted {
-                (drafts[i], f32::from_bits(o[5]))
-            } else {
-                (o[4], f32::from_bits(o[6]))
+            // The draft, when row i has one and accepted it.
+            let taken = drafts.get(i).copied().filter(|_| o[3] != 0);
+            let accepted = taken.is_some();
+            let (tok, lp) = match taken {
+                Some(d) => (d, f32::from_bits(o[5])),
+                None => (o[4], f32::from_bits(o[6])),
             };
             tokens.push(tok);
             if let Some(l) = lps.as_mut() {
                 let n = (o[7] as usize).min(MAX_TOP_LOGPROBS);
-                let base = tops_base + r * MAX_TOP_LOGPROBS * 2;
+                let base = tops_base + (r0 + i) * MAX_TOP_LOGPROBS * 2;
                 let top = (0..n)
                     .map(|j| (out[base + 2 * j], f32::from_bits(out[base + 2 * j + 1])))
                     .collect();

@@ -301,7 +301,7 @@ impl WgpuVerifier {
             self.dev.queue.write_buffer(buf, 0, as_bytes(logits));
         }
         let buf = buf.clone();
-        self.run(&buf, 0, batch, qv)
+        self.run(&buf, 0, batch, qv, Some(logits))
     }
 
     pub(crate) fn verify_device(
@@ -310,7 +310,7 @@ impl WgpuVerifier {
         batch: &DeviceBatch<'_>,
         qv: usize,
     ) -> Result<Vec<Result<StepOutput>>> {
-        self.run(logits.buffer, logits.offset, batch, qv)
+        self.run(logits.buffer, logits.offset, batch, qv, None)
     }
 
     fn run(
@@ -319,20 +319,22 @@ impl WgpuVerifier {
         offset: u64,
         batch: &DeviceBatch<'_>,
         qv: usize,
+        host: Option<&[f32]>,
     ) -> Result<Vec<Result<StepOutput>>> {
         // DraftProbs::Logits: a draft pass (`d`) turns the draft-logit rows into dense q first.
         let pack::Prepared {
+            pre,
             main: mut p,
             draft: mut d,
             q,
-        } = pack::prepare(batch, qv)?;
+        } = pack::prepare(batch, qv, host)?;
         if p.n_rows == 0 {
-            return Ok(pack::assemble(p, batch, &[], Default::default()));
+            return Ok(pack::assemble(p, pre, batch, &[], Vec::new()));
         }
         let offset = u32::try_from(offset).map_err(|_| Error::BatchTooLarge {
             backend: "wgpu",
             what: "logits offset",
-            size: offset as u64,
+            size: offset,
             limit: u32::MAX as u64,
         })?;
         let max_bind = self.dev.device.limits().max_storage_buffer_binding_size;
@@ -448,7 +450,7 @@ impl WgpuVerifier {
             .as_ref()
             .map(|d| pack::draft_errors(d, dstat))
             .unwrap_or_default();
-        Ok(pack::assemble(p, batch, out, errs))
+        Ok(pack::assemble(p, pre, batch, out, errs))
     }
 
     /// Records one launch of the verification kernel (verify or draft pass) into `enc`.

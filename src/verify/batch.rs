@@ -113,7 +113,7 @@ impl Verifier {
         let v = batch.vocab_size;
         let qv = check_layout(off, n, batch.draft_tokens.len(), v, &batch.draft_probs)?;
         let rows = batch.draft_tokens.len() + n;
-        let expected = rows.checked_mul(v).unwrap_or(usize::MAX);
+        let expected = rows.saturating_mul(v);
         if batch.target_logits.len() != expected {
             return Err(Error::ShapeMismatch {
                 what: "target_logits ([sum(k + 1), vocab])",
@@ -214,7 +214,7 @@ pub(crate) fn check_layout(
                     target: vocab,
                 });
             }
-            let expected = draft_tokens.checked_mul(qv).unwrap_or(usize::MAX);
+            let expected = draft_tokens.saturating_mul(qv);
             if d.len() != expected {
                 return Err(Error::ShapeMismatch {
                     what: "draft probabilities ([sum k, draft_vocab])",

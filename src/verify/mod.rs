@@ -314,7 +314,17 @@ impl<'a> VerifyRequest<'a> {
 
     /// Checks everything that does not need processing: shapes, vocabularies, token ids, dense q
     /// rows and raw logit values, for the whole input (case C14).
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
+        self.validate_with(true)
+    }
+
+    /// [`VerifyRequest::validate`] for target logits that live elsewhere (device memory): the
+    /// same checks in the same order, without the target logits' shape and values.
+    pub(crate) fn validate_inputs(&self) -> Result<()> {
+        self.validate_with(false)
+    }
+
+    fn validate_with(&self, target: bool) -> Result<()> {
         let v = self.vocab_size;
         let k = self.k();
         if v == 0 {
@@ -337,7 +347,7 @@ impl<'a> VerifyRequest<'a> {
             expected: usize::MAX,
             actual: self.target_logits.len(),
         })?;
-        if self.target_logits.len() != expected {
+        if target && self.target_logits.len() != expected {
             return Err(Error::ShapeMismatch {
                 what: if self.final_draft_ends {
                     "target_logits ([k, vocab]: final_draft_ends)"
@@ -395,7 +405,7 @@ impl<'a> VerifyRequest<'a> {
                         actual: 0,
                     });
                 }
-                let expected = k.checked_mul(vocab).unwrap_or(usize::MAX);
+                let expected = k.saturating_mul(vocab);
                 if data.len() != expected {
                     return Err(Error::ShapeMismatch {
                         what: "draft probabilities ([k, draft_vocab])",
@@ -429,7 +439,10 @@ impl<'a> VerifyRequest<'a> {
         if let DraftProbs::Logits { logits, vocab: qv } = self.draft_probs {
             check_finite(logits, qv, RowKind::Draft)?;
         }
-        check_finite(self.target_logits, v, RowKind::Target)
+        if target {
+            check_finite(self.target_logits, v, RowKind::Target)?;
+        }
+        Ok(())
     }
 }
 
@@ -437,7 +450,7 @@ impl<'a> VerifyRequest<'a> {
 pub(crate) const Q_SUM_TOLERANCE: f64 = 1e-3;
 
 /// Checks one dense q row: finite, non-negative, sums to 1 within [`Q_SUM_TOLERANCE`].
-fn check_dense_q(q: &[f32], row: usize) -> Result<()> {
+pub(crate) fn check_dense_q(q: &[f32], row: usize) -> Result<()> {
     let mut total = 0.0f64;
     for &x in q {
         if !(x.is_finite() && x >= 0.0) {
@@ -458,7 +471,7 @@ fn check_dense_q(q: &[f32], row: usize) -> Result<()> {
 }
 
 /// Checks every row of `[rows, width]` logits for NaN and `+inf` (`-inf` means banned).
-fn check_finite(logits: &[f32], width: usize, kind: RowKind) -> Result<()> {
+pub(crate) fn check_finite(logits: &[f32], width: usize, kind: RowKind) -> Result<()> {
     if width == 0 {
         return Ok(());
     }

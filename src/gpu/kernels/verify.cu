@@ -5,9 +5,12 @@
 // NaN / +inf screen; greedy argmax (ties to the lowest id) or temperature -> top-k -> softmax ->
 // top-p -> min-p -> renormalise, with top-k / top-p thresholds found by multi-pivot bisection on
 // order-preserving float keys (no sort) and ties resolved to the lowest ids by an id-ordered
-// chunked scan; Philox4x32-10 uniforms keyed by (seed, position, lane); acceptance
-// min(1, p / q), residual normalise(max(0, p - q)) or bonus sample by inverse CDF in id order.
-// Sums are f32 in a fixed order (deterministic), as in the WGSL kernel.
+// chunked scan; Philox4x32-10 uniforms keyed by (seed, position, lane); a point-mass draft is
+// accepted iff it equals the position's SAMPLE-lane draw from the processed row (which is also
+// the emitted token on rejection, case C15); a dense-q draft with u_ACCEPT < min(1, p / q), else
+// a residual normalise(max(0, p - q)) sample; the bonus sample by inverse CDF in id order. Every
+// row reports a NaN / +inf of its raw logits (validation). Sums are f32 in a fixed order
+// (deterministic), as in the WGSL kernel.
 
 #define WG 256u
 #define NP 8u
@@ -32,13 +35,17 @@
 #define S_QROW0 15u
 #define F_GREEDY 1u
 #define F_PENALTIES 2u
+#define P_BIAS 1u
+#define P_SEEN 2u
+
+#define LANE_ACCEPT 0u
+#define LANE_SAMPLE 1u
 
 #define ST_OK 0u
 #define ST_NON_FINITE 1u
 #define ST_NO_TOKEN 2u
-#define ST_Q_BAD 3u
-#define ST_Q_SUM 4u
-#define ST_Q_ZERO 5u
+#define ST_RAW_NON_FINITE 3u
+#define ST_DRAFT_ZERO 4u
 
 #define M_TOPK 0u
 #define M_TOPP 1u
@@ -47,10 +54,10 @@
 
 // Globals (16 words): vocab, qv, n_rows, row_base, patch_base, draft_base, mask_base,
 // mask_words, max_top, tops_base, logits_offset, q_dense, rows_per_y, mode (0 verify, 1 draft
-// pass), q_offset (elements), q_checked (1: caller's q, check it; 0: q from the draft pass).
+// pass), q_offset (elements), reserved (0: the caller's q rows are checked on the host).
 struct G {
     unsigned vocab, qv, n_rows, row_base, patch_base, draft_base, mask_base, mask_words;
-    unsigned max_top, tops_base, logits_offset, q_dense, rows_per_y, mode, q_offset, q_checked;
+    unsigned max_top, tops_base, logits_offset, q_dense, rows_per_y, mode, q_offset, reserved;
 };
 
 struct Row {
@@ -447,18 +454,28 @@ __device__ void fail(const Row& r, unsigned code, unsigned tok, float val) {
     write_out(r, 2u, __float_as_uint(val));
 }
 
-__device__ void modify_row(Row& r) {
+__device__ __forceinline__ float raw(const Row& r, unsigned t) {
+    return r.logits[(size_t)r.g->logits_offset + (size_t)r.lrow * r.g->vocab + t];
+}
+
+// Penalties, bias and masks into this row's scratch slot. Returns the first raw entry that is
+// NaN or +inf (NONE if none); then the slot is not complete.
+__device__ unsigned modify_row(Row& r, Shared& s) {
     const G* g = r.g;
     size_t base = (size_t)r.slot * g->vocab;
+    unsigned bad = NONE;
     for (unsigned t = r.tid; t < g->vocab; t += WG) {
-        float x = r.logits[(size_t)g->logits_offset + (size_t)r.lrow * g->vocab + t];
+        float x = raw(r, t);
+        if (is_bad(x)) bad = min(bad, t);
         if (r.mask != NONE) {
             unsigned w = r.params[g->mask_base + r.mask + (t >> 5u)];
             if ((w >> (t & 31u)) & 1u) x = neg_inf();
         }
         r.scratch[base + t] = x;
     }
-    __syncthreads();
+    __threadfence_block();
+    unsigned first_bad = reduce_min_u(r, s, bad);
+    if (first_bad != NONE) return first_bad;
     unsigned n = seqw(r, S_PATCH_LEN);
     bool pen = (seqw(r, S_FLAGS) & F_PENALTIES) != 0u;
     float rep = seqf(r, S_REP), freq = seqf(r, S_FREQ), pres = seqf(r, S_PRES);
@@ -466,20 +483,28 @@ __device__ void modify_row(Row& r) {
     for (unsigned e = r.tid; e < n; e += WG) {
         unsigned pb = g->patch_base + (seqw(r, S_PATCH_OFF) + e) * 4u;
         unsigned t = r.params[pb];
+        unsigned flags = r.params[pb + 3u];
+        // Frequency / presence count (generated tokens, or all with the whole-context scope)
+        // plus the earlier drafts of the block, which are generated tokens.
         unsigned count = r.params[pb + 1u];
+        bool seen = (flags & P_SEEN) != 0u;
         for (unsigned j = 0; j < r.i; ++j)
-            if (r.params[g->draft_base + doff + j] == t) count++;
+            if (r.params[g->draft_base + doff + j] == t) {
+                count++;
+                seen = true;
+            }
         float l = r.scratch[base + t];
         if (!is_fin(l)) continue;
-        if (pen && count > 0u) {
-            if (rep != 1.0f) l = l > 0.0f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
-            l = __fsub_rn(l, __fadd_rn(__fmul_rn((float)count, freq), pres));
+        if (pen) {
+            if (seen && rep != 1.0f) l = l > 0.0f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
+            if (count > 0u) l = __fsub_rn(l, __fadd_rn(__fmul_rn((float)count, freq), pres));
         }
-        if (r.params[pb + 3u] != 0u) l = __fadd_rn(l, __uint_as_float(r.params[pb + 2u]));
+        if (flags & P_BIAS) l = __fadd_rn(l, __uint_as_float(r.params[pb + 2u]));
         r.scratch[base + t] = l;
     }
     __threadfence_block();
     __syncthreads();
+    return NONE;
 }
 
 extern "C" __global__ void __launch_bounds__(256) verify_rows(
@@ -523,7 +548,13 @@ extern "C" __global__ void __launch_bounds__(256) verify_rows(
     write_out(r, 0u, ST_OK);
     write_out(r, 3u, 0u);
     write_out(r, 7u, 0u);
-    if (r.slot != NONE) modify_row(r);
+    if (r.slot != NONE) {
+        unsigned raw_bad = modify_row(r, s);
+        if (raw_bad != NONE) {
+            fail(r, ST_RAW_NON_FINITE, raw_bad, raw(r, raw_bad));
+            return;
+        }
+    }
 
     // Pass 1: maximum, argmax (ties to the lowest id), first NaN / +inf, number of finite
     // entries. Greedy rows need no other pass over the row.
@@ -545,7 +576,8 @@ extern "C" __global__ void __launch_bounds__(256) verify_rows(
     }
     unsigned first_bad = reduce_min_u(r, s, bad);
     if (first_bad != NONE) {
-        fail(r, ST_NON_FINITE, first_bad, ld(r, first_bad));
+        // Without a scratch slot the row read is the raw row.
+        fail(r, r.slot == NONE ? ST_RAW_NON_FINITE : ST_NON_FINITE, first_bad, ld(r, first_bad));
         return;
     }
     unsigned n_fin = reduce_add_u(r, s, nfin);
@@ -558,6 +590,11 @@ extern "C" __global__ void __launch_bounds__(256) verify_rows(
     if (greedy) {
         unsigned bkey;
         unsigned best = reduce_best(r, s, bk, bi, &bkey);
+        if (g->mode == 1u) {
+            // Draft pass: a greedy draft must be its processed row's argmax.
+            if (best != r.draft) fail(r, ST_DRAFT_ZERO, 0u, 0.0f);
+            return;
+        }
         write_out(r, 4u, best);
         write_out(r, 3u, (r.i < k && r.draft == best) ? 1u : 0u);
         if (ntop != NONE) {
@@ -614,62 +651,42 @@ extern "C" __global__ void __launch_bounds__(256) verify_rows(
     if (g->mode == 1u) {
         for (unsigned t = r.tid; t < g->vocab; t += WG)
             out[(size_t)g->tops_base + (size_t)r.lrow * g->vocab + t] = __float_as_uint(prob(r, t));
+        if (!(prob(r, r.draft) > 0.0f)) fail(r, ST_DRAFT_ZERO, 0u, 0.0f);
         return;
     }
 
     unsigned emit = 0u;
     if (r.i < k) {
         unsigned x = r.draft;
-        float qx = 1.0f;
-        if (g->q_dense != 0u && g->q_checked != 0u) {
-            unsigned qbad = 0u;
-            float qs = 0.0f;
-            for (unsigned t = r.tid; t < g->qv; t += WG) {
-                float qq = qbuf[(size_t)g->q_offset + (size_t)r.qrow * g->qv + t];
-                if (is_bad(qq) || !is_fin(qq) || qq < 0.0f) {
-                    qbad = 1u;
-                } else {
-                    qs = __fadd_rn(qs, qq);
-                }
-            }
-            unsigned any_bad = reduce_add_u(r, s, qbad);
-            float qsum = reduce_sum(r, s, qs);
-            if (any_bad != 0u) {
-                fail(r, ST_Q_BAD, 0u, 0.0f);
-                return;
-            }
-            if (fabsf(qsum - 1.0f) > 1e-3f) {
-                fail(r, ST_Q_SUM, 0u, 0.0f);
-                return;
-            }
-        }
-        if (g->q_dense != 0u) qx = qv_at(r, x);
-        if (!(qx > 0.0f)) {
-            fail(r, ST_Q_ZERO, 0u, 0.0f);
-            return;
-        }
         float px = prob(r, x);
-        float u = uniform01(r, r.pos_lo, r.pos_hi, 0u);
-        bool accept = u < fminf(__fdiv_rn(px, qx), 1.0f);
         float lpx = neg_inf();
         if (px > 0.0f) lpx = __fsub_rn(zval(r, ld(r, x)), log_norm);
         write_out(r, 5u, __float_as_uint(lpx));
-        if (accept) {
-            write_out(r, 3u, 1u);
-            emit = x;
+        float u2 = uniform01(r, r.pos_lo, r.pos_hi, LANE_SAMPLE);
+        if (g->q_dense == 0u) {
+            // Point mass: the position's draw decides (accepted iff it is the draft).
+            emit = sample(r, s, M_SAMPLE, u2);
+            if (emit == x) write_out(r, 3u, 1u);
         } else {
-            float u2 = uniform01(r, r.pos_lo, r.pos_hi, 1u);
-            unsigned last;
-            float rtot;
-            unsigned f = id_scan(r, s, M_RESID, 0u, u2, true, true, &last, &rtot);
-            if (rtot > 0.0f) {
-                emit = f != NONE ? f : last;
+            // Dense q (the host and the draft pass checked q(x) > 0).
+            float qx = qv_at(r, x);
+            float u = uniform01(r, r.pos_lo, r.pos_hi, LANE_ACCEPT);
+            if (u < fminf(__fdiv_rn(px, qx), 1.0f)) {
+                write_out(r, 3u, 1u);
+                emit = x;
             } else {
-                emit = sample(r, s, M_SAMPLE, u2);
+                unsigned last;
+                float rtot;
+                unsigned f = id_scan(r, s, M_RESID, 0u, u2, true, true, &last, &rtot);
+                if (rtot > 0.0f) {
+                    emit = f != NONE ? f : last;
+                } else {
+                    emit = sample(r, s, M_SAMPLE, u2);
+                }
             }
         }
     } else {
-        float u = uniform01(r, r.pos_lo, r.pos_hi, 1u);
+        float u = uniform01(r, r.pos_lo, r.pos_hi, LANE_SAMPLE);
         emit = sample(r, s, M_SAMPLE, u);
     }
     write_out(r, 4u, emit);

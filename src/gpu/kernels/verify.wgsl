@@ -2,9 +2,16 @@
 //
 // A row is one target row `i` (0..=k) of one sequence. Every row is processed independently and
 // writes what the sequence would emit if verification stopped there: the acceptance flag of
-// draft i (i < k), the correction token (residual sample, or the argmax in greedy mode) or the
-// bonus token (i == k), their log-probabilities and the top-n list. The host walks the rows of
-// a sequence and stops at the first rejection, exactly as the CPU verifier does.
+// draft i (i < k), the correction token (residual sample, the position's draw for a point-mass
+// draft, or the argmax in greedy mode) or the bonus token (i == k), their log-probabilities and
+// the top-n list. The host walks the rows of a sequence and stops at the first rejection, exactly
+// as the CPU verifier does. Every row also reports a NaN / +inf in its raw logits (validation:
+// the CPU rejects such a sequence whichever rows the step reaches).
+//
+// Acceptance: a point-mass draft (no q) is accepted iff it equals the token drawn from the
+// processed row with the SAMPLE-lane uniform of its position (inverse CDF in id order), which is
+// then also the emitted token on rejection (reproducible seeds, case C15); a dense-q draft is
+// accepted iff u_ACCEPT < min(1, p(x) / q(x)), else the residual is sampled with u_SAMPLE.
 //
 // Processing order per row (same as the CPU): penalties -> logit bias -> masks (done once into
 // `scratch` when a sequence uses any of them) -> temperature -> top-k -> softmax -> top-p ->
@@ -33,8 +40,8 @@ struct Globals {
     mode: u32,
     // Offset of the dense q rows in qbuf (elements).
     q_offset: u32,
-    // 1: q came from the caller (check that rows are distributions); 0: from the draft pass.
-    q_checked: u32,
+    // Unused (0). The caller's q rows are checked on the host.
+    reserved: u32,
 }
 
 @group(0) @binding(0) var<uniform> g: Globals;
@@ -68,14 +75,23 @@ const S_NTOP: u32 = 14u;
 const S_QROW0: u32 = 15u;
 const F_GREEDY: u32 = 1u;
 const F_PENALTIES: u32 = 2u;
+// Patch flags.
+const P_BIAS: u32 = 1u;
+const P_SEEN: u32 = 2u;
 
-// Status codes written to the row output.
+// Random stream lanes (`speculative::rng::lane`).
+const LANE_ACCEPT: u32 = 0u;
+const LANE_SAMPLE: u32 = 1u;
+
+// Status codes written to the row output (`ST_*` in src/gpu/pack.rs).
 const ST_OK: u32 = 0u;
+// NaN / +inf in the processed row (penalties or bias overflowed).
 const ST_NON_FINITE: u32 = 1u;
 const ST_NO_TOKEN: u32 = 2u;
-const ST_Q_BAD: u32 = 3u;
-const ST_Q_SUM: u32 = 4u;
-const ST_Q_ZERO: u32 = 5u;
+// NaN / +inf in the raw row.
+const ST_RAW_NON_FINITE: u32 = 3u;
+// Draft pass: the draft token has probability 0 under its processed row (greedy: not the argmax).
+const ST_DRAFT_ZERO: u32 = 4u;
 
 // Weight modes of the threshold searches and scans.
 const M_TOPK: u32 = 0u;
@@ -611,11 +627,20 @@ fn fail(code: u32, tok: u32, val: f32) {
     write_out(2u, bitcast<u32>(val));
 }
 
-// Penalties, bias and masks into this row's scratch slot.
-fn modify_row() {
+fn raw(t: u32) -> f32 {
+    return logits[g.logits_offset + r_lrow * g.vocab + t];
+}
+
+// Penalties, bias and masks into this row's scratch slot. Returns the first raw entry that is
+// NaN or +inf (NONE if none); then the slot is not complete.
+fn modify_row() -> u32 {
     let base = r_slot * g.vocab;
+    var bad = NONE;
     for (var t = tid; t < g.vocab; t += WG) {
-        var x = logits[g.logits_offset + r_lrow * g.vocab + t];
+        var x = raw(t);
+        if (is_bad(x)) {
+            bad = min(bad, t);
+        }
         if (r_mask != NONE) {
             let w = params[g.mask_base + r_mask + (t >> 5u)];
             if (((w >> (t & 31u)) & 1u) != 0u) {
@@ -625,7 +650,10 @@ fn modify_row() {
         scratch[base + t] = x;
     }
     storageBarrier();
-    workgroupBarrier();
+    let first_bad = reduce_min_u(bad);
+    if (first_bad != NONE) {
+        return first_bad;
+    }
     let n = seqw(S_PATCH_LEN);
     let pen = (seqw(S_FLAGS) & F_PENALTIES) != 0u;
     let rep = seqf(S_REP);
@@ -635,33 +663,41 @@ fn modify_row() {
     for (var e = tid; e < n; e += WG) {
         let pb = g.patch_base + (seqw(S_PATCH_OFF) + e) * 4u;
         let t = params[pb];
+        let flags = params[pb + 3u];
+        // Frequency / presence count (generated tokens, or all with the whole-context scope)
+        // plus the earlier drafts of the block, which are generated tokens.
         var count = params[pb + 1u];
+        var seen = (flags & P_SEEN) != 0u;
         for (var j = 0u; j < r_i; j++) {
             if (params[g.draft_base + doff + j] == t) {
                 count = count + 1u;
+                seen = true;
             }
         }
         var l = scratch[base + t];
         if (!is_fin(l)) {
             continue;
         }
-        if (pen && count > 0u) {
-            if (rep != 1.0) {
+        if (pen) {
+            if (seen && rep != 1.0) {
                 if (l > 0.0) {
                     l = l / rep;
                 } else {
                     l = l * rep;
                 }
             }
-            l = l - (f32(count) * freq + pres);
+            if (count > 0u) {
+                l = l - (f32(count) * freq + pres);
+            }
         }
-        if (params[pb + 3u] != 0u) {
+        if ((flags & P_BIAS) != 0u) {
             l = l + bitcast<f32>(params[pb + 2u]);
         }
         scratch[base + t] = l;
     }
     storageBarrier();
     workgroupBarrier();
+    return NONE;
 }
 
 @compute @workgroup_size(256)
@@ -690,7 +726,11 @@ fn verify_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     write_out(3u, 0u);
     write_out(7u, 0u);
     if (r_slot != NONE) {
-        modify_row();
+        let raw_bad = modify_row();
+        if (raw_bad != NONE) {
+            fail(ST_RAW_NON_FINITE, raw_bad, raw(raw_bad));
+            return;
+        }
     }
 
     // Pass 1: maximum, argmax (ties to the lowest id), first NaN / +inf, number of finite
@@ -716,7 +756,8 @@ fn verify_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     }
     let first_bad = reduce_min_u(bad);
     if (first_bad != NONE) {
-        fail(ST_NON_FINITE, first_bad, ld(first_bad));
+        // Without a scratch slot the row read is the raw row.
+        fail(select(ST_NON_FINITE, ST_RAW_NON_FINITE, r_slot == NONE), first_bad, ld(first_bad));
         return;
     }
     let n_fin = reduce_add_u(nfin);
@@ -728,6 +769,13 @@ fn verify_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
 
     if (greedy) {
         let best = reduce_best(bk, bi);
+        if (g.mode == 1u) {
+            // Draft pass: a greedy draft must be its processed row's argmax.
+            if (best != r_draft) {
+                fail(ST_DRAFT_ZERO, 0u, 0.0);
+            }
+            return;
+        }
         write_out(4u, best);
         write_out(3u, select(0u, 1u, r_i < k && r_draft == best));
         if (ntop != NONE) {
@@ -787,70 +835,51 @@ fn verify_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         for (var t = tid; t < g.vocab; t += WG) {
             outbuf[g.tops_base + r_lrow * g.vocab + t] = bitcast<u32>(prob(t));
         }
+        if (!(prob(r_draft) > 0.0)) {
+            fail(ST_DRAFT_ZERO, 0u, 0.0);
+        }
         return;
     }
 
     var emit = 0u;
     if (r_i < k) {
         let x = r_draft;
-        var qx = 1.0;
-        if (g.q_dense != 0u && g.q_checked != 0u) {
-            var qbad = 0u;
-            var qs = 0.0;
-            for (var t = tid; t < g.qv; t += WG) {
-                let q = qbuf[g.q_offset + s_qrow * g.qv + t];
-                if (is_bad(q) || !is_fin(q) || q < 0.0) {
-                    qbad = 1u;
-                } else {
-                    qs = qs + q;
-                }
-            }
-            let any_bad = reduce_add_u(qbad);
-            let qsum = reduce_sum(qs);
-            if (any_bad != 0u) {
-                fail(ST_Q_BAD, 0u, 0.0);
-                return;
-            }
-            if (abs(qsum - 1.0) > 1e-3) {
-                fail(ST_Q_SUM, 0u, 0.0);
-                return;
-            }
-        }
-        if (g.q_dense != 0u) {
-            qx = qv_at(x);
-        }
-        if (!(qx > 0.0)) {
-            fail(ST_Q_ZERO, 0u, 0.0);
-            return;
-        }
         let px = bcast_f(prob(x));
-        let u = uniform01(r_pos_lo, r_pos_hi, 0u);
-        let accept = u < min(px / qx, 1.0);
-        let xx = ld(x);
         var lpx = neg_inf();
         if (px > 0.0) {
-            lpx = zval(xx) - log_norm;
+            lpx = zval(ld(x)) - log_norm;
         }
         write_out(5u, bitcast<u32>(lpx));
-        if (accept) {
-            write_out(3u, 1u);
-            emit = x;
+        let u2 = uniform01(r_pos_lo, r_pos_hi, LANE_SAMPLE);
+        if (g.q_dense == 0u) {
+            // Point mass: the position's draw decides (accepted iff it is the draft).
+            emit = sample(M_SAMPLE, u2);
+            if (emit == x) {
+                write_out(3u, 1u);
+            }
         } else {
-            let u2 = uniform01(r_pos_lo, r_pos_hi, 1u);
-            let rr = id_scan(M_RESID, 0u, u2, true, true);
-            let rtot = bcast_f(wb_f);
-            if (rtot > 0.0) {
-                if (rr.x != NONE) {
-                    emit = rr.x;
-                } else {
-                    emit = rr.y;
-                }
+            // Dense q (the host and the draft pass checked q(x) > 0).
+            let qx = qv_at(x);
+            let u = uniform01(r_pos_lo, r_pos_hi, LANE_ACCEPT);
+            if (u < min(px / qx, 1.0)) {
+                write_out(3u, 1u);
+                emit = x;
             } else {
-                emit = sample(M_SAMPLE, u2);
+                let rr = id_scan(M_RESID, 0u, u2, true, true);
+                let rtot = bcast_f(wb_f);
+                if (rtot > 0.0) {
+                    if (rr.x != NONE) {
+                        emit = rr.x;
+                    } else {
+                        emit = rr.y;
+                    }
+                } else {
+                    emit = sample(M_SAMPLE, u2);
+                }
             }
         }
     } else {
-        let u = uniform01(r_pos_lo, r_pos_hi, 1u);
+        let u = uniform01(r_pos_lo, r_pos_hi, LANE_SAMPLE);
         emit = sample(M_SAMPLE, u);
     }
     write_out(4u, emit);
