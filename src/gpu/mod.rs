@@ -74,9 +74,6 @@
 //! - Penalties or a logit bias that push a finite logit past the f32 range (magnitudes near
 //!   `3.4e38`): the CPU saturates at `±f32::MAX`, the kernels report
 //!   [`Error::NonFiniteLogits`] for that row when the step reaches it.
-//! - Context tokens outside the vocabulary with a caller mask but no penalty: the CPU reports
-//!   them before any draw (the mask would see them); the GPU path reports them with the other
-//!   input checks too, because it runs the CPU's validation on the host.
 //!
 //! ## Errors
 //!
