@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Long fuzzing campaign: runs the properties of tests/fuzz.rs (every public entry point of the
 # core crate: verifier single and batch, row processing, TokenDist, the configuration builder,
-# the top-k / top-p / min-p helpers, the random stream, every proposer) with many cases each,
-# prints the number of cases tried, and exits non-zero when a property fails.
+# the top-k / top-p / min-p helpers, the random stream, every proposer) and tests/fuzz_loop.rs
+# (the decoding loop with rogue proposers and poisoned targets) with many cases each, prints the
+# number of cases tried, and exits non-zero when a property fails.
 #
 # Usage: scripts/fuzz.sh [TEST-NAME-FILTER]
 #   FUZZ_CASES          cases per property (default 100000; `cargo test` alone runs 256)
@@ -20,6 +21,13 @@ trap 'rm -f "$log"' EXIT
 start=$(date +%s)
 status=0
 cargo test -p speculative --test fuzz -- --nocapture "$@" 2>&1 | tee "$log" || status=$?
+# The loop property runs exactly FUZZ_CASES cases when it passes (it rejects no input).
+if cargo test -p speculative --test fuzz_loop -- "$@" 2>&1 | tee -a "$log" | grep -q '^test result: ok. 1 passed'; then
+  echo "fuzz loop: ${FUZZ_CASES} cases" | tee -a "$log"
+elif grep -q 'the_loop_never_panics' "$log"; then
+  echo "fuzz loop: ${FUZZ_CASES} cases (FAILED)" | tee -a "$log"
+  status=1
+fi
 elapsed=$(( $(date +%s) - start ))
 
 # Each property prints "fuzz <name>: <n> cases" (passed) or "fuzz <name>: <n> cases (FAILED)".
