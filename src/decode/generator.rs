@@ -662,31 +662,44 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
 
     /// The draft length after cutting at the first draft token that would end the generation,
     /// and whether the (new) final draft ends it.
-    fn draft_end(&self) -> Result<(usize, bool)> {
-        let drafts = &self.g.draft.tokens;
+    fn draft_end(&mut self) -> Result<(usize, bool)> {
         let stop = &self.params.stop;
+        let k = self.g.draft.tokens.len();
         let token_stops = !stop.eos.is_empty() || !stop.stop_sequences.is_empty();
-        let text_stops = !stop.stop_strings.is_empty();
-        if drafts.is_empty() || !(token_stops || text_stops) {
-            return Ok((drafts.len(), false));
+        let text_stops = !stop.stop_strings.is_empty() && self.g.detokenizer.is_some();
+        if k == 0 || !(token_stops || text_stops) {
+            return Ok((k, false));
         }
-        let mut generated = self.tokens().to_vec();
-        let mut text = text_stops.then(|| self.text.clone());
-        for (j, &d) in drafts.iter().enumerate() {
-            generated.push(d);
+        // Append the drafts tentatively (no copy of the context), check, then roll back.
+        let (len, mark) = (self.context.len(), self.text.mark());
+        let mut end = Ok((k, false));
+        for j in 0..k {
+            self.context.push(self.g.draft.tokens[j]);
+            let generated = &self.context[self.prompt_len..];
             if generated.len() < self.params.min_tokens {
                 continue;
             }
-            if stop.check(&generated).is_some() {
-                return Ok((j + 1, true));
+            if stop.check(generated).is_some() {
+                end = Ok((j + 1, true));
+                break;
             }
-            if let (Some(tt), Some(det)) = (text.as_mut(), self.g.detokenizer.as_deref()) {
-                if tt.push(det, &generated, stop, true)? {
-                    return Ok((j + 1, true));
+            if let (true, Some(det)) = (text_stops, self.g.detokenizer.as_deref()) {
+                match self.text.push(det, generated, stop, true) {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        end = Ok((j + 1, true));
+                        break;
+                    }
+                    Err(e) => {
+                        end = Err(e);
+                        break;
+                    }
                 }
             }
         }
-        Ok((drafts.len(), false))
+        self.context.truncate(len);
+        self.text.reset(mark);
+        end
     }
 
     /// Forward and verify phases: one target forward over `[last, d_1 .. d_k]` (without the
