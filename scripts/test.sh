@@ -8,7 +8,18 @@ cd "$ROOT"
 export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-1}"
 scripts/fetch-model.sh
 # Unit, integration, property and statistical tests, examples built, doc tests run.
+# tests/examples.rs calls each example of examples/ in process and checks its key lines, and
+# runs the example binaries this command built (exit status 0, same output).
 cargo test --workspace
+
+# Every example of the core crate, run as a user runs it (`cargo run --example NAME`); each
+# asserts what it prints and exits non-zero when a check fails. The `test` profile reuses the
+# build above instead of compiling the crate again without optimisation.
+for example in examples/*.rs; do
+    name="$(basename "$example" .rs)"
+    echo "example $name"
+    cargo run --quiet -p speculative --profile test --example "$name" >/dev/null
+done
 
 # GPU backends: lints of the `wgpu` and `cuda` builds (cudarc loads CUDA at run time, so the
 # `cuda` build needs no CUDA here), then tests/gpu.rs: the wgpu backend on any Vulkan / Metal /

@@ -94,7 +94,7 @@ fn ten_thousand_generations_one_generator_shared_suffix_corpus() {
     let cfg = SuffixConfig::default();
     let node_bound = 1 + cfg.max_corpus_tokens * cfg.max_depth;
     let byte_bound = node_bound * DOC_BYTES_PER_NODE;
-    let mut gen = Generator::new(target.clone(), SuffixProposer::new(cfg.clone()).unwrap());
+    let mut generator = Generator::new(target.clone(), SuffixProposer::new(cfg.clone()).unwrap());
     let mut plain = Generator::new(target, NoProposer);
 
     let mut rng = StdRng::seed_from_u64(16);
@@ -119,13 +119,13 @@ fn ten_thousand_generations_one_generator_shared_suffix_corpus() {
     for i in 1..=generations {
         let p = prompt(&mut rng, &tails);
         let params = GenerationParams::greedy(rng.random_range(NEW_TOKENS));
-        let out = gen.generate(&p, &params).unwrap();
+        let out = generator.generate(&p, &params).unwrap();
         assert_eq!(out.tokens.len(), params.max_new_tokens, "generation {i}");
         proposed += out.metrics.proposed;
         accepted += out.metrics.accepted;
         emitted += out.tokens.len();
 
-        let s = gen.proposer();
+        let s = generator.proposer();
         let (_, corpus_nodes) = s.node_counts();
         max_nodes = max_nodes.max(corpus_nodes);
         assert!(s.corpus_tokens() <= cfg.max_corpus_tokens, "generation {i}");
@@ -156,7 +156,7 @@ fn ten_thousand_generations_one_generator_shared_suffix_corpus() {
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    let s = gen.proposer();
+    let s = generator.proposer();
     let peak = status_kib("VmHWM");
     let rss_end = status_kib("VmRSS");
     println!(
