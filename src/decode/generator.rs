@@ -889,7 +889,7 @@ fn check_proposal(d: &Draft, max_draft: usize, vocab: usize, proposer: &'static 
         .tokens
         .iter()
         .enumerate()
-        .find(|(_, &t)| t as usize >= vocab)
+        .find(|&(_, &t)| t as usize >= vocab)
     {
         return Err(fault(ProposalFault::TokenOutOfVocab {
             index,

@@ -532,7 +532,7 @@ impl RowProcessor {
             cands.extend(
                 eff.iter()
                     .enumerate()
-                    .filter(|(_, &l)| l > f32::NEG_INFINITY)
+                    .filter(|&(_, &l)| l > f32::NEG_INFINITY)
                     .map(|(i, &l)| Cand::new(i as u32, l)),
             );
         }
