@@ -170,7 +170,12 @@ impl StreamRng {
     fn refill(&mut self) {
         let p = self.position;
         self.buf = philox4x32_10(
-            [p as u32, (p >> 32) as u32, self.lane, USER_BLOCK | self.block],
+            [
+                p as u32,
+                (p >> 32) as u32,
+                self.lane,
+                USER_BLOCK | self.block,
+            ],
             self.stream.key,
         );
         self.block = (self.block + 1) & !USER_BLOCK;
