@@ -29,3 +29,9 @@ done
 cargo clippy -p speculative --all-targets --features wgpu -- -D warnings
 cargo clippy -p speculative --all-targets --features cuda -- -D warnings
 cargo test -p speculative --features wgpu --lib --test gpu
+
+# The `serde` feature (configs from HF / vLLM JSON): lints, the unit tests, tests/serde_config.rs,
+# and the doc tests that use it (the `config` module's and the README's).
+cargo clippy -p speculative --all-targets --features serde -- -D warnings
+cargo test -p speculative --features serde --lib --test serde_config
+cargo test -p speculative --features serde --doc -- config ReadmeDoctests

@@ -58,12 +58,28 @@
 //! - `cuda`: [`gpu::Backend::Cuda`], CUDA kernels compiled at run time by NVRTC, through cudarc
 //!   (re-exported as `gpu::cudarc`); the driver and NVRTC are loaded dynamically, so the crate
 //!   builds and its tests run (skipping) on machines without CUDA.
+//! - `serde`: `Serialize` / `Deserialize` for [`SamplingConfig`], [`decode::GenerationParams`]
+//!   and the other settings, with the parameter names of HF `GenerationConfig` and vLLM
+//!   `SamplingParams` (module `config`).
 //!
 //! Without a GPU feature, [`gpu::GpuVerifier::new`] reports
 //! [`Error::BackendUnavailable`] for those backends; the API is the same under every feature set.
 
+//!
+//! ## Dependencies
+//!
+//! - `rand` (default features off: only its traits): [`rng::StreamRng`] implements
+//!   `rand::RngCore`, so callers draw from the request's reproducible stream with any `rand` or
+//!   `rand_distr` distribution. The crate's own draws need no distribution beyond the uniform of
+//!   [`rng::Stream`] (tokens are drawn by inverse CDF over the processed row), so `rand_distr`
+//!   is only a dev-dependency: the tests and doc examples use it to show that `StreamRng` drives
+//!   its distributions.
+//! - `serde` (optional, feature `serde`).
+
 #![warn(missing_docs)]
 
+#[cfg(feature = "serde")]
+pub mod config;
 pub mod decode;
 pub mod error;
 pub mod gpu;
@@ -77,8 +93,8 @@ pub mod verify;
 pub use decode::TargetModel;
 pub use error::{Error, Result, RowKind};
 pub use propose::{
-    Draft, DraftModelProposer, NoProposer, PromptLookup, ProposeRequest, Proposer, SuffixConfig,
-    SuffixProposer,
+    Draft, DraftModelProposer, NoProposer, PromptLookup, PromptLookupConfig, ProposeRequest,
+    Proposer, SuffixConfig, SuffixProposer,
 };
 pub use sampling::{SamplingConfig, SamplingConfigBuilder, TokenDist, TokenMask};
 pub use verify::{

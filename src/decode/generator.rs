@@ -56,6 +56,25 @@ impl Default for GenerationParams {
     }
 }
 
+impl PartialEq for GenerationParams {
+    /// Field by field ([`SamplingConfig`]'s equality); two cancel flags are equal when they are
+    /// the same `Arc` ([`Arc::ptr_eq`]).
+    fn eq(&self, other: &Self) -> bool {
+        let cancel = match (&self.cancel, &other.cancel) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        cancel
+            && self.sampling == other.sampling
+            && self.seed == other.seed
+            && self.max_new_tokens == other.max_new_tokens
+            && self.min_tokens == other.min_tokens
+            && self.stop == other.stop
+            && self.draft == other.draft
+    }
+}
+
 impl GenerationParams {
     /// Greedy decoding of at most `max_new_tokens`, fixed draft length 4, no stop condition.
     pub fn greedy(max_new_tokens: usize) -> Self {

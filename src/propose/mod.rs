@@ -24,7 +24,7 @@ mod suffix;
 
 pub use draft_model::DraftModelProposer;
 pub use heads::{DraftHeads, HeadsInput, HeadsProposer};
-pub use prompt_lookup::PromptLookup;
+pub use prompt_lookup::{PromptLookup, PromptLookupConfig};
 pub use suffix::{SuffixConfig, SuffixProposer};
 
 /// What a proposer is asked for at one step.

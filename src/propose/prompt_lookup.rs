@@ -194,6 +194,71 @@ impl NgramIndex {
 // The proposer.
 // ---------------------------------------------------------------------------------------------
 
+/// The settings of a [`PromptLookup`]: the n-gram range and periodic extension, as plain data
+/// (with the `serde` feature it loads from vLLM's `speculative_config` names
+/// `prompt_lookup_min` / `prompt_lookup_max`; see the `config` module).
+///
+/// | field | default | valid range |
+/// |---|---|---|
+/// | `min_n` | 1 | `>= 1` |
+/// | `max_n` | 4 | `min_n ..= 64` |
+/// | `periodic` | `false` | any ([`PromptLookup::periodic_extension`]) |
+///
+/// # Example
+/// ```
+/// use speculative::propose::{PromptLookup, PromptLookupConfig};
+///
+/// let cfg = PromptLookupConfig { min_n: 2, max_n: 5, ..PromptLookupConfig::default() };
+/// let lookup = PromptLookup::from_config(cfg)?;
+/// assert_eq!((lookup.min_n(), lookup.max_n()), (2, 5));
+/// assert_eq!(lookup.config(), cfg);
+/// # Ok::<(), speculative::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PromptLookupConfig {
+    /// Smallest n-gram size matched, in tokens.
+    pub min_n: usize,
+    /// Largest n-gram size matched, in tokens.
+    pub max_n: usize,
+    /// Periodic extension on (see [`PromptLookup::periodic_extension`]).
+    pub periodic: bool,
+}
+
+impl Default for PromptLookupConfig {
+    /// `min_n = 1`, `max_n = 4`, periodic extension off.
+    fn default() -> Self {
+        PromptLookupConfig {
+            min_n: 1,
+            max_n: 4,
+            periodic: false,
+        }
+    }
+}
+
+impl PromptLookupConfig {
+    /// Checks the ranges in the table of [`PromptLookupConfig`]. `O(1)`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming `min_n` when it is 0, or `max_n` when it is below
+    /// `min_n` or above 64.
+    pub fn validate(&self) -> Result<()> {
+        if self.min_n == 0 {
+            return Err(Error::config("min_n", self.min_n, "must be at least 1"));
+        }
+        if self.max_n < self.min_n {
+            return Err(Error::config("max_n", self.max_n, "must be at least min_n"));
+        }
+        if self.max_n > MAX_NGRAM {
+            return Err(Error::config(
+                "max_n",
+                self.max_n,
+                "must be at most 64 (MAX_NGRAM)",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding"; the n-gram proposer of vLLM
 /// and of Hugging Face's `prompt_lookup_num_tokens`).
 ///
@@ -268,25 +333,34 @@ impl PromptLookup {
     /// # Errors
     /// [`Error::InvalidConfig`] when `min_n == 0`, `max_n < min_n`, or `max_n > 64`.
     pub fn new(min_n: usize, max_n: usize) -> Result<Self> {
-        if min_n == 0 {
-            return Err(Error::config("min_n", min_n, "must be at least 1"));
-        }
-        if max_n < min_n {
-            return Err(Error::config("max_n", max_n, "must be at least min_n"));
-        }
-        if max_n > MAX_NGRAM {
-            return Err(Error::config(
-                "max_n",
-                max_n,
-                "must be at most 64 (MAX_NGRAM)",
-            ));
-        }
-        Ok(PromptLookup {
+        Self::from_config(PromptLookupConfig {
             min_n,
             max_n,
             periodic: false,
+        })
+    }
+
+    /// A proposer with the settings of `cfg` (n-gram range and periodic extension).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] as [`PromptLookupConfig::validate`].
+    pub fn from_config(cfg: PromptLookupConfig) -> Result<Self> {
+        cfg.validate()?;
+        Ok(PromptLookup {
+            min_n: cfg.min_n,
+            max_n: cfg.max_n,
+            periodic: cfg.periodic,
             index: NgramIndex::new(),
         })
+    }
+
+    /// The settings of this proposer. `O(1)`.
+    pub fn config(&self) -> PromptLookupConfig {
+        PromptLookupConfig {
+            min_n: self.min_n,
+            max_n: self.max_n,
+            periodic: self.periodic,
+        }
     }
 
     /// Turns periodic extension on or off (off by default).

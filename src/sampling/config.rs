@@ -86,6 +86,30 @@ impl fmt::Debug for SamplingConfig {
     }
 }
 
+impl PartialEq for SamplingConfig {
+    /// Field by field; two masks are equal when they are the same `Arc` ([`Arc::ptr_eq`]).
+    fn eq(&self, other: &Self) -> bool {
+        let masks = match (&self.mask, &other.mask) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        masks
+            && self.temperature == other.temperature
+            && self.top_k == other.top_k
+            && self.top_p == other.top_p
+            && self.min_p == other.min_p
+            && self.repetition_penalty == other.repetition_penalty
+            && self.frequency_penalty == other.frequency_penalty
+            && self.presence_penalty == other.presence_penalty
+            && self.penalty_scope == other.penalty_scope
+            && self.logit_bias == other.logit_bias
+            && self.allowed == other.allowed
+            && self.banned == other.banned
+            && self.logprobs == other.logprobs
+    }
+}
+
 impl Default for SamplingConfig {
     /// [`SamplingConfig::greedy`]: a valid configuration (temperature 0, top-p 1, repetition
     /// penalty 1, every other processor off).
