@@ -19,3 +19,4 @@ cargo clippy -p speculative --all-targets --features wgpu -- -D warnings
 cargo clippy -p speculative --all-targets --features cuda -- -D warnings
 cargo test -p speculative --features wgpu --lib --test gpu
 scripts/check-package.sh  # published files of each crate against scripts/package-allowlist-*.txt
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps  # docs build without a warning (broken links included)
