@@ -50,6 +50,7 @@
 //!   [`AdaptiveConfig::max_draft`](decode::AdaptiveConfig::max_draft),
 //!   [`AdaptiveConfig::probe_draft`](decode::AdaptiveConfig::probe_draft); the per-request
 //!   policy is [`DraftLength`](decode::DraftLength) (`Fixed(k)`, `Adaptive`, `Off`).
+//!   The `k` of top-k sampling ([`SamplingConfig::top_k`]) is another number.
 //! - **No-draft step**: a step with `k = 0`, that is one step of plain decoding (one target row,
 //!   one token). It ends with [`StepEnd::NoDraft`] and is counted by
 //!   [`Metrics::no_draft_steps`](decode::Metrics::no_draft_steps). `DraftLength::Off`
