@@ -35,3 +35,5 @@ cargo test -p speculative --features wgpu --lib --test gpu
 cargo clippy -p speculative --all-targets --features serde -- -D warnings
 cargo test -p speculative --features serde --lib --test serde_config
 cargo test -p speculative --features serde --doc -- config ReadmeDoctests
+scripts/check-package.sh  # published files of each crate against scripts/package-allowlist-*.txt
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps  # docs build without a warning (broken links included)

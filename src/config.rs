@@ -843,8 +843,8 @@ impl<'de> Deserialize<'de> for PenaltyScope {
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct AdaptiveWire {
-    #[serde(deserialize_with = "ad::max_k")]
-    max_k: usize,
+    #[serde(deserialize_with = "ad::max_draft")]
+    max_draft: usize,
     #[serde(deserialize_with = "ad::decay")]
     decay: f64,
     #[serde(deserialize_with = "ad::time_smoothing")]
@@ -853,27 +853,27 @@ struct AdaptiveWire {
     probe_interval: usize,
     #[serde(deserialize_with = "ad::max_probe_interval")]
     max_probe_interval: usize,
-    #[serde(deserialize_with = "ad::probe_k")]
-    probe_k: usize,
+    #[serde(deserialize_with = "ad::probe_draft")]
+    probe_draft: usize,
 }
 
 impl From<&AdaptiveConfig> for AdaptiveWire {
     fn from(c: &AdaptiveConfig) -> Self {
         let AdaptiveConfig {
-            max_k,
+            max_draft,
             decay,
             time_smoothing,
             probe_interval,
             max_probe_interval,
-            probe_k,
+            probe_draft,
         } = *c;
         AdaptiveWire {
-            max_k,
+            max_draft,
             decay,
             time_smoothing,
             probe_interval,
             max_probe_interval,
-            probe_k,
+            probe_draft,
         }
     }
 }
@@ -896,20 +896,20 @@ impl<'de> Deserialize<'de> for AdaptiveConfig {
     /// [`AdaptiveConfig::validate`].
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let AdaptiveWire {
-            max_k,
+            max_draft,
             decay,
             time_smoothing,
             probe_interval,
             max_probe_interval,
-            probe_k,
+            probe_draft,
         } = AdaptiveWire::deserialize(d)?;
         let c = AdaptiveConfig {
-            max_k,
+            max_draft,
             decay,
             time_smoothing,
             probe_interval,
             max_probe_interval,
-            probe_k,
+            probe_draft,
         };
         c.validate().map_err(de::Error::custom)?;
         Ok(c)
@@ -1109,12 +1109,12 @@ mod rq {
 /// Field deserialisers of [`AdaptiveWire`].
 mod ad {
     named_fields! {
-        max_k: usize,
+        max_draft: usize,
         decay: f64,
         time_smoothing: f64,
         probe_interval: usize,
         max_probe_interval: usize,
-        probe_k: usize,
+        probe_draft: usize,
     }
 }
 

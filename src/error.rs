@@ -182,8 +182,15 @@ pub enum Error {
         /// The broken rule.
         what: &'static str,
     },
-    /// An optional backend was not compiled in, or has no usable device or driver
-    /// ([`crate::gpu::GpuVerifier::new`], device failures of the GPU backends).
+    /// A GPU backend ([`crate::gpu::Backend`]) cannot run. Returned by
+    /// [`GpuVerifier::new`](crate::gpu::GpuVerifier::new),
+    /// [`with_wgpu`](crate::gpu::GpuVerifier::with_wgpu),
+    /// [`with_cuda`](crate::gpu::GpuVerifier::with_cuda) and [`crate::gpu::cuda_ptx`] when the
+    /// crate was built without the backend's cargo feature (`wgpu`, `cuda`), its driver or
+    /// NVRTC cannot be loaded, no device is found or its kernel does not compile; and by the
+    /// `verify_*` and `read_*` methods of [`crate::gpu::GpuVerifier`] when the device fails
+    /// during a call (a lost device, a failed launch, copy or map). `reason` says which. The
+    /// CPU verifier ([`crate::Verifier`]) never returns it.
     #[error("backend {backend} unavailable: {reason}")]
     BackendUnavailable {
         /// Backend name.

@@ -40,6 +40,29 @@
 //! Random draws come from a counter-based stream keyed by `(seed, position)` ([`rng`]), so a
 //! sequence's result never depends on batch order or composition.
 //!
+//! ## Terms
+//!
+//! One spelling for each idea across the API and these docs:
+//!
+//! - **Draft length `k`**: the number of draft tokens verified in one step. A verify call scores
+//!   `k + 1` target rows, logits `[k + 1, vocab]`. Fields that bound or set it end in `_draft`:
+//!   [`ProposeRequest::max_draft`],
+//!   [`AdaptiveConfig::max_draft`](decode::AdaptiveConfig::max_draft),
+//!   [`AdaptiveConfig::probe_draft`](decode::AdaptiveConfig::probe_draft); the per-request
+//!   policy is [`DraftLength`](decode::DraftLength) (`Fixed(k)`, `Adaptive`, `Off`).
+//!   The `k` of top-k sampling ([`SamplingConfig::top_k`]) is another number.
+//! - **No-draft step**: a step with `k = 0`, that is one step of plain decoding (one target row,
+//!   one token). It ends with [`StepEnd::NoDraft`] and is counted by
+//!   [`Metrics::no_draft_steps`](decode::Metrics::no_draft_steps). `DraftLength::Off`
+//!   (speculation off) and [`NoProposer`] make every step one; any proposer may return an empty
+//!   draft.
+//! - **Accepted** counts draft tokens only ([`StepOutput::accepted`]); **emitted** adds the one
+//!   correction or bonus token of the step. The mean accepted length counts emitted tokens per
+//!   verify call, the bonus included ([`Metrics`](decode::Metrics) states both definitions).
+//! - **p** is the processed target distribution of a row, **q** the draft distribution a draft
+//!   token was sampled from; a proposer without q (prompt lookup, suffix tree) gives a
+//!   **point-mass** draft.
+//!
 //! ## Layers
 //!
 //! - [`sampling`]: configuration and logits processing.
@@ -76,7 +99,9 @@
 //!   its distributions.
 //! - `serde` (optional, feature `serde`).
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
+// docs.rs (`--cfg docsrs`, nightly rustdoc): label feature-gated items with their feature.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(feature = "serde")]
 pub mod config;

@@ -266,7 +266,8 @@ impl Proposer for WrongProposer {
     }
 }
 
-/// A proposer that replays a fixed list of drafts, one per step (then empty drafts).
+/// A proposer that replays a fixed list of drafts, one per step (then empty drafts). The default
+/// has no drafts: every step is a no-draft step.
 #[derive(Debug, Clone, Default)]
 pub struct ScriptedProposer {
     steps: Vec<Vec<u32>>,

@@ -233,9 +233,9 @@ fn draft_length_names() {
         DraftLength::Fixed(6)
     );
     assert_eq!(
-        json::<DraftLength>(r#"{"adaptive_draft": {"max_k": 5}}"#).unwrap(),
+        json::<DraftLength>(r#"{"adaptive_draft": {"max_draft": 5}}"#).unwrap(),
         DraftLength::Adaptive(AdaptiveConfig {
-            max_k: 5,
+            max_draft: 5,
             ..AdaptiveConfig::default()
         })
     );
@@ -502,8 +502,8 @@ fn invalid_adaptive_draft() {
     invalid_load::<AdaptiveConfig>(r#"{"decay": 1.5}"#, "decay");
     invalid_load::<AdaptiveConfig>(r#"{"time_smoothing": 0}"#, "time_smoothing");
     invalid_load::<AdaptiveConfig>(r#"{"probe_interval": 0}"#, "probe_interval");
-    invalid_load::<AdaptiveConfig>(r#"{"max_k": -1}"#, "max_k");
-    invalid_load::<AdaptiveConfig>(r#"{"probe_k": "2"}"#, "probe_k");
+    invalid_load::<AdaptiveConfig>(r#"{"max_draft": -1}"#, "max_draft");
+    invalid_load::<AdaptiveConfig>(r#"{"probe_draft": "2"}"#, "probe_draft");
     invalid_load::<AdaptiveConfig>(r#"{"max_probe_interval": 0.5}"#, "max_probe_interval");
     // AdaptiveConfig validates while loading, so the typed error comes from a RequestConfig
     // built in code: AdaptiveConfig::validate's.
@@ -567,7 +567,7 @@ fn unknown_fields_are_rejected() {
     invalid_load::<PenaltyScope>(r#""prompt""#, "unknown variant `prompt`");
     // Nested objects are strict too.
     invalid_load::<GenerationParams>(
-        r#"{"adaptive_draft": {"max_k": 4, "speed": 2}}"#,
+        r#"{"adaptive_draft": {"max_draft": 4, "speed": 2}}"#,
         "unknown field `speed`",
     );
 }
@@ -650,12 +650,12 @@ fn generation_params_round_trip() {
         DraftLength::Off,
         DraftLength::Fixed(7),
         DraftLength::Adaptive(AdaptiveConfig {
-            max_k: 6,
+            max_draft: 6,
             decay: 0.9,
             time_smoothing: 0.5,
             probe_interval: 8,
             max_probe_interval: 64,
-            probe_k: 1,
+            probe_draft: 1,
         }),
     ] {
         p.draft = draft.clone();
@@ -733,7 +733,7 @@ proptest! {
             (1usize..64).prop_map(DraftLength::Fixed),
             (0usize..16, 0.01f64..=1.0, 0.01f64..=1.0, 1usize..100).prop_map(|(m, d, t, i)| {
                 DraftLength::Adaptive(AdaptiveConfig {
-                    max_k: m,
+                    max_draft: m,
                     decay: d,
                     time_smoothing: t,
                     probe_interval: i,

@@ -43,6 +43,8 @@ pub struct GenerationParams {
 }
 
 impl Default for GenerationParams {
+    /// Greedy sampling ([`SamplingConfig::greedy`]), seed 0, `max_new_tokens` 256,
+    /// `min_tokens` 0, no stop condition, draft length `Fixed(4)`, no cancel flag.
     fn default() -> Self {
         GenerationParams {
             sampling: SamplingConfig::greedy(),

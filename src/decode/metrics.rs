@@ -1,26 +1,39 @@
 //! Per-generation metrics with the field's common definitions: acceptance rate = accepted /
-//! proposed drafts; mean accepted length = emitted tokens / target verify calls (bonus included).
+//! proposed drafts; mean accepted length = emitted tokens / target verify calls (the bonus or
+//! correction token included).
 
 use std::time::Duration;
 
 /// Counters and timings of one generation.
 ///
 /// Tokens cut by a stop condition are not counted. Proposed drafts are all the drafts that were
-/// verified (each verify step's `k`).
+/// verified (each verify step's draft length `k`).
+///
+/// Two counts of a step differ by one token, and this is the one place that says so:
+/// [`StepOutput::accepted`](crate::StepOutput::accepted) (and [`Metrics::accepted`]) counts the
+/// accepted **drafts** only, while the mean accepted length
+/// ([`Metrics::mean_accepted_length`]) counts every **emitted** token per verify call, the
+/// correction or bonus token included. A step that accepts 3 of 4 drafts has `accepted == 3`
+/// and emits 4 tokens; plain decoding has mean accepted length 1.0 and acceptance rate 0.
+///
+/// The default is all zeros (counters, timings, empty per-position vectors, no time to first
+/// token): the metrics of a generation that has not started.
 ///
 /// `Metrics` is `Send + Sync` (plain counters and durations).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Metrics {
     /// Draft tokens proposed and verified.
     pub proposed: usize,
-    /// Draft tokens accepted (and emitted).
+    /// Draft tokens accepted (and emitted); the correction or bonus token is not a draft and is
+    /// not counted here (it is in `emitted`).
     pub accepted: usize,
     /// Tokens emitted (accepted drafts plus corrections / bonus tokens).
     pub emitted: usize,
     /// Verify forwards of the target (one per step; prefill not included).
     pub target_calls: usize,
-    /// Steps whose draft was empty (plain decoding steps).
-    pub plain_steps: usize,
+    /// No-draft steps: steps whose draft was empty (`k = 0`, plain decoding; they end with
+    /// [`StepEnd::NoDraft`](crate::StepEnd::NoDraft)).
+    pub no_draft_steps: usize,
     /// `reached_at[i]`: steps in which draft position `i` (0-based) was tested, that is, steps
     /// with `k > i` whose positions `0..i` were all accepted.
     pub reached_at: Vec<usize>,
@@ -50,8 +63,9 @@ impl Metrics {
         }
     }
 
-    /// Mean accepted length = emitted tokens / target verify calls (includes the bonus token;
-    /// 1.0 for plain decoding).
+    /// Mean accepted length = emitted tokens / target verify calls (includes the correction or
+    /// bonus token, unlike [`StepOutput::accepted`](crate::StepOutput::accepted); 1.0 for plain
+    /// decoding, 0 before the first verify call).
     pub fn mean_accepted_length(&self) -> f64 {
         if self.target_calls == 0 {
             0.0
@@ -90,18 +104,18 @@ impl Metrics {
         }
     }
 
-    /// Records one verify step's counts: `k` drafts proposed, `verified` of them accepted by the
-    /// verifier, of which `kept` survived the stop conditions (`kept <= verified <= k`), and
-    /// `emitted` tokens kept (accepted drafts plus the correction or bonus token, unless a stop
-    /// cut it). The loop calls it once per step; offline replays of recorded generations (as in
+    /// Records one verify step's counts: `k` drafts proposed, `accepted` of them accepted by the
+    /// verifier ([`StepOutput::accepted`](crate::StepOutput::accepted)), of which `kept`
+    /// survived the stop conditions (`kept <= accepted <= k`), and `emitted` tokens kept
+    /// (accepted drafts plus the correction or bonus token, unless a stop cut it). The loop calls it once per step; offline replays of recorded generations (as in
     /// `spec-bench replay`) call it to count exactly as the loop does. Timings are not touched.
-    pub fn record_step(&mut self, k: usize, verified: usize, kept: usize, emitted: usize) {
+    pub fn record_step(&mut self, k: usize, accepted: usize, kept: usize, emitted: usize) {
         self.target_calls += 1;
         self.proposed += k;
         self.accepted += kept;
         self.emitted += emitted;
         if k == 0 {
-            self.plain_steps += 1;
+            self.no_draft_steps += 1;
         }
         if self.reached_at.len() < k {
             self.reached_at.resize(k, 0);
@@ -112,8 +126,8 @@ impl Metrics {
             self.accepted_at[i] += 1;
         }
         // The rejection position counts only when no stop cut the block before it.
-        if kept == verified && verified < k {
-            self.reached_at[verified] += 1;
+        if kept == accepted && accepted < k {
+            self.reached_at[accepted] += 1;
         }
     }
 }
@@ -125,7 +139,7 @@ impl Metrics {
         self.accepted += other.accepted;
         self.emitted += other.emitted;
         self.target_calls += other.target_calls;
-        self.plain_steps += other.plain_steps;
+        self.no_draft_steps += other.no_draft_steps;
         let n = self.reached_at.len().max(other.reached_at.len());
         self.reached_at.resize(n, 0);
         self.accepted_at.resize(n, 0);
@@ -164,7 +178,7 @@ mod tests {
         assert!((m.acceptance_rate() - 4.0 / 6.0).abs() < 1e-12);
         assert!((m.mean_accepted_length() - 7.0 / 3.0).abs() < 1e-12);
         assert_eq!(m.position_acceptance(), vec![1.0, 0.5, 1.0]);
-        assert_eq!(m.plain_steps, 1);
+        assert_eq!(m.no_draft_steps, 1);
         let mut total = cut.clone();
         total.merge(&m);
         assert_eq!((total.proposed, total.accepted, total.emitted), (10, 6, 10));

@@ -1,20 +1,25 @@
-//! Draft length policies: fixed `k`, or adaptive `k` that maximises expected tokens per second.
+//! Draft length policies: a fixed draft length `k`, or an adaptive `k` that maximises expected
+//! tokens per second.
 
 use crate::error::{Error, Result};
 
-/// How many draft tokens to ask for at each step.
+/// How many draft tokens to ask for at each step (the draft length `k`).
+///
+/// The default is `Fixed(4)`.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum DraftLength {
-    /// No speculation: every step is a plain decoding step (per-request opt-out).
+    /// Speculation off: every step is a no-draft step (`k = 0`, plain decoding), as with
+    /// [`NoProposer`](crate::NoProposer); a per-request opt-out.
     Off,
     /// Always ask for `k` drafts (capped by budget and context).
     Fixed(usize),
-    /// Pick `k` in `0..=max_k` each step from online estimates (see [`AdaptiveConfig`]).
+    /// Pick `k` in `0..=max_draft` each step from online estimates (see [`AdaptiveConfig`]).
     Adaptive(AdaptiveConfig),
 }
 
 impl Default for DraftLength {
+    /// `Fixed(4)`: four drafts per step, a good start for model-free proposers at batch size 1.
     fn default() -> Self {
         DraftLength::Fixed(4)
     }
@@ -32,37 +37,49 @@ impl Default for DraftLength {
 ///
 /// (the expected number of tokens per step, Leviathan et al. 2023, section 3.1, with per-position
 /// rates). `k = 0` (plain decoding) wins when speculation does not pay; then every
-/// `probe_interval` steps it tries `k = probe_k` so that the estimates keep learning.
+/// `probe_interval` steps it tries `k = probe_draft` so that the estimates keep learning.
 /// Each probe that does not bring speculation back doubles the interval, up to
 /// `max_probe_interval` steps (exponential backoff), so that a proposer that never pays
 /// (a draft model rejected everywhere, whose catch-up over the skipped tokens is costly) costs
 /// a vanishing share of the time; the first step that speculates again resets the wait.
+///
+/// | field | default | valid range |
+/// |---|---|---|
+/// | `max_draft` | 8 | any (0 makes every step a no-draft step) |
+/// | `decay` | 0.98 | `(0, 1]` |
+/// | `time_smoothing` | 0.2 | `(0, 1]` |
+/// | `probe_interval` | 16 | `>= 1` |
+/// | `max_probe_interval` | 256 | any (below `probe_interval`: a fixed interval) |
+/// | `probe_draft` | 2 | any (capped by `max_draft`) |
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdaptiveConfig {
-    /// Largest draft length considered.
-    pub max_k: usize,
+    /// Largest draft length `k` considered.
+    pub max_draft: usize,
     /// Decay of the acceptance counts per observation, in `(0, 1]` (1 = no forgetting).
     pub decay: f64,
     /// Weight of a new timing in the moving averages, in `(0, 1]`.
     pub time_smoothing: f64,
-    /// While `k = 0` wins, every this many steps probe with `k = probe_k` (the initial interval).
+    /// While `k = 0` wins, every this many steps probe with `k = probe_draft` (the initial
+    /// interval).
     pub probe_interval: usize,
     /// Longest interval between probes, in steps, reached by doubling after each probe that
     /// fails. Values below `probe_interval` act as `probe_interval` (a fixed interval).
     pub max_probe_interval: usize,
-    /// Draft length of a probe step.
-    pub probe_k: usize,
+    /// Draft length `k` of a probe step (capped by `max_draft`).
+    pub probe_draft: usize,
 }
 
 impl Default for AdaptiveConfig {
+    /// `max_draft` 8, `decay` 0.98, `time_smoothing` 0.2, `probe_interval` 16,
+    /// `max_probe_interval` 256, `probe_draft` 2 (the table of [`AdaptiveConfig`]).
     fn default() -> Self {
         AdaptiveConfig {
-            max_k: 8,
+            max_draft: 8,
             decay: 0.98,
             time_smoothing: 0.2,
             probe_interval: 16,
             max_probe_interval: 256,
-            probe_k: 2,
+            probe_draft: 2,
         }
     }
 }
@@ -93,6 +110,9 @@ impl AdaptiveConfig {
 
 /// Online state of the adaptive policy for one generator (kept across generations, since the
 /// target's cost curve does not change between requests).
+///
+/// The default state has observed nothing: every position's acceptance estimate is the prior
+/// mean 0.5 and no forward cost is known, so the first step uses `max_draft`.
 #[derive(Debug, Clone, Default)]
 pub struct AdaptiveState {
     acc: Vec<f64>,
@@ -153,7 +173,7 @@ impl AdaptiveState {
 
     /// The draft length to use, at most `cap`.
     pub fn choose(&mut self, cfg: &AdaptiveConfig, cap: usize) -> usize {
-        let max_k = cfg.max_k.min(cap);
+        let max_k = cfg.max_draft.min(cap);
         if max_k == 0 {
             return 0;
         }
@@ -181,7 +201,7 @@ impl AdaptiveState {
                 self.wait = wait
                     .saturating_mul(2)
                     .min(cfg.max_probe_interval.max(cfg.probe_interval));
-                return cfg.probe_k.min(max_k);
+                return cfg.probe_draft.min(max_k);
             }
             self.zero_run += 1;
         } else {
@@ -269,7 +289,7 @@ mod tests {
             let k = s.choose(&cfg, 100);
             s.observe(&cfg, k, k, 0.01 + 0.0005 * k as f64, 0.0);
         }
-        assert_eq!(s.choose(&cfg, 100), cfg.max_k);
+        assert_eq!(s.choose(&cfg, 100), cfg.max_draft);
         assert_eq!(s.choose(&cfg, 3), 3);
     }
 
@@ -287,7 +307,7 @@ mod tests {
             ks.push(k);
             s.observe(&cfg, k, 0, 0.01 * (k + 1) as f64, 0.0);
         }
-        assert!(ks[10..].iter().filter(|&&k| k == cfg.probe_k).count() >= 5);
+        assert!(ks[10..].iter().filter(|&&k| k == cfg.probe_draft).count() >= 5);
     }
 
     #[test]

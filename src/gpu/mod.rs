@@ -7,14 +7,15 @@
 //!
 //! | backend | cargo feature | devices | kernels |
 //! |---|---|---|---|
-//! | [`Backend::Cpu`] | always | the host | [`crate::Verifier::verify_batch`] (the reference) |
 //! | [`Backend::Wgpu`] | `wgpu` (or `metal`) | Vulkan, Metal, DX12 through wgpu | WGSL |
 //! | [`Backend::Cuda`] | `cuda` | NVIDIA through cudarc (driver and NVRTC loaded at run time) | CUDA C, compiled by NVRTC |
 //!
 //! The public API is the same under every feature set. A backend that was not compiled in, or
 //! that finds no device or driver at run time, makes [`GpuVerifier::new`] return
 //! [`Error::BackendUnavailable`] whose `reason` says which (for example "built without feature
-//! `wgpu`", "no wgpu adapter found", "CUDA driver library not found").
+//! `wgpu`", "no wgpu adapter found", "CUDA driver library not found"). There is no CPU backend
+//! here: the CPU path is [`Verifier::verify_batch`] itself, on the same [`VerifyBatch`], so an
+//! engine falls back to it when [`GpuVerifier::new`] fails.
 //!
 //! ## Semantics
 //!
@@ -115,7 +116,10 @@ pub use wgpu_impl::{WgpuDevice, WgpuLogits};
 use std::fmt;
 
 use crate::error::{Error, Result};
-use crate::verify::{DraftProbs, SequenceParams, StepOutput, Verifier, VerifyBatch};
+use crate::verify::{DraftProbs, SequenceParams, StepOutput, VerifyBatch};
+// For the docs' links only: verification itself never calls the CPU verifier.
+#[cfg(doc)]
+use crate::verify::Verifier;
 
 /// The WGSL source of the verification kernel (entry point `verify_rows`).
 pub const WGSL_SOURCE: &str = include_str!("kernels/verify.wgsl");
@@ -123,12 +127,10 @@ pub const WGSL_SOURCE: &str = include_str!("kernels/verify.wgsl");
 /// time by NVRTC.
 pub const CUDA_SOURCE: &str = include_str!("kernels/verify.cu");
 
-/// Where verification runs.
+/// The GPU backend a [`GpuVerifier`] runs on (on the host, use [`Verifier::verify_batch`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Backend {
-    /// The host: [`crate::Verifier::verify_batch`]. Always available.
-    Cpu,
     /// NVIDIA GPUs through cudarc (feature `cuda`).
     Cuda,
     /// Vulkan, Metal or DX12 through wgpu (feature `wgpu`, or `metal` on Apple).
@@ -136,10 +138,9 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The backend's name as used in errors: `"cpu"`, `"cuda"`, `"wgpu"`.
+    /// The backend's name as used in errors: `"cuda"`, `"wgpu"`.
     pub fn name(self) -> &'static str {
         match self {
-            Backend::Cpu => "cpu",
             Backend::Cuda => "cuda",
             Backend::Wgpu => "wgpu",
         }
@@ -148,7 +149,6 @@ impl Backend {
     /// Whether this build contains the backend (it may still find no device at run time).
     pub fn is_compiled(self) -> bool {
         match self {
-            Backend::Cpu => true,
             Backend::Cuda => cuda_impl::COMPILED,
             Backend::Wgpu => wgpu_impl::COMPILED,
         }
@@ -199,13 +199,12 @@ impl<'a> DeviceBatch<'a> {
 }
 
 enum Inner {
-    Cpu(Box<Verifier>),
     Cuda(Box<cuda_impl::CudaVerifier>),
     Wgpu(Box<wgpu_impl::WgpuVerifier>),
 }
 
-/// Batch verification on a GPU backend (or the CPU reference), same results as
-/// [`Verifier::verify_batch`].
+/// Batch verification on a GPU backend, with the same results as [`Verifier::verify_batch`]
+/// (the CPU path, on the same [`VerifyBatch`]).
 ///
 /// Holds the device, the compiled kernel and reusable device buffers; create one per device
 /// and reuse it for every step.
@@ -235,7 +234,6 @@ impl GpuVerifier {
     /// compile (the reason is in the message).
     pub fn new(backend: Backend) -> Result<Self> {
         let inner = match backend {
-            Backend::Cpu => Inner::Cpu(Box::default()),
             Backend::Cuda => Inner::Cuda(Box::new(cuda_impl::CudaVerifier::new()?)),
             Backend::Wgpu => Inner::Wgpu(Box::new(wgpu_impl::WgpuVerifier::new()?)),
         };
@@ -267,7 +265,6 @@ impl GpuVerifier {
     /// The backend this verifier runs on.
     pub fn backend(&self) -> Backend {
         match self.inner {
-            Inner::Cpu(_) => Backend::Cpu,
             Inner::Cuda(_) => Backend::Cuda,
             Inner::Wgpu(_) => Backend::Wgpu,
         }
@@ -276,7 +273,6 @@ impl GpuVerifier {
     /// A human-readable device name (adapter name and driver, or the CUDA device name).
     pub fn device_name(&self) -> String {
         match &self.inner {
-            Inner::Cpu(_) => "host CPU".into(),
             Inner::Cuda(c) => c.device_name(),
             Inner::Wgpu(w) => w.device_name(),
         }
@@ -344,7 +340,6 @@ impl GpuVerifier {
     pub fn verify_batch(&mut self, batch: &VerifyBatch<'_>) -> Result<Vec<Result<StepOutput>>> {
         let dev = DeviceBatch::from_batch(batch);
         match &mut self.inner {
-            Inner::Cpu(v) => v.verify_batch(batch),
             Inner::Cuda(c) => {
                 let qv = check(&dev, batch.target_logits.len(), true)?;
                 c.verify_host(batch.target_logits, &dev, qv)

@@ -91,6 +91,9 @@ impl<'a> ProposeRequest<'a> {
 
 /// A proposal: draft tokens and, for sampling proposers, the draft probabilities q.
 ///
+/// The default is the empty draft (no token, no q): what a proposer fills, and a valid
+/// proposal in itself (a no-draft step).
+///
 /// `Draft` is `Send + Sync`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Draft {
@@ -246,7 +249,8 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
     }
 }
 
-/// The proposer that never proposes: every step is a plain decoding step.
+/// The proposer that never proposes: every step is a no-draft step (`k = 0`, plain decoding).
+/// It has no state, so its default is the only value.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoProposer;
 

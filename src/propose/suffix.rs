@@ -75,6 +75,8 @@ pub struct SuffixConfig {
 }
 
 impl Default for SuffixConfig {
+    /// `max_depth` 24, `max_match_len` 12, `min_confidence` 0.1, `max_corpus_tokens` 65,536,
+    /// `corpus_outputs_only` true (the table of [`SuffixConfig`]).
     fn default() -> Self {
         SuffixConfig {
             max_depth: 24,
@@ -514,12 +516,11 @@ impl Corpus {
 ///   next power of two under the corpus's insert / evict churn and holds its old table while it
 ///   grows, and the free list keeps 4 bytes per freed node. Budget **105 bytes per node of the
 ///   bound at the peak and 75 in steady state**: with the defaults the corpus trie stays below
-///   1.6 million nodes, about 160 MiB at the peak and 110 MiB after. Measured
-///   (`scripts/soak.sh`, 10,000 generations through one generator, docs/benchmarks.md
-///   section 8): peak RSS 136 MiB with at most 1.33 million live nodes. Repeated text shares nodes; the bounds are reached
-///   only by text with no repeated strings: on the benchmark's synthetic text
-///   (`benches/proposers.rs`) 65,000 corpus tokens took 418,000 nodes and a 32,000-token
-///   context 566,000.
+///   1.6 million nodes, about 160 MiB at the peak and 110 MiB after. Measured with 10,000
+///   generations through one generator (the project's soak test): peak RSS 136 MiB with at
+///   most 1.33 million live nodes. Repeated text shares nodes; the bounds are reached only by
+///   text with no repeated strings: on the synthetic text of the project's proposer benchmark,
+///   65,000 corpus tokens took 418,000 nodes and a 32,000-token context 566,000.
 ///
 /// # Complexity
 ///

@@ -29,10 +29,11 @@ impl<F: Fn(&[u32], &mut [f32]) + Send + Sync> TokenMask for F {
 
 /// A validated sampling configuration, shared by target rows and draft rows.
 ///
-/// Processing order (GUIDE section 1, identical for target and draft rows at the same prefix):
-/// penalties (repetition, frequency, presence; counted over the context plus the earlier drafts of
-/// the block) -> logit bias -> allowed / banned sets and the caller's [`TokenMask`] ->
-/// temperature -> top-k -> softmax -> top-p -> min-p -> renormalise.
+/// Processing order (identical for target and draft rows at the same prefix): penalties
+/// (repetition over the prompt and generated tokens; frequency and presence over the generated
+/// tokens, the earlier drafts of the block included, unless [`PenaltyScope::WholeContext`]) ->
+/// logit bias -> allowed / banned sets and the caller's [`TokenMask`] -> temperature -> top-k ->
+/// softmax -> top-p -> min-p -> renormalise.
 ///
 /// Build it with [`SamplingConfig::builder`]. [`SamplingConfig::default`] is
 /// [`SamplingConfig::greedy`]: temperature 0 and every other processor off.

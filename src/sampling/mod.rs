@@ -1,6 +1,6 @@
 //! Logits processing: one implementation for target rows and draft rows.
 //!
-//! The pipeline (GUIDE section 1), applied by [`RowProcessor`] to one row of logits `[vocab]`:
+//! The pipeline, applied by [`RowProcessor`] to one row of logits `[vocab]`:
 //!
 //! 1. penalties: repetition (CTRL) over the prompt and generated tokens, frequency and presence
 //!    (OpenAI) over the generated tokens only unless [`PenaltyScope::WholeContext`]; the earlier
@@ -17,7 +17,7 @@
 //!
 //! The verifier processes target row `i` and (when it is given draft logits) draft row `i` with
 //! the same [`SamplingConfig`] and the same history, so both sides of the acceptance ratio
-//! `p(x) / q(x)` obey the same rules (case C01 of the team's regression cases).
+//! `p(x) / q(x)` obey the same rules (case C01).
 
 mod config;
 mod penalties;

@@ -12,8 +12,9 @@ use crate::sampling::SamplingConfig;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum PenaltyScope {
-    /// Frequency and presence penalties count generated tokens only: tokens after the prompt,
-    /// including the earlier drafts of the block (the OpenAI API and vLLM convention; case C12).
+    /// The default: frequency and presence penalties count generated tokens only, the tokens
+    /// after the prompt including the earlier drafts of the block (the OpenAI API and vLLM
+    /// convention; case C12).
     #[default]
     Generated,
     /// Frequency and presence penalties count every earlier token, prompt included.
@@ -26,6 +27,8 @@ pub enum PenaltyScope {
 /// At verify row `i` of a block the counts cover the context plus drafts `0..i` (drafts are
 /// generated tokens), so a target row and the draft row at the same prefix are penalised
 /// identically.
+///
+/// The default counts nothing (no earlier token).
 #[derive(Debug, Clone, Default)]
 pub struct TokenCounts {
     /// token -> (occurrences in the prompt, occurrences generated).

@@ -7,6 +7,9 @@ use crate::error::{Error, Result, RowKind};
 /// A processed distribution over the vocabulary: probabilities (not logits) that sum to 1, stored
 /// sparsely as the tokens with non-zero probability in increasing id order.
 ///
+/// The default is empty (no token, no probability): an output buffer for
+/// [`RowProcessor`] to fill, not a distribution; [`TokenDist::sample`] returns `None` on it.
+///
 /// `TokenDist` is `Send + Sync`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TokenDist {
@@ -199,6 +202,9 @@ pub(crate) fn sample_weighted(
 
 /// What the penalties and the mask of a row see: token counts and the token prefix that the row
 /// follows (context plus earlier drafts of the block).
+///
+/// The default is the history of a first row with no context: no counts, an empty prefix and
+/// nothing suppressed.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct History<'a> {
     /// Occurrence counts for the penalties; `None` means no earlier tokens.
@@ -212,6 +218,8 @@ pub struct History<'a> {
 
 /// Reusable buffers for processing rows; one per thread. Processing never allocates once the
 /// buffers have grown to the vocabulary size.
+///
+/// The default is [`RowProcessor::new`]: empty buffers, grown on first use.
 ///
 /// `RowProcessor` is `Send + Sync`; its methods take `&mut self`, so use one per thread.
 #[derive(Debug, Default, Clone)]

@@ -153,7 +153,7 @@ pub enum StepEnd {
     /// All `k >= 1` drafts were accepted and the final one ends the sequence
     /// ([`VerifyRequest::final_draft_ends`]): no bonus token, `tokens.len() == accepted`.
     Ended,
-    /// There was no draft (`k = 0`): a plain decoding step.
+    /// A no-draft step (`k = 0`, plain decoding): the one emitted token comes from row 0.
     NoDraft,
 }
 
@@ -546,6 +546,8 @@ impl BlockHistory {
 }
 
 /// The verifier. Holds reusable buffers; create one per thread and call it for every step.
+///
+/// The default is [`Verifier::new`]: empty buffers, grown to the vocabulary size on first use.
 ///
 /// `Verifier` is `Send + Sync`; its methods take `&mut self`, so use one per thread (a
 /// [`SamplingConfig`] can be shared between them).

@@ -11,7 +11,7 @@
 //! The library is generic over [`speculative::TargetModel`] and [`speculative::Proposer`]; the
 //! `spec-bench` binary wires it to the SmolLM2 GGUF through `speculative-candle`.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod error;
 pub mod matrix;

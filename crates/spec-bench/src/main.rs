@@ -173,9 +173,9 @@ struct SimArgs {
     /// Constant per-position acceptance probability instead of recorded runs.
     #[arg(long)]
     acceptance: Option<f64>,
-    /// Largest draft length.
-    #[arg(long, default_value_t = 8)]
-    max_k: usize,
+    /// Largest draft length k (`--max-k` is accepted as an alias).
+    #[arg(long, alias = "max-k", default_value_t = 8)]
+    max_draft: usize,
     /// Output directory for simulation.json, simulation.md and simulation.svg.
     #[arg(long, default_value = "sim-out")]
     out: PathBuf,
@@ -604,7 +604,7 @@ fn sim(a: SimArgs) -> Result<()> {
             })
         }
     };
-    let r = simulate(&table, &model, &default_batches(), a.max_k);
+    let r = simulate(&table, &model, &default_batches(), a.max_draft);
     std::fs::create_dir_all(&a.out).map_err(io(&a.out))?;
     write_json(&a.out.join("simulation.json"), &r)?;
     let md = sim_markdown(&r);

@@ -407,14 +407,14 @@ mod tests {
                 r.proposed,
                 r.accepted,
                 r.emitted,
-                r.plain_steps
+                r.no_draft_steps
             ),
             (
                 m.target_calls,
                 m.proposed,
                 m.accepted,
                 m.emitted,
-                m.plain_steps
+                m.no_draft_steps
             )
         );
         assert_eq!(

@@ -48,8 +48,8 @@ impl DraftSpec {
     fn to_length(self) -> DraftLength {
         match self {
             DraftSpec::Fixed(k) => DraftLength::Fixed(k),
-            DraftSpec::Adaptive(max_k) => DraftLength::Adaptive(AdaptiveConfig {
-                max_k,
+            DraftSpec::Adaptive(max_draft) => DraftLength::Adaptive(AdaptiveConfig {
+                max_draft,
                 ..Default::default()
             }),
         }

@@ -169,19 +169,19 @@ pub struct SimResult {
     pub best: Vec<SimCell>,
 }
 
-/// Simulates every batch size in `batches` and draft length in `0..=max_k`.
+/// Simulates every batch size in `batches` and draft length `k` in `0..=max_draft`.
 pub fn simulate(
     table: &CostTable,
     acc: &AcceptanceModel,
     batches: &[usize],
-    max_k: usize,
+    max_draft: usize,
 ) -> SimResult {
     let mut grid = Vec::new();
     let mut best = Vec::new();
     for &b in batches {
         let base = table.cost(b, 1);
         let mut top: Option<SimCell> = None;
-        for k in 0..=max_k {
+        for k in 0..=max_draft {
             let rel = table.cost(b, k + 1) / base;
             let e = acc.expected_tokens(k);
             let cell = SimCell {

@@ -161,13 +161,13 @@ fn read_prompt(a: &Args) -> Result<String, DynError> {
 fn draft_length(s: &str) -> Result<DraftLength, String> {
     let bad = || format!("{s}: expected an integer or adaptive[:MAX]");
     if let Some(rest) = s.strip_prefix("adaptive") {
-        let max_k = match rest.strip_prefix(':') {
+        let max_draft = match rest.strip_prefix(':') {
             Some(m) => m.parse().map_err(|_| bad())?,
             None if rest.is_empty() => 8,
             None => return Err(bad()),
         };
         return Ok(DraftLength::Adaptive(AdaptiveConfig {
-            max_k,
+            max_draft,
             ..Default::default()
         }));
     }

@@ -52,7 +52,7 @@
 //! # Ok(()) }
 //! ```
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod error;
 mod model;

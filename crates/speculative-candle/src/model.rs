@@ -54,8 +54,9 @@ use crate::error::{CandleError, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum WeightFormat {
-    /// Re-quantise every quantised matrix to Q8_0 at load (about 1 s for 135M parameters).
-    /// Matrices already stored as Q8_0 are kept as they are; f32/f16 matrices stay f32.
+    /// The default: re-quantise every quantised matrix to Q8_0 at load (about 1 s for 135M
+    /// parameters). Matrices already stored as Q8_0 are kept as they are; f32/f16 matrices stay
+    /// f32.
     #[default]
     Q8_0,
     /// Dequantise every matrix to f32 at load: the exact model of the file (4x the memory of
@@ -80,6 +81,7 @@ pub struct LoadOptions {
 }
 
 impl Default for LoadOptions {
+    /// [`WeightFormat::Q8_0`], `single_thread` true.
     fn default() -> Self {
         LoadOptions {
             format: WeightFormat::Q8_0,

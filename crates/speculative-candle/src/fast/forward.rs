@@ -149,6 +149,8 @@ pub struct RandomSpec {
 }
 
 impl Default for RandomSpec {
+    /// A tiny model: 2 layers, hidden 96, MLP 160, 6 query / 2 KV heads, vocabulary 301,
+    /// context 256, seed 1.
     fn default() -> Self {
         RandomSpec {
             n_layers: 2,
