@@ -133,7 +133,7 @@ fn err_name(e: &Error) -> String {
 }
 
 macro_rules! check {
-    ($cond:expr, $($fmt:tt)+) => {{
+    ($cond:expr_2021, $($fmt:tt)+) => {{
         let ok: bool = $cond;
         if !ok {
             return Err(TestCaseError::fail(format!($($fmt)+)));

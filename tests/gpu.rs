@@ -1065,7 +1065,7 @@ fn run_statistical(backend: Under) {
 }
 
 macro_rules! backend_tests {
-    ($name:ident, $backend:expr) => {
+    ($name:ident, $backend:expr_2021) => {
         mod $name {
             use super::*;
 

@@ -100,8 +100,14 @@ pub fn default_model_path() -> PathBuf {
 pub fn use_single_thread_if_unset() -> usize {
     let set = |k: &str| std::env::var_os(k).is_some_and(|v| !v.is_empty());
     if !set("RAYON_NUM_THREADS") && !set("CANDLE_NUM_THREADS") {
-        std::env::set_var("RAYON_NUM_THREADS", "1");
-        std::env::set_var("CANDLE_NUM_THREADS", "1");
+        // SAFETY: `set_var` is unsound only while another thread reads or writes the
+        // environment. The docs above ask callers to run this before starting other threads;
+        // the writes happen only when neither variable is set, so after the first call (the
+        // first model load) it never writes again.
+        unsafe {
+            std::env::set_var("RAYON_NUM_THREADS", "1");
+            std::env::set_var("CANDLE_NUM_THREADS", "1");
+        }
     }
     candle_core::utils::get_num_threads()
 }

@@ -201,7 +201,7 @@ impl GgufTokenizer {
         let added: Vec<AddedToken> = tokens
             .iter()
             .zip(&special)
-            .filter(|(_, &s)| s)
+            .filter(|&(_, &s)| s)
             .map(|(t, _)| AddedToken::from(t.clone(), true))
             .collect();
         tokenizer.add_special_tokens(&added);

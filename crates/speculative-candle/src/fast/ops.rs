@@ -377,89 +377,91 @@ mod x86 {
         scores: &mut [f32],
         out: &mut [f32],
     ) {
-        let (d, cap) = (c.d, c.cap);
-        let lp = len.next_multiple_of(LANES);
-        let kt = c.kt.as_ptr().add(kvh * d * cap);
-        let qp = q.as_ptr();
-        let sp = scores.as_mut_ptr();
-        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
-        let mut vmax = [ninf; H];
-        // 1. Scores, 16 positions per vector, 4 chains over the dimensions.
-        for j0 in (0..len).step_by(LANES) {
-            let mut a = [[_mm512_setzero_ps(); 4]; H];
-            for i0 in (0..d).step_by(4) {
-                for ci in 0..4 {
-                    let i = i0 + ci;
-                    let kv = _mm512_loadu_ps(kt.add(i * cap + j0));
-                    for h in 0..H {
-                        let qv = _mm512_set1_ps(*qp.add(h * d + i));
-                        a[h][ci] = _mm512_fmadd_ps(qv, kv, a[h][ci]);
+        unsafe {
+            let (d, cap) = (c.d, c.cap);
+            let lp = len.next_multiple_of(LANES);
+            let kt = c.kt.as_ptr().add(kvh * d * cap);
+            let qp = q.as_ptr();
+            let sp = scores.as_mut_ptr();
+            let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+            let mut vmax = [ninf; H];
+            // 1. Scores, 16 positions per vector, 4 chains over the dimensions.
+            for j0 in (0..len).step_by(LANES) {
+                let mut a = [[_mm512_setzero_ps(); 4]; H];
+                for i0 in (0..d).step_by(4) {
+                    for ci in 0..4 {
+                        let i = i0 + ci;
+                        let kv = _mm512_loadu_ps(kt.add(i * cap + j0));
+                        for h in 0..H {
+                            let qv = _mm512_set1_ps(*qp.add(h * d + i));
+                            a[h][ci] = _mm512_fmadd_ps(qv, kv, a[h][ci]);
+                        }
                     }
                 }
+                let valid = len - j0;
+                let m: __mmask16 = if valid >= LANES {
+                    0xffff
+                } else {
+                    (1u16 << valid) - 1
+                };
+                for h in 0..H {
+                    let s = _mm512_add_ps(
+                        _mm512_add_ps(a[h][0], a[h][1]),
+                        _mm512_add_ps(a[h][2], a[h][3]),
+                    );
+                    let s = _mm512_mask_mov_ps(ninf, m, s);
+                    vmax[h] = _mm512_max_ps(vmax[h], s);
+                    _mm512_storeu_ps(sp.add(h * lp + j0), s);
+                }
             }
-            let valid = len - j0;
-            let m: __mmask16 = if valid >= LANES {
-                0xffff
-            } else {
-                (1u16 << valid) - 1
-            };
+            // 2-3. Exponentials and their sums.
+            let mut inv = [_mm512_setzero_ps(); H];
             for h in 0..H {
-                let s = _mm512_add_ps(
-                    _mm512_add_ps(a[h][0], a[h][1]),
-                    _mm512_add_ps(a[h][2], a[h][3]),
-                );
-                let s = _mm512_mask_mov_ps(ninf, m, s);
-                vmax[h] = _mm512_max_ps(vmax[h], s);
-                _mm512_storeu_ps(sp.add(h * lp + j0), s);
+                let max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[h]));
+                let mut vsum = _mm512_setzero_ps();
+                for j0 in (0..len).step_by(LANES) {
+                    let p = sp.add(h * lp + j0);
+                    let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p), max));
+                    vsum = _mm512_add_ps(vsum, e);
+                    _mm512_storeu_ps(p, e);
+                }
+                let mut lanes = [0f32; LANES];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), vsum);
+                inv[h] = _mm512_set1_ps(1.0 / tree16(&lanes));
             }
-        }
-        // 2-3. Exponentials and their sums.
-        let mut inv = [_mm512_setzero_ps(); H];
-        for h in 0..H {
-            let max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[h]));
-            let mut vsum = _mm512_setzero_ps();
-            for j0 in (0..len).step_by(LANES) {
-                let p = sp.add(h * lp + j0);
-                let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p), max));
-                vsum = _mm512_add_ps(vsum, e);
-                _mm512_storeu_ps(p, e);
-            }
-            let mut lanes = [0f32; LANES];
-            _mm512_storeu_ps(lanes.as_mut_ptr(), vsum);
-            inv[h] = _mm512_set1_ps(1.0 / tree16(&lanes));
-        }
-        // 4. Weighted values, 4 chains over the positions.
-        let rows = c.nkv * d;
-        let vp = c.v.as_ptr().add(kvh * d);
-        for i0 in (0..d).step_by(LANES) {
-            let mut b = [[_mm512_setzero_ps(); 4]; H];
-            let mut j = 0;
-            while j + 4 <= len {
-                for ci in 0..4 {
+            // 4. Weighted values, 4 chains over the positions.
+            let rows = c.nkv * d;
+            let vp = c.v.as_ptr().add(kvh * d);
+            for i0 in (0..d).step_by(LANES) {
+                let mut b = [[_mm512_setzero_ps(); 4]; H];
+                let mut j = 0;
+                while j + 4 <= len {
+                    for ci in 0..4 {
+                        let vv = _mm512_loadu_ps(vp.add((j + ci) * rows + i0));
+                        for h in 0..H {
+                            let e = _mm512_set1_ps(*sp.add(h * lp + j + ci));
+                            b[h][ci] = _mm512_fmadd_ps(e, vv, b[h][ci]);
+                        }
+                    }
+                    j += 4;
+                }
+                for ci in 0..len - j {
                     let vv = _mm512_loadu_ps(vp.add((j + ci) * rows + i0));
                     for h in 0..H {
                         let e = _mm512_set1_ps(*sp.add(h * lp + j + ci));
                         b[h][ci] = _mm512_fmadd_ps(e, vv, b[h][ci]);
                     }
                 }
-                j += 4;
-            }
-            for ci in 0..len - j {
-                let vv = _mm512_loadu_ps(vp.add((j + ci) * rows + i0));
                 for h in 0..H {
-                    let e = _mm512_set1_ps(*sp.add(h * lp + j + ci));
-                    b[h][ci] = _mm512_fmadd_ps(e, vv, b[h][ci]);
+                    let o = _mm512_mul_ps(
+                        _mm512_add_ps(
+                            _mm512_add_ps(b[h][0], b[h][1]),
+                            _mm512_add_ps(b[h][2], b[h][3]),
+                        ),
+                        inv[h],
+                    );
+                    _mm512_storeu_ps(out.as_mut_ptr().add(h * d + i0), o);
                 }
-            }
-            for h in 0..H {
-                let o = _mm512_mul_ps(
-                    _mm512_add_ps(
-                        _mm512_add_ps(b[h][0], b[h][1]),
-                        _mm512_add_ps(b[h][2], b[h][3]),
-                    ),
-                    inv[h],
-                );
-                _mm512_storeu_ps(out.as_mut_ptr().add(h * d + i0), o);
             }
         }
     }

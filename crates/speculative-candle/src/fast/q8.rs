@@ -450,10 +450,12 @@ impl Q8Matrix {
     /// `dst` must point to `acc.len() * rows` writable values, not accessed concurrently at
     /// tile `t`'s columns.
     unsafe fn scatter_raw(&self, t: usize, acc: &[[f32; TILE]], dst: SyncPtr) {
-        let j0 = t * TILE;
-        let w = TILE.min(self.rows - j0);
-        for (r, a) in acc.iter().enumerate() {
-            std::ptr::copy_nonoverlapping(a.as_ptr(), dst.0.add(r * self.rows + j0), w);
+        unsafe {
+            let j0 = t * TILE;
+            let w = TILE.min(self.rows - j0);
+            for (r, a) in acc.iter().enumerate() {
+                std::ptr::copy_nonoverlapping(a.as_ptr(), dst.0.add(r * self.rows + j0), w);
+            }
         }
     }
 
@@ -788,52 +790,54 @@ mod x86 {
         out: &mut [[f32; TILE]],
         (g, groups): (usize, usize),
     ) {
-        let nb = m.nb;
-        let wq = m.qs.as_ptr().add(t * nb * TB);
-        let ws = m.scales.as_ptr().add(t * nb * TILE);
-        let xq = x.q.as_ptr().add(r0 * nb * BLOCK).cast::<i32>();
-        let xs = x.scales.as_ptr().add(r0 * nb);
-        let xc = x.corr.as_ptr().add(r0 * nb);
-        // The next tile's weights, spread evenly over the blocks of all groups of this tile.
-        let next = wq.wrapping_add(nb * TB);
-        let span = groups * nb;
-        let mut a = [_mm512_setzero_ps(); R];
-        for b in 0..nb {
-            let wb = wq.add(b * TB);
-            let l = g * nb + b;
-            let (lo, hi) = ((l * nb * TB / span) & !63, ((l + 1) * nb * TB / span) & !63);
-            for off in (lo..hi).step_by(64) {
-                // A hint only: prefetching never faults, so an address past the end is fine.
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off).cast());
+        unsafe {
+            let nb = m.nb;
+            let wq = m.qs.as_ptr().add(t * nb * TB);
+            let ws = m.scales.as_ptr().add(t * nb * TILE);
+            let xq = x.q.as_ptr().add(r0 * nb * BLOCK).cast::<i32>();
+            let xs = x.scales.as_ptr().add(r0 * nb);
+            let xc = x.corr.as_ptr().add(r0 * nb);
+            // The next tile's weights, spread evenly over the blocks of all groups of this tile.
+            let next = wq.wrapping_add(nb * TB);
+            let span = groups * nb;
+            let mut a = [_mm512_setzero_ps(); R];
+            for b in 0..nb {
+                let wb = wq.add(b * TB);
+                let l = g * nb + b;
+                let (lo, hi) = ((l * nb * TB / span) & !63, ((l + 1) * nb * TB / span) & !63);
+                for off in (lo..hi).step_by(64) {
+                    // A hint only: prefetching never faults, so an address past the end is fine.
+                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off).cast());
+                }
+                let mut w = [_mm512_setzero_si512(); 8];
+                for (k, wk) in w.iter_mut().enumerate() {
+                    *wk = _mm512_loadu_si512(wb.add(k * 64).cast());
+                }
+                let sw = _mm512_loadu_ps(ws.add(b * TILE));
+                for (r, ar) in a.iter_mut().enumerate() {
+                    let i = r * nb + b;
+                    let xg = xq.add(i * (BLOCK / 4));
+                    // Four independent chains (groups `g mod 4`), added exactly at the end.
+                    let xv = |g: usize| _mm512_set1_epi32(xg.add(g).read_unaligned());
+                    let t0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(*xc.add(i)), w[0], xv(0));
+                    let t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], xv(1));
+                    let t2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2], xv(2));
+                    let t3 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[3], xv(3));
+                    let t0 = _mm512_dpbusd_epi32(t0, w[4], xv(4));
+                    let t1 = _mm512_dpbusd_epi32(t1, w[5], xv(5));
+                    let t2 = _mm512_dpbusd_epi32(t2, w[6], xv(6));
+                    let t3 = _mm512_dpbusd_epi32(t3, w[7], xv(7));
+                    let tot = _mm512_add_epi32(_mm512_add_epi32(t0, t1), _mm512_add_epi32(t2, t3));
+                    let v = _mm512_mul_ps(
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(tot), sw),
+                        _mm512_set1_ps(*xs.add(i)),
+                    );
+                    *ar = _mm512_add_ps(*ar, v);
+                }
             }
-            let mut w = [_mm512_setzero_si512(); 8];
-            for (k, wk) in w.iter_mut().enumerate() {
-                *wk = _mm512_loadu_si512(wb.add(k * 64).cast());
+            for (o, ar) in out.iter_mut().zip(&a) {
+                _mm512_storeu_ps(o.as_mut_ptr(), *ar);
             }
-            let sw = _mm512_loadu_ps(ws.add(b * TILE));
-            for (r, ar) in a.iter_mut().enumerate() {
-                let i = r * nb + b;
-                let xg = xq.add(i * (BLOCK / 4));
-                // Four independent chains (groups `g mod 4`), added exactly at the end.
-                let xv = |g: usize| _mm512_set1_epi32(xg.add(g).read_unaligned());
-                let t0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(*xc.add(i)), w[0], xv(0));
-                let t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], xv(1));
-                let t2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2], xv(2));
-                let t3 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[3], xv(3));
-                let t0 = _mm512_dpbusd_epi32(t0, w[4], xv(4));
-                let t1 = _mm512_dpbusd_epi32(t1, w[5], xv(5));
-                let t2 = _mm512_dpbusd_epi32(t2, w[6], xv(6));
-                let t3 = _mm512_dpbusd_epi32(t3, w[7], xv(7));
-                let tot = _mm512_add_epi32(_mm512_add_epi32(t0, t1), _mm512_add_epi32(t2, t3));
-                let v = _mm512_mul_ps(
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(tot), sw),
-                    _mm512_set1_ps(*xs.add(i)),
-                );
-                *ar = _mm512_add_ps(*ar, v);
-            }
-        }
-        for (o, ar) in out.iter_mut().zip(&a) {
-            _mm512_storeu_ps(o.as_mut_ptr(), *ar);
         }
     }
 }
