@@ -841,7 +841,7 @@ fn bad_inputs_give_documented_errors() {
             "{e:?}"
         );
         // Vocabulary 0.
-        let e = v.verify(&VerifyRequest::new(cfg, &[], 0, &[]));
+        let e = v.verify(&VerifyRequest::new(cfg, &[] as &[f32], 0, &[]));
         assert!(matches!(e, Err(Error::ShapeMismatch { .. })), "{e:?}");
         // Draft token outside the vocabulary.
         let e = v.verify(&VerifyRequest {

@@ -315,6 +315,7 @@ impl Owned {
                 prompt_len: self.prompt_lens[b],
                 suppress: &self.suppress[b].0,
                 suppress_rows: self.suppress[b].1,
+                draft_probs: None,
             })
             .collect()
     }
@@ -922,6 +923,7 @@ fn stat_fit(gpu: &mut GpuVerifier, n: usize, k: usize, q_pass: u8) -> Fit {
                 prompt_len: 0,
                 suppress: &[],
                 suppress_rows: 0,
+                draft_probs: None,
             })
             .collect();
         let batch = VerifyBatch {

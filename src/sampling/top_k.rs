@@ -1,14 +1,15 @@
 //! Top-k selection without sorting the vocabulary.
 
-use super::Cand;
+use super::{Cand, Logit};
 
-/// Writes the `k` highest logits of `logits` (`[vocab]`) into `out` as candidates sorted by
-/// token id; ties rank the lower id first. `-inf` entries are never selected.
+/// Writes the `k` highest logits of `logits` (`[vocab]`, any [`Logit`] dtype; candidates hold
+/// the values widened to `f32`) into `out` as candidates sorted by token id; ties rank the lower
+/// id first. `-inf` entries are never selected.
 ///
 /// Two passes over the row, never sorting the vocabulary (see the private `scan_top_k`); expected cost
 /// O(vocab + k log k). Allocates a buffer of `vocab / 256` floats; [`super::RowProcessor`]
 /// reuses its own.
-pub fn select_top_k(logits: &[f32], k: usize, out: &mut Vec<Cand>) {
+pub fn select_top_k<L: Logit>(logits: &[L], k: usize, out: &mut Vec<Cand>) {
     let mut blocks = Vec::new();
     scan_top_k(logits, k.min(logits.len()), out, &mut blocks);
 }
@@ -39,8 +40,8 @@ fn next_down(x: f32) -> f32 {
 ///    appended without branches (random data would mispredict a per-entry branch). When the
 ///    buffer of `2k + 256` candidates fills, a selection (`select_nth_unstable`) keeps the best
 ///    `k` and raises the threshold (exclusive: later ids lose ties) to the k-th kept logit.
-pub(crate) fn scan_top_k(
-    logits: &[f32],
+pub(crate) fn scan_top_k<T: Logit>(
+    logits: &[T],
     k: usize,
     out: &mut Vec<Cand>,
     blocks: &mut Vec<f32>,
@@ -56,7 +57,7 @@ pub(crate) fn scan_top_k(
         let mut m = [f32::NEG_INFINITY; L];
         for c in block.chunks_exact(L) {
             for j in 0..L {
-                let v = c[j];
+                let v = c[j].widen();
                 acc[j] += v;
                 m[j] = if v > m[j] { v } else { m[j] };
             }
@@ -72,7 +73,8 @@ pub(crate) fn scan_top_k(
     for x in acc {
         sum += x;
     }
-    for &v in rem {
+    for v in rem {
+        let v = v.widen();
         sum += v;
         mx = if v > mx { v } else { mx };
     }
@@ -96,8 +98,9 @@ pub(crate) fn scan_top_k(
     // Branch-free appends write up to L entries past the count: keep room for them.
     out.resize(cap + L, Cand::new(0, 0.0));
     let mut n = 0usize;
-    let mut admit = |base: usize, chunk: &[f32], thr: &mut f32, n: &mut usize| {
-        for (j, &v) in chunk.iter().enumerate() {
+    let mut admit = |base: usize, chunk: &[T], thr: &mut f32, n: &mut usize| {
+        for (j, v) in chunk.iter().enumerate() {
+            let v = v.widen();
             out[*n] = Cand::new((base + j) as u32, v);
             *n += (v > *thr) as usize;
         }
@@ -119,7 +122,8 @@ pub(crate) fn scan_top_k(
             let mut m = [f32::NEG_INFINITY; 4];
             for q in chunk.chunks_exact(4) {
                 for t in 0..4 {
-                    m[t] = if q[t] > m[t] { q[t] } else { m[t] };
+                    let v = q[t].widen();
+                    m[t] = if v > m[t] { v } else { m[t] };
                 }
             }
             let a = if m[0] > m[1] { m[0] } else { m[1] };
