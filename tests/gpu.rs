@@ -992,6 +992,75 @@ fn run_statistical(backend: Backend) {
     );
 }
 
+/// Per-sequence draft forms (`SequenceParams::draft_probs`): point masses given per sequence in a
+/// point-mass batch run on every backend with the CPU's results; any other per-sequence form is
+/// verified by the CPU backend and refused by the device backends with `Error::Unsupported`
+/// (the documented rule of `speculative::gpu`).
+fn run_mixed_forms(backend: Backend) {
+    let Some(mut gpu) = gpu_or_skip(backend) else {
+        return;
+    };
+    let v = 9usize;
+    let cfg = SamplingConfig::builder()
+        .temperature(0.9)
+        .top_k(6)
+        .build()
+        .unwrap();
+    let mut r = Rng(41);
+    let logits: Vec<f32> = (0..7 * v).map(|_| r.normal()).collect();
+    let drafts = [1u32, 2, 3, 4];
+    let offsets = [0usize, 2, 3, 4];
+    let q: Vec<f32> = (0..v).map(|i| (i + 1) as f32 / 45.0).collect();
+    let uniform_seqs = [
+        SequenceParams::new(&cfg, 1).draft_probs(DraftProbs::PointMass),
+        SequenceParams::new(&cfg, 2),
+        SequenceParams::new(&cfg, 3).draft_probs(DraftProbs::PointMass),
+    ];
+    let batch = VerifyBatch {
+        vocab_size: v,
+        target_logits: &logits,
+        draft_tokens: &drafts,
+        draft_offsets: &offsets,
+        draft_probs: DraftProbs::PointMass,
+        sequences: &uniform_seqs,
+    };
+    let want = Verifier::new().verify_batch(&batch).unwrap();
+    let got = gpu.verify_batch(&batch).unwrap();
+    assert_eq!(format!("{got:?}"), format!("{want:?}"));
+    let mixed_seqs = [
+        SequenceParams::new(&cfg, 1),
+        SequenceParams::new(&cfg, 2).draft_probs(DraftProbs::Probs {
+            probs: &q,
+            vocab: v,
+        }),
+        SequenceParams::new(&cfg, 3),
+    ];
+    let dense_rows: Vec<f32> = q.iter().copied().cycle().take(4 * v).collect();
+    let mixed = [
+        VerifyBatch {
+            sequences: &mixed_seqs,
+            ..batch
+        },
+        VerifyBatch {
+            draft_probs: DraftProbs::Probs {
+                probs: &dense_rows,
+                vocab: v,
+            },
+            sequences: &uniform_seqs,
+            ..batch
+        },
+    ];
+    for b in &mixed {
+        let cpu = Verifier::new().verify_batch(b).unwrap();
+        match (backend, gpu.verify_batch(b)) {
+            (Backend::Cpu, Ok(out)) => assert_eq!(format!("{out:?}"), format!("{cpu:?}")),
+            (Backend::Cpu, Err(e)) => panic!("cpu backend: {e}"),
+            (_, Err(Error::Unsupported { backend: "gpu", .. })) => {}
+            (_, other) => panic!("{backend}: expected Error::Unsupported, got {other:?}"),
+        }
+    }
+}
+
 macro_rules! backend_tests {
     ($name:ident, $backend:expr) => {
         mod $name {
@@ -1020,6 +1089,11 @@ macro_rules! backend_tests {
             #[test]
             fn statistical_distribution() {
                 run_statistical($backend);
+            }
+
+            #[test]
+            fn per_sequence_draft_forms() {
+                run_mixed_forms($backend);
             }
         }
     };

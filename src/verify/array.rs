@@ -86,9 +86,10 @@ impl<'a, Q: Logit> DraftQ<'a, Q> {
 
 impl<'a, L: Logit, Q: Logit> VerifyBatch<'a, L, Q> {
     /// A batch whose target logits are an `ndarray` view of shape `[sum_b (k_b + 1), vocab]`,
-    /// read in place, with point-mass drafts at the batch level (set another form with
-    /// [`VerifyBatch::draft_probs`] or per sequence); the vocabulary size is the view's number
-    /// of columns.
+    /// read in place; the vocabulary size is the view's number of columns. The other arguments
+    /// are the fields of the same names: pass [`DraftProbs::PointMass`](super::DraftProbs) for
+    /// point masses, or [`DraftQ::probs_array`] / [`DraftQ::logits_array`] of a
+    /// `[sum_b k_b, draft_vocab]` view.
     ///
     /// # Errors
     /// [`Error::NonContiguous`] when the view is not in standard layout (see [`array_rows`]).
@@ -97,6 +98,7 @@ impl<'a, L: Logit, Q: Logit> VerifyBatch<'a, L, Q> {
         target_logits: ArrayView2<'a, L>,
         draft_tokens: &'a [u32],
         draft_offsets: &'a [usize],
+        draft_probs: DraftQ<'a, Q>,
         sequences: &'a [SequenceParams<'a, Q>],
     ) -> Result<Self> {
         let (target_logits, vocab_size) = array_rows(target_logits, "target_logits")?;
@@ -105,7 +107,7 @@ impl<'a, L: Logit, Q: Logit> VerifyBatch<'a, L, Q> {
             target_logits,
             draft_tokens,
             draft_offsets,
-            draft_probs: DraftQ::PointMass,
+            draft_probs,
             sequences,
         })
     }

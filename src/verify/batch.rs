@@ -36,8 +36,9 @@ pub struct SequenceParams<'a, Q = f32> {
     pub draft_probs: Option<DraftQ<'a, Q>>,
 }
 
-impl<'a> SequenceParams<'a> {
-    /// Parameters with an empty context, `position = None` and the batch's draft form.
+impl<'a, Q: Logit> SequenceParams<'a, Q> {
+    /// Parameters with an empty context, `position = None` and the batch's draft form. `Q` is
+    /// the batch's q dtype (inferred from the batch the parameters go into).
     pub fn new(config: &'a SamplingConfig, seed: u64) -> Self {
         SequenceParams {
             config,
@@ -50,24 +51,12 @@ impl<'a> SequenceParams<'a> {
             draft_probs: None,
         }
     }
-}
 
-impl<'a, Q: Logit> SequenceParams<'a, Q> {
     /// Gives the sequence its own draft form ([`SequenceParams::draft_probs`]): point masses,
-    /// or `[k_b, draft_vocab_b]` probabilities or draft logits in any [`Logit`] dtype `R` (the
-    /// parameters become a `SequenceParams<'a, R>`; every sequence of a batch has the same `R`).
-    /// Pass [`DraftProbs::PointMass`](super::DraftProbs) for point masses.
-    pub fn draft_probs<R: Logit>(self, q: DraftQ<'a, R>) -> SequenceParams<'a, R> {
-        SequenceParams {
-            config: self.config,
-            seed: self.seed,
-            context: self.context,
-            position: self.position,
-            prompt_len: self.prompt_len,
-            suppress: self.suppress,
-            suppress_rows: self.suppress_rows,
-            draft_probs: Some(q),
-        }
+    /// or `[k_b, draft_vocab_b]` probabilities or draft logits, in the batch's q dtype.
+    pub fn draft_probs(mut self, q: DraftQ<'a, Q>) -> Self {
+        self.draft_probs = Some(q);
+        self
     }
 
     /// Sets the context (prompt + generated tokens before the block).
@@ -127,14 +116,6 @@ pub struct VerifyBatch<'a, L = f32, Q = f32> {
     pub draft_probs: DraftQ<'a, Q>,
     /// One entry per sequence.
     pub sequences: &'a [SequenceParams<'a, Q>],
-}
-
-impl<'a, L: Logit, Q: Logit> VerifyBatch<'a, L, Q> {
-    /// Sets the batch-level draft form ([`VerifyBatch::draft_probs`]).
-    pub fn draft_probs(mut self, q: DraftQ<'a, Q>) -> Self {
-        self.draft_probs = q;
-        self
-    }
 }
 
 /// Sequence `b`'s draft form: its own ([`SequenceParams::draft_probs`]), else its rows
