@@ -19,7 +19,7 @@
 
 mod common;
 
-use common::steps::{draw_drafts, step_case, QMode, StepCase};
+use common::steps::{draw_drafts, step_case, step_case_in, QMode, StepCase};
 use common::{dense, min_p_config, nucleus_config, penalty_config, process};
 use half::{bf16, f16};
 use ndarray::{s, Array2, ArrayView2};
@@ -268,6 +268,32 @@ fn closed_form_inputs_give_identical_outcomes_in_every_dtype() {
     eprintln!("coverage (steps / compared): {cov:?}");
 }
 
+/// Part 1 on long rows (vocabularies 200..3000: several blocks of 256 values, full and partial,
+/// which the scans read through a buffer for half types), fewer cases.
+#[test]
+fn long_rows_give_identical_outcomes_in_every_dtype() {
+    let mut runner = TestRunner::new(Config {
+        cases: 60,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let mut cov = Coverage::default();
+    let cov_ref = std::cell::RefCell::new(&mut cov);
+    runner
+        .run(&step_case_in(200..=3000, 3), |c| {
+            let cfg = c.params.config().to_builder().logprobs(4).build().unwrap();
+            let (drafts, q) = draw_drafts(&c, &cfg);
+            let mut cov = cov_ref.borrow_mut();
+            check_case::<f16, f16>(&c, &cfg, &drafts, &q, &mut cov)?;
+            check_case::<bf16, bf16>(&c, &cfg, &drafts, &q, &mut cov)?;
+            check_case::<bf16, f32>(&c, &cfg, &drafts, &q, &mut cov)?;
+            Ok(())
+        })
+        .unwrap();
+    let (ok, total): (usize, usize) = (cov.ok.iter().sum(), cov.total.iter().sum());
+    assert!(total >= 180 && ok * 2 > total, "{ok} of {total}");
+}
+
 /// Part 2: the chi-square suite's inputs. For each of its setups (vocabulary, configuration,
 /// seed of the toy models), seeded generations of 3 tokens with draft lengths 1..=4 and each
 /// draft form run through the `f32` verifier; at every step, the same step in `f16` and `bf16`
@@ -489,7 +515,7 @@ fn token_dist_dense_rows_match_the_support() {
     let cfg = nucleus_config();
     let d: TokenDist = process(&cfg, &[0.3, -1.0, 2.0, 0.9, 0.0, 1.1], &[], 6).unwrap();
     assert_eq!(d.to_dense(), dense(&d, 6));
-    let mut q = vec![7.0f32; 2 * 8];
+    let mut q = [7.0f32; 2 * 8];
     for row in q.chunks_exact_mut(8) {
         d.write_dense(row).unwrap();
     }

@@ -33,6 +33,7 @@ mod top_k;
 mod top_p;
 
 pub use config::{SamplingConfig, SamplingConfigBuilder, TokenMask};
+pub(crate) use logit::for_each_span;
 pub use logit::Logit;
 pub use penalties::{apply_penalties, PenaltyScope, TokenCounts};
 pub(crate) use process::{non_finite_in, sample_weighted};

@@ -1,5 +1,6 @@
 //! The row processor: raw logits `[vocab]` -> greedy argmax or a processed distribution.
 
+use super::logit::{for_each_span, visit_spans, SpanVisitor, BLOCK};
 use super::top_k::scan_top_k;
 use super::{apply_min_p, apply_penalties, apply_top_p, Cand, Logit, SamplingConfig, TokenCounts};
 use crate::error::{Error, Result, RowKind};
@@ -274,34 +275,127 @@ fn has_nan_or_pos_inf<T: Logit>(sum: f32, row: &[T]) -> bool {
     })
 }
 
+/// The last `len % 16` values of a row (fewer than 16), kept to be added after the lanes, in
+/// order.
+#[derive(Clone, Copy)]
+struct Tail {
+    vals: [f32; 16],
+    n: usize,
+}
+
+impl Tail {
+    const EMPTY: Tail = Tail {
+        vals: [0.0; 16],
+        n: 0,
+    };
+
+    fn keep<U: Logit>(rem: &[U]) -> Tail {
+        let mut t = Tail::EMPTY;
+        for (d, s) in t.vals.iter_mut().zip(rem) {
+            *d = s.widen();
+        }
+        t.n = rem.len();
+        t
+    }
+
+    fn values(&self) -> &[f32] {
+        &self.vals[..self.n]
+    }
+}
+
+/// [`scan`]'s state: 16 lanes of maximum and of sum.
+struct Scan {
+    m: [f32; 16],
+    acc: [f32; 16],
+    tail: Tail,
+}
+
+impl SpanVisitor for Scan {
+    #[inline(always)]
+    fn span<U: Logit>(&mut self, _start: usize, span: &[U]) {
+        let chunks = span.chunks_exact(16);
+        self.tail = Tail::keep(chunks.remainder());
+        let (acc, m) = (&mut self.acc, &mut self.m);
+        for c in chunks {
+            for j in 0..16 {
+                let v = c[j].widen();
+                acc[j] += v;
+                m[j] = if v > m[j] { v } else { m[j] };
+            }
+        }
+    }
+}
+
 /// Maximum and "saw NaN / +inf" over a row, vectorisable (no early exit): 16 lanes of maximum
 /// and of sum (the screen of [`has_nan_or_pos_inf`]).
 #[inline]
 fn scan<T: Logit>(row: &[T]) -> (f32, bool) {
-    const L: usize = 16;
-    let mut m = [f32::NEG_INFINITY; L];
-    let mut acc = [0.0f32; L];
-    let chunks = row.chunks_exact(L);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for j in 0..L {
-            let v = c[j].widen();
-            acc[j] += v;
-            m[j] = if v > m[j] { v } else { m[j] };
-        }
-    }
+    let mut s = Scan {
+        m: [f32::NEG_INFINITY; 16],
+        acc: [0.0; 16],
+        tail: Tail::EMPTY,
+    };
+    visit_spans(row, &mut s);
     let mut mx = f32::NEG_INFINITY;
     let mut sum = 0.0f32;
-    for j in 0..L {
-        mx = mx.max(m[j]);
-        sum += acc[j];
+    for j in 0..16 {
+        mx = mx.max(s.m[j]);
+        sum += s.acc[j];
     }
-    for v in rem {
-        let v = v.widen();
+    for &v in s.tail.values() {
         sum += v;
         mx = mx.max(v);
     }
     (mx, has_nan_or_pos_inf(sum, row))
+}
+
+/// [`scan_argmax`]'s state: the best full block, 16 lanes of sum, and the last, partial block
+/// (fewer than [`BLOCK`] values: its sum, maximum and the first index holding it), folded in
+/// after the full blocks as the scalar remainder.
+struct ScanArgmax {
+    best: f32,
+    best_block: usize,
+    acc: [f32; 16],
+    rem_sum: f32,
+    rem_best: f32,
+    rem_idx: usize,
+}
+
+impl SpanVisitor for ScanArgmax {
+    #[inline(always)]
+    fn span<U: Logit>(&mut self, start: usize, span: &[U]) {
+        const L: usize = 16;
+        const B: usize = BLOCK;
+        let blocks = span.chunks_exact(B);
+        let rem = blocks.remainder();
+        for (bi, block) in blocks.enumerate() {
+            let mut m = [f32::NEG_INFINITY; L];
+            for c in block.chunks_exact(L) {
+                for j in 0..L {
+                    let v = c[j].widen();
+                    self.acc[j] += v;
+                    m[j] = if v > m[j] { v } else { m[j] };
+                }
+            }
+            let mut bm = f32::NEG_INFINITY;
+            for &x in &m {
+                bm = if x > bm { x } else { bm };
+            }
+            if bm > self.best {
+                self.best = bm;
+                self.best_block = start / B + bi;
+            }
+        }
+        let base = start + span.len() - rem.len();
+        for (j, v) in rem.iter().enumerate() {
+            let v = v.widen();
+            self.rem_sum += v;
+            if v > self.rem_best {
+                self.rem_best = v;
+                self.rem_idx = base + j;
+            }
+        }
+    }
 }
 
 /// Maximum, index of its first occurrence, and "saw NaN / +inf", in one vectorisable pass.
@@ -312,67 +406,66 @@ fn scan<T: Logit>(row: &[T]) -> (f32, bool) {
 /// occurrence in the row (ties go to the lowest id).
 #[inline]
 fn scan_argmax<T: Logit>(row: &[T]) -> (f32, usize, bool) {
-    const L: usize = 16;
-    const B: usize = 256;
-    let mut best = f32::NEG_INFINITY;
-    let mut best_block = usize::MAX;
-    let mut acc = [0.0f32; L];
-    let blocks = row.chunks_exact(B);
-    let rem = blocks.remainder();
-    for (bi, block) in blocks.enumerate() {
-        let mut m = [f32::NEG_INFINITY; L];
-        for c in block.chunks_exact(L) {
-            for j in 0..L {
-                let v = c[j].widen();
-                acc[j] += v;
-                m[j] = if v > m[j] { v } else { m[j] };
-            }
-        }
-        let mut bm = f32::NEG_INFINITY;
-        for &x in &m {
-            bm = if x > bm { x } else { bm };
-        }
-        if bm > best {
-            best = bm;
-            best_block = bi;
-        }
-    }
+    const B: usize = BLOCK;
+    let mut s = ScanArgmax {
+        best: f32::NEG_INFINITY,
+        best_block: usize::MAX,
+        acc: [0.0; 16],
+        rem_sum: 0.0,
+        rem_best: f32::NEG_INFINITY,
+        rem_idx: usize::MAX,
+    };
+    visit_spans(row, &mut s);
+    let mut best = s.best;
     let mut idx = usize::MAX;
-    if best_block != usize::MAX {
-        let s = best_block * B;
-        idx = s + row[s..s + B]
+    if s.best_block != usize::MAX {
+        let b = s.best_block * B;
+        idx = b + row[b..b + B]
             .iter()
             .position(|v| v.widen() == best)
             .unwrap_or(0);
     }
-    let base = row.len() - rem.len();
-    let mut sum = 0.0f32;
-    for (j, v) in rem.iter().enumerate() {
-        let v = v.widen();
-        sum += v;
-        if v > best {
-            best = v;
-            idx = base + j;
-        }
+    // The remainder's maximum wins only if strictly larger (ties to the lower id).
+    if s.rem_best > best {
+        best = s.rem_best;
+        idx = s.rem_idx;
     }
-    for x in acc {
+    let mut sum = s.rem_sum;
+    for x in s.acc {
         sum += x;
     }
     (best, idx, has_nan_or_pos_inf(sum, row))
 }
 
+/// [`non_finite_in`]'s state: 16 lanes of sum.
+struct SumScreen {
+    acc: [f32; 16],
+    tail: Tail,
+}
+
+impl SpanVisitor for SumScreen {
+    #[inline(always)]
+    fn span<U: Logit>(&mut self, _start: usize, span: &[U]) {
+        let chunks = span.chunks_exact(16);
+        self.tail = Tail::keep(chunks.remainder());
+        let acc = &mut self.acc;
+        for c in chunks {
+            for j in 0..16 {
+                acc[j] += c[j].widen();
+            }
+        }
+    }
+}
+
 /// The [`Error::NonFiniteLogits`] of `row` if it holds a NaN or `+inf`, found by one vectorisable
 /// pass (a sum screen; entries are inspected only when the screen fails).
 pub(crate) fn non_finite_in<T: Logit>(row: &[T], kind: RowKind, row_idx: usize) -> Option<Error> {
-    let mut acc = [0.0f32; 16];
-    let chunks = row.chunks_exact(16);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for j in 0..16 {
-            acc[j] += c[j].widen();
-        }
-    }
-    let sum = acc.iter().sum::<f32>() + rem.iter().map(|v| v.widen()).sum::<f32>();
+    let mut s = SumScreen {
+        acc: [0.0; 16],
+        tail: Tail::EMPTY,
+    };
+    visit_spans(row, &mut s);
+    let sum = s.acc.iter().sum::<f32>() + s.tail.values().iter().sum::<f32>();
     has_nan_or_pos_inf(sum, row).then(|| non_finite(row, kind, row_idx))
 }
 
@@ -595,12 +688,13 @@ fn greedy_logprobs_of<T: Logit>(
             row: 0,
         });
     }
-    let lse = mx as f64
-        + eff
-            .iter()
-            .map(|v| ((v.widen() - mx) as f64).exp())
-            .sum::<f64>()
-            .ln();
+    let mut total = 0.0f64;
+    for_each_span(eff, |_, block| {
+        for &v in block {
+            total += ((v - mx) as f64).exp();
+        }
+    });
+    let lse = mx as f64 + total.ln();
     let lp = eff
         .get(token as usize)
         .map(|v| (v.widen() as f64 - lse) as f32)
@@ -647,13 +741,15 @@ fn distribution_of<T: Logit>(
     let inv_t = (1.0 / cfg.temperature).min(f32::MAX);
     if !top_k {
         cands.clear();
-        cands.extend(
-            eff.iter()
-                .map(|v| v.widen())
-                .enumerate()
-                .filter(|&(_, l)| l > f32::NEG_INFINITY)
-                .map(|(i, l)| Cand::new(i as u32, l)),
-        );
+        for_each_span(eff, |start, block| {
+            cands.extend(
+                block
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &l)| l > f32::NEG_INFINITY)
+                    .map(|(i, &l)| Cand::new((start + i) as u32, l)),
+            );
+        });
     }
     for c in cands.iter_mut() {
         let d = c.logit - mx;

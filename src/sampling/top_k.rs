@@ -1,5 +1,6 @@
 //! Top-k selection without sorting the vocabulary.
 
+use super::logit::{visit_spans, with_widened, SpanVisitor, BLOCK};
 use super::{Cand, Logit};
 
 /// Writes the `k` highest logits of `logits` (`[vocab]`, any [`Logit`] dtype; candidates hold
@@ -12,6 +13,37 @@ use super::{Cand, Logit};
 pub fn select_top_k<L: Logit>(logits: &[L], k: usize, out: &mut Vec<Cand>) {
     let mut blocks = Vec::new();
     scan_top_k(logits, k.min(logits.len()), out, &mut blocks);
+}
+
+/// The first pass of [`scan_top_k`] over whole blocks: the maximum of every block of
+/// [`BLOCK`] values, the row maximum and 16 lanes of sum.
+struct BlockMaxima<'b> {
+    acc: [f32; 16],
+    mx: f32,
+    blocks: &'b mut Vec<f32>,
+}
+
+impl SpanVisitor for BlockMaxima<'_> {
+    #[inline(always)]
+    fn span<U: Logit>(&mut self, _start: usize, span: &[U]) {
+        const L: usize = 16;
+        for block in span.chunks_exact(BLOCK) {
+            let mut m = [f32::NEG_INFINITY; L];
+            for c in block.chunks_exact(L) {
+                for j in 0..L {
+                    let v = c[j].widen();
+                    self.acc[j] += v;
+                    m[j] = if v > m[j] { v } else { m[j] };
+                }
+            }
+            let mut bm = f32::NEG_INFINITY;
+            for &x in &m {
+                bm = if x > bm { x } else { bm };
+            }
+            self.mx = if bm > self.mx { bm } else { self.mx };
+            self.blocks.push(bm);
+        }
+    }
 }
 
 /// Largest float below `x` (`x` itself for NaN and `-inf`), so that `v > next_down(x)` is
@@ -47,37 +79,29 @@ pub(crate) fn scan_top_k<T: Logit>(
     blocks: &mut Vec<f32>,
 ) -> (f32, f32) {
     const L: usize = 16;
-    const B: usize = 256;
+    const B: usize = BLOCK;
     blocks.clear();
-    let mut acc = [0.0f32; L];
-    let mut mx = f32::NEG_INFINITY;
-    let full = logits.chunks_exact(B);
-    let rem = full.remainder();
-    for block in full {
-        let mut m = [f32::NEG_INFINITY; L];
-        for c in block.chunks_exact(L) {
-            for j in 0..L {
-                let v = c[j].widen();
-                acc[j] += v;
-                m[j] = if v > m[j] { v } else { m[j] };
-            }
-        }
-        let mut bm = f32::NEG_INFINITY;
-        for &x in &m {
-            bm = if x > bm { x } else { bm };
-        }
-        mx = if bm > mx { bm } else { mx };
-        blocks.push(bm);
-    }
+    // The last, partial block (fewer than B values) is the scalar remainder, read after the
+    // full blocks.
+    let full_len = logits.len() - logits.len() % B;
+    let rem = &logits[full_len..];
+    let mut pass = BlockMaxima {
+        acc: [0.0; L],
+        mx: f32::NEG_INFINITY,
+        blocks,
+    };
+    visit_spans(&logits[..full_len], &mut pass);
+    let (acc, mut mx) = (pass.acc, pass.mx);
     let mut sum = 0.0f32;
     for x in acc {
         sum += x;
     }
-    for v in rem {
-        let v = v.widen();
-        sum += v;
-        mx = if v > mx { v } else { mx };
-    }
+    with_widened(rem, |rem| {
+        for &v in rem {
+            sum += v;
+            mx = if v > mx { v } else { mx };
+        }
+    });
     out.clear();
     if k == 0 {
         return (mx, sum);
@@ -98,9 +122,8 @@ pub(crate) fn scan_top_k<T: Logit>(
     // Branch-free appends write up to L entries past the count: keep room for them.
     out.resize(cap + L, Cand::new(0, 0.0));
     let mut n = 0usize;
-    let mut admit = |base: usize, chunk: &[T], thr: &mut f32, n: &mut usize| {
-        for (j, v) in chunk.iter().enumerate() {
-            let v = v.widen();
+    let mut admit = |base: usize, chunk: &[f32], thr: &mut f32, n: &mut usize| {
+        for (j, &v) in chunk.iter().enumerate() {
             out[*n] = Cand::new((base + j) as u32, v);
             *n += (v > *thr) as usize;
         }
@@ -117,26 +140,28 @@ pub(crate) fn scan_top_k<T: Logit>(
             continue;
         }
         let base = bi * B;
-        for (ci, chunk) in logits[base..base + B].chunks_exact(L).enumerate() {
-            // The chunk maximum in 4 lanes (a boolean "any" reduction compiles to branches).
-            let mut m = [f32::NEG_INFINITY; 4];
-            for q in chunk.chunks_exact(4) {
-                for t in 0..4 {
-                    let v = q[t].widen();
-                    m[t] = if v > m[t] { v } else { m[t] };
+        with_widened(&logits[base..base + B], |block| {
+            for (ci, chunk) in block.chunks_exact(L).enumerate() {
+                // The chunk maximum in 4 lanes (a boolean "any" reduction compiles to branches).
+                let mut m = [f32::NEG_INFINITY; 4];
+                for q in chunk.chunks_exact(4) {
+                    for t in 0..4 {
+                        m[t] = if q[t] > m[t] { q[t] } else { m[t] };
+                    }
+                }
+                let a = if m[0] > m[1] { m[0] } else { m[1] };
+                let b = if m[2] > m[3] { m[2] } else { m[3] };
+                if (if a > b { a } else { b }) > thr {
+                    admit(base + ci * L, chunk, &mut thr, &mut n);
                 }
             }
-            let a = if m[0] > m[1] { m[0] } else { m[1] };
-            let b = if m[2] > m[3] { m[2] } else { m[3] };
-            if (if a > b { a } else { b }) > thr {
-                admit(base + ci * L, chunk, &mut thr, &mut n);
-            }
+        });
+    }
+    with_widened(rem, |rem| {
+        for (ci, chunk) in rem.chunks(L).enumerate() {
+            admit(full_len + ci * L, chunk, &mut thr, &mut n);
         }
-    }
-    let base = logits.len() - rem.len();
-    for (ci, chunk) in rem.chunks(L).enumerate() {
-        admit(base + ci * L, chunk, &mut thr, &mut n);
-    }
+    });
     out.truncate(n);
     if out.len() > k {
         out.select_nth_unstable_by(k - 1, Cand::rank);

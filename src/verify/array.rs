@@ -26,7 +26,7 @@ use crate::sampling::{Logit, SamplingConfig};
 /// # Example
 ///
 /// ```
-/// use ndarray::{array, s};
+/// use ndarray::array;
 /// use speculative::{verify::array_rows, Error};
 ///
 /// let a = array![[1.0f32, 2.0, 3.0], [4.0, 5.0, 6.0]];

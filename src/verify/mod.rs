@@ -499,15 +499,18 @@ pub(crate) const Q_SUM_TOLERANCE: f64 = 1e-3;
 /// Checks one dense q row: finite, non-negative, sums to 1 within [`Q_SUM_TOLERANCE`].
 pub(crate) fn check_dense_q<Q: Logit>(q: &[Q], row: usize) -> Result<()> {
     let mut total = 0.0f64;
-    for x in q {
-        let x = x.widen();
-        if !(x.is_finite() && x >= 0.0) {
-            return Err(Error::InvalidDraftProbs {
-                row,
-                reason: "a probability is negative or not finite",
-            });
+    let mut bad = false;
+    crate::sampling::for_each_span(q, |_, block| {
+        for &x in block {
+            bad |= !(x.is_finite() && x >= 0.0);
+            total += x as f64;
         }
-        total += x as f64;
+    });
+    if bad {
+        return Err(Error::InvalidDraftProbs {
+            row,
+            reason: "a probability is negative or not finite",
+        });
     }
     if (total - 1.0).abs() > Q_SUM_TOLERANCE {
         return Err(Error::InvalidDraftProbs {

@@ -166,7 +166,15 @@ pub struct StepCase {
 }
 
 pub fn step_case() -> impl Strategy<Value = StepCase> {
-    (2usize..=40, 0usize..=5, any::<bool>())
+    step_case_in(2..=40, 5)
+}
+
+/// [`step_case`] with the vocabulary drawn from `vocab` and `k <= k_max`.
+pub fn step_case_in(
+    vocab: std::ops::RangeInclusive<usize>,
+    k_max: usize,
+) -> impl Strategy<Value = StepCase> {
+    (vocab, 0usize..=k_max, any::<bool>())
         .prop_flat_map(|(vocab, k, padded)| {
             let qv = if padded {
                 (1..=vocab).boxed()
