@@ -227,6 +227,7 @@ fn bench(c: &mut Criterion) {
                     prompt_len: 0,
                     suppress: &[],
                     suppress_rows: 0,
+                    draft_probs: None,
                 })
                 .collect();
             let batch = DeviceBatch {

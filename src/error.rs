@@ -198,6 +198,25 @@ pub enum Error {
         /// Why it is unavailable.
         reason: String,
     },
+    /// An `ndarray` view handed over as logits or draft q is not in standard layout (contiguous
+    /// and row-major): a transposed or column-major array, or one sliced with a step or along
+    /// its columns. The verifier reads rows as slices and does not copy; pass
+    /// `view.as_standard_layout()`, which borrows a view already in standard layout and copies
+    /// any other into a contiguous array.
+    #[error("{what} is not a contiguous row-major (standard layout) array; pass view.as_standard_layout()")]
+    NonContiguous {
+        /// Which input (for example `"target_logits"`).
+        what: &'static str,
+    },
+    /// A backend does not support an input form that [`crate::Verifier`] takes (for example a
+    /// GPU batch that mixes draft forms per sequence). Verify that batch on the CPU, or split it.
+    #[error("the {backend} backend does not support {what}")]
+    Unsupported {
+        /// Backend name.
+        backend: &'static str,
+        /// The unsupported form.
+        what: &'static str,
+    },
 }
 
 /// What is wrong with a proposer's draft ([`Error::InvalidProposal`]).

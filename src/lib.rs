@@ -123,7 +123,7 @@ pub use propose::{
 };
 pub use sampling::{SamplingConfig, SamplingConfigBuilder, TokenDist, TokenMask};
 pub use verify::{
-    DraftProbs, SequenceParams, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyBatch,
+    DraftProbs, DraftQ, SequenceParams, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyBatch,
     VerifyRequest,
 };
 

@@ -569,6 +569,7 @@ fn run_batch(v: &mut Verifier, seqs: &[&Seq], mode: Mode) -> Vec<Result<StepOutp
             prompt_len: 0,
             suppress: &[],
             suppress_rows: 0,
+            draft_probs: None,
         })
         .collect();
     let draft_probs = match mode {

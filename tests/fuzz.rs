@@ -3154,7 +3154,7 @@ fn bug_batch_huge_vocab_panics() {
     let seqs = [SequenceParams::new(&cfg, 0)];
     let res = Verifier::new().verify_batch(&VerifyBatch {
         vocab_size: usize::MAX / 2 + 1,
-        target_logits: &[],
+        target_logits: &[] as &[f32],
         draft_tokens: &[0],
         draft_offsets: &[0, 1],
         draft_probs: DraftProbs::PointMass,
@@ -3163,7 +3163,7 @@ fn bug_batch_huge_vocab_panics() {
     assert!(matches!(res, Err(Error::ShapeMismatch { .. })), "{res:?}");
     let res = Verifier::new().verify_batch(&VerifyBatch {
         vocab_size: usize::MAX,
-        target_logits: &[],
+        target_logits: &[] as &[f32],
         draft_tokens: &[0, 0],
         draft_offsets: &[0, 2],
         draft_probs: DraftProbs::Probs {

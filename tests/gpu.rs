@@ -389,6 +389,7 @@ impl Owned {
                 prompt_len: self.prompt_lens[b],
                 suppress: &self.suppress[b].0,
                 suppress_rows: self.suppress[b].1,
+                draft_probs: None,
             })
             .collect()
     }
@@ -996,6 +997,7 @@ fn stat_fit(gpu: &mut dyn BatchVerifier, n: usize, k: usize, q_pass: u8) -> Fit 
                 prompt_len: 0,
                 suppress: &[],
                 suppress_rows: 0,
+                draft_probs: None,
             })
             .collect();
         let batch = VerifyBatch {
@@ -1064,6 +1066,75 @@ fn run_statistical(backend: Under) {
     );
 }
 
+/// Per-sequence draft forms (`SequenceParams::draft_probs`): point masses given per sequence in a
+/// point-mass batch run on every backend with the CPU's results; any other per-sequence form is
+/// verified by the CPU backend and refused by the device backends with `Error::Unsupported`
+/// (the documented rule of `speculative::gpu`).
+fn run_mixed_forms(under: Under) {
+    let Some(mut gpu) = subject_or_skip(under) else {
+        return;
+    };
+    let v = 9usize;
+    let cfg = SamplingConfig::builder()
+        .temperature(0.9)
+        .top_k(6)
+        .build()
+        .unwrap();
+    let mut r = Rng(41);
+    let logits: Vec<f32> = (0..7 * v).map(|_| r.normal()).collect();
+    let drafts = [1u32, 2, 3, 4];
+    let offsets = [0usize, 2, 3, 4];
+    let q: Vec<f32> = (0..v).map(|i| (i + 1) as f32 / 45.0).collect();
+    let uniform_seqs = [
+        SequenceParams::new(&cfg, 1).draft_probs(DraftProbs::PointMass),
+        SequenceParams::new(&cfg, 2),
+        SequenceParams::new(&cfg, 3).draft_probs(DraftProbs::PointMass),
+    ];
+    let batch = VerifyBatch {
+        vocab_size: v,
+        target_logits: &logits,
+        draft_tokens: &drafts,
+        draft_offsets: &offsets,
+        draft_probs: DraftProbs::PointMass,
+        sequences: &uniform_seqs,
+    };
+    let want = Verifier::new().verify_batch(&batch).unwrap();
+    let got = gpu.verify_batch(&batch).unwrap();
+    assert_eq!(format!("{got:?}"), format!("{want:?}"));
+    let mixed_seqs = [
+        SequenceParams::new(&cfg, 1),
+        SequenceParams::new(&cfg, 2).draft_probs(DraftProbs::Probs {
+            probs: &q,
+            vocab: v,
+        }),
+        SequenceParams::new(&cfg, 3),
+    ];
+    let dense_rows: Vec<f32> = q.iter().copied().cycle().take(4 * v).collect();
+    let mixed = [
+        VerifyBatch {
+            sequences: &mixed_seqs,
+            ..batch
+        },
+        VerifyBatch {
+            draft_probs: DraftProbs::Probs {
+                probs: &dense_rows,
+                vocab: v,
+            },
+            sequences: &uniform_seqs,
+            ..batch
+        },
+    ];
+    for b in &mixed {
+        let cpu = Verifier::new().verify_batch(b).unwrap();
+        match (under, gpu.verify_batch(b)) {
+            (Under::Cpu, Ok(out)) => assert_eq!(format!("{out:?}"), format!("{cpu:?}")),
+            (Under::Cpu, Err(e)) => panic!("cpu: {e}"),
+            (_, Err(Error::Unsupported { backend: "gpu", .. })) => {}
+            (_, other) => panic!("{under}: expected Error::Unsupported, got {other:?}"),
+        }
+    }
+}
+
 macro_rules! backend_tests {
     ($name:ident, $backend:expr_2021) => {
         mod $name {
@@ -1092,6 +1163,11 @@ macro_rules! backend_tests {
             #[test]
             fn statistical_distribution() {
                 run_statistical($backend);
+            }
+
+            #[test]
+            fn per_sequence_draft_forms() {
+                run_mixed_forms($backend);
             }
         }
     };

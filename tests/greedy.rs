@@ -475,6 +475,7 @@ fn greedy_batches_match_reference() {
                 prompt_len: 0,
                 suppress: &[],
                 suppress_rows: 0,
+                draft_probs: None,
             })
             .collect();
         let out = Verifier::new()

@@ -25,7 +25,9 @@
 
 mod common;
 
-use common::{chi_square, dense, process, raw_softmax, Fit};
+use common::{
+    chi_square, dense, min_p_config, nucleus_config, penalty_config, process, raw_softmax, Fit,
+};
 use speculative::rng::{lane, Stream};
 use speculative::test_util::ToyModel;
 use speculative::verify::exact::first_token_given_draft;
@@ -281,15 +283,6 @@ fn draft_model_plain_sampling() {
     expect_reject("plain always-accept k=2", bad.fit(2, N, 7_000));
 }
 
-fn nucleus_config() -> SamplingConfig {
-    SamplingConfig::builder()
-        .temperature(0.7)
-        .top_p(0.9)
-        .top_k(3)
-        .build()
-        .unwrap()
-}
-
 /// Temperature 0.7 + top-p 0.9 + top-k 3 on vocab 6, q passed as probabilities and as logits.
 #[test]
 fn temperature_top_p_top_k() {
@@ -329,14 +322,6 @@ fn temperature_top_p_top_k_negative_controls() {
     expect_reject("nucleus (c) always-accept k=2", always.fit(2, N, 500_000));
 }
 
-fn min_p_config() -> SamplingConfig {
-    SamplingConfig::builder()
-        .temperature(1.2)
-        .min_p(0.25)
-        .build()
-        .unwrap()
-}
-
 /// Temperature 1.2 + min-p 0.25 on vocab 5.
 #[test]
 fn min_p() {
@@ -354,16 +339,6 @@ fn min_p() {
         ..Setup::new(5, min_p_config(), 37)
     };
     expect_reject("min-p (b) no min-p k=2", unprocessed.fit(2, N, 800_000));
-}
-
-fn penalty_config() -> SamplingConfig {
-    SamplingConfig::builder()
-        .temperature(1.0)
-        .repetition_penalty(2.5)
-        .presence_penalty(0.5)
-        .frequency_penalty(0.3)
-        .build()
-        .unwrap()
 }
 
 /// Repetition / presence / frequency penalties on vocab 4: the history (prompt, accepted

@@ -23,6 +23,14 @@
 //! [`SamplingConfig`](crate::SamplingConfig), seed, context, prompt length, position and
 //! suppressed tokens per sequence ([`SequenceParams`]).
 //!
+//! Inputs are `f32`: the GPU backends take [`VerifyBatch`] and [`DeviceBatch`] over `f32`
+//! target logits and q rows (the default type parameters), not the `half::f16` / `half::bf16`
+//! rows that the CPU [`Verifier`] also takes ([`crate::sampling::Logit`]). One draft form per
+//! batch: a sequence's own [`SequenceParams::draft_probs`] is accepted only as point masses in
+//! a point-mass batch; any other per-sequence form (a batch mixing point-mass and dense-q
+//! sequences, or dense q given per sequence) is [`Error::Unsupported`] (the outer `Err`) on the
+//! wgpu and CUDA backends, while [`Backend::Cpu`] verifies it.
+//!
 //! - Processing order: penalties -> logit bias -> allowed / banned sets, the tokens suppressed at
 //!   rows `0..suppress_rows` and the caller's mask -> temperature -> top-k -> softmax -> top-p ->
 //!   min-p -> renormalise. The repetition penalty counts every earlier token (prompt and
@@ -161,7 +169,7 @@ impl fmt::Display for Backend {
     }
 }
 
-/// A verify batch whose target logits stay on the device: [`VerifyBatch`] without
+/// A verify batch whose target logits stay on the device: [`VerifyBatch`] (over `f32`) without
 /// `target_logits`. The logits are passed separately ([`WgpuLogits`], [`CudaLogits`]) with the
 /// same shape, `[sum_b (k_b + 1), vocab_size]` row-major f32.
 #[derive(Debug, Clone, Copy)]
@@ -331,12 +339,13 @@ impl GpuVerifier {
 
     /// Verifies a batch whose logits are in host memory: they are uploaded, verified on the
     /// device, and only the small results come back. Same contract as
-    /// [`Verifier::verify_batch`].
+    /// [`Verifier::verify_batch`], for `f32` rows.
     ///
     /// # Errors
-    /// The outer `Err` for a malformed batch (the errors of [`Verifier::verify_batch`]) or for
-    /// a device failure ([`Error::BackendUnavailable`]); each inner `Result` is that sequence's
-    /// own outcome.
+    /// The outer `Err` for a malformed batch (the errors of [`Verifier::verify_batch`]), for
+    /// per-sequence draft forms the device backends do not take ([`Error::Unsupported`], see
+    /// the module docs) or for a device failure ([`Error::BackendUnavailable`]); each inner
+    /// `Result` is that sequence's own outcome.
     pub fn verify_batch(&mut self, batch: &VerifyBatch<'_>) -> Result<Vec<Result<StepOutput>>> {
         let dev = DeviceBatch::from_batch(batch);
         match &mut self.inner {

@@ -115,15 +115,30 @@ pub(crate) fn draft_errors(d: &Packed, out: &[u32]) -> Vec<Option<Error>> {
     errs
 }
 
-/// Batch-level checks (the outer `Err` of `verify_batch`): the CPU's own.
+/// Batch-level checks (the outer `Err` of `verify_batch`): the CPU's own, plus one draft form
+/// for the whole batch (the kernels take one): a sequence may set its own
+/// [`SequenceParams::draft_probs`](crate::SequenceParams::draft_probs) only to point masses in a
+/// point-mass batch.
 pub(crate) fn check_batch(batch: &DeviceBatch<'_>) -> Result<usize> {
-    crate::verify::check_layout(
+    let qv = crate::verify::check_layout(
         batch.draft_offsets,
         batch.sequences.len(),
         batch.draft_tokens.len(),
         batch.vocab_size,
         &batch.draft_probs,
-    )
+    )?;
+    let uniform = batch.sequences.iter().all(|s| match s.draft_probs {
+        None => true,
+        Some(DraftProbs::PointMass) => matches!(batch.draft_probs, DraftProbs::PointMass),
+        Some(_) => false,
+    });
+    if !uniform {
+        return Err(Error::Unsupported {
+            backend: "gpu",
+            what: "per-sequence draft forms (SequenceParams::draft_probs) other than point masses in a point-mass batch",
+        });
+    }
+    Ok(qv)
 }
 
 /// Sequence `b` of a layout-checked batch as the request [`crate::Verifier::verify_batch`] builds
@@ -141,17 +156,7 @@ fn request<'b>(
         target_logits: target,
         vocab_size: batch.vocab_size,
         draft_tokens: &batch.draft_tokens[lo..hi],
-        draft_probs: match batch.draft_probs {
-            DraftProbs::PointMass => DraftProbs::PointMass,
-            DraftProbs::Probs { probs, .. } => DraftProbs::Probs {
-                probs: &probs[lo * qv..hi * qv],
-                vocab: qv,
-            },
-            DraftProbs::Logits { logits, .. } => DraftProbs::Logits {
-                logits: &logits[lo * qv..hi * qv],
-                vocab: qv,
-            },
-        },
+        draft_probs: crate::verify::sequence_q(batch.draft_probs, s.draft_probs, lo, hi, qv),
         context: s.context,
         seed: s.seed,
         position: s.position,

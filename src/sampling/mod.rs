@@ -15,17 +15,26 @@
 //! 8. min-p;
 //! 9. renormalise.
 //!
+//! Rows may arrive in any [`Logit`] dtype (`f32`; `half::f16` and `half::bf16` with the cargo
+//! feature `half`): each value is converted to `f32` exactly as it is read, and steps 1-3, when
+//! active, work on an `f32` copy of the row (they do for `f32` rows too).
+//!
 //! The verifier processes target row `i` and (when it is given draft logits) draft row `i` with
 //! the same [`SamplingConfig`] and the same history, so both sides of the acceptance ratio
 //! `p(x) / q(x)` obey the same rules (case C01).
 
 mod config;
+mod logit;
+#[cfg(feature = "half")]
+mod logit_half;
 mod penalties;
 mod process;
 mod top_k;
 mod top_p;
 
 pub use config::{SamplingConfig, SamplingConfigBuilder, TokenMask};
+pub(crate) use logit::for_each_span;
+pub use logit::Logit;
 pub use penalties::{apply_penalties, PenaltyScope, TokenCounts};
 pub(crate) use process::{non_finite_in, sample_weighted};
 pub use process::{History, RowProcessor, TokenDist};

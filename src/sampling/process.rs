@@ -1,7 +1,8 @@
 //! The row processor: raw logits `[vocab]` -> greedy argmax or a processed distribution.
 
+use super::logit::{for_each_span, visit_spans, SpanVisitor, BLOCK};
 use super::top_k::scan_top_k;
-use super::{apply_min_p, apply_penalties, apply_top_p, Cand, SamplingConfig, TokenCounts};
+use super::{apply_min_p, apply_penalties, apply_top_p, Cand, Logit, SamplingConfig, TokenCounts};
 use crate::error::{Error, Result, RowKind};
 
 /// A processed distribution over the vocabulary: probabilities (not logits) that sum to 1, stored
@@ -113,6 +114,43 @@ impl TokenDist {
     /// Probabilities aligned with [`TokenDist::ids`].
     pub fn probs(&self) -> &[f32] {
         &self.probs
+    }
+
+    /// The distribution as dense probabilities, `[vocab_size]`: `out[t]` is the probability of
+    /// token `t`, 0 outside the support. This is the q row a sampling proposer hands the
+    /// verifier ([`crate::DraftProbs::Probs`]). Allocates; [`TokenDist::write_dense`] writes into
+    /// a buffer of yours.
+    pub fn to_dense(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.vocab];
+        self.fill_dense(&mut out);
+        out
+    }
+
+    /// Writes the distribution as dense probabilities into `out` (`[width]`, `width >=
+    /// vocab_size`): `out[t]` is the probability of token `t`, 0 outside the support (and at
+    /// every index `>= vocab_size`, for a row padded to a wider vocabulary). For example, write
+    /// row `i` of a `[k, vocab]` q buffer with `q.chunks_exact_mut(vocab)`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `out` is shorter than [`TokenDist::vocab_size`] (nothing is
+    /// written).
+    pub fn write_dense(&self, out: &mut [f32]) -> Result<()> {
+        if out.len() < self.vocab {
+            return Err(Error::ShapeMismatch {
+                what: "dense distribution row (at least vocab_size)",
+                expected: self.vocab,
+                actual: out.len(),
+            });
+        }
+        self.fill_dense(out);
+        Ok(())
+    }
+
+    fn fill_dense(&self, out: &mut [f32]) {
+        out.fill(0.0);
+        for (&t, &p) in self.ids.iter().zip(&self.probs) {
+            out[t as usize] = p;
+        }
     }
 
     /// Number of tokens with non-zero probability.
@@ -235,40 +273,137 @@ pub struct RowProcessor {
 /// NaN is absorbing for addition and `+inf` can only vanish into NaN, so a sum that is finite or
 /// `-inf` proves the row clean; only otherwise (or on overflow) is the row checked entry by entry.
 #[inline]
-fn has_nan_or_pos_inf(sum: f32, row: &[f32]) -> bool {
+fn has_nan_or_pos_inf<T: Logit>(sum: f32, row: &[T]) -> bool {
     if sum.is_finite() || sum == f32::NEG_INFINITY {
         return false;
     }
-    row.iter().any(|v| v.is_nan() || *v == f32::INFINITY)
+    row.iter().any(|v| {
+        let v = v.widen();
+        v.is_nan() || v == f32::INFINITY
+    })
+}
+
+/// The last `len % 16` values of a row (fewer than 16), kept to be added after the lanes, in
+/// order.
+#[derive(Clone, Copy)]
+struct Tail {
+    vals: [f32; 16],
+    n: usize,
+}
+
+impl Tail {
+    const EMPTY: Tail = Tail {
+        vals: [0.0; 16],
+        n: 0,
+    };
+
+    fn keep<U: Logit>(rem: &[U]) -> Tail {
+        let mut t = Tail::EMPTY;
+        for (d, s) in t.vals.iter_mut().zip(rem) {
+            *d = s.widen();
+        }
+        t.n = rem.len();
+        t
+    }
+
+    fn values(&self) -> &[f32] {
+        &self.vals[..self.n]
+    }
+}
+
+/// [`scan`]'s state: 16 lanes of maximum and of sum.
+struct Scan {
+    m: [f32; 16],
+    acc: [f32; 16],
+    tail: Tail,
+}
+
+impl SpanVisitor for Scan {
+    #[inline(always)]
+    fn span<U: Logit>(&mut self, _start: usize, span: &[U]) {
+        let chunks = span.chunks_exact(16);
+        self.tail = Tail::keep(chunks.remainder());
+        let (acc, m) = (&mut self.acc, &mut self.m);
+        for c in chunks {
+            for j in 0..16 {
+                let v = c[j].widen();
+                acc[j] += v;
+                m[j] = if v > m[j] { v } else { m[j] };
+            }
+        }
+    }
 }
 
 /// Maximum and "saw NaN / +inf" over a row, vectorisable (no early exit): 16 lanes of maximum
 /// and of sum (the screen of [`has_nan_or_pos_inf`]).
 #[inline]
-fn scan(row: &[f32]) -> (f32, bool) {
-    const L: usize = 16;
-    let mut m = [f32::NEG_INFINITY; L];
-    let mut acc = [0.0f32; L];
-    let chunks = row.chunks_exact(L);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for j in 0..L {
-            let v = c[j];
-            acc[j] += v;
-            m[j] = if v > m[j] { v } else { m[j] };
-        }
-    }
+fn scan<T: Logit>(row: &[T]) -> (f32, bool) {
+    let mut s = Scan {
+        m: [f32::NEG_INFINITY; 16],
+        acc: [0.0; 16],
+        tail: Tail::EMPTY,
+    };
+    visit_spans(row, &mut s);
     let mut mx = f32::NEG_INFINITY;
     let mut sum = 0.0f32;
-    for j in 0..L {
-        mx = mx.max(m[j]);
-        sum += acc[j];
+    for j in 0..16 {
+        mx = mx.max(s.m[j]);
+        sum += s.acc[j];
     }
-    for &v in rem {
+    for &v in s.tail.values() {
         sum += v;
         mx = mx.max(v);
     }
     (mx, has_nan_or_pos_inf(sum, row))
+}
+
+/// [`scan_argmax`]'s state: the best full block, 16 lanes of sum, and the last, partial block
+/// (fewer than [`BLOCK`] values: its sum, maximum and the first index holding it), folded in
+/// after the full blocks as the scalar remainder.
+struct ScanArgmax {
+    best: f32,
+    best_block: usize,
+    acc: [f32; 16],
+    rem_sum: f32,
+    rem_best: f32,
+    rem_idx: usize,
+}
+
+impl SpanVisitor for ScanArgmax {
+    #[inline(always)]
+    fn span<U: Logit>(&mut self, start: usize, span: &[U]) {
+        const L: usize = 16;
+        const B: usize = BLOCK;
+        let blocks = span.chunks_exact(B);
+        let rem = blocks.remainder();
+        for (bi, block) in blocks.enumerate() {
+            let mut m = [f32::NEG_INFINITY; L];
+            for c in block.chunks_exact(L) {
+                for j in 0..L {
+                    let v = c[j].widen();
+                    self.acc[j] += v;
+                    m[j] = if v > m[j] { v } else { m[j] };
+                }
+            }
+            let mut bm = f32::NEG_INFINITY;
+            for &x in &m {
+                bm = if x > bm { x } else { bm };
+            }
+            if bm > self.best {
+                self.best = bm;
+                self.best_block = start / B + bi;
+            }
+        }
+        let base = start + span.len() - rem.len();
+        for (j, v) in rem.iter().enumerate() {
+            let v = v.widen();
+            self.rem_sum += v;
+            if v > self.rem_best {
+                self.rem_best = v;
+                self.rem_idx = base + j;
+            }
+        }
+    }
 }
 
 /// Maximum, index of its first occurrence, and "saw NaN / +inf", in one vectorisable pass.
@@ -278,73 +413,76 @@ fn scan(row: &[f32]) -> (f32, bool) {
 /// the first that holds the row maximum, and the first entry equal to it there is the first
 /// occurrence in the row (ties go to the lowest id).
 #[inline]
-fn scan_argmax(row: &[f32]) -> (f32, usize, bool) {
-    const L: usize = 16;
-    const B: usize = 256;
-    let mut best = f32::NEG_INFINITY;
-    let mut best_block = usize::MAX;
-    let mut acc = [0.0f32; L];
-    let blocks = row.chunks_exact(B);
-    let rem = blocks.remainder();
-    for (bi, block) in blocks.enumerate() {
-        let mut m = [f32::NEG_INFINITY; L];
-        for c in block.chunks_exact(L) {
-            for j in 0..L {
-                let v = c[j];
-                acc[j] += v;
-                m[j] = if v > m[j] { v } else { m[j] };
-            }
-        }
-        let mut bm = f32::NEG_INFINITY;
-        for &x in &m {
-            bm = if x > bm { x } else { bm };
-        }
-        if bm > best {
-            best = bm;
-            best_block = bi;
-        }
-    }
+fn scan_argmax<T: Logit>(row: &[T]) -> (f32, usize, bool) {
+    const B: usize = BLOCK;
+    let mut s = ScanArgmax {
+        best: f32::NEG_INFINITY,
+        best_block: usize::MAX,
+        acc: [0.0; 16],
+        rem_sum: 0.0,
+        rem_best: f32::NEG_INFINITY,
+        rem_idx: usize::MAX,
+    };
+    visit_spans(row, &mut s);
+    let mut best = s.best;
     let mut idx = usize::MAX;
-    if best_block != usize::MAX {
-        let s = best_block * B;
-        idx = s + row[s..s + B].iter().position(|&v| v == best).unwrap_or(0);
+    if s.best_block != usize::MAX {
+        let b = s.best_block * B;
+        idx = b + row[b..b + B]
+            .iter()
+            .position(|v| v.widen() == best)
+            .unwrap_or(0);
     }
-    let base = row.len() - rem.len();
-    let mut sum = 0.0f32;
-    for (j, &v) in rem.iter().enumerate() {
-        sum += v;
-        if v > best {
-            best = v;
-            idx = base + j;
-        }
+    // The remainder's maximum wins only if strictly larger (ties to the lower id).
+    if s.rem_best > best {
+        best = s.rem_best;
+        idx = s.rem_idx;
     }
-    for x in acc {
+    let mut sum = s.rem_sum;
+    for x in s.acc {
         sum += x;
     }
     (best, idx, has_nan_or_pos_inf(sum, row))
 }
 
-/// The [`Error::NonFiniteLogits`] of `row` if it holds a NaN or `+inf`, found by one vectorisable
-/// pass (a sum screen; entries are inspected only when the screen fails).
-pub(crate) fn non_finite_in(row: &[f32], kind: RowKind, row_idx: usize) -> Option<Error> {
-    let mut acc = [0.0f32; 16];
-    let chunks = row.chunks_exact(16);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for j in 0..16 {
-            acc[j] += c[j];
+/// [`non_finite_in`]'s state: 16 lanes of sum.
+struct SumScreen {
+    acc: [f32; 16],
+    tail: Tail,
+}
+
+impl SpanVisitor for SumScreen {
+    #[inline(always)]
+    fn span<U: Logit>(&mut self, _start: usize, span: &[U]) {
+        let chunks = span.chunks_exact(16);
+        self.tail = Tail::keep(chunks.remainder());
+        let acc = &mut self.acc;
+        for c in chunks {
+            for j in 0..16 {
+                acc[j] += c[j].widen();
+            }
         }
     }
-    let sum = acc.iter().sum::<f32>() + rem.iter().sum::<f32>();
+}
+
+/// The [`Error::NonFiniteLogits`] of `row` if it holds a NaN or `+inf`, found by one vectorisable
+/// pass (a sum screen; entries are inspected only when the screen fails).
+pub(crate) fn non_finite_in<T: Logit>(row: &[T], kind: RowKind, row_idx: usize) -> Option<Error> {
+    let mut s = SumScreen {
+        acc: [0.0; 16],
+        tail: Tail::EMPTY,
+    };
+    visit_spans(row, &mut s);
+    let sum = s.acc.iter().sum::<f32>() + s.tail.values().iter().sum::<f32>();
     has_nan_or_pos_inf(sum, row).then(|| non_finite(row, kind, row_idx))
 }
 
-fn non_finite(row: &[f32], kind: RowKind, row_idx: usize) -> Error {
+fn non_finite<T: Logit>(row: &[T], kind: RowKind, row_idx: usize) -> Error {
     let (token, value) = row
         .iter()
+        .map(|v| v.widen())
         .enumerate()
-        .find(|(_, v)| v.is_nan() || **v == f32::INFINITY)
-        .map(|(i, v)| (i, *v))
+        .find(|(_, v)| v.is_nan() || *v == f32::INFINITY)
         .unwrap_or((0, f32::NAN));
     Error::NonFiniteLogits {
         kind,
@@ -354,6 +492,24 @@ fn non_finite(row: &[f32], kind: RowKind, row_idx: usize) -> Error {
     }
 }
 
+/// A row after steps 1-3 of the pipeline: the caller's row itself when no processor of those
+/// steps is active (read in its own dtype, no copy), else the processor's `f32` scratch copy.
+enum Effective<'s, L> {
+    Raw(&'s [L]),
+    Scratch(&'s [f32]),
+}
+
+/// Runs `$body` with `$eff` bound to the row of an [`Effective`], whatever its dtype (one
+/// generic body, instantiated for the caller's dtype and for `f32`).
+macro_rules! with_row {
+    ($e:expr, |$eff:ident| $body:expr) => {
+        match $e {
+            Effective::Raw($eff) => $body,
+            Effective::Scratch($eff) => $body,
+        }
+    };
+}
+
 impl RowProcessor {
     /// A processor with empty buffers.
     pub fn new() -> Self {
@@ -361,13 +517,14 @@ impl RowProcessor {
     }
 
     /// Steps 1-3 of the pipeline. Returns the row to read: `logits` itself when no processor of
-    /// those steps is active (no copy), else the internal scratch buffer.
-    fn effective<'s>(
+    /// those steps is active (no copy), else the internal scratch buffer, filled with `logits`
+    /// widened to `f32` as they are copied.
+    fn effective<'s, L: Logit>(
         scratch: &'s mut Vec<f32>,
         cfg: &SamplingConfig,
-        logits: &'s [f32],
+        logits: &'s [L],
         hist: &History<'_>,
-    ) -> &'s [f32] {
+    ) -> Effective<'s, L> {
         let penalties = cfg.has_penalties() && hist.counts.is_some_and(|c| !c.is_empty());
         let copy = penalties
             || !cfg.logit_bias.is_empty()
@@ -376,7 +533,7 @@ impl RowProcessor {
             || !hist.suppress.is_empty()
             || cfg.mask.is_some();
         if !copy {
-            return logits;
+            return Effective::Raw(logits);
         }
         let v = logits.len();
         scratch.clear();
@@ -384,11 +541,11 @@ impl RowProcessor {
             scratch.resize(v, f32::NEG_INFINITY);
             for &t in allowed {
                 if let Some(&l) = logits.get(t as usize) {
-                    scratch[t as usize] = l;
+                    scratch[t as usize] = l.widen();
                 }
             }
         } else {
-            scratch.extend_from_slice(logits);
+            L::extend_widened(logits, scratch);
         }
         if penalties {
             if let Some(c) = hist.counts {
@@ -415,86 +572,58 @@ impl RowProcessor {
         if let Some(m) = &cfg.mask {
             m.apply(hist.prefix, scratch);
         }
-        scratch
+        Effective::Scratch(scratch)
     }
 
     /// Greedy decision for one row: the argmax of the logits after penalties, bias and masks
     /// (temperature, top-k, top-p and min-p never change the argmax). Ties go to the lowest id.
     /// No softmax is computed.
     ///
+    /// `logits` is one row, `[vocab]`, in any [`Logit`] dtype (values are widened to `f32` as
+    /// they are read; the result is the one of the row converted to `f32`).
+    ///
     /// # Errors
     /// [`Error::NonFiniteLogits`] for a NaN or `+inf` entry, [`Error::NoAllowedToken`] when every
     /// entry is `-inf` after masking. `kind` and `row` only label the error.
-    pub fn argmax(
+    pub fn argmax<L: Logit>(
         &mut self,
         cfg: &SamplingConfig,
-        logits: &[f32],
+        logits: &[L],
         hist: &History<'_>,
         kind: RowKind,
         row: usize,
     ) -> Result<u32> {
-        let eff = Self::effective(&mut self.scratch, cfg, logits, hist);
-        let (mx, i, bad) = scan_argmax(eff);
-        if bad {
-            return Err(non_finite(eff, kind, row));
-        }
-        if mx == f32::NEG_INFINITY {
-            return Err(Error::NoAllowedToken { kind, row });
-        }
-        Ok(i as u32)
+        with_row!(
+            Self::effective(&mut self.scratch, cfg, logits, hist),
+            |eff| { argmax_of(eff, kind, row) }
+        )
     }
 
     /// Log-probability of `token` and the `top_n` best tokens under the softmax of the logits
     /// after penalties, bias and masks at temperature 1. Used for greedy rows, whose processed
     /// distribution is a point mass (log-probability 0), to report informative values.
     ///
+    /// `logits` is one row, `[vocab]`, in any [`Logit`] dtype.
+    ///
     /// # Errors
     /// As [`RowProcessor::argmax`].
-    pub fn greedy_logprobs(
+    pub fn greedy_logprobs<L: Logit>(
         &mut self,
         cfg: &SamplingConfig,
-        logits: &[f32],
+        logits: &[L],
         hist: &History<'_>,
         token: u32,
         top_n: usize,
     ) -> Result<(f32, Vec<(u32, f32)>)> {
-        let eff = Self::effective(&mut self.scratch, cfg, logits, hist);
-        let (mx, bad) = scan(eff);
-        if bad {
-            return Err(non_finite(eff, RowKind::Target, 0));
-        }
-        if mx == f32::NEG_INFINITY {
-            return Err(Error::NoAllowedToken {
-                kind: RowKind::Target,
-                row: 0,
-            });
-        }
-        let lse = mx as f64
-            + eff
-                .iter()
-                .map(|&v| ((v - mx) as f64).exp())
-                .sum::<f64>()
-                .ln();
-        let lp = eff
-            .get(token as usize)
-            .map(|&v| (v as f64 - lse) as f32)
-            .unwrap_or(f32::NEG_INFINITY);
-        let mut top = Vec::new();
-        let top_n = top_n.min(eff.len());
-        if top_n > 0 {
-            scan_top_k(eff, top_n, &mut self.cands, &mut self.blocks);
-            self.cands.sort_unstable_by(Cand::rank);
-            top = self
-                .cands
-                .iter()
-                .map(|c| (c.id, (c.logit as f64 - lse) as f32))
-                .collect();
-        }
-        Ok((lp, top))
+        let (cands, blocks) = (&mut self.cands, &mut self.blocks);
+        with_row!(
+            Self::effective(&mut self.scratch, cfg, logits, hist),
+            |eff| { greedy_logprobs_of(eff, token, top_n, cands, blocks) }
+        )
     }
 
     /// The full pipeline for one row at temperature > 0: writes the processed distribution of
-    /// `logits` (`[vocab]`) into `out`.
+    /// `logits` (`[vocab]`, any [`Logit`] dtype) into `out`.
     ///
     /// For a greedy configuration (temperature 0) the result is the point mass on
     /// [`RowProcessor::argmax`].
@@ -502,10 +631,10 @@ impl RowProcessor {
     /// # Errors
     /// [`Error::NonFiniteLogits`] for a NaN or `+inf` entry, [`Error::NoAllowedToken`] when every
     /// entry is `-inf` after masking. `kind` and `row` only label the error.
-    pub fn distribution(
+    pub fn distribution<L: Logit>(
         &mut self,
         cfg: &SamplingConfig,
-        logits: &[f32],
+        logits: &[L],
         hist: &History<'_>,
         kind: RowKind,
         row: usize,
@@ -517,56 +646,141 @@ impl RowProcessor {
             *out = TokenDist::point_mass(t, vocab)?;
             return Ok(());
         }
-        let eff = Self::effective(&mut self.scratch, cfg, logits, hist);
-        let cands = &mut self.cands;
-        let top_k = cfg.top_k > 0 && cfg.top_k < vocab;
-        // Top-k selection shares its first pass with the scan for the maximum and the screen.
-        let (mx, bad) = if top_k {
-            let (mx, sum) = scan_top_k(eff, cfg.top_k, cands, &mut self.blocks);
-            (mx, has_nan_or_pos_inf(sum, eff))
-        } else {
-            scan(eff)
+        let bufs = Buffers {
+            cands: &mut self.cands,
+            work: &mut self.work,
+            blocks: &mut self.blocks,
         };
-        if bad {
-            return Err(non_finite(eff, kind, row));
+        with_row!(
+            Self::effective(&mut self.scratch, cfg, logits, hist),
+            |eff| { distribution_of(eff, cfg, bufs, kind, row, out) }
+        )
+    }
+}
+
+/// The processor's candidate buffers, borrowed apart from its scratch row.
+struct Buffers<'b> {
+    cands: &'b mut Vec<Cand>,
+    work: &'b mut Vec<Cand>,
+    blocks: &'b mut Vec<f32>,
+}
+
+/// [`RowProcessor::argmax`] after steps 1-3.
+#[inline]
+fn argmax_of<T: Logit>(eff: &[T], kind: RowKind, row: usize) -> Result<u32> {
+    let (mx, i, bad) = scan_argmax(eff);
+    if bad {
+        return Err(non_finite(eff, kind, row));
+    }
+    if mx == f32::NEG_INFINITY {
+        return Err(Error::NoAllowedToken { kind, row });
+    }
+    Ok(i as u32)
+}
+
+/// [`RowProcessor::greedy_logprobs`] after steps 1-3.
+fn greedy_logprobs_of<T: Logit>(
+    eff: &[T],
+    token: u32,
+    top_n: usize,
+    cands: &mut Vec<Cand>,
+    blocks: &mut Vec<f32>,
+) -> Result<(f32, Vec<(u32, f32)>)> {
+    let (mx, bad) = scan(eff);
+    if bad {
+        return Err(non_finite(eff, RowKind::Target, 0));
+    }
+    if mx == f32::NEG_INFINITY {
+        return Err(Error::NoAllowedToken {
+            kind: RowKind::Target,
+            row: 0,
+        });
+    }
+    let mut total = 0.0f64;
+    for_each_span(eff, |_, block| {
+        for &v in block {
+            total += ((v - mx) as f64).exp();
         }
-        if mx == f32::NEG_INFINITY {
-            return Err(Error::NoAllowedToken { kind, row });
-        }
-        // Temperature: z = (l - max) / T <= 0, so tiny T gives -inf (probability 0), never NaN.
-        let inv_t = (1.0 / cfg.temperature).min(f32::MAX);
-        if !top_k {
-            cands.clear();
+    });
+    let lse = mx as f64 + total.ln();
+    let lp = eff
+        .get(token as usize)
+        .map(|v| (v.widen() as f64 - lse) as f32)
+        .unwrap_or(f32::NEG_INFINITY);
+    let mut top = Vec::new();
+    let top_n = top_n.min(eff.len());
+    if top_n > 0 {
+        scan_top_k(eff, top_n, cands, blocks);
+        cands.sort_unstable_by(Cand::rank);
+        top = cands
+            .iter()
+            .map(|c| (c.id, (c.logit as f64 - lse) as f32))
+            .collect();
+    }
+    Ok((lp, top))
+}
+
+/// [`RowProcessor::distribution`] after steps 1-3, temperature > 0.
+fn distribution_of<T: Logit>(
+    eff: &[T],
+    cfg: &SamplingConfig,
+    bufs: Buffers<'_>,
+    kind: RowKind,
+    row: usize,
+    out: &mut TokenDist,
+) -> Result<()> {
+    let vocab = eff.len();
+    let cands = bufs.cands;
+    let top_k = cfg.top_k > 0 && cfg.top_k < vocab;
+    // Top-k selection shares its first pass with the scan for the maximum and the screen.
+    let (mx, bad) = if top_k {
+        let (mx, sum) = scan_top_k(eff, cfg.top_k, cands, bufs.blocks);
+        (mx, has_nan_or_pos_inf(sum, eff))
+    } else {
+        scan(eff)
+    };
+    if bad {
+        return Err(non_finite(eff, kind, row));
+    }
+    if mx == f32::NEG_INFINITY {
+        return Err(Error::NoAllowedToken { kind, row });
+    }
+    // Temperature: z = (l - max) / T <= 0, so tiny T gives -inf (probability 0), never NaN.
+    let inv_t = (1.0 / cfg.temperature).min(f32::MAX);
+    if !top_k {
+        cands.clear();
+        for_each_span(eff, |start, block| {
             cands.extend(
-                eff.iter()
+                block
+                    .iter()
                     .enumerate()
                     .filter(|&(_, &l)| l > f32::NEG_INFINITY)
-                    .map(|(i, &l)| Cand::new(i as u32, l)),
+                    .map(|(i, &l)| Cand::new((start + i) as u32, l)),
             );
-        }
-        for c in cands.iter_mut() {
-            let d = c.logit - mx;
-            let z = if d == 0.0 { 0.0 } else { d * inv_t };
-            c.logit = z;
-            c.p = z.exp();
-        }
-        apply_top_p(cands, cfg.top_p, &mut self.work);
-        apply_min_p(cands, cfg.min_p);
-        let total: f64 = cands.iter().map(|c| c.p as f64).sum();
-        out.vocab = vocab;
-        out.ids.clear();
-        out.probs.clear();
-        out.scaled.clear();
-        out.log_norm = total.ln();
-        for c in cands.iter() {
-            if c.p > 0.0 {
-                out.ids.push(c.id);
-                out.probs.push((c.p as f64 / total) as f32);
-                out.scaled.push(c.logit);
-            }
-        }
-        Ok(())
+        });
     }
+    for c in cands.iter_mut() {
+        let d = c.logit - mx;
+        let z = if d == 0.0 { 0.0 } else { d * inv_t };
+        c.logit = z;
+        c.p = z.exp();
+    }
+    apply_top_p(cands, cfg.top_p, bufs.work);
+    apply_min_p(cands, cfg.min_p);
+    let total: f64 = cands.iter().map(|c| c.p as f64).sum();
+    out.vocab = vocab;
+    out.ids.clear();
+    out.probs.clear();
+    out.scaled.clear();
+    out.log_norm = total.ln();
+    for c in cands.iter() {
+        if c.p > 0.0 {
+            out.ids.push(c.id);
+            out.probs.push((c.p as f64 / total) as f32);
+            out.scaled.push(c.logit);
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -651,6 +865,26 @@ mod tests {
             .unwrap();
         let e = p.distribution(&banned, &[1.0, 2.0], &h, RowKind::Target, 0, &mut d);
         assert!(matches!(e, Err(Error::NoAllowedToken { .. })));
+    }
+
+    #[test]
+    fn dense_rows() {
+        let d = TokenDist::from_pairs([(3, 0.25), (1, 0.75)], 5).unwrap();
+        assert_eq!(d.to_dense(), vec![0.0, 0.75, 0.0, 0.25, 0.0]);
+        let mut out = [9.0f32; 7];
+        d.write_dense(&mut out).unwrap();
+        assert_eq!(out, [0.0, 0.75, 0.0, 0.25, 0.0, 0.0, 0.0]);
+        let mut short = [9.0f32; 4];
+        assert!(matches!(
+            d.write_dense(&mut short),
+            Err(Error::ShapeMismatch {
+                expected: 5,
+                actual: 4,
+                ..
+            })
+        ));
+        assert_eq!(short, [9.0; 4]);
+        assert_eq!(TokenDist::default().to_dense(), Vec::<f32>::new());
     }
 
     #[test]

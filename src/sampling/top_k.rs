@@ -1,16 +1,49 @@
 //! Top-k selection without sorting the vocabulary.
 
-use super::Cand;
+use super::logit::{visit_spans, with_widened, SpanVisitor, BLOCK};
+use super::{Cand, Logit};
 
-/// Writes the `k` highest logits of `logits` (`[vocab]`) into `out` as candidates sorted by
-/// token id; ties rank the lower id first. `-inf` entries are never selected.
+/// Writes the `k` highest logits of `logits` (`[vocab]`, any [`Logit`] dtype; candidates hold
+/// the values widened to `f32`) into `out` as candidates sorted by token id; ties rank the lower
+/// id first. `-inf` entries are never selected.
 ///
 /// Two passes over the row, never sorting the vocabulary (see the private `scan_top_k`); expected cost
 /// O(vocab + k log k). Allocates a buffer of `vocab / 256` floats; [`super::RowProcessor`]
 /// reuses its own.
-pub fn select_top_k(logits: &[f32], k: usize, out: &mut Vec<Cand>) {
+pub fn select_top_k<L: Logit>(logits: &[L], k: usize, out: &mut Vec<Cand>) {
     let mut blocks = Vec::new();
     scan_top_k(logits, k.min(logits.len()), out, &mut blocks);
+}
+
+/// The first pass of [`scan_top_k`] over whole blocks: the maximum of every block of
+/// [`BLOCK`] values, the row maximum and 16 lanes of sum.
+struct BlockMaxima<'b> {
+    acc: [f32; 16],
+    mx: f32,
+    blocks: &'b mut Vec<f32>,
+}
+
+impl SpanVisitor for BlockMaxima<'_> {
+    #[inline(always)]
+    fn span<U: Logit>(&mut self, _start: usize, span: &[U]) {
+        const L: usize = 16;
+        for block in span.chunks_exact(BLOCK) {
+            let mut m = [f32::NEG_INFINITY; L];
+            for c in block.chunks_exact(L) {
+                for j in 0..L {
+                    let v = c[j].widen();
+                    self.acc[j] += v;
+                    m[j] = if v > m[j] { v } else { m[j] };
+                }
+            }
+            let mut bm = f32::NEG_INFINITY;
+            for &x in &m {
+                bm = if x > bm { x } else { bm };
+            }
+            self.mx = if bm > self.mx { bm } else { self.mx };
+            self.blocks.push(bm);
+        }
+    }
 }
 
 /// Largest float below `x` (`x` itself for NaN and `-inf`), so that `v > next_down(x)` is
@@ -39,43 +72,36 @@ fn next_down(x: f32) -> f32 {
 ///    appended without branches (random data would mispredict a per-entry branch). When the
 ///    buffer of `2k + 256` candidates fills, a selection (`select_nth_unstable`) keeps the best
 ///    `k` and raises the threshold (exclusive: later ids lose ties) to the k-th kept logit.
-pub(crate) fn scan_top_k(
-    logits: &[f32],
+pub(crate) fn scan_top_k<T: Logit>(
+    logits: &[T],
     k: usize,
     out: &mut Vec<Cand>,
     blocks: &mut Vec<f32>,
 ) -> (f32, f32) {
     const L: usize = 16;
-    const B: usize = 256;
+    const B: usize = BLOCK;
     blocks.clear();
-    let mut acc = [0.0f32; L];
-    let mut mx = f32::NEG_INFINITY;
-    let full = logits.chunks_exact(B);
-    let rem = full.remainder();
-    for block in full {
-        let mut m = [f32::NEG_INFINITY; L];
-        for c in block.chunks_exact(L) {
-            for j in 0..L {
-                let v = c[j];
-                acc[j] += v;
-                m[j] = if v > m[j] { v } else { m[j] };
-            }
-        }
-        let mut bm = f32::NEG_INFINITY;
-        for &x in &m {
-            bm = if x > bm { x } else { bm };
-        }
-        mx = if bm > mx { bm } else { mx };
-        blocks.push(bm);
-    }
+    // The last, partial block (fewer than B values) is the scalar remainder, read after the
+    // full blocks.
+    let full_len = logits.len() - logits.len() % B;
+    let rem = &logits[full_len..];
+    let mut pass = BlockMaxima {
+        acc: [0.0; L],
+        mx: f32::NEG_INFINITY,
+        blocks,
+    };
+    visit_spans(&logits[..full_len], &mut pass);
+    let (acc, mut mx) = (pass.acc, pass.mx);
     let mut sum = 0.0f32;
     for x in acc {
         sum += x;
     }
-    for &v in rem {
-        sum += v;
-        mx = if v > mx { v } else { mx };
-    }
+    with_widened(rem, |rem| {
+        for &v in rem {
+            sum += v;
+            mx = if v > mx { v } else { mx };
+        }
+    });
     out.clear();
     if k == 0 {
         return (mx, sum);
@@ -114,25 +140,28 @@ pub(crate) fn scan_top_k(
             continue;
         }
         let base = bi * B;
-        for (ci, chunk) in logits[base..base + B].chunks_exact(L).enumerate() {
-            // The chunk maximum in 4 lanes (a boolean "any" reduction compiles to branches).
-            let mut m = [f32::NEG_INFINITY; 4];
-            for q in chunk.chunks_exact(4) {
-                for t in 0..4 {
-                    m[t] = if q[t] > m[t] { q[t] } else { m[t] };
+        with_widened(&logits[base..base + B], |block| {
+            for (ci, chunk) in block.chunks_exact(L).enumerate() {
+                // The chunk maximum in 4 lanes (a boolean "any" reduction compiles to branches).
+                let mut m = [f32::NEG_INFINITY; 4];
+                for q in chunk.chunks_exact(4) {
+                    for t in 0..4 {
+                        m[t] = if q[t] > m[t] { q[t] } else { m[t] };
+                    }
+                }
+                let a = if m[0] > m[1] { m[0] } else { m[1] };
+                let b = if m[2] > m[3] { m[2] } else { m[3] };
+                if (if a > b { a } else { b }) > thr {
+                    admit(base + ci * L, chunk, &mut thr, &mut n);
                 }
             }
-            let a = if m[0] > m[1] { m[0] } else { m[1] };
-            let b = if m[2] > m[3] { m[2] } else { m[3] };
-            if (if a > b { a } else { b }) > thr {
-                admit(base + ci * L, chunk, &mut thr, &mut n);
-            }
+        });
+    }
+    with_widened(rem, |rem| {
+        for (ci, chunk) in rem.chunks(L).enumerate() {
+            admit(full_len + ci * L, chunk, &mut thr, &mut n);
         }
-    }
-    let base = logits.len() - rem.len();
-    for (ci, chunk) in rem.chunks(L).enumerate() {
-        admit(base + ci * L, chunk, &mut thr, &mut n);
-    }
+    });
     out.truncate(n);
     if out.len() > k {
         out.select_nth_unstable_by(k - 1, Cand::rank);

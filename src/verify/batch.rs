@@ -1,12 +1,15 @@
 //! The batch API for engines: many sequences, ragged draft lengths, one call.
 
-use super::{DraftProbs, StepOutput, Verifier, VerifyRequest};
+use super::{DraftQ, StepOutput, Verifier, VerifyRequest};
 use crate::error::{Error, Result};
-use crate::sampling::SamplingConfig;
+use crate::sampling::{Logit, SamplingConfig};
 
 /// Per-sequence parameters of a [`VerifyBatch`].
+///
+/// `Q` is the dtype of the sequence's own draft q rows ([`SequenceParams::draft_probs`]), the
+/// same as the batch's.
 #[derive(Debug, Clone, Copy)]
-pub struct SequenceParams<'a> {
+pub struct SequenceParams<'a, Q = f32> {
     /// The sequence's sampling configuration.
     pub config: &'a SamplingConfig,
     /// The sequence's seed.
@@ -25,10 +28,17 @@ pub struct SequenceParams<'a> {
     pub suppress: &'a [u32],
     /// Number of leading rows at which `suppress` applies.
     pub suppress_rows: usize,
+    /// The sequence's own draft form, overriding the batch's [`VerifyBatch::draft_probs`]:
+    /// point masses, or its own `[k_b, draft_vocab_b]` probabilities or draft logits (its own
+    /// width, independent of the other sequences'). `None` (the default) takes the sequence's
+    /// rows of the batch-level form. This lets one batch mix deterministic proposers (prompt
+    /// lookup: point masses) and sampling draft models (dense q) without one-hot q rows.
+    pub draft_probs: Option<DraftQ<'a, Q>>,
 }
 
-impl<'a> SequenceParams<'a> {
-    /// Parameters with an empty context and `position = None`.
+impl<'a, Q: Logit> SequenceParams<'a, Q> {
+    /// Parameters with an empty context, `position = None` and the batch's draft form. `Q` is
+    /// the batch's q dtype (inferred from the batch the parameters go into).
     pub fn new(config: &'a SamplingConfig, seed: u64) -> Self {
         SequenceParams {
             config,
@@ -38,7 +48,15 @@ impl<'a> SequenceParams<'a> {
             prompt_len: 0,
             suppress: &[],
             suppress_rows: 0,
+            draft_probs: None,
         }
+    }
+
+    /// Gives the sequence its own draft form ([`SequenceParams::draft_probs`]): point masses,
+    /// or `[k_b, draft_vocab_b]` probabilities or draft logits, in the batch's q dtype.
+    pub fn draft_probs(mut self, q: DraftQ<'a, Q>) -> Self {
+        self.draft_probs = Some(q);
+        self
     }
 
     /// Sets the context (prompt + generated tokens before the block).
@@ -74,40 +92,76 @@ impl<'a> SequenceParams<'a> {
 /// `draft_offsets[b] + b ..= draft_offsets[b + 1] + b` of `target_logits`
 /// (`[sum_b (k_b + 1), vocab_size]` row-major), and its q rows (if any) are
 /// `draft_offsets[b]..draft_offsets[b + 1]` of the `[sum_b k_b, draft_vocab]` array in
-/// `draft_probs`.
+/// `draft_probs`, unless the sequence brings its own form ([`SequenceParams::draft_probs`]).
+///
+/// Target logits are in dtype `L`, draft q rows in dtype `Q` (any [`Logit`], `f32` by
+/// default), as in [`VerifyRequest`]. From an `ndarray` view: [`VerifyBatch::from_array`].
 ///
 /// A sequence's result depends only on its own rows, parameters and seed, never on its place in
 /// the batch or on the other sequences (case C08).
 #[derive(Debug, Clone, Copy)]
-pub struct VerifyBatch<'a> {
+pub struct VerifyBatch<'a, L = f32, Q = f32> {
     /// Width of a target row, in tokens.
     pub vocab_size: usize,
     /// Target logits `[sum_b (k_b + 1), vocab_size]`.
-    pub target_logits: &'a [f32],
+    pub target_logits: &'a [L],
     /// All draft tokens, `[sum_b k_b]`.
     pub draft_tokens: &'a [u32],
     /// `[batch + 1]` offsets into `draft_tokens`: starts at 0, non-decreasing, ends at
     /// `draft_tokens.len()`.
     pub draft_offsets: &'a [usize],
-    /// q for all sequences: `[sum_b k_b, draft_vocab]`, or point masses.
-    pub draft_probs: DraftProbs<'a>,
+    /// q for the sequences that do not bring their own ([`SequenceParams::draft_probs`]):
+    /// `[sum_b k_b, draft_vocab]` (rows of sequences with their own form are present but not
+    /// read), or point masses.
+    pub draft_probs: DraftQ<'a, Q>,
     /// One entry per sequence.
-    pub sequences: &'a [SequenceParams<'a>],
+    pub sequences: &'a [SequenceParams<'a, Q>],
+}
+
+/// Sequence `b`'s draft form: its own ([`SequenceParams::draft_probs`]), else its rows
+/// `lo..hi` of the batch-level form of width `qv` (layout-checked by [`check_layout`]).
+pub(crate) fn sequence_q<'a, Q>(
+    batch: DraftQ<'a, Q>,
+    own: Option<DraftQ<'a, Q>>,
+    lo: usize,
+    hi: usize,
+    qv: usize,
+) -> DraftQ<'a, Q> {
+    if let Some(q) = own {
+        return q;
+    }
+    match batch {
+        DraftQ::PointMass => DraftQ::PointMass,
+        DraftQ::Probs { probs, .. } => DraftQ::Probs {
+            probs: &probs[lo * qv..hi * qv],
+            vocab: qv,
+        },
+        DraftQ::Logits { logits, .. } => DraftQ::Logits {
+            logits: &logits[lo * qv..hi * qv],
+            vocab: qv,
+        },
+    }
 }
 
 impl Verifier {
     /// Verifies every sequence of a batch.
     ///
     /// Greedy sequences take the argmax-only path (no softmax, no random draw); a batch whose
-    /// sequences are all greedy never touches the distribution buffers.
+    /// sequences are all greedy never touches the distribution buffers. Each sequence is
+    /// verified with its own draft form when it has one ([`SequenceParams::draft_probs`]): the
+    /// outcome is the one of that sequence verified alone with [`Verifier::verify`].
     ///
     /// # Errors
     /// The outer `Err` is for a malformed batch: [`Error::ShapeMismatch`] when the offsets,
     /// sequences and arrays disagree, [`Error::InvalidOffsets`] when the offsets do not start at
-    /// 0 or decrease, [`Error::DraftVocabTooLarge`]. Each inner `Result` is that
-    /// sequence's own outcome with the errors of [`Verifier::verify`]; one bad sequence does not
-    /// fail the others.
-    pub fn verify_batch(&mut self, batch: &VerifyBatch<'_>) -> Result<Vec<Result<StepOutput>>> {
+    /// 0 or decrease, [`Error::DraftVocabTooLarge`] for the batch-level form. Each inner
+    /// `Result` is that sequence's own outcome with the errors of [`Verifier::verify`] (the
+    /// shape of a sequence's own draft form included); one bad sequence does not fail the
+    /// others.
+    pub fn verify_batch<L: Logit, Q: Logit>(
+        &mut self,
+        batch: &VerifyBatch<'_, L, Q>,
+    ) -> Result<Vec<Result<StepOutput>>> {
         let off = batch.draft_offsets;
         let n = batch.sequences.len();
         let v = batch.vocab_size;
@@ -124,17 +178,7 @@ impl Verifier {
         let mut out = Vec::with_capacity(n);
         for (b, s) in batch.sequences.iter().enumerate() {
             let (lo, hi) = (off[b], off[b + 1]);
-            let draft_probs = match batch.draft_probs {
-                DraftProbs::PointMass => DraftProbs::PointMass,
-                DraftProbs::Probs { probs, .. } => DraftProbs::Probs {
-                    probs: &probs[lo * qv..hi * qv],
-                    vocab: qv,
-                },
-                DraftProbs::Logits { logits, .. } => DraftProbs::Logits {
-                    logits: &logits[lo * qv..hi * qv],
-                    vocab: qv,
-                },
-            };
+            let draft_probs = sequence_q(batch.draft_probs, s.draft_probs, lo, hi, qv);
             let req = VerifyRequest {
                 config: s.config,
                 target_logits: &batch.target_logits[(lo + b) * v..(hi + b + 1) * v],
@@ -163,12 +207,12 @@ impl Verifier {
 /// # Errors
 /// [`Error::ShapeMismatch`], [`Error::InvalidOffsets`] or [`Error::DraftVocabTooLarge`], as
 /// documented on [`Verifier::verify_batch`].
-pub(crate) fn check_layout(
+pub(crate) fn check_layout<Q>(
     off: &[usize],
     n: usize,
     draft_tokens: usize,
     vocab: usize,
-    draft_probs: &DraftProbs<'_>,
+    draft_probs: &DraftQ<'_, Q>,
 ) -> Result<usize> {
     if off.len() != n + 1 {
         return Err(Error::ShapeMismatch {
@@ -199,12 +243,12 @@ pub(crate) fn check_layout(
         });
     }
     match *draft_probs {
-        DraftProbs::PointMass => Ok(0),
-        DraftProbs::Probs {
+        DraftQ::PointMass => Ok(0),
+        DraftQ::Probs {
             probs: d,
             vocab: qv,
         }
-        | DraftProbs::Logits {
+        | DraftQ::Logits {
             logits: d,
             vocab: qv,
         } => {

@@ -2,8 +2,12 @@
 
 use super::{row, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyRequest};
 use crate::error::{Result, RowKind};
+use crate::sampling::Logit;
 
-pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOutput> {
+pub(super) fn verify<L: Logit, Q: Logit>(
+    v: &mut Verifier,
+    req: &VerifyRequest<'_, L, Q>,
+) -> Result<StepOutput> {
     let vocab = req.vocab_size;
     let k = req.draft_tokens.len();
     let rows = req.target_rows();

@@ -51,21 +51,31 @@
 //! greedy decoding. Random draws come from [`crate::rng::Stream`] keyed by the request's seed and
 //! the absolute position of the token, so results never depend on batch order or composition.
 
+mod array;
 mod batch;
-pub(crate) use batch::check_layout;
+pub(crate) use batch::{check_layout, sequence_q};
 pub mod exact;
 mod greedy;
 mod stochastic;
 
+pub use array::array_rows;
 pub use batch::{SequenceParams, VerifyBatch};
 
 use crate::error::{Error, Result, RowKind};
-use crate::sampling::{History, RowProcessor, SamplingConfig, TokenCounts, TokenDist};
+use crate::sampling::{History, Logit, RowProcessor, SamplingConfig, TokenCounts, TokenDist};
 
-/// The draft probabilities q handed to the verifier.
+/// The draft probabilities q handed to the verifier, with their rows in dtype `Q` (any
+/// [`Logit`]: `f32`, or `half::f16` / `half::bf16` with the cargo feature `half`), which may
+/// differ from the target logits' dtype.
+///
+/// [`DraftProbs`] is this type over `f32`, the name most code uses; writing
+/// `DraftProbs::PointMass` (rather than `DraftQ::PointMass`) also tells type inference that a
+/// point-mass request has no q dtype to choose. Values are widened to `f32` exactly as they are
+/// read: results equal those of the rows converted to `f32` first. From an `ndarray` view:
+/// [`DraftQ::probs_array`], [`DraftQ::logits_array`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
-pub enum DraftProbs<'a> {
+pub enum DraftQ<'a, Q = f32> {
     /// Deterministic proposer (prompt lookup, suffix): each draft token is a point mass.
     PointMass,
     /// Probabilities the drafts were sampled from, `[k, vocab]` row-major, already processed
@@ -73,7 +83,7 @@ pub enum DraftProbs<'a> {
     /// target's (padded embeddings): missing entries are probability 0.
     Probs {
         /// `[k, vocab]` probabilities.
-        probs: &'a [f32],
+        probs: &'a [Q],
         /// Width of a row, in tokens.
         vocab: usize,
     },
@@ -82,30 +92,34 @@ pub enum DraftProbs<'a> {
     /// `d_i` from exactly that processed distribution.
     Logits {
         /// `[k, vocab]` logits.
-        logits: &'a [f32],
+        logits: &'a [Q],
         /// Width of a row, in tokens.
         vocab: usize,
     },
 }
 
-/// One draft row's q, as used by the acceptance rule and the residual.
+/// The draft probabilities q as `f32` rows: [`DraftQ`] over `f32`.
+pub type DraftProbs<'a> = DraftQ<'a, f32>;
+
+/// One draft row's q, as used by the acceptance rule and the residual. Dense rows are in dtype
+/// `Q` (any [`Logit`], default `f32`).
 #[derive(Debug, Clone, Copy)]
-pub enum DraftRow<'a> {
+pub enum DraftRow<'a, Q = f32> {
     /// q is a point mass on the draft token.
     PointMass,
     /// Dense probabilities `[q_vocab]`; entries beyond the slice are 0.
-    Dense(&'a [f32]),
+    Dense(&'a [Q]),
     /// A processed draft distribution.
     Dist(&'a TokenDist),
 }
 
-impl DraftRow<'_> {
+impl<Q: Logit> DraftRow<'_, Q> {
     /// `q(token)`, where `draft` is the drafted token (needed for the point mass).
     #[inline]
     pub fn prob(&self, token: u32, draft: u32) -> f32 {
         match self {
             DraftRow::PointMass => (token == draft) as u8 as f32,
-            DraftRow::Dense(q) => q.get(token as usize).copied().unwrap_or(0.0),
+            DraftRow::Dense(q) => q.get(token as usize).map_or(0.0, |x| x.widen()),
             DraftRow::Dist(d) => d.prob(token),
         }
     }
@@ -123,6 +137,16 @@ pub fn acceptance_probability(p_x: f32, q_x: f32) -> f64 {
 pub fn residual_weights(
     p: &TokenDist,
     q: &DraftRow<'_>,
+    draft: u32,
+    out: &mut Vec<(u32, f64)>,
+) -> f64 {
+    residual_weights_of(p, q, draft, out)
+}
+
+/// [`residual_weights`] for a q row of any dtype.
+pub(crate) fn residual_weights_of<Q: Logit>(
+    p: &TokenDist,
+    q: &DraftRow<'_, Q>,
     draft: u32,
     out: &mut Vec<(u32, f64)>,
 ) -> f64 {
@@ -195,18 +219,24 @@ pub fn leading_accepted(flags: &[bool]) -> usize {
 }
 
 /// One verify request: one sequence, `k >= 0` drafts.
+///
+/// The target logits are in dtype `L` and the draft q rows in dtype `Q`, each any [`Logit`]
+/// (`f32` by default; `half::f16` and `half::bf16` with the cargo feature `half`). Values are
+/// widened to `f32` exactly as they are read, so the outcome (tokens, log-probabilities,
+/// errors) is the one of the same request with its rows converted to `f32`, without that
+/// conversion pass. From an `ndarray` view: [`VerifyRequest::from_array`].
 #[derive(Debug, Clone, Copy)]
-pub struct VerifyRequest<'a> {
+pub struct VerifyRequest<'a, L = f32, Q = f32> {
     /// Sampling configuration; the same one the proposer used.
     pub config: &'a SamplingConfig,
     /// Target logits `[k + 1, vocab_size]` row-major.
-    pub target_logits: &'a [f32],
+    pub target_logits: &'a [L],
     /// Width of a target row, in tokens.
     pub vocab_size: usize,
     /// Draft tokens `d_1 .. d_k`.
     pub draft_tokens: &'a [u32],
     /// The draft probabilities q.
-    pub draft_probs: DraftProbs<'a>,
+    pub draft_probs: DraftQ<'a, Q>,
     /// Tokens before the block (prompt + generated), for penalties and masks. May be empty when
     /// neither is used.
     pub context: &'a [u32],
@@ -234,13 +264,15 @@ pub struct VerifyRequest<'a> {
     pub final_draft_ends: bool,
 }
 
-impl<'a> VerifyRequest<'a> {
+impl<'a, L: Logit> VerifyRequest<'a, L> {
     /// A request with point-mass drafts, empty context, seed 0 and position 0. In a decoding loop
     /// set [`VerifyRequest::context`] or [`VerifyRequest::position`] at every step (see
     /// [`VerifyRequest::position`] field docs).
+    ///
+    /// `target_logits` is `[k + 1, vocab_size]` row-major, in any [`Logit`] dtype.
     pub fn new(
         config: &'a SamplingConfig,
-        target_logits: &'a [f32],
+        target_logits: &'a [L],
         vocab_size: usize,
         draft_tokens: &'a [u32],
     ) -> Self {
@@ -249,7 +281,7 @@ impl<'a> VerifyRequest<'a> {
             target_logits,
             vocab_size,
             draft_tokens,
-            draft_probs: DraftProbs::PointMass,
+            draft_probs: DraftQ::PointMass,
             context: &[],
             seed: 0,
             position: None,
@@ -259,11 +291,26 @@ impl<'a> VerifyRequest<'a> {
             final_draft_ends: false,
         }
     }
+}
 
-    /// Sets the draft probabilities.
-    pub fn draft_probs(mut self, q: DraftProbs<'a>) -> Self {
-        self.draft_probs = q;
-        self
+impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
+    /// Sets the draft probabilities. Their dtype `R` may differ from the target's: the request
+    /// becomes a `VerifyRequest<'a, L, R>`.
+    pub fn draft_probs<R: Logit>(self, q: DraftQ<'a, R>) -> VerifyRequest<'a, L, R> {
+        VerifyRequest {
+            config: self.config,
+            target_logits: self.target_logits,
+            vocab_size: self.vocab_size,
+            draft_tokens: self.draft_tokens,
+            draft_probs: q,
+            context: self.context,
+            seed: self.seed,
+            position: self.position,
+            prompt_len: self.prompt_len,
+            suppress: self.suppress,
+            suppress_rows: self.suppress_rows,
+            final_draft_ends: self.final_draft_ends,
+        }
     }
 
     /// Sets the context (prompt + generated tokens before the block).
@@ -386,9 +433,9 @@ impl<'a> VerifyRequest<'a> {
             });
         }
         match self.draft_probs {
-            DraftProbs::PointMass => {}
-            DraftProbs::Probs { probs: data, vocab }
-            | DraftProbs::Logits {
+            DraftQ::PointMass => {}
+            DraftQ::Probs { probs: data, vocab }
+            | DraftQ::Logits {
                 logits: data,
                 vocab,
             } => {
@@ -424,11 +471,11 @@ impl<'a> VerifyRequest<'a> {
                 }
             }
         }
-        if let DraftProbs::Probs { probs, vocab: qv } = self.draft_probs {
+        if let DraftQ::Probs { probs, vocab: qv } = self.draft_probs {
             for (i, &d) in self.draft_tokens.iter().enumerate() {
                 let q = &probs[i * qv..(i + 1) * qv];
                 check_dense_q(q, i)?;
-                if q[d as usize] <= 0.0 {
+                if q[d as usize].widen() <= 0.0 {
                     return Err(Error::InvalidDraftProbs {
                         row: i,
                         reason: "the drafted token has probability 0 under q",
@@ -436,7 +483,7 @@ impl<'a> VerifyRequest<'a> {
                 }
             }
         }
-        if let DraftProbs::Logits { logits, vocab: qv } = self.draft_probs {
+        if let DraftQ::Logits { logits, vocab: qv } = self.draft_probs {
             check_finite(logits, qv, RowKind::Draft)?;
         }
         if target {
@@ -450,16 +497,20 @@ impl<'a> VerifyRequest<'a> {
 pub(crate) const Q_SUM_TOLERANCE: f64 = 1e-3;
 
 /// Checks one dense q row: finite, non-negative, sums to 1 within [`Q_SUM_TOLERANCE`].
-pub(crate) fn check_dense_q(q: &[f32], row: usize) -> Result<()> {
+pub(crate) fn check_dense_q<Q: Logit>(q: &[Q], row: usize) -> Result<()> {
     let mut total = 0.0f64;
-    for &x in q {
-        if !(x.is_finite() && x >= 0.0) {
-            return Err(Error::InvalidDraftProbs {
-                row,
-                reason: "a probability is negative or not finite",
-            });
+    let mut bad = false;
+    crate::sampling::for_each_span(q, |_, block| {
+        for &x in block {
+            bad |= !(x.is_finite() && x >= 0.0);
+            total += x as f64;
         }
-        total += x as f64;
+    });
+    if bad {
+        return Err(Error::InvalidDraftProbs {
+            row,
+            reason: "a probability is negative or not finite",
+        });
     }
     if (total - 1.0).abs() > Q_SUM_TOLERANCE {
         return Err(Error::InvalidDraftProbs {
@@ -471,7 +522,7 @@ pub(crate) fn check_dense_q(q: &[f32], row: usize) -> Result<()> {
 }
 
 /// Checks every row of `[rows, width]` logits for NaN and `+inf` (`-inf` means banned).
-pub(crate) fn check_finite(logits: &[f32], width: usize, kind: RowKind) -> Result<()> {
+pub(crate) fn check_finite<T: Logit>(logits: &[T], width: usize, kind: RowKind) -> Result<()> {
     if width == 0 {
         return Ok(());
     }
@@ -496,7 +547,7 @@ struct BlockHistory {
 }
 
 impl BlockHistory {
-    fn begin(&mut self, req: &VerifyRequest<'_>) -> Result<()> {
+    fn begin<L, Q>(&mut self, req: &VerifyRequest<'_, L, Q>) -> Result<()> {
         let cfg = req.config;
         self.counts = if cfg.has_penalties() {
             Some(TokenCounts::from_context(
@@ -601,7 +652,10 @@ impl Verifier {
     ///   processes, has no token left after masking.
     ///
     /// All but the last are decided before any random draw: they never depend on the seed.
-    pub fn verify(&mut self, req: &VerifyRequest<'_>) -> Result<StepOutput> {
+    pub fn verify<L: Logit, Q: Logit>(
+        &mut self,
+        req: &VerifyRequest<'_, L, Q>,
+    ) -> Result<StepOutput> {
         req.validate()?;
         self.prepare_draft_rows(req)?;
         self.hist.begin(req)?;
@@ -614,8 +668,11 @@ impl Verifier {
 
     /// Processes every draft-logit row with its history (context plus drafts `0..i`), before any
     /// draw, and checks that each draft token is possible under its processed row.
-    fn prepare_draft_rows(&mut self, req: &VerifyRequest<'_>) -> Result<()> {
-        let DraftProbs::Logits { logits, vocab: qv } = req.draft_probs else {
+    fn prepare_draft_rows<L: Logit, Q: Logit>(
+        &mut self,
+        req: &VerifyRequest<'_, L, Q>,
+    ) -> Result<()> {
+        let DraftQ::Logits { logits, vocab: qv } = req.draft_probs else {
             return Ok(());
         };
         let k = req.k();
@@ -653,7 +710,7 @@ impl Verifier {
 }
 
 #[inline]
-fn row(logits: &[f32], vocab: usize, i: usize) -> &[f32] {
+fn row<T>(logits: &[T], vocab: usize, i: usize) -> &[T] {
     &logits[i * vocab..(i + 1) * vocab]
 }
 

@@ -5,14 +5,17 @@
 //! [`crate::verify`], case C15).
 
 use super::{
-    acceptance_probability, residual_weights, row, DraftProbs, DraftRow, StepEnd, StepOutput,
+    acceptance_probability, residual_weights_of, row, DraftQ, DraftRow, StepEnd, StepOutput,
     TokenLogprob, Verifier, VerifyRequest,
 };
 use crate::error::{Error, Result, RowKind};
 use crate::rng::{lane, Stream};
-use crate::sampling::{sample_weighted, TokenDist};
+use crate::sampling::{sample_weighted, Logit, TokenDist};
 
-pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOutput> {
+pub(super) fn verify<L: Logit, Q: Logit>(
+    v: &mut Verifier,
+    req: &VerifyRequest<'_, L, Q>,
+) -> Result<StepOutput> {
     let vocab = req.vocab_size;
     let k = req.draft_tokens.len();
     let cfg = req.config;
@@ -43,11 +46,11 @@ pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOu
             &mut v.p,
         )?;
         let q_row = match req.draft_probs {
-            DraftProbs::PointMass => None,
-            DraftProbs::Probs { probs, vocab: qv } => {
+            DraftQ::PointMass => None,
+            DraftQ::Probs { probs, vocab: qv } => {
                 Some(DraftRow::Dense(&probs[i * qv..(i + 1) * qv]))
             }
-            DraftProbs::Logits { .. } => Some(DraftRow::Dist(&v.q_rows[i])),
+            DraftQ::Logits { .. } => Some(DraftRow::Dist(&v.q_rows[i])),
         };
         let emitted = match q_row {
             // Point mass: draw the position's token as plain sampling would and accept the draft
@@ -67,7 +70,7 @@ pub(super) fn verify(v: &mut Verifier, req: &VerifyRequest<'_>) -> Result<StepOu
                     // Rejected: sample the residual normalise(max(0, p - q)). If rounding left
                     // no residual mass (p == q up to float error, where rejection has
                     // probability ~0), sample p.
-                    residual_weights(&v.p, &q_row, x, &mut v.residual);
+                    residual_weights_of(&v.p, &q_row, x, &mut v.residual);
                     let u2 = stream.uniform(pos, lane::SAMPLE);
                     match sample_weighted(v.residual.iter().copied(), u2) {
                         Some(t) => Some(t),

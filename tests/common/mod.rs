@@ -5,6 +5,8 @@
 
 #![allow(dead_code)]
 
+pub mod steps;
+
 use speculative::sampling::{History, RowProcessor, TokenCounts};
 use speculative::{Result, RowKind, SamplingConfig, TokenDist};
 use statrs::distribution::{ChiSquared, ContinuousCDF};
@@ -26,6 +28,38 @@ pub fn process(
     let mut d = TokenDist::default();
     RowProcessor::new().distribution(cfg, logits, &hist, RowKind::Target, 0, &mut d)?;
     Ok(d)
+}
+
+/// Temperature 0.7 + top-p 0.9 + top-k 3 (a configuration of the chi-square suite,
+/// `tests/statistical.rs`).
+pub fn nucleus_config() -> SamplingConfig {
+    SamplingConfig::builder()
+        .temperature(0.7)
+        .top_p(0.9)
+        .top_k(3)
+        .build()
+        .unwrap()
+}
+
+/// Temperature 1.2 + min-p 0.25 (a configuration of the chi-square suite).
+pub fn min_p_config() -> SamplingConfig {
+    SamplingConfig::builder()
+        .temperature(1.2)
+        .min_p(0.25)
+        .build()
+        .unwrap()
+}
+
+/// Repetition 2.5, presence 0.5, frequency 0.3 at temperature 1 (a configuration of the
+/// chi-square suite).
+pub fn penalty_config() -> SamplingConfig {
+    SamplingConfig::builder()
+        .temperature(1.0)
+        .repetition_penalty(2.5)
+        .presence_penalty(0.5)
+        .frequency_penalty(0.3)
+        .build()
+        .unwrap()
 }
 
 /// A distribution as a dense row of `width` probabilities (entries beyond its support are 0).
