@@ -4,7 +4,7 @@
 //!
 //! Run: `cargo bench --bench decode`
 
-use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{BenchmarkId, Criterion, Throughput, black_box, criterion_group, criterion_main};
 use speculative::decode::{DraftLength, GenerationParams, Generator};
 use speculative::propose::PromptLookup;
 use speculative::{Result, SamplingConfig, TargetModel};

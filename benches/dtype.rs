@@ -20,7 +20,7 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use speculative::sampling::Logit;

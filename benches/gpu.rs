@@ -17,7 +17,7 @@
 
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{Criterion, criterion_group, criterion_main};
 use speculative::gpu::{Backend, DeviceBatch, GpuVerifier};
 use speculative::{DraftProbs, SamplingConfig, SequenceParams};
 
@@ -122,8 +122,8 @@ impl Resident for WgpuRes {
 #[cfg(feature = "cuda")]
 mod cuda_res {
     use super::*;
-    use speculative::gpu::cudarc::driver::CudaSlice;
     use speculative::gpu::CudaLogits;
+    use speculative::gpu::cudarc::driver::CudaSlice;
 
     pub struct CudaRes {
         pub gpu: GpuVerifier,

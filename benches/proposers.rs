@@ -13,7 +13,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use speculative::propose::{PromptLookup, SuffixConfig, SuffixProposer};
 use speculative::{Draft, ProposeRequest, Proposer, SamplingConfig};
 

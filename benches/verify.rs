@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use speculative::{DraftProbs, SamplingConfig, SequenceParams, Verifier, VerifyBatch};
 
 const VOCABS: [usize; 5] = [32_000, 49_152, 128_256, 151_936, 262_144];

@@ -20,7 +20,7 @@
 use std::error::Error;
 use std::io::Write;
 
-use speculative::rng::{lane, Stream};
+use speculative::rng::{Stream, lane};
 use speculative::sampling::{History, RowProcessor, TokenDist};
 use speculative::{
     DraftProbs, RowKind, SamplingConfig, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyRequest,

@@ -1679,13 +1679,15 @@ mod tests {
             .chain(HF_NEUTRAL_KEYS.iter().map(|(k, _)| k))
         {
             assert!(!fields.contains(k), "{k}");
-            assert!(![
-                "max_tokens",
-                "min_new_tokens",
-                "stop_strings",
-                "suppress_tokens"
-            ]
-            .contains(k));
+            assert!(
+                ![
+                    "max_tokens",
+                    "min_new_tokens",
+                    "stop_strings",
+                    "suppress_tokens"
+                ]
+                .contains(k)
+            );
         }
     }
 }

@@ -149,7 +149,9 @@ pub enum Error {
     },
     /// A batch is larger than one launch of a backend can take (a buffer over the device's
     /// binding limit, or an index over 32 bits). Split the batch into smaller ones.
-    #[error("batch too large for one {backend} launch: {what} is {size}, the limit is {limit}; split the batch")]
+    #[error(
+        "batch too large for one {backend} launch: {what} is {size}, the limit is {limit}; split the batch"
+    )]
     BatchTooLarge {
         /// Backend name.
         backend: &'static str,
@@ -170,7 +172,9 @@ pub enum Error {
     },
     /// A proposer was asked to continue a context that does not extend the one it was started
     /// with (used directly, without [`crate::Proposer::begin`]), and it cannot rebuild its state.
-    #[error("proposer {proposer} was asked for a context it was not started with; call begin() with the new prompt")]
+    #[error(
+        "proposer {proposer} was asked for a context it was not started with; call begin() with the new prompt"
+    )]
     StaleProposerState {
         /// [`crate::Proposer::name`] of the proposer.
         proposer: &'static str,
@@ -203,7 +207,9 @@ pub enum Error {
     /// its columns. The verifier reads rows as slices and does not copy; pass
     /// `view.as_standard_layout()`, which borrows a view already in standard layout and copies
     /// any other into a contiguous array.
-    #[error("{what} is not a contiguous row-major (standard layout) array; pass view.as_standard_layout()")]
+    #[error(
+        "{what} is not a contiguous row-major (standard layout) array; pass view.as_standard_layout()"
+    )]
     NonContiguous {
         /// Which input (for example `"target_logits"`).
         what: &'static str,

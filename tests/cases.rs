@@ -7,9 +7,9 @@
 mod common;
 
 use common::{chi_square, dense, process};
-use speculative::rng::{lane, Stream};
-use speculative::verify::exact::{first_token_given_draft, first_token_marginal};
+use speculative::rng::{Stream, lane};
 use speculative::verify::DraftRow;
+use speculative::verify::exact::{first_token_given_draft, first_token_marginal};
 use speculative::{
     DraftProbs, Error, Result, RowKind, SamplingConfig, SequenceParams, StepEnd, StepOutput,
     TokenDist, Verifier, VerifyBatch, VerifyRequest,

@@ -18,13 +18,13 @@
 
 mod common;
 
-use common::steps::{draw_drafts, logit, params, step_case, Params, QMode, StepCase};
+use common::steps::{Params, QMode, StepCase, draw_drafts, logit, params, step_case};
 use common::{dense, process};
 use proptest::collection::vec;
 use proptest::prelude::*;
-use speculative::rng::{lane, Stream};
-use speculative::verify::exact::{first_token_given_draft, first_token_marginal};
+use speculative::rng::{Stream, lane};
 use speculative::verify::DraftRow;
+use speculative::verify::exact::{first_token_given_draft, first_token_marginal};
 use speculative::{
     DraftProbs, Error, RowKind, SamplingConfig, StepEnd, StepOutput, TokenDist, Verifier,
     VerifyRequest,

@@ -19,12 +19,12 @@
 
 mod common;
 
-use common::steps::{draw_drafts, step_case, step_case_in, QMode, StepCase};
+use common::steps::{QMode, StepCase, draw_drafts, step_case, step_case_in};
 use common::{dense, min_p_config, nucleus_config, penalty_config, process};
 use half::{bf16, f16};
-use ndarray::{s, Array2, ArrayView2};
+use ndarray::{Array2, ArrayView2, s};
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use speculative::rng::{lane, Stream};
+use speculative::rng::{Stream, lane};
 use speculative::sampling::Logit;
 use speculative::test_util::ToyModel;
 use speculative::{

@@ -23,9 +23,9 @@ use std::sync::{Arc, Mutex};
 use proptest::prelude::*;
 use proptest::test_runner::{TestCaseError, TestRunner};
 use speculative::propose::{DraftHeads, HeadsProposer};
-use speculative::rng::{lane, Stream};
+use speculative::rng::{Stream, lane};
 use speculative::sampling::{
-    apply_min_p, apply_top_p, select_top_k, Cand, History, PenaltyScope, RowProcessor, TokenCounts,
+    Cand, History, PenaltyScope, RowProcessor, TokenCounts, apply_min_p, apply_top_p, select_top_k,
 };
 use speculative::test_util::ToyModel;
 use speculative::{
@@ -160,11 +160,7 @@ impl Mix {
         (self.next() >> 11) as f64 / (1u64 << 53) as f64
     }
     fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
+        if n == 0 { 0 } else { self.next() % n }
     }
 }
 
@@ -590,10 +586,10 @@ impl Restrictions<'_> {
         if self.cfg.banned_tokens().contains(&token) {
             return Some("banned");
         }
-        if let Some(a) = self.cfg.allowed_tokens() {
-            if !a.contains(&token) {
-                return Some("not in the allowed set");
-            }
+        if let Some(a) = self.cfg.allowed_tokens()
+            && !a.contains(&token)
+        {
+            return Some("not in the allowed set");
         }
         if self
             .cfg
@@ -733,7 +729,7 @@ fn check_step(
             return Err(TestCaseError::fail(format!(
                 "logprobs asked {want:?}, got {}",
                 got.is_some()
-            )))
+            )));
         }
     }
     Ok(())
@@ -815,7 +811,7 @@ fn check_verify_error(e: &Error, vocab: usize, k: usize) -> Result<(), TestCaseE
         other => {
             return Err(TestCaseError::fail(format!(
                 "verify returned an undocumented error {other:?}"
-            )))
+            )));
         }
     }
     // Display never panics and says something.
@@ -1574,7 +1570,7 @@ fn batch_property(c: BatchCase) -> Result<(), TestCaseError> {
                 other => {
                     return Err(TestCaseError::fail(format!(
                         "verify_batch returned {other:?} for a malformed layout"
-                    )))
+                    )));
                 }
             }
             return Ok(());
@@ -1716,37 +1712,37 @@ fn reference_effective(
             .collect(),
         None => logits.to_vec(),
     };
-    if cfg.has_penalties() {
-        if let Some(c) = counts {
-            let whole = cfg.penalty_scope() == PenaltyScope::WholeContext;
-            for (t, p, g) in c.iter() {
-                // Banned (-inf) logits stay banned; finite ones saturate at ±f32::MAX.
-                let Some(l) = e.get_mut(t as usize).filter(|l| l.is_finite()) else {
-                    continue;
-                };
-                let r = cfg.repetition_penalty();
-                let (f, pr) = (cfg.frequency_penalty(), cfg.presence_penalty());
-                let n = if whole { p + g } else { g };
-                // f32 arithmetic; a result outside the f32 range is redone in f64 and saturated.
-                let mut x = *l;
+    if cfg.has_penalties()
+        && let Some(c) = counts
+    {
+        let whole = cfg.penalty_scope() == PenaltyScope::WholeContext;
+        for (t, p, g) in c.iter() {
+            // Banned (-inf) logits stay banned; finite ones saturate at ±f32::MAX.
+            let Some(l) = e.get_mut(t as usize).filter(|l| l.is_finite()) else {
+                continue;
+            };
+            let r = cfg.repetition_penalty();
+            let (f, pr) = (cfg.frequency_penalty(), cfg.presence_penalty());
+            let n = if whole { p + g } else { g };
+            // f32 arithmetic; a result outside the f32 range is redone in f64 and saturated.
+            let mut x = *l;
+            if r != 1.0 && p + g > 0 {
+                x = if x > 0.0 { x / r } else { x * r };
+            }
+            if n > 0 {
+                x -= n as f32 * f + pr;
+            }
+            if !x.is_finite() {
+                let mut y = *l as f64;
                 if r != 1.0 && p + g > 0 {
-                    x = if x > 0.0 { x / r } else { x * r };
+                    y = if y > 0.0 { y / r as f64 } else { y * r as f64 };
                 }
                 if n > 0 {
-                    x -= n as f32 * f + pr;
+                    y -= n as f64 * f as f64 + pr as f64;
                 }
-                if !x.is_finite() {
-                    let mut y = *l as f64;
-                    if r != 1.0 && p + g > 0 {
-                        y = if y > 0.0 { y / r as f64 } else { y * r as f64 };
-                    }
-                    if n > 0 {
-                        y -= n as f64 * f as f64 + pr as f64;
-                    }
-                    x = sat(y);
-                }
-                *l = x;
+                x = sat(y);
             }
+            *l = x;
         }
     }
     for &(t, b) in cfg.logit_bias() {
@@ -1845,7 +1841,7 @@ fn row_property(c: RowCase) -> Result<(), TestCaseError> {
         (got, bad, best) => {
             return Err(TestCaseError::fail(format!(
                 "argmax {got:?}, reference: first bad {bad:?}, best {best:?}"
-            )))
+            )));
         }
     }
 
@@ -1896,11 +1892,7 @@ fn row_property(c: RowCase) -> Result<(), TestCaseError> {
             let inv_t = (1.0 / cfg.temperature()).min(f32::MAX);
             let scaled = |x: f32| {
                 let dx = x - mx;
-                if dx == 0.0 {
-                    0.0
-                } else {
-                    dx * inv_t
-                }
+                if dx == 0.0 { 0.0 } else { dx * inv_t }
             };
             check!(
                 d.prob(i as u32) > 0.0
@@ -1951,7 +1943,7 @@ fn row_property(c: RowCase) -> Result<(), TestCaseError> {
         (got, bad, best) => {
             return Err(TestCaseError::fail(format!(
                 "distribution {got:?}, reference: first bad {bad:?}, best {best:?}"
-            )))
+            )));
         }
     }
     Ok(())
@@ -2879,7 +2871,7 @@ fn check_sampled_draft(
         ) => {
             return Err(TestCaseError::fail(format!(
                 "the verifier rejects the proposer's draft: {e:?}"
-            )))
+            )));
         }
         Err(e) => check_verify_error(&e, tv, k)?,
     }

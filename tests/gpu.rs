@@ -28,9 +28,9 @@
 
 mod common;
 
-use common::{chi_square, dense, process, raw_softmax, Fit};
+use common::{Fit, chi_square, dense, process, raw_softmax};
 use speculative::gpu::{Backend, GpuVerifier};
-use speculative::rng::{lane, Stream};
+use speculative::rng::{Stream, lane};
 use speculative::sampling::PenaltyScope;
 use speculative::test_util::ToyModel;
 use speculative::{

@@ -9,7 +9,7 @@ use speculative::decode::{
     StopConditions,
 };
 use speculative::propose::{DraftModelProposer, NoProposer, PromptLookup, SuffixProposer};
-use speculative::rng::{lane, Stream};
+use speculative::rng::{Stream, lane};
 use speculative::sampling::{History, PenaltyScope, RowProcessor};
 use speculative::test_util::{CallLog, RandomProposer, ScriptedProposer, ToyModel};
 use speculative::{

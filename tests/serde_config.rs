@@ -3,12 +3,12 @@
 //! field, unknown fields are rejected, and serialising then loading gives back an equal config.
 #![cfg(feature = "serde")]
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use proptest::prelude::*;
-use serde::de::DeserializeOwned;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use speculative::config::{Lenient, RequestConfig};
 use speculative::decode::{AdaptiveConfig, DraftLength, GenerationParams, StopConditions};
 use speculative::propose::{PromptLookup, PromptLookupConfig, SuffixConfig};

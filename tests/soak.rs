@@ -16,10 +16,10 @@ use std::time::Instant;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use speculative::NoProposer;
 use speculative::decode::{GenerationParams, Generator};
 use speculative::propose::{SuffixConfig, SuffixProposer};
 use speculative::test_util::ToyModel;
-use speculative::NoProposer;
 
 const GENERATIONS: usize = 10_000;
 /// Each generation asks for a seeded number of new tokens in this range (greedy, no EOS, so it

@@ -26,12 +26,12 @@
 mod common;
 
 use common::{
-    chi_square, dense, min_p_config, nucleus_config, penalty_config, process, raw_softmax, Fit,
+    Fit, chi_square, dense, min_p_config, nucleus_config, penalty_config, process, raw_softmax,
 };
-use speculative::rng::{lane, Stream};
+use speculative::rng::{Stream, lane};
 use speculative::test_util::ToyModel;
-use speculative::verify::exact::first_token_given_draft;
 use speculative::verify::DraftRow;
+use speculative::verify::exact::first_token_given_draft;
 use speculative::{DraftProbs, SamplingConfig, StepOutput, TokenDist, Verifier, VerifyRequest};
 
 /// Significance level of every test in this file.

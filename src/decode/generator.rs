@@ -1,8 +1,8 @@
 //! The speculative decoding loop.
 
 use std::ops::ControlFlow;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::metrics::Metrics;
@@ -370,7 +370,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
                         logprobs: None,
                         text: None,
                     }),
-                })
+                });
             }
         };
         loop {
@@ -385,7 +385,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
                     return Err(GenerationError {
                         error,
                         partial: Box::new(s.into_generation()),
-                    })
+                    });
                 }
             }
         }
@@ -466,10 +466,10 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         if h == 0 {
             return;
         }
-        if let Some(all) = self.target.last_hidden() {
-            if let Some(r) = all.get(row * h..(row + 1) * h) {
-                self.hidden.extend_from_slice(r);
-            }
+        if let Some(all) = self.target.last_hidden()
+            && let Some(r) = all.get(row * h..(row + 1) * h)
+        {
+            self.hidden.extend_from_slice(r);
         }
     }
 }
@@ -806,10 +806,11 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             if check {
                 reason = params.stop.check(generated);
             }
-            if let Some(det) = self.g.detokenizer.as_deref() {
-                if self.text.push(det, generated, &params.stop, check)? && reason.is_none() {
-                    reason = Some(FinishReason::StopString);
-                }
+            if let Some(det) = self.g.detokenizer.as_deref()
+                && self.text.push(det, generated, &params.stop, check)?
+                && reason.is_none()
+            {
+                reason = Some(FinishReason::StopString);
             }
             if reason.is_some() {
                 break;

@@ -341,22 +341,26 @@ mod tests {
         s.begin_generation();
         assert_eq!(s.wait, 0);
         // A maximum below the initial interval means a fixed interval, not an error.
-        assert!(AdaptiveConfig {
-            max_probe_interval: 3,
-            ..cfg
-        }
-        .validate()
-        .is_ok());
+        assert!(
+            AdaptiveConfig {
+                max_probe_interval: 3,
+                ..cfg
+            }
+            .validate()
+            .is_ok()
+        );
     }
 
     #[test]
     fn validates() {
-        assert!(AdaptiveConfig {
-            decay: 0.0,
-            ..Default::default()
-        }
-        .validate()
-        .is_err());
+        assert!(
+            AdaptiveConfig {
+                decay: 0.0,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
         assert!(AdaptiveConfig::default().validate().is_ok());
     }
 }

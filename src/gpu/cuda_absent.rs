@@ -3,7 +3,7 @@
 
 use std::marker::PhantomData;
 
-use super::{unavailable, Backend, DeviceBatch};
+use super::{Backend, DeviceBatch, unavailable};
 use crate::error::Result;
 use crate::verify::StepOutput;
 

@@ -11,7 +11,7 @@ use cudarc::driver::{
 };
 
 use super::pack::{self, Packed};
-use super::{unavailable, Backend, DeviceBatch};
+use super::{Backend, DeviceBatch, unavailable};
 use crate::error::{Error, Result};
 use crate::verify::StepOutput;
 

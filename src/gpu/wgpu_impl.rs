@@ -1,7 +1,7 @@
 //! The wgpu backend: the WGSL kernel of `kernels/verify.wgsl` on any wgpu device.
 
 use super::pack::{self, Packed};
-use super::{unavailable, Backend, DeviceBatch};
+use super::{Backend, DeviceBatch, unavailable};
 use crate::error::{Error, Result};
 use crate::verify::StepOutput;
 

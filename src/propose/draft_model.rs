@@ -162,8 +162,8 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::{CallLog, ToyModel};
     use crate::SamplingConfig;
+    use crate::test_util::{CallLog, ToyModel};
 
     #[test]
     fn prompt_is_prefilled_once_and_drafts_match_full_forwards() {

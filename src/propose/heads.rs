@@ -178,8 +178,8 @@ impl<H: DraftHeads> Proposer for HeadsProposer<H> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::{HeadsConditioning, ToyHeads};
     use crate::SamplingConfig;
+    use crate::test_util::{HeadsConditioning, ToyHeads};
 
     fn next(t: u32) -> u32 {
         (3 * t + 1) % 8

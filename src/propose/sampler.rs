@@ -2,7 +2,7 @@
 
 use super::{Draft, ProposeRequest};
 use crate::error::{Result, RowKind};
-use crate::rng::{lane, Stream};
+use crate::rng::{Stream, lane};
 use crate::sampling::{History, RowProcessor, SamplingConfig, TokenCounts, TokenDist};
 
 /// Samples the drafts of one block, one row of draft logits at a time.

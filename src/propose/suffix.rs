@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 
-use super::prompt_lookup::{edge_key, extends, EdgeMap};
+use super::prompt_lookup::{EdgeMap, edge_key, extends};
 use super::{Draft, ProposeRequest, Proposer};
 use crate::error::{Error, Result};
 
@@ -780,17 +780,15 @@ impl Proposer for SuffixProposer {
     /// [`SuffixProposer::add_to_corpus`]) and empties the request index.
     fn finish(&mut self, sequence: &[u32]) {
         let mut part = sequence;
-        if self.cfg.corpus_outputs_only {
-            if let Some(p) = self.prompt_len {
-                if self
-                    .request
-                    .seq
-                    .get(..p)
-                    .is_some_and(|prompt| sequence.starts_with(prompt))
-                {
-                    part = &sequence[p..];
-                }
-            }
+        if self.cfg.corpus_outputs_only
+            && let Some(p) = self.prompt_len
+            && self
+                .request
+                .seq
+                .get(..p)
+                .is_some_and(|prompt| sequence.starts_with(prompt))
+        {
+            part = &sequence[p..];
         }
         self.add_to_corpus(part);
         self.reset();

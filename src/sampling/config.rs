@@ -401,29 +401,39 @@ mod tests {
     #[test]
     fn rejects_bad_values() {
         assert!(SamplingConfig::builder().temperature(-1.0).build().is_err());
-        assert!(SamplingConfig::builder()
-            .temperature(f32::NAN)
-            .build()
-            .is_err());
+        assert!(
+            SamplingConfig::builder()
+                .temperature(f32::NAN)
+                .build()
+                .is_err()
+        );
         assert!(SamplingConfig::builder().top_p(0.0).build().is_err());
         assert!(SamplingConfig::builder().top_p(1.5).build().is_err());
         assert!(SamplingConfig::builder().min_p(-0.1).build().is_err());
-        assert!(SamplingConfig::builder()
-            .repetition_penalty(0.0)
-            .build()
-            .is_err());
-        assert!(SamplingConfig::builder()
-            .frequency_penalty(f32::INFINITY)
-            .build()
-            .is_err());
-        assert!(SamplingConfig::builder()
-            .logit_bias(3, f32::NAN)
-            .build()
-            .is_err());
-        assert!(SamplingConfig::builder()
-            .allowed_tokens([])
-            .build()
-            .is_err());
+        assert!(
+            SamplingConfig::builder()
+                .repetition_penalty(0.0)
+                .build()
+                .is_err()
+        );
+        assert!(
+            SamplingConfig::builder()
+                .frequency_penalty(f32::INFINITY)
+                .build()
+                .is_err()
+        );
+        assert!(
+            SamplingConfig::builder()
+                .logit_bias(3, f32::NAN)
+                .build()
+                .is_err()
+        );
+        assert!(
+            SamplingConfig::builder()
+                .allowed_tokens([])
+                .build()
+                .is_err()
+        );
     }
 
     #[test]

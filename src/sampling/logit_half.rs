@@ -8,7 +8,7 @@
 
 use half::{bf16, f16};
 
-use super::logit::{sealed::Sealed, Logit};
+use super::logit::{Logit, sealed::Sealed};
 
 impl Sealed for f16 {}
 impl Sealed for bf16 {}
@@ -68,9 +68,9 @@ impl Logit for f16 {
 /// F16C (x86-64): eight binary16 values to binary32 per instruction.
 #[cfg(target_arch = "x86_64")]
 mod f16c {
-    use std::arch::x86_64::{__m128i, _mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
 
-    use super::{f16, Logit};
+    use super::{Logit, f16};
 
     /// Whether the CPU has F16C and AVX (cached by the standard library after the first call).
     #[inline]

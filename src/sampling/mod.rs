@@ -33,11 +33,11 @@ mod top_k;
 mod top_p;
 
 pub use config::{SamplingConfig, SamplingConfigBuilder, TokenMask};
-pub(crate) use logit::for_each_span;
 pub use logit::Logit;
-pub use penalties::{apply_penalties, PenaltyScope, TokenCounts};
-pub(crate) use process::{non_finite_in, sample_weighted};
+pub(crate) use logit::for_each_span;
+pub use penalties::{PenaltyScope, TokenCounts, apply_penalties};
 pub use process::{History, RowProcessor, TokenDist};
+pub(crate) use process::{non_finite_in, sample_weighted};
 pub use top_k::select_top_k;
 pub use top_p::{apply_min_p, apply_top_p};
 

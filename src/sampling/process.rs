@@ -1,8 +1,8 @@
 //! The row processor: raw logits `[vocab]` -> greedy argmax or a processed distribution.
 
-use super::logit::{for_each_span, visit_spans, SpanVisitor, BLOCK};
+use super::logit::{BLOCK, SpanVisitor, for_each_span, visit_spans};
 use super::top_k::scan_top_k;
-use super::{apply_min_p, apply_penalties, apply_top_p, Cand, Logit, SamplingConfig, TokenCounts};
+use super::{Cand, Logit, SamplingConfig, TokenCounts, apply_min_p, apply_penalties, apply_top_p};
 use crate::error::{Error, Result, RowKind};
 
 /// A processed distribution over the vocabulary: probabilities (not logits) that sum to 1, stored
@@ -547,10 +547,8 @@ impl RowProcessor {
         } else {
             L::extend_widened(logits, scratch);
         }
-        if penalties {
-            if let Some(c) = hist.counts {
-                apply_penalties(cfg, c, scratch);
-            }
+        if penalties && let Some(c) = hist.counts {
+            apply_penalties(cfg, c, scratch);
         }
         for &(t, b) in &cfg.logit_bias {
             if let Some(l) = scratch.get_mut(t as usize) {

@@ -1,6 +1,6 @@
 //! Top-k selection without sorting the vocabulary.
 
-use super::logit::{visit_spans, with_widened, SpanVisitor, BLOCK};
+use super::logit::{BLOCK, SpanVisitor, visit_spans, with_widened};
 use super::{Cand, Logit};
 
 /// Writes the `k` highest logits of `logits` (`[vocab]`, any [`Logit`] dtype; candidates hold

@@ -116,7 +116,7 @@ impl<'a, L: Logit, Q: Logit> VerifyBatch<'a, L, Q> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ndarray::{s, Array2};
+    use ndarray::{Array2, s};
 
     #[test]
     fn standard_layout_is_borrowed_and_other_strides_refused() {

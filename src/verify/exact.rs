@@ -5,7 +5,7 @@
 //! every first emitted token. The losslessness theorem (Leviathan et al. 2023, appendix A.1;
 //! Chen et al. 2023, theorem 1) says the marginal over the draft equals the processed target `p`.
 
-use super::{acceptance_probability, residual_weights, DraftRow};
+use super::{DraftRow, acceptance_probability, residual_weights};
 use crate::error::{Error, Result};
 use crate::sampling::TokenDist;
 

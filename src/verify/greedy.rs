@@ -1,6 +1,6 @@
 //! Greedy verification: argmax comparisons only, no softmax, no random draws.
 
-use super::{row, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyRequest};
+use super::{StepEnd, StepOutput, TokenLogprob, Verifier, VerifyRequest, row};
 use crate::error::{Result, RowKind};
 use crate::sampling::Logit;
 

@@ -416,14 +416,14 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
         }
         self.config.check_vocab(v)?;
         // The context reaches the caller's mask (and the penalties, which check it themselves).
-        if self.config.mask.is_some() {
-            if let Some(&t) = self.context.iter().find(|&&t| t as usize >= v) {
-                return Err(Error::TokenOutOfVocab {
-                    what: "context token",
-                    token: t,
-                    vocab_size: v,
-                });
-            }
+        if self.config.mask.is_some()
+            && let Some(&t) = self.context.iter().find(|&&t| t as usize >= v)
+        {
+            return Err(Error::TokenOutOfVocab {
+                what: "context token",
+                token: t,
+                vocab_size: v,
+            });
         }
         if let Some(&t) = self.suppress.iter().find(|&&t| t as usize >= v) {
             return Err(Error::TokenOutOfVocab {

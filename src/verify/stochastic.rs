@@ -5,12 +5,12 @@
 //! [`crate::verify`], case C15).
 
 use super::{
-    acceptance_probability, residual_weights_of, row, DraftQ, DraftRow, StepEnd, StepOutput,
-    TokenLogprob, Verifier, VerifyRequest,
+    DraftQ, DraftRow, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyRequest,
+    acceptance_probability, residual_weights_of, row,
 };
 use crate::error::{Error, Result, RowKind};
-use crate::rng::{lane, Stream};
-use crate::sampling::{sample_weighted, Logit, TokenDist};
+use crate::rng::{Stream, lane};
+use crate::sampling::{Logit, TokenDist, sample_weighted};
 
 pub(super) fn verify<L: Logit, Q: Logit>(
     v: &mut Verifier,

@@ -12,21 +12,21 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use spec_bench::matrix::{run_matrix, Matrix, PreparedRequest};
+use spec_bench::matrix::{Matrix, PreparedRequest, run_matrix};
 use spec_bench::replay::{
-    markdown as replay_markdown, oracle, replay, CostCurve, ReplayRow, ReplayStats, Trace,
-    MARKDOWN_NOTES as REPLAY_NOTES,
+    CostCurve, MARKDOWN_NOTES as REPLAY_NOTES, ReplayRow, ReplayStats, Trace,
+    markdown as replay_markdown, oracle, replay,
 };
 use spec_bench::report::{aggregate, markdown, sim_markdown, sim_plot, standard_plots, write_json};
-use spec_bench::run::{token_hash, ConfigSpec, DraftSpec, RunRecord};
-use spec_bench::sim::{default_batches, simulate, AcceptanceModel, CostTable};
-use spec_bench::{workload, BenchError, Result};
+use spec_bench::run::{ConfigSpec, DraftSpec, RunRecord, token_hash};
+use spec_bench::sim::{AcceptanceModel, CostTable, default_batches, simulate};
+use spec_bench::{BenchError, Result, workload};
 use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, SuffixProposer};
 use speculative::{NoProposer, Proposer, TargetModel};
 use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
 use speculative_candle::{
-    default_model_path, CandleTarget, ChatMessage, GgufTokenizer, LlamaWeights, LoadOptions,
-    WeightFormat,
+    CandleTarget, ChatMessage, GgufTokenizer, LlamaWeights, LoadOptions, WeightFormat,
+    default_model_path,
 };
 
 #[derive(Parser)]
@@ -349,7 +349,7 @@ fn load_backend(
                     return Err(bad_arg(
                         "--format",
                         format!("{other} (candle: q8, f32 or as-stored)"),
-                    ))
+                    ));
                 }
             };
             let w = LlamaWeights::load_with(path, &LoadOptions::with_format(format))?;
@@ -417,13 +417,11 @@ fn cost_table(a: CostArgs) -> Result<()> {
 }
 
 fn replay_proposer(name: &str) -> Result<Box<dyn Proposer>> {
-    let bad = || {
-        BenchError::Invalid {
+    let bad = || BenchError::Invalid {
         what: "proposer",
         reason: format!(
             "{name} (replay takes prompt-lookup, prompt-lookup:MIN-MAX, suffix, suffix:MIN_CONFIDENCE)"
         ),
-    }
     };
     Ok(match name {
         "prompt-lookup" => Box::new(PromptLookup::new(1, 4)?),
@@ -472,7 +470,9 @@ fn replay_cmd(a: ReplayArgs) -> Result<()> {
             .iter()
             .find(|x| x.request == i && x.greedy_identical == Some(true))
         else {
-            eprintln!("replay: request {i} skipped: no greedy run whose output equals plain greedy decoding");
+            eprintln!(
+                "replay: request {i} skipped: no greedy run whose output equals plain greedy decoding"
+            );
             continue;
         };
         let text = tok.apply_chat_template(&[ChatMessage::user(r.prompt.clone())])?;
@@ -601,7 +601,7 @@ fn sim(a: SimArgs) -> Result<()> {
             return Err(BenchError::Invalid {
                 what: "arguments",
                 reason: "give --acceptance A or --runs runs.json".into(),
-            })
+            });
         }
     };
     let r = simulate(&table, &model, &default_batches(), a.max_draft);

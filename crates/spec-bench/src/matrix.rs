@@ -3,7 +3,7 @@
 use speculative::{Proposer, TargetModel};
 
 use crate::error::Result;
-use crate::run::{run_one, ConfigSpec, RunInput, RunRecord};
+use crate::run::{ConfigSpec, RunInput, RunRecord, run_one};
 
 /// A tokenized request.
 #[derive(Debug, Clone, PartialEq)]

@@ -32,9 +32,9 @@
 //! the goal. Cost: `O(steps * max_n * context)` per trace.
 
 use serde::{Deserialize, Serialize};
+use speculative::SamplingConfig;
 use speculative::decode::Metrics;
 use speculative::propose::{Draft, ProposeRequest, Proposer};
-use speculative::SamplingConfig;
 
 use crate::error::{BenchError, Result};
 use crate::sim::CostTable;

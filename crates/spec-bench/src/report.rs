@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{BenchError, Result};
 use crate::run::RunRecord;
 use crate::sim::SimResult;
-use crate::stats::{percentile, Summary};
+use crate::stats::{Summary, percentile};
 
 /// Figures aggregated over the runs of one (workload kind, configuration label).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -180,7 +180,9 @@ pub fn markdown(aggs: &[Aggregate]) -> String {
             a.itl_p99_s * 1e3,
             a.e2e_s.mean,
             a.propose_share * 100.0,
-            a.peak_rss_kib.map(|k| format!("{:.0}", k as f64 / 1024.0)).unwrap_or_else(|| "-".into()),
+            a.peak_rss_kib
+                .map(|k| format!("{:.0}", k as f64 / 1024.0))
+                .unwrap_or_else(|| "-".into()),
             gi
         );
     }
@@ -336,11 +338,11 @@ pub fn standard_plots(dir: &Path, records: &[RunRecord], aggs: &[Aggregate]) -> 
     let mut sp: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     let mut acc: BTreeMap<(String, usize), Vec<f64>> = BTreeMap::new();
     for r in records {
-        if let (Some(c), Some(s)) = (&r.config, r.speedup) {
-            if let crate::run::DraftSpec::Fixed(k) = c.draft {
-                let name = format!("{} t={} p={}", c.proposer, c.temperature, c.top_p);
-                acc.entry((name, k)).or_default().push(s);
-            }
+        if let (Some(c), Some(s)) = (&r.config, r.speedup)
+            && let crate::run::DraftSpec::Fixed(k) = c.draft
+        {
+            let name = format!("{} t={} p={}", c.proposer, c.temperature, c.top_p);
+            acc.entry((name, k)).or_default().push(s);
         }
     }
     for ((name, k), v) in acc {

@@ -1,13 +1,13 @@
 //! The harness on a toy target: figures are consistent, outputs are written, the simulator
 //! reproduces the closed form.
 
-use spec_bench::matrix::{run_matrix, Matrix, PreparedRequest};
+use spec_bench::matrix::{Matrix, PreparedRequest, run_matrix};
 use spec_bench::report::{aggregate, markdown, sim_markdown, sim_plot, standard_plots, write_json};
-use spec_bench::run::{inter_token_latencies, ConfigSpec, DraftSpec, RunRecord};
-use spec_bench::sim::{simulate, AcceptanceModel, CostTable};
+use spec_bench::run::{ConfigSpec, DraftSpec, RunRecord, inter_token_latencies};
+use spec_bench::sim::{AcceptanceModel, CostTable, simulate};
+use speculative::Proposer;
 use speculative::propose::{PromptLookup, SuffixConfig, SuffixProposer};
 use speculative::test_util::ToyModel;
-use speculative::Proposer;
 
 fn factory(name: &str) -> spec_bench::Result<Box<dyn Proposer>> {
     Ok(match name {

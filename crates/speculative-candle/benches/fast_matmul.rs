@@ -6,7 +6,7 @@
 //! RAYON_NUM_THREADS=1 cargo bench -p speculative-candle --bench fast_matmul
 //! ```
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use speculative_candle::fast::{F32Matrix, KernelPath, Q8Act, Q8Matrix};
 
 fn data(len: usize, seed: u64) -> Vec<f32> {

@@ -19,7 +19,7 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 use speculative::TargetModel;
 use speculative_candle::{
-    default_model_path, CandleTarget, GgufTokenizer, LlamaWeights, LoadOptions, WeightFormat,
+    CandleTarget, GgufTokenizer, LlamaWeights, LoadOptions, WeightFormat, default_model_path,
 };
 
 #[derive(Clone, Copy, Debug, ValueEnum)]

@@ -34,8 +34,8 @@ use std::time::Instant;
 use clap::Parser;
 use speculative::TargetModel;
 use speculative_candle::{
-    default_model_path, CandleTarget, FastFormat, FastTarget, FastWeights, GgufTokenizer,
-    KernelPath, LlamaWeights, LoadOptions, WeightFormat,
+    CandleTarget, FastFormat, FastTarget, FastWeights, GgufTokenizer, KernelPath, LlamaWeights,
+    LoadOptions, WeightFormat, default_model_path,
 };
 
 #[derive(Parser, Debug)]

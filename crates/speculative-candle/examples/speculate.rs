@@ -26,8 +26,8 @@ use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, Suffi
 use speculative::{NoProposer, Proposer, SamplingConfig, TargetModel};
 use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
 use speculative_candle::{
-    default_model_path, CandleTarget, ChatMessage, GgufDetokenizer, GgufTokenizer, LlamaWeights,
-    LoadOptions, WeightFormat,
+    CandleTarget, ChatMessage, GgufDetokenizer, GgufTokenizer, LlamaWeights, LoadOptions,
+    WeightFormat, default_model_path,
 };
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
@@ -339,7 +339,9 @@ fn run() -> Result<(), DynError> {
             if p > 0.0 { s / p } else { 0.0 }
         );
         if a.temperature != 0.0 {
-            println!("(sampled runs: outputs differ from plain sampling token by token but follow the same distribution)");
+            println!(
+                "(sampled runs: outputs differ from plain sampling token by token but follow the same distribution)"
+            );
         } else {
             println!(
                 "greedy outputs identical: {}",

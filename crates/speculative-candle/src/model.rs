@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{D, DType, Device, Module, Tensor};
 
 use crate::error::{CandleError, Result};
 
@@ -879,11 +879,11 @@ impl CandleTarget {
             let dev = &self.weights.device;
             let nk = Tensor::zeros((nkv, capacity, d), DType::F32, dev)?;
             let nv = Tensor::zeros((nkv, capacity, d), DType::F32, dev)?;
-            if let Some(old) = &self.cache[li] {
-                if p > 0 {
-                    nk.slice_set(&old.k.narrow(1, 0, p)?.contiguous()?, 1, 0)?;
-                    nv.slice_set(&old.v.narrow(1, 0, p)?.contiguous()?, 1, 0)?;
-                }
+            if let Some(old) = &self.cache[li]
+                && p > 0
+            {
+                nk.slice_set(&old.k.narrow(1, 0, p)?.contiguous()?, 1, 0)?;
+                nv.slice_set(&old.v.narrow(1, 0, p)?.contiguous()?, 1, 0)?;
             }
             self.cache[li] = Some(KvCache {
                 k: nk,

@@ -17,11 +17,11 @@ use speculative::decode::Detokenizer;
 
 use candle_core::quantized::gguf_file::{self, Value};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
-use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, Tokenizer};
 
 use crate::error::{CandleError, Result};

@@ -4,13 +4,13 @@
 
 use std::sync::{Arc, OnceLock};
 
+use speculative::TargetModel;
 use speculative::decode::{GenerationParams, Generator};
 use speculative::propose::PromptLookup;
-use speculative::TargetModel;
 use speculative_candle::fast::{F32Matrix, Q8Act, Q8Matrix, RandomSpec};
 use speculative_candle::{
-    default_model_path, CandleError, CandleTarget, ChatMessage, FastFormat, FastTarget,
-    FastWeights, GgufTokenizer, KernelPath, LlamaWeights, LoadOptions, WeightFormat,
+    CandleError, CandleTarget, ChatMessage, FastFormat, FastTarget, FastWeights, GgufTokenizer,
+    KernelPath, LlamaWeights, LoadOptions, WeightFormat, default_model_path,
 };
 
 // ---------------------------------------------------------------- helpers
@@ -333,14 +333,16 @@ fn bad_input_gives_typed_errors_and_keeps_the_sequence() {
     assert!(e.to_string().contains("cannot truncate"), "{e}");
     assert!(FastTarget::early_exit(w.clone(), 0).is_err());
     assert!(FastTarget::early_exit(w.clone(), 3).is_err());
-    assert!(FastWeights::random(
-        &RandomSpec {
-            n_kv_heads: 4,
-            ..RandomSpec::default()
-        },
-        FastFormat::Q8
-    )
-    .is_err());
+    assert!(
+        FastWeights::random(
+            &RandomSpec {
+                n_kv_heads: 4,
+                ..RandomSpec::default()
+            },
+            FastFormat::Q8
+        )
+        .is_err()
+    );
     assert!(matches!(
         FastWeights::load("/nonexistent/model.gguf", FastFormat::Q8),
         Err(CandleError::ModelNotFound { .. })

@@ -76,7 +76,9 @@ fn check_batch(format: WeightFormat, layers: Option<usize>) {
     // Verify-sized call (9 tokens) after a prefix, and a prefill-sized one from position 1.
     for split in [n - 9, 1] {
         let (diff, mism, rows) = batch_vs_sequential(model.fork().unwrap(), &tokens, split);
-        println!("{format:?} layers={layers:?} rows={rows}: max |logit diff| = {diff:e}, argmax mismatches = {mism}");
+        println!(
+            "{format:?} layers={layers:?} rows={rows}: max |logit diff| = {diff:e}, argmax mismatches = {mism}"
+        );
         let tol = tolerance(format);
         assert!(diff <= tol, "max abs logit diff {diff} exceeds {tol}");
         assert_eq!(mism, 0, "argmax differs at {mism} of {rows} positions");

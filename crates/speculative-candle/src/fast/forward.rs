@@ -22,15 +22,15 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
+use candle_core::quantized::{GgmlDType, QTensor};
 
 use super::f32mat::F32Matrix;
 use super::ops::{self, KvCache};
 use super::q8::{KernelPath, Q8Act, Q8Matrix};
+use crate::LlamaConfig;
 use crate::error::{CandleError, Result};
 use crate::model::open_gguf;
-use crate::LlamaConfig;
 
 /// In-memory weight format of [`FastWeights`].
 ///

@@ -611,7 +611,7 @@ impl Q8Act {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{ActBufs, Q8Act, Q8Matrix, BLOCK, TB, TILE};
+    use super::{ActBufs, BLOCK, Q8Act, Q8Matrix, TB, TILE};
     use std::arch::x86_64::*;
 
     /// AVX-512 activation quantiser: the operations of `quantize_block_inline` (maximum of
@@ -844,7 +844,7 @@ mod x86 {
 
 #[cfg(target_arch = "aarch64")]
 mod neon {
-    use super::{Q8Act, Q8Matrix, BLOCK, TB, TILE};
+    use super::{BLOCK, Q8Act, Q8Matrix, TB, TILE};
     use std::arch::aarch64::*;
     use std::arch::asm;
 

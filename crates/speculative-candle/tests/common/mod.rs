@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use speculative_candle::{
-    default_model_path, GgufTokenizer, LlamaWeights, LoadOptions, WeightFormat,
+    GgufTokenizer, LlamaWeights, LoadOptions, WeightFormat, default_model_path,
 };
 
 /// The model path; panics (fails the test) with instructions when the file is missing.
