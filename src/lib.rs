@@ -8,7 +8,9 @@
 //! the distribution of plain sampling from the processed target (Leviathan, Kalman & Matias 2023;
 //! Chen et al. 2023), and in greedy mode it is token-identical to plain greedy decoding.
 //!
-//! The crate never asks for your tensor types: logits are `&[f32]` slices with documented shapes.
+//! The crate never asks for your tensor types: logits are slices with documented shapes, in the
+//! dtype you have them in (`f32`; `half::f16` and `half::bf16` with the feature `half`; see
+//! [`sampling::Logit`]), or `ndarray` views ([`VerifyRequest::from_array`]).
 //!
 //! ## Quick start: verify logits you already have
 //!
@@ -75,6 +77,9 @@
 //! ## Features
 //!
 //! - `test-util`: toy targets and proposers (module `test_util`) for your own tests.
+//! - `half`: logits and draft q in `half::f16` / `half::bf16` ([`sampling::Logit`]), read
+//!   without an `f32` copy. Off by default only to keep the default build small: `half` brings
+//!   `zerocopy-derive` and a second major version of `syn` (proc-macro crates) into the build.
 //! - `wgpu`: [`gpu::Backend::Wgpu`], WGSL kernels on Vulkan, Metal or DX12 through wgpu
 //!   (re-exported as `gpu::wgpu`).
 //! - `metal`: the same as `wgpu` (wgpu drives Apple GPUs through Metal).

@@ -34,6 +34,18 @@
 //! coupling the draft's own draw to the target's, which a draft sampled before `p` is known
 //! cannot do.
 //!
+//! ## Input forms
+//!
+//! - Dtypes: target logits and draft q rows are slices of any [`Logit`] (`f32`; `half::f16` and
+//!   `half::bf16` with the cargo feature `half`), each widened to `f32` exactly as it is read, so
+//!   the outcome is the one of the rows converted to `f32` first, without that pass
+//!   ([`VerifyRequest`], [`DraftQ`]).
+//! - `ndarray`: `ArrayView2` of `[rows, width]` in standard layout, read in place
+//!   ([`VerifyRequest::from_array`], [`VerifyBatch::from_array`], [`DraftQ::probs_array`]);
+//!   other strides are refused with [`Error::NonContiguous`] ([`array_rows`]).
+//! - Batches: one draft form for the batch, or each sequence its own
+//!   ([`SequenceParams::draft_probs`]).
+//!
 //! ## Validation
 //!
 //! Everything a step checks on its input is checked for the whole input before any random draw,
@@ -73,6 +85,11 @@ use crate::sampling::{History, Logit, RowProcessor, SamplingConfig, TokenCounts,
 /// point-mass request has no q dtype to choose. Values are widened to `f32` exactly as they are
 /// read: results equal those of the rows converted to `f32` first. From an `ndarray` view:
 /// [`DraftQ::probs_array`], [`DraftQ::logits_array`].
+///
+/// Probabilities in a half type keep 11 (`f16`) or 8 (`bf16`) significant bits, so a row of
+/// them can miss the 1e-3 tolerance on its total ([`Error::InvalidDraftProbs`], as the same
+/// values in `f32` would): a half-precision draft model should hand over its draft logits
+/// ([`DraftQ::Logits`], processed by the verifier in `f32`) or `f32` probabilities.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub enum DraftQ<'a, Q = f32> {
