@@ -29,7 +29,7 @@
 //! batch: a sequence's own [`SequenceParams::draft_probs`] is accepted only as point masses in
 //! a point-mass batch; any other per-sequence form (a batch mixing point-mass and dense-q
 //! sequences, or dense q given per sequence) is [`Error::Unsupported`] (the outer `Err`) on the
-//! wgpu and CUDA backends, while [`Backend::Cpu`] verifies it.
+//! wgpu and CUDA backends; the CPU [`Verifier::verify_batch`] verifies it.
 //!
 //! - Processing order: penalties -> logit bias -> allowed / banned sets, the tokens suppressed at
 //!   rows `0..suppress_rows` and the caller's mask -> temperature -> top-k -> softmax -> top-p ->
