@@ -3,13 +3,16 @@
 //! Engines hand logits over in the dtype they compute in: `f32`, or `half::f16` / `half::bf16`
 //! from a GPU or a quantised head (cargo feature `half`). Every entry point that reads logits or
 //! draft probabilities (`VerifyRequest`, `VerifyBatch`, `DraftQ`, `RowProcessor`) is generic over
-//! [`Logit`] and converts values to `f32` as it reads them: the row scans read an `f32` row in
-//! place and any other dtype in blocks of 256 values widened into a buffer on the stack (with
-//! the CPU's conversion instruction where it has one: F16C on x86-64), so there is no extra pass
-//! over the row and no `f32` copy of it. The scans process rows in blocks of 256 values whatever
-//! the dtype, so `f16` and `bf16` rows go through exactly the arithmetic of their values
-//! converted to `f32` (an exact conversion): the results (tokens, log-probabilities, errors) are
-//! identical to converting the rows to `f32` first and verifying those.
+//! [`Logit`] and converts values to `f32` as it reads them, so there is no extra pass over the row
+//! and no `f32` copy of it: the row scans (maximum, argmax, top-k, the NaN screen) read `f32`
+//! and `bf16` rows in place, widening each `bf16` value inside their loops (a shift), and `f16`
+//! rows in blocks of 256 values widened into a buffer on the stack by the CPU's conversion
+//! instruction (F16C on x86-64); the other passes (candidate lists, log-sum-exp, q checks) widen
+//! any non-`f32` row in blocks of 256 values on the stack. The scans process rows in blocks of
+//! 256 values whatever the dtype, so `f16` and `bf16` rows go through exactly the arithmetic of
+//! their values converted to `f32` (an exact conversion): the results (tokens,
+//! log-probabilities, errors) are identical to converting the rows to `f32` first and verifying
+//! those.
 
 use std::fmt::Debug;
 
