@@ -561,7 +561,8 @@ fn unknown_fields_are_rejected() {
     invalid_load::<SamplingConfig>(r#"{"max_tokens": 3}"#, "unknown field `max_new_tokens`");
     invalid_load::<StopConditions>(r#"{"temperature": 1}"#, "unknown field `temperature`");
     invalid_load::<DraftLength>(r#"{"seed": 1}"#, "unknown field `seed`");
-    invalid_load::<AdaptiveConfig>(r#"{"max_draft": 4}"#, "unknown field `max_draft`");
+    // The field's old name is no longer accepted.
+    invalid_load::<AdaptiveConfig>(r#"{"max_k": 4}"#, "unknown field `max_k`");
     invalid_load::<SuffixConfig>(r#"{"depth": 4}"#, "unknown field `depth`");
     invalid_load::<PromptLookupConfig>(r#"{"method": "ngram"}"#, "unknown field `method`");
     invalid_load::<PenaltyScope>(r#""prompt""#, "unknown variant `prompt`");
