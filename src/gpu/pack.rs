@@ -149,22 +149,14 @@ fn request<'b>(
     qv: usize,
     target: &'b [f32],
 ) -> VerifyRequest<'b> {
-    let (lo, hi) = (batch.draft_offsets[b], batch.draft_offsets[b + 1]);
-    let s = &batch.sequences[b];
-    VerifyRequest {
-        config: s.config,
-        target_logits: target,
-        vocab_size: batch.vocab_size,
-        draft_tokens: &batch.draft_tokens[lo..hi],
-        draft_probs: crate::verify::sequence_q(batch.draft_probs, s.draft_probs, lo, hi, qv),
-        context: s.context,
-        seed: s.seed,
-        position: s.position,
-        prompt_len: s.prompt_len,
-        suppress: s.suppress,
-        suppress_rows: s.suppress_rows,
-        final_draft_ends: false,
-    }
+    crate::verify::sequence_request(
+        batch.sequences,
+        batch.draft_tokens,
+        batch.draft_offsets,
+        batch.draft_probs,
+        (b, qv, batch.vocab_size),
+        target,
+    )
 }
 
 fn token_check(t: u32, vocab: usize, what: &'static str) -> Result<()> {

@@ -176,26 +176,50 @@ impl Verifier {
             });
         }
         let mut out = Vec::with_capacity(n);
-        for (b, s) in batch.sequences.iter().enumerate() {
+        for b in 0..n {
             let (lo, hi) = (off[b], off[b + 1]);
-            let draft_probs = sequence_q(batch.draft_probs, s.draft_probs, lo, hi, qv);
-            let req = VerifyRequest {
-                config: s.config,
-                target_logits: &batch.target_logits[(lo + b) * v..(hi + b + 1) * v],
-                vocab_size: v,
-                draft_tokens: &batch.draft_tokens[lo..hi],
-                draft_probs,
-                context: s.context,
-                seed: s.seed,
-                position: s.position,
-                prompt_len: s.prompt_len,
-                suppress: s.suppress,
-                suppress_rows: s.suppress_rows,
-                final_draft_ends: false,
-            };
+            let target = &batch.target_logits[(lo + b) * v..(hi + b + 1) * v];
+            let req = sequence_request(
+                batch.sequences,
+                batch.draft_tokens,
+                off,
+                batch.draft_probs,
+                (b, qv, v),
+                target,
+            );
             out.push(self.verify(&req));
         }
         Ok(out)
+    }
+}
+
+/// Sequence `b` of a layout-checked batch (`(b, draft vocab qv, vocab)`) as one request with
+/// `target` as its target logits: its drafts, its own draft form or its rows of the batch-level
+/// one, and its parameters. Shared by [`Verifier::verify_batch`] and the GPU packer, so both
+/// verify exactly the request a sequence would be alone.
+pub(crate) fn sequence_request<'a, L, Q: Copy>(
+    sequences: &'a [SequenceParams<'a, Q>],
+    draft_tokens: &'a [u32],
+    offsets: &[usize],
+    batch_q: DraftQ<'a, Q>,
+    (b, qv, vocab_size): (usize, usize, usize),
+    target: &'a [L],
+) -> VerifyRequest<'a, L, Q> {
+    let (lo, hi) = (offsets[b], offsets[b + 1]);
+    let s = &sequences[b];
+    VerifyRequest {
+        config: s.config,
+        target_logits: target,
+        vocab_size,
+        draft_tokens: &draft_tokens[lo..hi],
+        draft_probs: sequence_q(batch_q, s.draft_probs, lo, hi, qv),
+        context: s.context,
+        seed: s.seed,
+        position: s.position,
+        prompt_len: s.prompt_len,
+        suppress: s.suppress,
+        suppress_rows: s.suppress_rows,
+        final_draft_ends: false,
     }
 }
 

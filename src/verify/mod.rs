@@ -65,7 +65,7 @@
 
 mod array;
 mod batch;
-pub(crate) use batch::{check_layout, sequence_q};
+pub(crate) use batch::{check_layout, sequence_request};
 pub mod exact;
 mod greedy;
 mod stochastic;
