@@ -67,6 +67,7 @@ fn propose(p: &mut dyn Proposer, context: &[u32], config: &SamplingConfig, draft
         context,
         config,
         max_draft: K,
+        max_nodes: K,
         seed: 0,
         target_hidden: None,
         prompt_len: 0,

@@ -9,6 +9,7 @@
 //! reaches. The enum is `Send + Sync` and `'static`, so it crosses threads and boxes into
 //! `Box<dyn std::error::Error + Send + Sync>`.
 
+use crate::tree::TreeFault;
 use std::fmt;
 
 /// Which side of a verify step a row belongs to, used in error messages.
@@ -170,6 +171,10 @@ pub enum Error {
         /// What is wrong with the draft.
         fault: ProposalFault,
     },
+    /// A draft tree handed to the verifier or to a target's tree forward is malformed
+    /// ([`crate::DraftBlock::validate`]).
+    #[error("invalid draft tree: {0}")]
+    InvalidTree(TreeFault),
     /// A proposer was asked to continue a context that does not extend the one it was started
     /// with (used directly, without [`crate::Proposer::begin`]), and it cannot rebuild its state.
     #[error(
@@ -252,6 +257,15 @@ pub enum ProposalFault {
         /// Number found.
         actual: usize,
     },
+    /// The draft is a tree the loop cannot use (see [`TreeFault`]): malformed, over the node
+    /// budget, or deeper than the step allows.
+    Tree(TreeFault),
+}
+
+impl From<TreeFault> for ProposalFault {
+    fn from(f: TreeFault) -> Self {
+        ProposalFault::Tree(f)
+    }
 }
 
 impl fmt::Display for ProposalFault {
@@ -272,6 +286,7 @@ impl fmt::Display for ProposalFault {
                 f,
                 "q must be [k, q_vocab] with 0 < q_vocab <= vocab: expected {expected} elements, got {actual}"
             ),
+            ProposalFault::Tree(t) => write!(f, "{t}"),
         }
     }
 }

@@ -68,9 +68,12 @@
 //! ## Layers
 //!
 //! - [`sampling`]: configuration and logits processing.
+//! - [`tree`]: the draft block (a chain or a token tree) every layer reads.
 //! - [`verify`]: greedy and stochastic verification, the batch API, closed forms.
 //! - [`propose`]: the [`Proposer`] trait and the shipped proposers.
-//! - [`decode`]: the [`TargetModel`] trait and the decoding loop.
+//! - [`model`]: the engine-facing traits ([`TargetModel`], with the optional [`TreeTarget`] and
+//!   [`HiddenStates`] extensions), below `propose` and `decode`, which both drive models.
+//! - [`decode`]: the decoding loop.
 //! - [`rng`]: the counter-based random stream.
 //! - [`gpu`]: the same verification on a GPU, where the logits are.
 //!
@@ -113,20 +116,23 @@ pub mod config;
 pub mod decode;
 pub mod error;
 pub mod gpu;
+pub mod model;
 pub mod propose;
 pub mod rng;
 pub mod sampling;
 #[cfg(feature = "test-util")]
 pub mod test_util;
+pub mod tree;
 pub mod verify;
 
-pub use decode::TargetModel;
 pub use error::{Error, Result, RowKind};
+pub use model::{HiddenStates, TargetModel, TreeTarget};
 pub use propose::{
     Draft, DraftModelProposer, NoProposer, PromptLookup, PromptLookupConfig, ProposeRequest,
     Proposer, SuffixConfig, SuffixProposer,
 };
 pub use sampling::{SamplingConfig, SamplingConfigBuilder, TokenDist, TokenMask};
+pub use tree::{DraftBlock, SiblingScheme, TreeFault, TreeLimits};
 pub use verify::{
     DraftProbs, DraftQ, SequenceParams, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyBatch,
     VerifyRequest,

@@ -6,10 +6,11 @@
 
 use std::sync::Arc;
 
-use crate::decode::TargetModel;
 use crate::error::{Error, Result};
+use crate::model::{HiddenStates, TargetModel, TreeTarget};
 use crate::propose::{Draft, DraftHeads, HeadsInput, ProposeRequest, Proposer};
 use crate::rng::Stream;
+use crate::tree::{DraftBlock, TreeLimits};
 
 /// The logits function of a toy model: prefix -> logits `[vocab]`.
 pub type LogitsFn = Arc<dyn Fn(&[u32]) -> Vec<f32> + Send + Sync>;
@@ -26,6 +27,12 @@ pub struct ToyModel {
     pub forward_calls: usize,
     /// Total number of tokens passed to [`TargetModel::forward`].
     pub forward_tokens: usize,
+    /// Tree capacity ([`TreeTarget::max_tree_nodes`]); 0 (the default) offers no tree support.
+    tree_nodes: usize,
+    /// The pending tree forward: sequence length before it and the block's parent rows.
+    pending: Option<(usize, Vec<u32>)>,
+    /// Number of [`TreeTarget::forward_tree`] calls so far.
+    pub tree_calls: usize,
 }
 
 impl std::fmt::Debug for ToyModel {
@@ -47,7 +54,18 @@ impl ToyModel {
             tokens: Vec::new(),
             forward_calls: 0,
             forward_tokens: 0,
+            tree_nodes: 0,
+            pending: None,
+            tree_calls: 0,
         }
+    }
+
+    /// Offers tree support ([`TargetModel::tree`]) for blocks of up to `max_nodes` nodes: node
+    /// `i`'s logits are `f(committed + root + ancestors of i + i)`, exactly those of the same
+    /// tokens fed as a chain.
+    pub fn with_tree(mut self, max_nodes: usize) -> Self {
+        self.tree_nodes = max_nodes;
+        self
     }
 
     /// A deterministic "next token" model: logit 10 on `next(prefix)`, 0 elsewhere.
@@ -153,6 +171,88 @@ impl TargetModel for ToyModel {
             )));
         }
         self.tokens.truncate(len);
+        if self.pending.as_ref().is_some_and(|(base, _)| len <= *base) {
+            self.pending = None;
+        }
+        Ok(())
+    }
+    fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
+        if self.tree_nodes == 0 {
+            None
+        } else {
+            Some(self)
+        }
+    }
+}
+
+impl TreeTarget for ToyModel {
+    fn max_tree_nodes(&self) -> usize {
+        self.tree_nodes
+    }
+    fn forward_tree(
+        &mut self,
+        root: u32,
+        block: &DraftBlock<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let limits = TreeLimits {
+            max_nodes: self.tree_nodes,
+            ..TreeLimits::vocab(self.vocab)
+        };
+        block.validate(&limits).map_err(Error::InvalidTree)?;
+        if root as usize >= self.vocab {
+            return Err(Error::TokenOutOfVocab {
+                what: "model input",
+                token: root,
+                vocab_size: self.vocab,
+            });
+        }
+        let base = self.tokens.len();
+        if base + block.rows() > self.max_context {
+            return Err(Error::model("context overflow in a tree forward"));
+        }
+        self.tree_calls += 1;
+        logits.clear();
+        let mut prefix = self.tokens.clone();
+        prefix.push(root);
+        logits.extend((self.f)(&prefix));
+        let mut path = Vec::new();
+        for i in 0..block.len() {
+            block.path_to(i, &mut path);
+            prefix.truncate(base + 1);
+            prefix.extend(path.iter().map(|&j| block.tokens()[j as usize]));
+            logits.extend((self.f)(&prefix));
+        }
+        self.tokens.push(root);
+        self.tokens.extend_from_slice(block.tokens());
+        let parents = (0..block.len())
+            .map(|i| block.parent_row(i) as u32)
+            .collect();
+        self.pending = Some((base, parents));
+        Ok(())
+    }
+    fn commit_tree(&mut self, path: &[u32]) -> Result<()> {
+        let Some((base, parents)) = self.pending.take() else {
+            return Err(Error::TargetContract {
+                what: "commit_tree without a pending tree forward",
+            });
+        };
+        let mut row = 0usize;
+        for &j in path {
+            if parents.get(j as usize).map(|&r| r as usize) != Some(row) {
+                self.pending = Some((base, parents));
+                return Err(Error::TargetContract {
+                    what: "commit_tree path is not a path of the block",
+                });
+            }
+            row = j as usize + 1;
+        }
+        let kept: Vec<u32> = path
+            .iter()
+            .map(|&j| self.tokens[base + 1 + j as usize])
+            .collect();
+        self.tokens.truncate(base + 1);
+        self.tokens.extend(kept);
         Ok(())
     }
 }
@@ -293,7 +393,7 @@ impl Proposer for ScriptedProposer {
 }
 
 /// Wraps a target and gives it hidden states: the hidden state of a position is the one-hot
-/// vector (`[vocab]`) of that position's input token, so [`TargetModel::hidden_size`] is the
+/// vector (`[vocab]`) of that position's input token, so [`HiddenStates::hidden_size`] is the
 /// vocabulary size. `prefill` and `forward` both record one row per appended token.
 #[derive(Debug)]
 pub struct OneHotHidden<M> {
@@ -348,6 +448,12 @@ impl<M: TargetModel> TargetModel for OneHotHidden<M> {
     fn truncate(&mut self, len: usize) -> Result<()> {
         self.inner.truncate(len)
     }
+    fn hidden_states(&self) -> Option<&dyn HiddenStates> {
+        Some(self)
+    }
+}
+
+impl<M: TargetModel> HiddenStates for OneHotHidden<M> {
     fn hidden_size(&self) -> usize {
         self.inner.vocab_size()
     }

@@ -2489,6 +2489,7 @@ fn fuzz_prompt_lookup() {
                 tokens: vec![7; 3],
                 q: Some(vec![1.0]),
                 q_vocab: 1,
+                ..Default::default()
             };
             for c in &contexts {
                 p.propose(&greedy_request(c, &cfg, k), &mut d)

@@ -189,6 +189,11 @@ fn heads_proposer_with_synthetic_hidden_states_is_lossless() {
         fn truncate(&mut self, len: usize) -> Result<()> {
             self.0.truncate(len)
         }
+        fn hidden_states(&self) -> Option<&dyn speculative::HiddenStates> {
+            Some(self)
+        }
+    }
+    impl speculative::HiddenStates for WithHidden {
         fn hidden_size(&self) -> usize {
             1
         }

@@ -210,6 +210,12 @@ impl TargetModel for WithHidden {
     fn truncate(&mut self, len: usize) -> Result<()> {
         self.0.truncate(len)
     }
+    fn hidden_states(&self) -> Option<&dyn speculative::HiddenStates> {
+        Some(self)
+    }
+}
+
+impl speculative::HiddenStates for WithHidden {
     fn hidden_size(&self) -> usize {
         1
     }

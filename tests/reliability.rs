@@ -786,6 +786,7 @@ fn a_bad_proposal_never_reaches_the_target() {
             tokens: vec![1],
             q: Some(vec![1.0; 3]),
             q_vocab: 2,
+            ..Default::default()
         },
     ];
     for d in drafts {

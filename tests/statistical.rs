@@ -235,6 +235,7 @@ fn always_accept(
     tokens.push(p.sample(u).unwrap());
     StepOutput {
         accepted: k,
+        path: (0..k as u32).collect(),
         tokens,
         logprobs: None,
         end: speculative::StepEnd::AllAccepted,

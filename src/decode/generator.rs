@@ -6,10 +6,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::metrics::Metrics;
-use super::model::TargetModel;
 use super::policy::{AdaptiveState, DraftLength};
 use super::stop::{Detokenizer, FinishReason, StopConditions, TextTracker};
 use crate::error::{Error, ProposalFault, Result};
+use crate::model::TargetModel;
 use crate::propose::{Draft, ProposeRequest, Proposer};
 use crate::sampling::SamplingConfig;
 use crate::verify::{DraftProbs, StepOutput, TokenLogprob, Verifier, VerifyRequest};
@@ -461,12 +461,15 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
 
     /// Keeps row `row` of the target's last hidden states for a heads proposer.
     fn capture_hidden(&mut self, row: usize) {
-        let h = self.target.hidden_size();
         self.hidden.clear();
+        let Some(hs) = self.target.hidden_states() else {
+            return;
+        };
+        let h = hs.hidden_size();
         if h == 0 {
             return;
         }
-        if let Some(all) = self.target.last_hidden()
+        if let Some(all) = hs.last_hidden()
             && let Some(r) = all.get(row * h..(row + 1) * h)
         {
             self.hidden.extend_from_slice(r);
@@ -659,6 +662,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                 context: &self.context,
                 config: &params.sampling,
                 max_draft: k_req,
+                max_nodes: k_req,
                 seed: params.seed,
                 target_hidden: (!g.hidden.is_empty()).then_some(&g.hidden[..]),
                 prompt_len: self.prompt_len,
@@ -774,6 +778,9 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             suppress: &self.suppressed,
             suppress_rows,
             final_draft_ends: p.ends,
+            parents: None,
+            schemes: None,
+            ends: &[],
         };
         let out = g.verifier.verify(&req)?;
         Ok(Timed {

@@ -6,14 +6,13 @@
 
 mod generator;
 mod metrics;
-mod model;
 mod policy;
 mod stop;
 
+pub use crate::model::TargetModel;
 pub use generator::{
     Generation, GenerationError, GenerationParams, Generator, Session, StreamChunk,
 };
 pub use metrics::Metrics;
-pub use model::TargetModel;
 pub use policy::{AdaptiveConfig, AdaptiveState, DraftLength};
 pub use stop::{Detokenizer, FinishReason, StopConditions};

@@ -597,6 +597,7 @@ pub(crate) fn assemble(
             Some(e) => Err(e),
             None => Ok(StepOutput {
                 accepted: tokens.len() - 1,
+                path: (0..tokens.len() as u32 - 1).collect(),
                 tokens,
                 logprobs: lps,
                 end,

@@ -3,8 +3,8 @@
 
 use super::sampler::DraftSampler;
 use super::{Draft, ProposeRequest, Proposer};
-use crate::decode::TargetModel;
 use crate::error::{Error, Result};
+use crate::model::TargetModel;
 
 /// Wraps any [`TargetModel`] as a draft model.
 ///

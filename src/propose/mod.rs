@@ -15,6 +15,7 @@
 
 use crate::error::Result;
 use crate::sampling::SamplingConfig;
+use crate::tree::{DraftBlock, SiblingScheme};
 
 mod draft_model;
 mod heads;
@@ -36,8 +37,12 @@ pub struct ProposeRequest<'a> {
     /// The request's sampling configuration. Proposers that sample (draft model, heads) process
     /// their logits with exactly this configuration, so that q matches what the verifier expects.
     pub config: &'a SamplingConfig,
-    /// Maximum number of draft tokens to return (the draft length k). May be 0.
+    /// Maximum number of draft tokens to return (the draft length k). May be 0. For a tree
+    /// ([`Proposer::propose_tree`]) it bounds the depth.
     pub max_draft: usize,
+    /// Node budget of a tree draft ([`Proposer::propose_tree`]): at most this many nodes. Chains
+    /// ([`Proposer::propose`]) ignore it. [`ProposeRequest::new`] sets it to `max_draft`.
+    pub max_nodes: usize,
     /// The request's seed. Proposers that sample draw from the counter-based stream
     /// [`crate::rng::Stream`] keyed by this seed and the absolute token position.
     pub seed: u64,
@@ -66,6 +71,7 @@ impl<'a> ProposeRequest<'a> {
             context,
             config,
             max_draft,
+            max_nodes: max_draft,
             seed: 0,
             target_hidden: None,
             prompt_len: 0,
@@ -89,7 +95,13 @@ impl<'a> ProposeRequest<'a> {
     }
 }
 
-/// A proposal: draft tokens and, for sampling proposers, the draft probabilities q.
+/// A proposal: draft tokens, their tree shape, and, for sampling proposers, the draft
+/// probabilities q.
+///
+/// A chain leaves `parents` empty. A tree ([`Proposer::propose_tree`]) fills `parents` with
+/// one parent row per node (`0` for a child of the root, `j + 1` for a child of node `j`; see
+/// [`crate::tree`]) and may set each node's [`SiblingScheme`]; [`Draft::block`] is the view the
+/// loop and the verifier read.
 ///
 /// The default is the empty draft (no token, no q): what a proposer fills, and a valid
 /// proposal in itself (a no-draft step).
@@ -105,6 +117,11 @@ pub struct Draft {
     /// Width of each q row, in tokens (may be smaller than the target vocabulary; missing entries
     /// count as probability 0).
     pub q_vocab: usize,
+    /// Parent row of each node (`[n]`), or empty for a chain.
+    pub parents: Vec<u32>,
+    /// Sibling scheme of each node's group (`[n]`), or empty for the default of the draft form
+    /// (deterministic for point masses, with replacement for q).
+    pub schemes: Vec<SiblingScheme>,
 }
 
 impl Draft {
@@ -113,9 +130,25 @@ impl Draft {
         self.tokens.clear();
         self.q = None;
         self.q_vocab = 0;
+        self.parents.clear();
+        self.schemes.clear();
     }
 
-    /// Number of draft tokens k.
+    /// The draft's shape: a chain when `parents` is empty, else a tree (not validated here).
+    pub fn block(&self) -> DraftBlock<'_> {
+        let b = if self.parents.is_empty() {
+            DraftBlock::chain(&self.tokens)
+        } else {
+            DraftBlock::tree(&self.tokens, &self.parents)
+        };
+        if self.schemes.is_empty() {
+            b
+        } else {
+            b.with_schemes(&self.schemes)
+        }
+    }
+
+    /// Number of draft tokens k (nodes, for a tree).
     pub fn len(&self) -> usize {
         self.tokens.len()
     }
@@ -173,6 +206,18 @@ pub trait Proposer {
     /// [`crate::Error::Proposer`] or [`crate::Error::Model`] when the proposer's own model fails.
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()>;
 
+    /// Fills `draft` with a token tree of at most `req.max_nodes` nodes and depth at most
+    /// `req.max_draft` (parents in [`Draft::parents`]; see [`crate::tree`]). Every node must
+    /// satisfy the rules of [`Proposer::propose`] along its own path (no token after an EOS).
+    /// The loop calls it instead of `propose` when tree drafts are on and the target supports
+    /// them. The default returns the chain of [`Proposer::propose`] (a chain is a tree).
+    ///
+    /// # Errors
+    /// As [`Proposer::propose`].
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        self.propose(req, draft)
+    }
+
     /// Told after verification: `accepted` of the proposed drafts were accepted and `emitted`
     /// (the accepted drafts plus the correction or bonus token, possibly cut by a stop) was
     /// appended to the context. Proposers with state roll back or update here. The default does
@@ -217,6 +262,9 @@ impl<P: Proposer + ?Sized> Proposer for Box<P> {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         (**self).propose(req, draft)
     }
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        (**self).propose_tree(req, draft)
+    }
     fn observe(&mut self, accepted: usize, emitted: &[u32]) -> Result<()> {
         (**self).observe(accepted, emitted)
     }
@@ -234,6 +282,9 @@ impl<P: Proposer + ?Sized> Proposer for Box<P> {
 impl<P: Proposer + ?Sized> Proposer for &mut P {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         (**self).propose(req, draft)
+    }
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        (**self).propose_tree(req, draft)
     }
     fn observe(&mut self, accepted: usize, emitted: &[u32]) -> Result<()> {
         (**self).observe(accepted, emitted)

@@ -305,6 +305,7 @@ impl PromptLookupConfig {
 ///     context: &context,
 ///     config: &config,
 ///     max_draft: 3,
+///     max_nodes: 3,
 ///     seed: 0,
 ///     target_hidden: None,
 ///     prompt_len: 0,
@@ -469,6 +470,7 @@ mod tests {
             context,
             config: &config,
             max_draft: k,
+            max_nodes: k,
             seed: 0,
             target_hidden: None,
             prompt_len: 0,
@@ -479,6 +481,7 @@ mod tests {
             tokens: vec![99; 7],
             q: Some(vec![1.0]),
             q_vocab: 1,
+            ..Default::default()
         };
         p.propose(&req, &mut draft).unwrap();
         assert!(draft.q.is_none());

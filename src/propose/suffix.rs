@@ -545,6 +545,7 @@ impl Corpus {
 ///     context: &context,
 ///     config: &config,
 ///     max_draft: 4,
+///     max_nodes: 4,
 ///     seed: 0,
 ///     target_hidden: None,
 ///     prompt_len: 0,
@@ -812,6 +813,7 @@ mod tests {
             context,
             config: &config,
             max_draft: k,
+            max_nodes: k,
             seed: 0,
             target_hidden: None,
             prompt_len: 0,
@@ -822,6 +824,7 @@ mod tests {
             tokens: vec![77; 3],
             q: Some(vec![0.5]),
             q_vocab: 1,
+            ..Default::default()
         };
         p.propose(&req, &mut draft).unwrap();
         assert!(draft.q.is_none());

@@ -220,6 +220,9 @@ pub(crate) fn sequence_request<'a, L, Q: Copy>(
         suppress: s.suppress,
         suppress_rows: s.suppress_rows,
         final_draft_ends: false,
+        parents: None,
+        schemes: None,
+        ends: &[],
     }
 }
 

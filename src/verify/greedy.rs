@@ -48,6 +48,7 @@ pub(super) fn verify<L: Logit, Q: Logit>(
     };
     Ok(StepOutput {
         accepted,
+        path: (0..accepted as u32).collect(),
         tokens,
         logprobs,
         end,

@@ -75,6 +75,7 @@ pub use batch::{SequenceParams, VerifyBatch};
 
 use crate::error::{Error, Result, RowKind};
 use crate::sampling::{History, Logit, RowProcessor, SamplingConfig, TokenCounts, TokenDist};
+use crate::tree::{DraftBlock, SiblingScheme};
 
 /// The draft probabilities q handed to the verifier, with their rows in dtype `Q` (any
 /// [`Logit`]: `f32`, or `half::f16` / `half::bf16` with the cargo feature `half`), which may
@@ -227,6 +228,10 @@ pub struct StepOutput {
     pub logprobs: Option<Vec<TokenLogprob>>,
     /// Why the step ended.
     pub end: StepEnd,
+    /// Node indices of the accepted drafts, the root's child first (`[accepted]`): for a chain
+    /// `0..accepted`; for a tree the accepted path, which a target with tree support keeps
+    /// ([`crate::TreeTarget::commit_tree`]).
+    pub path: Vec<u32>,
 }
 
 /// Number of accepted drafts given per-position acceptance flags: the length of the leading run
@@ -277,8 +282,21 @@ pub struct VerifyRequest<'a, L = f32, Q = f32> {
     /// `true` when accepting the final draft token ends the sequence (it is an EOS or completes a
     /// stop). Then nothing after it is processed: `target_logits` holds `k` rows, not `k + 1`
     /// (no row follows the end), and a step that accepts every draft ends with
-    /// [`StepEnd::Ended`] and no bonus token. Requires `k >= 1`.
+    /// [`StepEnd::Ended`] and no bonus token. Requires `k >= 1` and a chain.
     pub final_draft_ends: bool,
+    /// Parent row of each draft node (`[k]`; see [`crate::tree`]), or `None` for a chain. With
+    /// it the drafts form a token tree: `target_logits` is `[k + 1, vocab]` (row 0 after the
+    /// root, row `i + 1` after node `i`), node `i` is checked against row `parents[i]`, and
+    /// q (when given) has one row per node, the distribution of the node's sibling group.
+    pub parents: Option<&'a [u32]>,
+    /// Sibling scheme of each node's group (`[k]`), or `None` for the default of the draft form
+    /// ([`crate::TreeLimits::default_scheme`]).
+    pub schemes: Option<&'a [SiblingScheme]>,
+    /// Per node (`[k]`, or empty for none): `true` when accepting the node ends the sequence
+    /// (an EOS, or it completes a stop). An ending node must be a leaf; its row is not read, and
+    /// a step that accepts it ends with [`StepEnd::Ended`] and no bonus token. Unlike
+    /// [`VerifyRequest::final_draft_ends`] it does not change the number of target rows.
+    pub ends: &'a [bool],
 }
 
 impl<'a, L: Logit> VerifyRequest<'a, L> {
@@ -306,6 +324,9 @@ impl<'a, L: Logit> VerifyRequest<'a, L> {
             suppress: &[],
             suppress_rows: 0,
             final_draft_ends: false,
+            parents: None,
+            schemes: None,
+            ends: &[],
         }
     }
 }
@@ -327,6 +348,40 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
             suppress: self.suppress,
             suppress_rows: self.suppress_rows,
             final_draft_ends: self.final_draft_ends,
+            parents: self.parents,
+            schemes: self.schemes,
+            ends: self.ends,
+        }
+    }
+
+    /// Makes the drafts a token tree with parent rows `parents` (`[k]`; see
+    /// [`VerifyRequest::parents`]).
+    pub fn tree(mut self, parents: &'a [u32]) -> Self {
+        self.parents = Some(parents);
+        self
+    }
+
+    /// Sets the sibling scheme of each node's group (see [`VerifyRequest::schemes`]).
+    pub fn schemes(mut self, schemes: &'a [SiblingScheme]) -> Self {
+        self.schemes = Some(schemes);
+        self
+    }
+
+    /// Marks the nodes whose acceptance ends the sequence (see [`VerifyRequest::ends`]).
+    pub fn node_ends(mut self, ends: &'a [bool]) -> Self {
+        self.ends = ends;
+        self
+    }
+
+    /// The drafts' shape: the chain `draft_tokens`, or the tree with [`VerifyRequest::parents`].
+    pub fn block(&self) -> DraftBlock<'a> {
+        let b = match self.parents {
+            None => DraftBlock::chain(self.draft_tokens),
+            Some(p) => DraftBlock::tree(self.draft_tokens, p),
+        };
+        match self.schemes {
+            None => b,
+            Some(s) => b.with_schemes(s),
         }
     }
 

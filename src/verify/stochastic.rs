@@ -84,6 +84,7 @@ pub(super) fn verify<L: Logit, Q: Logit>(
             push_lp(&mut logprobs, &v.p, t);
             return Ok(StepOutput {
                 accepted: i,
+                path: (0..i as u32).collect(),
                 tokens,
                 logprobs,
                 end: StepEnd::Rejected { index: i },
@@ -97,6 +98,7 @@ pub(super) fn verify<L: Logit, Q: Logit>(
         // The accepted final draft ends the sequence: no row after it is processed.
         return Ok(StepOutput {
             accepted: k,
+            path: (0..k as u32).collect(),
             tokens,
             logprobs,
             end: StepEnd::Ended,
@@ -121,6 +123,7 @@ pub(super) fn verify<L: Logit, Q: Logit>(
     push_lp(&mut logprobs, &v.p, t);
     Ok(StepOutput {
         accepted: k,
+        path: (0..k as u32).collect(),
         tokens,
         logprobs,
         end: if k == 0 {

@@ -947,6 +947,12 @@ impl speculative::TargetModel for CandleTarget {
         Ok(self.prefill_tokens(tokens)?)
     }
 
+    fn hidden_states(&self) -> Option<&dyn speculative::HiddenStates> {
+        Some(self)
+    }
+}
+
+impl speculative::HiddenStates for CandleTarget {
     fn hidden_size(&self) -> usize {
         self.weights.config.hidden_size
     }

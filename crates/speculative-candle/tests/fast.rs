@@ -4,9 +4,9 @@
 
 use std::sync::{Arc, OnceLock};
 
-use speculative::TargetModel;
 use speculative::decode::{GenerationParams, Generator};
 use speculative::propose::PromptLookup;
+use speculative::{HiddenStates, TargetModel};
 use speculative_candle::fast::{F32Matrix, Q8Act, Q8Matrix, RandomSpec};
 use speculative_candle::{
     CandleError, CandleTarget, ChatMessage, FastFormat, FastTarget, FastWeights, GgufTokenizer,

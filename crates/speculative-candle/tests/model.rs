@@ -4,7 +4,7 @@
 mod common;
 
 use common::{argmax, tokenizer, weights};
-use speculative::TargetModel;
+use speculative::{HiddenStates, TargetModel};
 use speculative_candle::{CandleError, CandleTarget, ChatMessage, WeightFormat};
 
 fn prompt_tokens() -> Vec<u32> {

@@ -799,6 +799,12 @@ impl speculative::TargetModel for FastTarget {
         Ok(self.prefill_tokens(tokens)?)
     }
 
+    fn hidden_states(&self) -> Option<&dyn speculative::HiddenStates> {
+        Some(self)
+    }
+}
+
+impl speculative::HiddenStates for FastTarget {
     fn hidden_size(&self) -> usize {
         self.weights.config.hidden_size
     }

@@ -1,6 +1,19 @@
-//! The [`TargetModel`] trait: what the decoding loop needs from an inference engine.
+//! The engine-facing traits: what the decoding loop and the draft-model proposer need from an
+//! inference engine.
+//!
+//! - [`TargetModel`]: a causal language model with a KV cache that can be rolled back; the only
+//!   trait an engine must implement.
+//! - [`TreeTarget`]: the optional tree forward (each node attends to the committed context and
+//!   its ancestors) and the commit of an accepted path; an engine offers it through
+//!   [`TargetModel::tree`]. Without it the loop verifies chains.
+//! - [`HiddenStates`]: the optional final hidden states of the last forward, read by heads
+//!   proposers (MTP / Medusa / EAGLE); offered through [`TargetModel::hidden_states`].
+//!
+//! This module sits below [`crate::propose`] and [`crate::decode`], which both drive models
+//! through it.
 
 use crate::error::Result;
+use crate::tree::DraftBlock;
 
 /// A causal language model with a KV cache that can be rolled back.
 ///
@@ -87,9 +100,9 @@ pub trait TargetModel {
     /// should override it and skip the output head, which for a small model is also a large
     /// share of the prefill work (SmolLM2-135M: 28M of 135M multiply-adds per token). The KV
     /// cache afterwards must be exactly what `forward` would leave, and
-    /// [`TargetModel::last_hidden`] must return the appended positions' final hidden states as
-    /// after `forward` (heads proposers read the last prompt position's row). On error the
-    /// sequence should be left as it was (as `forward`).
+    /// [`HiddenStates::last_hidden`] (when offered) must return the appended positions' final
+    /// hidden states as after `forward` (heads proposers read the last prompt position's row).
+    /// On error the sequence should be left as it was (as `forward`).
     ///
     /// # Errors
     /// As [`TargetModel::forward`].
@@ -98,18 +111,15 @@ pub trait TargetModel {
         self.forward(tokens, &mut logits)
     }
 
-    /// Width of the hidden states returned by [`TargetModel::last_hidden`]; 0 when the model
-    /// does not expose hidden states (the default).
-    fn hidden_size(&self) -> usize {
-        0
+    /// The engine's tree support, `None` (the default) when it has none: the loop then verifies
+    /// chains. An engine that implements [`TreeTarget`] returns `Some(self)`.
+    fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
+        None
     }
 
-    /// The final hidden states (after the last norm, before the output head) of the positions
-    /// appended by the most recent [`TargetModel::forward`] or [`TargetModel::prefill`] call,
-    /// shape `[n, hidden_size]` (every appended row: the loop reads the row of the last accepted
-    /// position).
-    /// Heads proposers (MTP / Medusa) read the last row. `None` when not supported.
-    fn last_hidden(&self) -> Option<&[f32]> {
+    /// The engine's hidden states, `None` (the default) when it does not expose them. An engine
+    /// that implements [`HiddenStates`] returns `Some(self)`; heads proposers need it.
+    fn hidden_states(&self) -> Option<&dyn HiddenStates> {
         None
     }
 }
@@ -133,11 +143,11 @@ impl<T: TargetModel + ?Sized> TargetModel for Box<T> {
     fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
         (**self).prefill(tokens)
     }
-    fn hidden_size(&self) -> usize {
-        (**self).hidden_size()
+    fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
+        (**self).tree()
     }
-    fn last_hidden(&self) -> Option<&[f32]> {
-        (**self).last_hidden()
+    fn hidden_states(&self) -> Option<&dyn HiddenStates> {
+        (**self).hidden_states()
     }
 }
 
@@ -160,10 +170,75 @@ impl<T: TargetModel + ?Sized> TargetModel for &mut T {
     fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
         (**self).prefill(tokens)
     }
-    fn hidden_size(&self) -> usize {
-        (**self).hidden_size()
+    fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
+        (**self).tree()
     }
-    fn last_hidden(&self) -> Option<&[f32]> {
-        (**self).last_hidden()
+    fn hidden_states(&self) -> Option<&dyn HiddenStates> {
+        (**self).hidden_states()
     }
+}
+
+/// Final hidden states of a target's last forward: an optional extension of [`TargetModel`],
+/// offered through [`TargetModel::hidden_states`]. Heads proposers (MTP / Medusa, Cai et al.
+/// 2024; EAGLE, Li et al. 2024) read them.
+pub trait HiddenStates {
+    /// Width of a hidden state, in floats (`> 0`).
+    fn hidden_size(&self) -> usize;
+
+    /// The final hidden states (after the last norm, before the output head) of the positions
+    /// appended by the most recent [`TargetModel::forward`], [`TargetModel::prefill`] or
+    /// [`TreeTarget::forward_tree`] call, shape `[n, hidden_size]` (every appended row, in the
+    /// order of the logits rows: the loop reads the row of the last accepted position). `None`
+    /// when nothing was run yet.
+    fn last_hidden(&self) -> Option<&[f32]>;
+}
+
+/// Token-tree forward and commit: an optional extension of [`TargetModel`], offered through
+/// [`TargetModel::tree`].
+///
+/// A tree step appends the root (the last committed token) and the `n` nodes of a
+/// [`DraftBlock`] in one forward. Node `i` attends to the committed context, the root and its own
+/// ancestors only (tree attention: SpecInfer, Miao et al. 2024, section 4.2; Medusa, Cai et al.
+/// 2024, section 2.1.2), and takes the rotary position `seq_len + depth(i)`, where `seq_len` is
+/// the length before the call (the root's position). After verification
+/// [`TreeTarget::commit_tree`] keeps the root and the accepted path and drops every other node,
+/// so the cache is the one a chain forward of the root and the path's tokens would leave.
+///
+/// Contract, checked by the loop and by the tests of the shipped engines:
+/// - the logits of node `i` equal those of the same tokens verified as a chain (the path from the
+///   root to `i`), up to the engine's batch invariance (bit for bit in
+///   `speculative-candle`'s `FastTarget`);
+/// - after `commit_tree(path)` the sequence length is `seq_len + 1 + path.len()` and the KV cache
+///   equals a chain's;
+/// - [`TargetModel::truncate`] to any length `<= seq_len` (as before the call) also undoes a tree
+///   forward that is not committed.
+pub trait TreeTarget {
+    /// The most nodes one [`TreeTarget::forward_tree`] takes (`n`, the root not counted).
+    fn max_tree_nodes(&self) -> usize;
+
+    /// Appends the root token and the block's nodes and writes the logits of every appended
+    /// position into `logits` (cleared first): `[n + 1, vocab]` row-major, row 0 after the root,
+    /// row `i + 1` after node `i`. [`TargetModel::seq_len`] grows by `n + 1` until the commit.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidTree`] for a block that is not a valid tree or has more than
+    /// [`TreeTarget::max_tree_nodes`] nodes; [`crate::Error::Model`] for engine failures and when
+    /// the sequence would exceed [`TargetModel::max_context`] (counting every node). On error the
+    /// sequence is left as it was.
+    fn forward_tree(
+        &mut self,
+        root: u32,
+        block: &DraftBlock<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()>;
+
+    /// Keeps the root and the nodes of `path` (node indices of the last
+    /// [`TreeTarget::forward_tree`] block, root's child first, each the child of the previous;
+    /// may be empty) and drops every other node, compacting the kept entries to contiguous
+    /// positions. Afterwards [`TargetModel::seq_len`] is `seq_len_before_tree + 1 + path.len()`.
+    ///
+    /// # Errors
+    /// [`crate::Error::TargetContract`] when no tree forward is pending or `path` is not a path
+    /// of its block; [`crate::Error::Model`] for engine failures.
+    fn commit_tree(&mut self, path: &[u32]) -> Result<()>;
 }
