@@ -260,6 +260,9 @@ pub enum ProposalFault {
     /// The draft is a tree the loop cannot use (see [`TreeFault`]): malformed, over the node
     /// budget, or deeper than the step allows.
     Tree(TreeFault),
+    /// A branching tree returned by [`crate::Proposer::propose`] (a chain step), or by
+    /// `propose_tree` with tree drafts off: the loop asked for a chain.
+    TreeNotRequested,
 }
 
 impl From<TreeFault> for ProposalFault {
@@ -287,6 +290,9 @@ impl fmt::Display for ProposalFault {
                 "q must be [k, q_vocab] with 0 < q_vocab <= vocab: expected {expected} elements, got {actual}"
             ),
             ProposalFault::Tree(t) => write!(f, "{t}"),
+            ProposalFault::TreeNotRequested => {
+                write!(f, "a branching tree where the loop asked for a chain")
+            }
         }
     }
 }

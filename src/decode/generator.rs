@@ -12,7 +12,8 @@ use crate::error::{Error, ProposalFault, Result};
 use crate::model::TargetModel;
 use crate::propose::{Draft, ProposeRequest, Proposer};
 use crate::sampling::SamplingConfig;
-use crate::verify::{DraftProbs, StepOutput, TokenLogprob, Verifier, VerifyRequest};
+use crate::tree::TreeLimits;
+use crate::verify::{DraftProbs, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyRequest};
 
 /// Parameters of one generation request.
 ///
@@ -36,15 +37,24 @@ pub struct GenerationParams {
     pub min_tokens: usize,
     /// Stop conditions (EOS ids, stop sequences, stop strings). Default: none.
     pub stop: StopConditions,
-    /// Draft length policy for this request (per-request override or opt-out).
+    /// Draft length policy for this request (per-request override or opt-out). With tree drafts
+    /// it sets the depth of the tree.
     pub draft: DraftLength,
+    /// Node budget of tree drafts; 0 (the default) verifies chains. With `n > 0`, a step whose
+    /// target offers tree support ([`TargetModel::tree`]) asks the proposer for a token tree
+    /// ([`Proposer::propose_tree`]) of at most `n` nodes (also capped by the target's
+    /// [`TreeTarget::max_tree_nodes`](crate::TreeTarget::max_tree_nodes) and the context room)
+    /// and depth at most the step's draft length, and verifies every branch in one forward. A
+    /// target without tree support verifies chains (the proposer's `propose`), as with 0.
+    pub tree_nodes: usize,
     /// Set to `true` from any thread to cancel; checked before each step.
     pub cancel: Option<Arc<AtomicBool>>,
 }
 
 impl Default for GenerationParams {
     /// Greedy sampling ([`SamplingConfig::greedy`]), seed 0, `max_new_tokens` 256,
-    /// `min_tokens` 0, no stop condition, draft length `Fixed(4)`, no cancel flag.
+    /// `min_tokens` 0, no stop condition, draft length `Fixed(4)`, chains (`tree_nodes` 0), no
+    /// cancel flag.
     fn default() -> Self {
         GenerationParams {
             sampling: SamplingConfig::greedy(),
@@ -53,6 +63,7 @@ impl Default for GenerationParams {
             min_tokens: 0,
             stop: StopConditions::default(),
             draft: DraftLength::default(),
+            tree_nodes: 0,
             cancel: None,
         }
     }
@@ -74,6 +85,7 @@ impl PartialEq for GenerationParams {
             && self.min_tokens == other.min_tokens
             && self.stop == other.stop
             && self.draft == other.draft
+            && self.tree_nodes == other.tree_nodes
     }
 }
 
@@ -105,6 +117,12 @@ impl GenerationParams {
     /// Sets the draft length policy.
     pub fn with_draft(mut self, draft: DraftLength) -> Self {
         self.draft = draft;
+        self
+    }
+
+    /// Sets the node budget of tree drafts ([`GenerationParams::tree_nodes`]; 0 = chains).
+    pub fn with_tree_nodes(mut self, nodes: usize) -> Self {
+        self.tree_nodes = nodes;
         self
     }
 
@@ -229,6 +247,21 @@ pub struct StreamChunk<'a> {
     /// [`Detokenizer`]). Text that could still complete a stop string is held back until it
     /// cannot; the concatenation of every chunk's text is [`Generation::text`].
     pub text: &'a str,
+    /// The step's draft: size, shape and how much of it was accepted.
+    pub step: StepStats,
+}
+
+/// What one verify step drafted and accepted ([`StreamChunk::step`], [`Session::last_step`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepStats {
+    /// Draft tokens verified: the draft length k of a chain, the node count of a tree.
+    pub drafted: usize,
+    /// Depth of the draft: k for a chain, the deepest node's depth for a tree.
+    pub depth: usize,
+    /// Accepted drafts kept (the accepted path length of a tree), after stop conditions.
+    pub accepted: usize,
+    /// `true` when the draft was a branching token tree.
+    pub tree: bool,
 }
 
 /// Runs speculative decoding: propose, one target forward over `[last token, d_1 .. d_k]`, verify,
@@ -264,6 +297,10 @@ pub struct Generator<T, P> {
     draft: Draft,
     hidden: Vec<f32>,
     detokenizer: Option<Box<dyn Detokenizer>>,
+    /// Per node of a tree draft: accepting it ends the generation.
+    node_ends: Vec<bool>,
+    /// Scratch for tree paths.
+    path: Vec<u32>,
 }
 
 impl<T: TargetModel, P: Proposer> Generator<T, P> {
@@ -278,6 +315,8 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             draft: Draft::default(),
             hidden: Vec::new(),
             detokenizer: None,
+            node_ends: Vec::new(),
+            path: Vec::new(),
         }
     }
 
@@ -490,6 +529,7 @@ fn check_seq_len<T: TargetModel>(target: &T, expected: usize, what: &'static str
 struct LastStep {
     tokens: (usize, usize),
     text: (usize, usize),
+    stats: StepStats,
 }
 
 /// One generation in progress; see [`Generator::session`].
@@ -509,11 +549,14 @@ pub struct Session<'g, T, P> {
     start: Instant,
 }
 
-/// What the draft phase produced: draft length, whether the final draft ends the sequence,
-/// and the time spent.
+/// What the draft phase produced: draft length (nodes, for a tree), whether the final draft of
+/// a chain ends the sequence, whether the draft is a tree (then `Generator::node_ends` says
+/// which nodes end it), its depth, and the time spent.
 struct Proposed {
     k: usize,
     ends: bool,
+    tree: bool,
+    depth: usize,
     time: Duration,
 }
 
@@ -553,7 +596,13 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             tokens: &self.tokens()[a..b],
             logprobs: self.logprobs.as_deref().map(|l| &l[a..b]),
             text: &self.text.text[ta..tb],
+            step: self.last.stats,
         }
+    }
+
+    /// The draft size, depth and accepted length of the last successful [`Session::step`].
+    pub fn last_step(&self) -> StepStats {
+        self.last.stats
     }
 
     fn end(&mut self, reason: FinishReason) {
@@ -644,15 +693,25 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             DraftLength::Adaptive(a) => self.g.adaptive.choose(a, cap),
         };
         let suppress_rows = params.min_tokens.saturating_sub(generated);
-        let proposed = self.propose(k_req, suppress_rows)?;
+        // Tree drafts: every node holds a KV slot until the commit, so the node budget is also
+        // capped by the context room (the depth, like a chain's k, by `cap`).
+        let nodes = if params.tree_nodes > 0 && k_req > 0 {
+            let max = self.g.target.tree().map_or(0, |t| t.max_tree_nodes());
+            params.tree_nodes.min(max).min(room)
+        } else {
+            0
+        };
+        let proposed = self.propose(k_req, nodes, suppress_rows)?;
         let out = self.forward_and_verify(&proposed, suppress_rows)?;
         self.commit(&proposed, out)?;
         Ok(true)
     }
 
-    /// Propose phase: asks the proposer for up to `k_req` drafts, checks them, and cuts the
-    /// draft at its first end (EOS, stop sequence or stop string; case C11).
-    fn propose(&mut self, k_req: usize, suppress_rows: usize) -> Result<Proposed> {
+    /// Propose phase: asks the proposer for up to `k_req` drafts (a tree of at most `nodes`
+    /// nodes and depth `k_req` when `nodes > 0`), checks them, and cuts the draft at its first
+    /// end (EOS, stop sequence or stop string; case C11): a chain after the ending token, a tree
+    /// below every ending node.
+    fn propose(&mut self, k_req: usize, nodes: usize, suppress_rows: usize) -> Result<Proposed> {
         let t = Instant::now();
         let params = self.params;
         let g = &mut *self.g;
@@ -662,16 +721,56 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                 context: &self.context,
                 config: &params.sampling,
                 max_draft: k_req,
-                max_nodes: k_req,
+                max_nodes: if nodes > 0 { nodes } else { k_req },
                 seed: params.seed,
                 target_hidden: (!g.hidden.is_empty()).then_some(&g.hidden[..]),
                 prompt_len: self.prompt_len,
                 eos: &params.stop.eos,
                 suppress_eos_rows: suppress_rows,
             };
-            g.proposer.propose(&req, &mut g.draft)?;
+            if nodes > 0 {
+                g.proposer.propose_tree(&req, &mut g.draft)?;
+            } else {
+                g.proposer.propose(&req, &mut g.draft)?;
+            }
         }
-        check_proposal(&g.draft, k_req, g.target.vocab_size(), g.proposer.name())?;
+        check_proposal(
+            &g.draft,
+            k_req,
+            nodes,
+            g.target.vocab_size(),
+            g.proposer.name(),
+        )?;
+        if plain_chain(&g.draft) {
+            g.draft.parents.clear();
+            g.draft.schemes.clear();
+        }
+        if !g.draft.parents.is_empty() {
+            self.tree_ends()?;
+            let g = &mut *self.g;
+            if plain_chain(&g.draft) {
+                // Pruning left a chain: only its last node can end the generation.
+                let ends = g.node_ends.last().copied().unwrap_or(false);
+                g.draft.parents.clear();
+                g.draft.schemes.clear();
+                let k = g.draft.len();
+                return Ok(Proposed {
+                    k,
+                    ends,
+                    tree: false,
+                    depth: k,
+                    time: t.elapsed(),
+                });
+            }
+            let depth = g.draft.block().max_depth();
+            return Ok(Proposed {
+                k: g.draft.len(),
+                ends: false,
+                tree: true,
+                depth,
+                time: t.elapsed(),
+            });
+        }
         let (k, ends) = self.draft_end()?;
         let g = &mut *self.g;
         g.draft.tokens.truncate(k);
@@ -681,8 +780,100 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         Ok(Proposed {
             k,
             ends,
+            tree: false,
+            depth: k,
             time: t.elapsed(),
         })
+    }
+
+    /// Marks the tree nodes whose acceptance ends the generation (`Generator::node_ends`) and
+    /// removes every node below one (case C11 for trees: no row past an end is processed). A
+    /// node's path is checked exactly as a chain's tokens are ([`Session::draft_end`]); its
+    /// ancestors were checked before it (topological order), so only its own token can end it.
+    fn tree_ends(&mut self) -> Result<()> {
+        let stop = &self.params.stop;
+        let n = self.g.draft.len();
+        self.g.node_ends.clear();
+        self.g.node_ends.resize(n, false);
+        let token_stops = !stop.eos.is_empty() || !stop.stop_sequences.is_empty();
+        let text_stops = !stop.stop_strings.is_empty() && self.g.detokenizer.is_some();
+        if n == 0 || !(token_stops || text_stops) {
+            return Ok(());
+        }
+        let (len, mark) = (self.context.len(), self.text.mark());
+        let mut keep = vec![true; n];
+        let mut path = std::mem::take(&mut self.g.path);
+        let mut res = Ok(());
+        for i in 0..n {
+            let block = self.g.draft.block();
+            let r = block.parent_row(i);
+            if r > 0 && (!keep[r - 1] || self.g.node_ends[r - 1]) {
+                keep[i] = false;
+                continue;
+            }
+            block.path_to(i, &mut path);
+            self.context.truncate(len);
+            self.text.reset(mark);
+            self.context
+                .extend(path.iter().map(|&j| self.g.draft.tokens[j as usize]));
+            let generated = &self.context[self.prompt_len..];
+            if generated.len() < self.params.min_tokens {
+                continue;
+            }
+            if stop.check(generated).is_some() {
+                self.g.node_ends[i] = true;
+                continue;
+            }
+            if let (true, Some(det)) = (text_stops, self.g.detokenizer.as_deref()) {
+                match self.text.push(det, generated, stop, true) {
+                    Ok(hit) => self.g.node_ends[i] = hit,
+                    Err(e) => {
+                        res = Err(e);
+                        break;
+                    }
+                }
+            }
+        }
+        self.context.truncate(len);
+        self.text.reset(mark);
+        self.g.path = path;
+        res?;
+        if keep.iter().all(|&k| k) {
+            return Ok(());
+        }
+        // Remove the pruned nodes: remap parent rows, keep q rows and end flags in step.
+        let g = &mut *self.g;
+        let d = &mut g.draft;
+        let mut new_index = vec![u32::MAX; n];
+        let mut w = 0usize;
+        let qv = d.q_vocab;
+        for i in 0..n {
+            if !keep[i] {
+                continue;
+            }
+            new_index[i] = w as u32;
+            let r = d.parents[i] as usize;
+            d.parents[w] = if r == 0 { 0 } else { new_index[r - 1] + 1 };
+            d.tokens[w] = d.tokens[i];
+            if !d.schemes.is_empty() {
+                d.schemes[w] = d.schemes[i];
+            }
+            g.node_ends[w] = g.node_ends[i];
+            if let Some(q) = d.q.as_mut() {
+                q.copy_within(i * qv..(i + 1) * qv, w * qv);
+            }
+            w += 1;
+        }
+        d.tokens.truncate(w);
+        d.parents.truncate(w);
+        if !d.schemes.is_empty() {
+            d.schemes.truncate(w);
+        }
+        g.node_ends.truncate(w);
+        if let Some(q) = d.q.as_mut() {
+            q.truncate(w * qv);
+        }
+        Ok(())
     }
 
     /// The draft length after cutting at the first draft token that would end the generation,
@@ -739,14 +930,28 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         let Some(&last) = self.context.last() else {
             return Err(Error::EmptyPrompt);
         };
-        let mut feed = Vec::with_capacity(rows);
-        feed.push(last);
-        feed.extend_from_slice(&g.draft.tokens[..rows - 1]);
-        g.target.forward(&feed, &mut g.logits)?;
+        if p.tree {
+            // One tree forward over the root and every node (each attends to its ancestors).
+            let Some(tree) = g.target.tree() else {
+                return Err(Error::TargetContract {
+                    what: "tree() returned None after offering tree support",
+                });
+            };
+            tree.forward_tree(last, &g.draft.block(), &mut g.logits)?;
+        } else {
+            let mut feed = Vec::with_capacity(rows);
+            feed.push(last);
+            feed.extend_from_slice(&g.draft.tokens[..rows - 1]);
+            g.target.forward(&feed, &mut g.logits)?;
+        }
         let forward_time = t.elapsed();
         if g.logits.len() != rows * vocab {
             return Err(Error::ShapeMismatch {
-                what: "target logits ([k + 1, vocab])",
+                what: if p.tree {
+                    "target logits ([nodes + 1, vocab])"
+                } else {
+                    "target logits ([k + 1, vocab])"
+                },
                 expected: rows * vocab,
                 actual: g.logits.len(),
             });
@@ -778,9 +983,9 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             suppress: &self.suppressed,
             suppress_rows,
             final_draft_ends: p.ends,
-            parents: None,
-            schemes: None,
-            ends: &[],
+            parents: p.tree.then_some(&g.draft.parents[..]),
+            schemes: (p.tree && !g.draft.schemes.is_empty()).then_some(&g.draft.schemes[..]),
+            ends: if p.tree { &g.node_ends } else { &[] },
         };
         let out = g.verifier.verify(&req)?;
         Ok(Timed {
@@ -825,8 +1030,28 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         }
         // The KV cache keeps every emitted token but the last (the next step feeds it).
         let g = &mut *self.g;
-        g.target.truncate(before + kept - 1)?;
-        g.capture_hidden(kept - 1);
+        if p.tree {
+            // Rows of a tree forward: 0 for the root, j + 1 for node j. The row that predicted
+            // the last kept token is the one of the token before it.
+            let row = if kept >= 2 {
+                out.path[kept - 2] as usize + 1
+            } else {
+                0
+            };
+            g.capture_hidden(row);
+            match g.target.tree() {
+                Some(tree) => tree.commit_tree(&out.path[..kept - 1])?,
+                None => {
+                    return Err(Error::TargetContract {
+                        what: "tree() returned None after a tree forward",
+                    });
+                }
+            }
+            check_seq_len(&g.target, before + kept - 1, "seq_len after commit_tree")?;
+        } else {
+            g.target.truncate(before + kept - 1)?;
+            g.capture_hidden(kept - 1);
+        }
         let accepted_kept = out.accepted.min(kept);
         if let (Some(all), Some(lps)) = (self.logprobs.as_mut(), out.logprobs) {
             all.extend(lps.into_iter().take(kept));
@@ -837,14 +1062,24 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         let observe_time = t.elapsed();
 
         let m = &mut self.metrics;
-        m.record_step(p.k, out.accepted, accepted_kept, kept);
+        if p.tree {
+            // Whether the walk stopped at a row with children (a depth was tested and failed).
+            let row = out.path.last().map_or(0, |&j| j as usize + 1);
+            let tested = accepted_kept == out.accepted
+                && !matches!(out.end, StepEnd::Ended)
+                && g.draft.block().children(row).next().is_some();
+            m.record_tree_step(p.k, p.depth, accepted_kept, kept, tested);
+        } else {
+            m.record_step(p.k, out.accepted, accepted_kept, kept);
+        }
         m.propose_time += p.time + observe_time;
         m.forward_time += forward;
         m.verify_time += verify;
         if m.time_to_first_token.is_none() {
             m.time_to_first_token = Some(self.start.elapsed());
         }
-        if let DraftLength::Adaptive(a) = &params.draft {
+        // The adaptive policy's cost model is per chain length: tree steps do not update it.
+        if let (DraftLength::Adaptive(a), false) = (&params.draft, p.tree) {
             g.adaptive.observe(
                 a,
                 p.k,
@@ -870,6 +1105,12 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         self.last = LastStep {
             tokens: (gen_before, gen_before + kept),
             text: (text_before, released),
+            stats: StepStats {
+                drafted: p.k,
+                depth: p.depth,
+                accepted: accepted_kept,
+                tree: p.tree,
+            },
         };
         Ok(())
     }
@@ -906,12 +1147,47 @@ struct Timed {
     verify: Duration,
 }
 
-/// Checks a proposer's draft before the target sees it: at most `max_draft` tokens, every id in
-/// the vocabulary, q of shape `[k, q_vocab]` with `0 < q_vocab <= vocab`.
-fn check_proposal(d: &Draft, max_draft: usize, vocab: usize, proposer: &'static str) -> Result<()> {
+/// `true` when the draft can be verified as a chain: no parents, or parents of a chain with the
+/// draft form's default scheme (a chain step then gives the same law and needs no tree support).
+fn plain_chain(d: &Draft) -> bool {
+    if d.parents.is_empty() {
+        return true;
+    }
+    let default = TreeLimits {
+        dense_q: d.q.is_some(),
+        ..TreeLimits::vocab(0)
+    }
+    .default_scheme();
+    d.block().is_chain() && d.schemes.iter().all(|&s| s == default)
+}
+
+/// Checks a proposer's draft before the target sees it: a chain of at most `max_draft` tokens,
+/// or (tree steps, `max_nodes > 0`) a valid tree of at most `max_nodes` nodes and depth
+/// `max_draft` ([`crate::DraftBlock::validate`]); every id in the vocabulary; q of shape
+/// `[k, q_vocab]` with `0 < q_vocab <= vocab`.
+fn check_proposal(
+    d: &Draft,
+    max_draft: usize,
+    max_nodes: usize,
+    vocab: usize,
+    proposer: &'static str,
+) -> Result<()> {
     let fault = |fault| Error::InvalidProposal { proposer, fault };
     let k = d.tokens.len();
-    if k > max_draft {
+    if !d.parents.is_empty() || !d.schemes.is_empty() {
+        if max_nodes == 0 && !plain_chain(d) {
+            return Err(fault(ProposalFault::TreeNotRequested));
+        }
+        let limits = TreeLimits {
+            vocab_size: vocab,
+            max_nodes: max_nodes.max(max_draft),
+            max_depth: max_draft,
+            dense_q: d.q.is_some(),
+        };
+        d.block()
+            .validate(&limits)
+            .map_err(|t| fault(ProposalFault::Tree(t)))?;
+    } else if k > max_draft {
         return Err(fault(ProposalFault::TooLong { len: k, max_draft }));
     }
     if let Some((index, &token)) = d

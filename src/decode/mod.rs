@@ -11,7 +11,7 @@ mod stop;
 
 pub use crate::model::TargetModel;
 pub use generator::{
-    Generation, GenerationError, GenerationParams, Generator, Session, StreamChunk,
+    Generation, GenerationError, GenerationParams, Generator, Session, StepStats, StreamChunk,
 };
 pub use metrics::Metrics;
 pub use policy::{AdaptiveConfig, AdaptiveState, DraftLength};
