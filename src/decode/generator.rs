@@ -702,8 +702,10 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             0
         };
         let proposed = self.propose(k_req, nodes, suppress_rows)?;
-        let out = self.forward_and_verify(&proposed, suppress_rows)?;
-        self.commit(&proposed, out)?;
+        let forward = self.forward(&proposed)?;
+        let (out, verify) = self.verify(&proposed, suppress_rows)?;
+        let kept = self.commit(&proposed, &out)?;
+        self.observe(&proposed, out, kept, forward, verify)?;
         Ok(true)
     }
 
@@ -918,10 +920,10 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         end
     }
 
-    /// Forward and verify phases: one target forward over `[last, d_1 .. d_k]` (without the
-    /// final draft when it ends the sequence), then verification.
-    fn forward_and_verify(&mut self, p: &Proposed, suppress_rows: usize) -> Result<Timed> {
-        let params = self.params;
+    /// Forward phase: one target forward over `[last, d_1 .. d_k]` (a chain, without the final
+    /// draft when it ends the sequence) or over the root and every node of a tree
+    /// ([`crate::TreeTarget::forward_tree`]); checks the logits' shape and the sequence length.
+    fn forward(&mut self, p: &Proposed) -> Result<Duration> {
         let g = &mut *self.g;
         let vocab = g.target.vocab_size();
         let k = p.k;
@@ -961,7 +963,14 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             self.context.len() - 1 + rows,
             "seq_len after forward",
         )?;
+        Ok(forward_time)
+    }
 
+    /// Verify phase: the logits of the forward against the draft (a chain or a tree).
+    fn verify(&mut self, p: &Proposed, suppress_rows: usize) -> Result<(StepOutput, Duration)> {
+        let params = self.params;
+        let g = &mut *self.g;
+        let vocab = g.target.vocab_size();
         let t = Instant::now();
         let draft_probs = match &g.draft.q {
             None => DraftProbs::PointMass,
@@ -988,25 +997,15 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             ends: if p.tree { &g.node_ends } else { &[] },
         };
         let out = g.verifier.verify(&req)?;
-        Ok(Timed {
-            out,
-            forward: forward_time,
-            verify: t.elapsed(),
-        })
+        Ok((out, t.elapsed()))
     }
 
-    /// Commit and observe phases: appends the emitted tokens up to the first stop, rolls the
-    /// target's KV cache back to them, tells the proposer, records metrics and policy
-    /// observations, and ends the generation when a stop or the budget is reached.
-    fn commit(&mut self, p: &Proposed, timed: Timed) -> Result<()> {
-        let Timed {
-            out,
-            forward,
-            verify,
-        } = timed;
+    /// Commit phase: appends the emitted tokens up to the first stop and keeps the target's KV
+    /// cache for exactly them but the last (a chain by truncation, a tree by committing the
+    /// accepted path). Returns what was kept.
+    fn commit(&mut self, p: &Proposed, out: &StepOutput) -> Result<Kept> {
         let params = self.params;
         let before = self.context.len();
-        let gen_before = before - self.prompt_len;
         let text_before = self.text.released;
         let mut kept = 0;
         let mut reason = None;
@@ -1052,6 +1051,33 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             g.target.truncate(before + kept - 1)?;
             g.capture_hidden(kept - 1);
         }
+        Ok(Kept {
+            before,
+            text_before,
+            kept,
+            reason,
+        })
+    }
+
+    /// Observe phase: log-probabilities, the proposer's feedback, metrics and the policy's
+    /// observations, and the end of the generation when a stop or the budget is reached.
+    fn observe(
+        &mut self,
+        p: &Proposed,
+        out: StepOutput,
+        k: Kept,
+        forward: Duration,
+        verify: Duration,
+    ) -> Result<()> {
+        let params = self.params;
+        let Kept {
+            before,
+            text_before,
+            kept,
+            reason,
+        } = k;
+        let gen_before = before - self.prompt_len;
+        let g = &mut *self.g;
         let accepted_kept = out.accepted.min(kept);
         if let (Some(all), Some(lps)) = (self.logprobs.as_mut(), out.logprobs) {
             all.extend(lps.into_iter().take(kept));
@@ -1140,11 +1166,13 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
     }
 }
 
-/// A verified step with its timings.
-struct Timed {
-    out: StepOutput,
-    forward: Duration,
-    verify: Duration,
+/// What the commit phase kept: the context length before the step, the released text
+/// before it, the number of emitted tokens kept, and the stop that cut them.
+struct Kept {
+    before: usize,
+    text_before: usize,
+    kept: usize,
+    reason: Option<FinishReason>,
 }
 
 /// `true` when the draft can be verified as a chain: no parents, or parents of a chain with the
