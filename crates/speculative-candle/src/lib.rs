@@ -57,6 +57,7 @@
 mod error;
 mod model;
 mod tokenizer;
+mod tree;
 
 use std::path::PathBuf;
 
