@@ -6,13 +6,13 @@
 
 mod generator;
 mod metrics;
+mod params;
 mod policy;
 mod stop;
 
 pub use crate::model::TargetModel;
-pub use generator::{
-    Generation, GenerationError, GenerationParams, Generator, Session, StepStats, StreamChunk,
-};
+pub use generator::{Generation, GenerationError, Generator, Session, StepStats, StreamChunk};
 pub use metrics::Metrics;
+pub use params::GenerationParams;
 pub use policy::{AdaptiveConfig, AdaptiveState, DraftLength};
 pub use stop::{Detokenizer, FinishReason, StopConditions};
