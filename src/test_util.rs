@@ -170,10 +170,11 @@ impl TargetModel for ToyModel {
                 self.tokens.len()
             )));
         }
-        self.tokens.truncate(len);
-        if self.pending.as_ref().is_some_and(|(base, _)| len <= *base) {
+        // Any rollback ends a pending tree forward (its nodes are no longer all there).
+        if len < self.tokens.len() {
             self.pending = None;
         }
+        self.tokens.truncate(len);
         Ok(())
     }
     fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
