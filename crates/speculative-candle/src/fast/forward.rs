@@ -761,7 +761,7 @@ impl FastTarget {
 
     /// Appends `tokens` (`n` of them) and writes their `[n, vocab]` logits into `logits`
     /// (cleared first); keeps the `[n, hidden]` final hidden states for
-    /// [`speculative::TargetModel::last_hidden`]. On error the sequence is unchanged.
+    /// [`speculative::HiddenStates::last_hidden`]. On error the sequence is unchanged.
     ///
     /// # Errors
     /// [`CandleError::InvalidArgument`] for an empty slice or while a tree forward is not
