@@ -69,13 +69,15 @@ pub(crate) use batch::{check_layout, sequence_request};
 pub mod exact;
 mod greedy;
 mod stochastic;
+#[cfg(test)]
+mod tree_tests;
 
 pub use array::array_rows;
 pub use batch::{SequenceParams, VerifyBatch};
 
 use crate::error::{Error, Result, RowKind};
-use crate::sampling::{History, Logit, RowProcessor, SamplingConfig, TokenCounts, TokenDist};
-use crate::tree::{DraftBlock, SiblingScheme};
+use crate::sampling::{BlockHistory, Logit, RowProcessor, SamplingConfig, TokenDist};
+use crate::tree::{DraftBlock, SiblingScheme, TreeFault, TreeLimits};
 
 /// The draft probabilities q handed to the verifier, with their rows in dtype `Q` (any
 /// [`Logit`]: `f32`, or `half::f16` / `half::bf16` with the cargo feature `half`), which may
@@ -426,6 +428,12 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
         self.draft_tokens.len()
     }
 
+    /// `true` when accepting node `j` ends the sequence ([`VerifyRequest::ends`], or the final
+    /// node with [`VerifyRequest::final_draft_ends`]).
+    fn ends_at(&self, j: usize) -> bool {
+        self.ends.get(j).copied().unwrap_or(false) || (self.final_draft_ends && j + 1 == self.k())
+    }
+
     /// Number of target rows: `k + 1`, or `k` when the final draft ends the sequence.
     fn target_rows(&self) -> usize {
         self.k() + 1 - self.final_draft_ends as usize
@@ -460,6 +468,16 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
                 actual: 0,
             });
         }
+        if self.final_draft_ends
+            && let Some(p) = self.parents
+            && !(p.len() == k && p.iter().enumerate().all(|(i, &r)| r as usize == i))
+        {
+            return Err(Error::config(
+                "final_draft_ends",
+                true,
+                "a tree marks its ending leaves with `ends`; final_draft_ends is for chains",
+            ));
+        }
         let rows = self.target_rows();
         let expected = rows.checked_mul(v).ok_or(Error::ShapeMismatch {
             what: "target_logits",
@@ -486,6 +504,28 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
                 });
             }
         }
+        let dense = !matches!(self.draft_probs, DraftQ::PointMass);
+        let block = self.block();
+        block
+            .validate(&TreeLimits {
+                vocab_size: v,
+                max_nodes: usize::MAX,
+                max_depth: usize::MAX,
+                dense_q: dense,
+            })
+            .map_err(Error::InvalidTree)?;
+        if !self.ends.is_empty() && self.ends.len() != k {
+            return Err(Error::ShapeMismatch {
+                what: "ends ([k] or empty)",
+                expected: k,
+                actual: self.ends.len(),
+            });
+        }
+        if let Some(node) = (0..self.ends.len())
+            .find(|&i| self.ends[i] && (i + 1 < k) && block.children(i + 1).next().is_some())
+        {
+            return Err(Error::InvalidTree(TreeFault::EndHasChildren { node }));
+        }
         self.config.check_vocab(v)?;
         // The context reaches the caller's mask (and the penalties, which check it themselves).
         if self.config.mask.is_some()
@@ -504,6 +544,10 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
                 vocab_size: v,
             });
         }
+        // Dense q is read for the nodes of sampled groups only (the q rows of deterministic
+        // groups are not read: those nodes are point masses).
+        let default = scheme_default(dense);
+        let sampled = |i: usize| block.scheme(i, default) != SiblingScheme::Deterministic;
         match self.draft_probs {
             DraftQ::PointMass => {}
             DraftQ::Probs { probs: data, vocab }
@@ -532,8 +576,8 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
                         actual: data.len(),
                     });
                 }
-                for &t in self.draft_tokens {
-                    if t as usize >= vocab {
+                for (i, &t) in self.draft_tokens.iter().enumerate() {
+                    if t as usize >= vocab && sampled(i) {
                         return Err(Error::TokenOutOfVocab {
                             what: "draft token (draft vocabulary)",
                             token: t,
@@ -545,7 +589,10 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
         }
         if let DraftQ::Probs { probs, vocab: qv } = self.draft_probs {
             for (i, &d) in self.draft_tokens.iter().enumerate() {
-                let q = &probs[i * qv..(i + 1) * qv];
+                if !sampled(i) {
+                    continue;
+                }
+                let q = row(probs, qv, i);
                 check_dense_q(q, i)?;
                 if q[d as usize].widen() <= 0.0 {
                     return Err(Error::InvalidDraftProbs {
@@ -553,16 +600,62 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
                         reason: "the drafted token has probability 0 under q",
                     });
                 }
+                check_group_row(probs, qv, &block, i)?;
             }
         }
         if let DraftQ::Logits { logits, vocab: qv } = self.draft_probs {
-            check_finite(logits, qv, RowKind::Draft)?;
+            for i in (0..k).filter(|&i| sampled(i)) {
+                if let Some(e) =
+                    crate::sampling::non_finite_in(row(logits, qv, i), RowKind::Draft, i)
+                {
+                    return Err(e);
+                }
+                check_group_row(logits, qv, &block, i)?;
+            }
         }
         if target {
             check_finite(self.target_logits, v, RowKind::Target)?;
         }
         Ok(())
     }
+}
+
+/// The scheme of a group without one: [`TreeLimits::default_scheme`].
+fn scheme_default(dense_q: bool) -> SiblingScheme {
+    TreeLimits {
+        dense_q,
+        ..TreeLimits::vocab(1)
+    }
+    .default_scheme()
+}
+
+/// The first node of node `i`'s sibling group (the node whose q row is the group's q).
+#[inline]
+fn group_first(block: &DraftBlock<'_>, i: usize) -> usize {
+    block.children(block.parent_row(i)).next().unwrap_or(i)
+}
+
+/// Checks that node `i`'s dense q row (`[qv]` in `data`) equals the row of its group's first
+/// node: the siblings of a sampled group were drawn from one q, and each carries it.
+fn check_group_row<Q: Logit>(
+    data: &[Q],
+    qv: usize,
+    block: &DraftBlock<'_>,
+    i: usize,
+) -> Result<()> {
+    let first = group_first(block, i);
+    if first != i
+        && row(data, qv, first)
+            .iter()
+            .zip(row(data, qv, i))
+            .any(|(a, b)| a.widen() != b.widen())
+    {
+        return Err(Error::InvalidDraftProbs {
+            row: i,
+            reason: "siblings of a sampled group (with or without replacement) must carry the same q row, the distribution the group was drawn from",
+        });
+    }
+    Ok(())
 }
 
 /// Tolerance on the total of a dense q row (probabilities must sum to 1 within this).
@@ -606,66 +699,16 @@ pub(crate) fn check_finite<T: Logit>(logits: &[T], width: usize, kind: RowKind) 
     Ok(())
 }
 
-/// Penalty counts and mask prefix for the rows of one block, built once per request and
-/// extended by one draft token per row.
-#[derive(Debug, Default)]
-struct BlockHistory {
-    counts: Option<TokenCounts>,
-    prefix: Vec<u32>,
-    use_prefix: bool,
-    suppress: Vec<u32>,
-    suppress_rows: usize,
-    row: usize,
-}
-
-impl BlockHistory {
-    fn begin<L, Q>(&mut self, req: &VerifyRequest<'_, L, Q>) -> Result<()> {
-        let cfg = req.config;
-        self.counts = if cfg.has_penalties() {
-            Some(TokenCounts::from_context(
-                req.context,
-                req.prompt_len,
-                req.vocab_size,
-            )?)
-        } else {
-            None
-        };
-        self.use_prefix = cfg.mask.is_some();
-        self.prefix.clear();
-        if self.use_prefix {
-            self.prefix.extend_from_slice(req.context);
-        }
-        self.suppress.clear();
-        self.suppress.extend_from_slice(req.suppress);
-        self.suppress_rows = req.suppress_rows;
-        self.row = 0;
-        Ok(())
-    }
-
-    /// Moves to the next row: `token` (an accepted draft) joins the history.
-    fn push(&mut self, token: u32, vocab: usize) -> Result<()> {
-        if let Some(c) = self.counts.as_mut() {
-            c.add(token, vocab)?;
-        }
-        if self.use_prefix {
-            self.prefix.push(token);
-        }
-        self.row += 1;
-        Ok(())
-    }
-
-    /// What the current row's processing sees.
-    fn view(&self) -> History<'_> {
-        History {
-            counts: self.counts.as_ref(),
-            prefix: &self.prefix,
-            suppress: if self.row < self.suppress_rows {
-                &self.suppress
-            } else {
-                &[]
-            },
-        }
-    }
+/// Starts `hist` at the request's context (penalty counts, mask prefix, suppressed rows).
+fn begin_history<L, Q>(hist: &mut BlockHistory, req: &VerifyRequest<'_, L, Q>) -> Result<()> {
+    hist.begin(
+        req.config,
+        req.context,
+        req.prompt_len,
+        req.vocab_size,
+        req.suppress.iter().copied(),
+        req.suppress_rows,
+    )
 }
 
 /// The verifier. Holds reusable buffers; create one per thread and call it for every step.
@@ -698,9 +741,17 @@ pub struct Verifier {
     proc: RowProcessor,
     p: TokenDist,
     hist: BlockHistory,
+    /// Residual weights of the current sibling (`p_j`) and the next (`p_{j+1}`).
     residual: Vec<(u32, f64)>,
-    /// Processed draft-logit rows (`DraftProbs::Logits`), computed before any draw.
+    residual_next: Vec<(u32, f64)>,
+    /// Processed draft-logit rows (`DraftProbs::Logits`), computed before any draw: the row of
+    /// the first node of each sampled group (the group's q).
     q_rows: Vec<TokenDist>,
+    /// The sibling group of the current row.
+    kids: Vec<usize>,
+    /// Node indices and tokens of a path (draft-row histories).
+    path_nodes: Vec<u32>,
+    path_tokens: Vec<u32>,
 }
 
 impl Verifier {
@@ -709,17 +760,23 @@ impl Verifier {
         Self::default()
     }
 
-    /// Verifies one sequence's block.
+    /// Verifies one sequence's block: a chain, or a token tree ([`VerifyRequest::parents`]).
     ///
     /// # Errors
-    /// - [`Error::ShapeMismatch`]: `target_logits` is not `[k + 1, vocab]`, or q is not
-    ///   `[k, draft_vocab]`.
+    /// - [`Error::ShapeMismatch`]: `target_logits` is not `[k + 1, vocab]` (`[k, vocab]` with
+    ///   [`VerifyRequest::final_draft_ends`]), q is not `[k, draft_vocab]`, or
+    ///   [`VerifyRequest::ends`] is neither empty nor `[k]`.
+    /// - [`Error::InvalidTree`]: the tree's structure ([`DraftBlock::validate`] without node or
+    ///   depth limits: parents, schemes, duplicate siblings, a sampled scheme without q), or an
+    ///   ending node with children ([`TreeFault::EndHasChildren`]).
+    /// - [`Error::InvalidConfig`]: `final_draft_ends` on a tree that is not a chain.
     /// - [`Error::TokenOutOfVocab`]: a draft or context token (or a token of the configuration)
     ///   is outside the vocabulary.
     /// - [`Error::DraftVocabTooLarge`]: the draft vocabulary is wider than the target's.
-    /// - [`Error::NonFiniteLogits`]: a target or draft logit (any row) is NaN or `+inf`.
-    /// - [`Error::InvalidDraftProbs`]: a q row is not a distribution, or gives its own draft
-    ///   token probability 0 (any row; draft-logit rows after processing).
+    /// - [`Error::NonFiniteLogits`]: a target or (read) draft logit, any row, is NaN or `+inf`.
+    /// - [`Error::InvalidDraftProbs`]: a q row is not a distribution, gives its own draft token
+    ///   probability 0 (any row; draft-logit rows after processing), or differs from its
+    ///   siblings' in a sampled group.
     /// - [`Error::NoAllowedToken`]: a draft-logit row (any), or a target row that the step
     ///   processes, has no token left after masking.
     ///
@@ -730,7 +787,7 @@ impl Verifier {
     ) -> Result<StepOutput> {
         req.validate()?;
         self.prepare_draft_rows(req)?;
-        self.hist.begin(req)?;
+        begin_history(&mut self.hist, req)?;
         if req.config.is_greedy() {
             greedy::verify(self, req)
         } else {
@@ -738,8 +795,10 @@ impl Verifier {
         }
     }
 
-    /// Processes every draft-logit row with its history (context plus drafts `0..i`), before any
-    /// draw, and checks that each draft token is possible under its processed row.
+    /// Processes the draft-logit row of the first node of every sampled group with its history
+    /// (context plus the node's ancestors: the row the group was drawn from), before any draw,
+    /// and checks that every node of the group is possible under it. Rows of deterministic
+    /// groups are not read.
     fn prepare_draft_rows<L: Logit, Q: Logit>(
         &mut self,
         req: &VerifyRequest<'_, L, Q>,
@@ -748,34 +807,52 @@ impl Verifier {
             return Ok(());
         };
         let k = req.k();
-        self.hist.begin(req)?;
+        let block = req.block();
+        let default = scheme_default(true);
+        begin_history(&mut self.hist, req)?;
         self.q_rows
             .resize_with(k.max(self.q_rows.len()), TokenDist::default);
         for (i, &d) in req.draft_tokens.iter().enumerate() {
-            let row = &logits[i * qv..(i + 1) * qv];
-            let hist = self.hist.view();
-            if req.config.is_greedy() {
-                let t = self
-                    .proc
-                    .argmax(req.config, row, &hist, RowKind::Draft, i)?;
-                self.q_rows[i] = TokenDist::point_mass(t, qv)?;
-            } else {
-                self.proc.distribution(
-                    req.config,
-                    row,
-                    &hist,
-                    RowKind::Draft,
-                    i,
-                    &mut self.q_rows[i],
-                )?;
+            if block.scheme(i, default) == SiblingScheme::Deterministic {
+                continue;
             }
-            if self.q_rows[i].prob(d) <= 0.0 {
+            let first = group_first(&block, i);
+            if first == i {
+                let parent = block.parent_row(i);
+                self.path_tokens.clear();
+                if parent > 0 {
+                    block.path_to(parent - 1, &mut self.path_nodes);
+                    self.path_tokens.extend(
+                        self.path_nodes
+                            .iter()
+                            .map(|&n| req.draft_tokens[n as usize]),
+                    );
+                }
+                self.hist.goto(&self.path_tokens)?;
+                let row = row(logits, qv, i);
+                let hist = self.hist.view();
+                if req.config.is_greedy() {
+                    let t = self
+                        .proc
+                        .argmax(req.config, row, &hist, RowKind::Draft, i)?;
+                    self.q_rows[i] = TokenDist::point_mass(t, qv)?;
+                } else {
+                    self.proc.distribution(
+                        req.config,
+                        row,
+                        &hist,
+                        RowKind::Draft,
+                        i,
+                        &mut self.q_rows[i],
+                    )?;
+                }
+            }
+            if self.q_rows[first].prob(d) <= 0.0 {
                 return Err(Error::InvalidDraftProbs {
                     row: i,
                     reason: "the drafted token has probability 0 under the processed draft logits",
                 });
             }
-            self.hist.push(d, req.vocab_size)?;
         }
         Ok(())
     }
