@@ -34,6 +34,87 @@
 //! coupling the draft's own draw to the target's, which a draft sampled before `p` is known
 //! cannot do.
 //!
+//! ## Trees
+//!
+//! With [`VerifyRequest::parents`] the `k` drafts are the nodes of a token tree (row convention
+//! in [`crate::tree`]: node `i` is checked against row `parents[i]`, one forward gives
+//! `[k + 1, vocab]` rows, row 0 after the root). The verifier walks down from the root. At row
+//! `r`, at depth `d` (the number of nodes accepted so far), it processes target row `r` with the
+//! history "context + tokens of the path to `r`" (the committed context and the node's
+//! ancestors, never another branch) and decides among the children of `r`, its **sibling
+//! group** (in node order), by the group's [`SiblingScheme`]. Accepting node `j` moves to row
+//! `j + 1`; a node marked in [`VerifyRequest::ends`] stops the step there
+//! ([`StepEnd::Ended`], no bonus token, its row is not read); at a leaf the leaf's own row gives
+//! the bonus token; when a group rejects every sibling the step emits a token of the group's
+//! final residual and stops. Random draws use the uniforms keyed by `(seed, position + d)`, so a
+//! sequence's result depends only on its own tree, seed and position. A chain is the tree whose
+//! groups have one node each: the same walk verifies it, with exactly the draws and arithmetic
+//! of the chain rules above.
+//!
+//! The rules, with `p` the processed target row, `x_0 .. x_{m-1}` the group's tokens and
+//! `norm(w) = w / sum(w)`:
+//!
+//! - **Greedy**: descend into the first child equal to the argmax of `p`, else emit the argmax.
+//!   Every emitted token is the argmax at its prefix: the output is plain greedy decoding's.
+//! - [`SiblingScheme::Deterministic`] (point masses: every group of a point-mass request, and
+//!   the groups of a dense-q request marked deterministic, whose q rows are not read): draw
+//!   `t ~ p` with the position's sampling uniform (lane [`crate::rng::lane::SAMPLE`], inverse
+//!   CDF in id order, as plain sampling draws), descend into the child that carries `t`, else
+//!   emit `t`.
+//! - [`SiblingScheme::WithReplacement`] (SpecInfer's multi-step speculative sampling, Miao et
+//!   al. 2024, "SpecInfer", algorithm 2): `p_0 = p`; sibling `j` is accepted with probability
+//!   `min(1, p_j(x_j) / q(x_j))` on the uniform of lane
+//!   [`crate::rng::lane::sibling_accept`]`(j)` (the chain's lane `ACCEPT` for `j = 0`); on
+//!   rejection `p_{j+1} = norm(max(0, p_j - q))`. All rejected: sample `p_m` (lane `SAMPLE`).
+//! - [`SiblingScheme::WithoutReplacement`] (recursive rejection sampling, Jeon et al. 2024,
+//!   "Recursive Speculative Decoding: Accelerating LLM Inference via Sampling Without
+//!   Replacement"): as above with `q_j` in place of `q`, where
+//!   `q_0 = q` and `q_j` is `q` without `x_0 .. x_{j-1}`, renormalised (divided by q's total
+//!   minus their mass): accept with `min(1, p_j(x_j) / q_j(x_j))`, on rejection
+//!   `p_{j+1} = norm(max(0, p_j - q_j))`.
+//!
+//! If a residual has no mass (`p_j = q_j` up to rounding, where rejection has probability 0 in
+//! exact arithmetic), `p_j` itself is sampled, as the chain rule does.
+//!
+//! **Proofs.** *Lemma (one sibling).* Let `x` have law `q` given everything decided before it at
+//! this row, let the acceptance uniform be independent of `x`, and let a rejection lead to an
+//! emitted token whose law, given the past, `x` and the rejection, is
+//! `r = norm(max(0, p - q))`, not depending on `x`. Then
+//! `P(emit y) = q(y) min(1, p(y)/q(y)) + sum_x q(x) (1 - min(1, p(x)/q(x))) r(y)
+//! = min(p(y), q(y)) + Z r(y) = min(p(y), q(y)) + max(0, p(y) - q(y)) = p(y)`, with
+//! `Z = sum_x max(0, p(x) - q(x))` (Leviathan et al. 2023, appendix A.1; `Z = 0` means `p = q`,
+//! and rejection has probability 0).
+//!
+//! *A group of `m` siblings emits a token of law `p`*, by induction on `m`: with no sibling the
+//! step samples `p`. With `m >= 1`, apply the lemma to sibling 0 with target `p_0 = p` and its
+//! law `q_0`; after a rejection the rest of the group is the same procedure on `m - 1` siblings
+//! with target `p_1`, which emits a token of law `p_1` by induction, provided the remaining
+//! siblings have, given the past, the laws the procedure assumes, and `p_1` does not depend on
+//! `x_0`:
+//! - with replacement, `x_1, ..` are independent of `x_0` with law `q`, and
+//!   `p_1 = norm(max(0, p - q))` involves `q` only;
+//! - without replacement, given `x_0 .. x_j` the next sibling has law `q_{j+1}` (q without them,
+//!   renormalised), exactly the law the procedure uses next, and
+//!   `p_{j+1} = norm(max(0, p_j - q_j))` depends on the earlier siblings through `q_j` but not
+//!   on `x_j` (the argument of Jeon et al. 2024 for recursive rejection sampling);
+//! - deterministic siblings are the case `q_j = δ(x_j)`: acceptance `min(1, p_j(x_j))` =
+//!   `p_j(x_j)`, residual `p_j` without `x_j`, renormalised, so
+//!   `p_j(x) = p(x) / (1 - S_j)` with `S_j = p(x_0) + .. + p(x_{j-1})`. That sequential rule
+//!   accepts `x_j` with probability `prod_{i<j} (1 - p_i(x_i)) · p_j(x_j)`
+//!   `= prod_{i<j} ((1 - S_{i+1}) / (1 - S_i)) · p(x_j) / (1 - S_j) = p(x_j)` (telescoping),
+//!   and when it rejects all emits a draw of `p` without the siblings, renormalised. The single draw `t ~ p` gives the same: `P(t = x_j) = p(x_j)`, and given that
+//!   `t` is no sibling, `t` has law `p` without the siblings. So both rules have the same law
+//!   of (accepted node, emitted token); the draw's `t` is moreover the token plain sampling
+//!   emits with the same seed and position, so **seeded output is reproducible for any
+//!   point-mass tree**, as for chains (case C15).
+//!
+//! *The whole tree.* At every row the emitted token (the accepted child's, or the final draw)
+//! has the law of the processed target at that prefix. The subtree below an accepted node was
+//! drafted given that node's path only, with draws independent of the verifier's uniforms
+//! (other lanes), so the next row is again a sibling group in the situation of the lemma; by
+//! the chain rule of probability the emitted sequence has the law of plain sampling from the
+//! processed target. A step that stops at an ending node stops where plain decoding stops.
+//!
 //! ## Input forms
 //!
 //! - Dtypes: target logits and draft q rows are slices of any [`Logit`] (`f32`; `half::f16` and
@@ -53,7 +134,12 @@
 //! token against the target vocabulary and (dense q) the draft vocabulary, every q row (finite,
 //! non-negative, sums to 1 within 1e-3, gives its own draft token probability > 0, in greedy
 //! mode too), every draft-logit row (processed with its history; its draft token must have
-//! probability > 0) and every raw target logit (no NaN or `+inf`). Only [`Error::NoAllowedToken`]
+//! probability > 0) and every raw target logit (no NaN or `+inf`). For a tree also its structure
+//! ([`DraftBlock::validate`]: parents before children, schemes, distinct deterministic and
+//! without-replacement siblings, sampled schemes only with dense q; [`Error::InvalidTree`]),
+//! [`VerifyRequest::ends`] (empty or `[k]`, ending nodes are leaves), and that the siblings of
+//! every sampled group carry identical q rows (the group's q; [`Error::InvalidDraftProbs`]).
+//! The q rows of deterministic groups are not read, and not checked. Only [`Error::NoAllowedToken`]
 //! for a target row is reported when that row is processed: whether a row is reached is part of
 //! the step's outcome (a row after a draft token that the mask forbids can legitimately allow
 //! nothing).
@@ -100,7 +186,9 @@ pub enum DraftQ<'a, Q = f32> {
     PointMass,
     /// Probabilities the drafts were sampled from, `[k, vocab]` row-major, already processed
     /// (the proposer applied the request's [`SamplingConfig`]). `vocab` may be smaller than the
-    /// target's (padded embeddings): missing entries are probability 0.
+    /// target's (padded embeddings): missing entries are probability 0. In a tree, row `i` is
+    /// the q node `i` was drawn from (its sibling group's q: siblings of a sampled group carry
+    /// identical rows); rows of deterministic groups are not read.
     Probs {
         /// `[k, vocab]` probabilities.
         probs: &'a [Q],
@@ -108,8 +196,11 @@ pub enum DraftQ<'a, Q = f32> {
         vocab: usize,
     },
     /// Raw draft-model logits `[k, vocab]`. The verifier processes row `i` with the request's
-    /// configuration and the same history as target row `i`; the proposer must have sampled
-    /// `d_i` from exactly that processed distribution.
+    /// configuration and the same history as the target row that checks draft `i` (the context
+    /// plus drafts `0..i` in a chain; the context plus node `i`'s ancestors in a tree, without
+    /// node `i` itself); the proposer must have sampled `d_i` from exactly that processed
+    /// distribution. Siblings of a sampled tree group carry identical rows; rows of
+    /// deterministic groups are not read.
     Logits {
         /// `[k, vocab]` logits.
         logits: &'a [Q],
@@ -186,16 +277,20 @@ pub(crate) fn residual_weights_of<Q: Logit>(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StepEnd {
-    /// Draft `index` (0-based) was rejected; the last emitted token is the correction sampled
-    /// from the residual (or the target argmax in greedy mode).
+    /// The drafts at depth `index + 1` were rejected (for a chain: draft `index`, 0-based; for
+    /// a tree: every child of the last accepted node, or of the root); the last emitted token is
+    /// the correction sampled from the residual (or the target argmax in greedy mode).
+    /// `index == accepted`.
     Rejected {
-        /// Index of the rejected draft token.
+        /// Number of accepted drafts before the rejection: the index of the rejected draft in a
+        /// chain, the depth at which a tree walk stopped.
         index: usize,
     },
-    /// All `k >= 1` drafts were accepted; the last emitted token is the bonus token from row `k`.
+    /// The walk reached a leaf: for a chain all `k >= 1` drafts were accepted; the last emitted
+    /// token is the bonus token from the leaf's row (row `k` for a chain).
     AllAccepted,
-    /// All `k >= 1` drafts were accepted and the final one ends the sequence
-    /// ([`VerifyRequest::final_draft_ends`]): no bonus token, `tokens.len() == accepted`.
+    /// The last accepted draft ends the sequence ([`VerifyRequest::final_draft_ends`], or a node
+    /// marked in [`VerifyRequest::ends`]): no bonus token, `tokens.len() == accepted`.
     Ended,
     /// A no-draft step (`k = 0`, plain decoding): the one emitted token comes from row 0.
     NoDraft,
@@ -220,11 +315,12 @@ pub struct TokenLogprob {
 /// `StepOutput` is `Send + Sync`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepOutput {
-    /// Number of accepted draft tokens (the leading run; the bonus token is not counted).
+    /// Number of accepted draft tokens (the leading run of a chain, the path length of a tree;
+    /// the bonus token is not counted).
     pub accepted: usize,
-    /// Emitted tokens: the accepted drafts followed by one correction or bonus token, so
-    /// `tokens.len() == accepted + 1`, except after [`StepEnd::Ended`] (an accepted final draft
-    /// that ends the sequence), where `tokens.len() == accepted`.
+    /// Emitted tokens: the accepted drafts (a tree's path) followed by one correction or bonus
+    /// token, so `tokens.len() == accepted + 1`, except after [`StepEnd::Ended`] (an accepted
+    /// draft that ends the sequence), where `tokens.len() == accepted`.
     pub tokens: Vec<u32>,
     /// Per emitted token, when the configuration asked for log-probabilities.
     pub logprobs: Option<Vec<TokenLogprob>>,
@@ -253,13 +349,15 @@ pub fn leading_accepted(flags: &[bool]) -> usize {
 pub struct VerifyRequest<'a, L = f32, Q = f32> {
     /// Sampling configuration; the same one the proposer used.
     pub config: &'a SamplingConfig,
-    /// Target logits `[k + 1, vocab_size]` row-major.
+    /// Target logits `[k + 1, vocab_size]` row-major (row 0 after the last context token, row
+    /// `i + 1` after draft `i`), `[k, vocab_size]` with [`VerifyRequest::final_draft_ends`].
     pub target_logits: &'a [L],
     /// Width of a target row, in tokens.
     pub vocab_size: usize,
-    /// Draft tokens `d_1 .. d_k`.
+    /// Draft tokens `d_1 .. d_k`: a chain, or the nodes of a tree in topological order
+    /// ([`VerifyRequest::parents`]).
     pub draft_tokens: &'a [u32],
-    /// The draft probabilities q.
+    /// The draft probabilities q: point masses, or one `[draft_vocab]` row per draft.
     pub draft_probs: DraftQ<'a, Q>,
     /// Tokens before the block (prompt + generated), for penalties and masks. May be empty when
     /// neither is used.

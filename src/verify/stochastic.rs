@@ -16,6 +16,9 @@ use crate::rng::{Stream, lane};
 use crate::sampling::{Logit, TokenDist, sample_weighted};
 use crate::tree::SiblingScheme;
 
+/// Unnormalised `(token, weight)` pairs in id order: a residual distribution.
+type Weights = Vec<(u32, f64)>;
+
 /// What a row's sibling group decided.
 enum Pick {
     /// Descend into this node (accepted).
@@ -149,7 +152,7 @@ fn sampled_group<Q: Logit>(
     kids: &[usize],
     draft_tokens: &[u32],
     (stream, pos, r): (Stream, u64, usize),
-    (cur, next): (&mut Vec<(u32, f64)>, &mut Vec<(u32, f64)>),
+    (cur, next): (&mut Weights, &mut Weights),
 ) -> Result<Pick> {
     // p_j = cur * scale for j >= 1; p_0 is `p` itself (its f32 probabilities, as the chain rule
     // has always read them).
@@ -197,7 +200,7 @@ fn sampled_group<Q: Logit>(
         if without {
             removed += qx;
         }
-        if !(total > 0.0) {
+        if total.is_nan() || total <= 0.0 {
             // No residual mass: sample p_j.
             let u2 = stream.uniform(pos, lane::SAMPLE);
             return Ok(Pick::Emit(if on_p {

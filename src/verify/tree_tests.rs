@@ -361,6 +361,29 @@ fn without_replacement_removes_the_rejected_siblings_from_q() {
     }
 }
 
+#[test]
+fn each_sibling_tests_its_acceptance_on_its_own_lane() {
+    // As above: sibling 0 is always rejected, sibling 1 is accepted with probability 0.4 (with
+    // replacement), on the uniform of lane sibling_accept(1) at the row's position.
+    let cfg = SamplingConfig::builder().temperature(1.0).build().unwrap();
+    let mut logits = log_row(&[0.0, 0.3, 0.7]);
+    logits.extend([0.0; 6]);
+    let q = [0.5f32, 0.25, 0.25, 0.5, 0.25, 0.25];
+    let req = VerifyRequest::new(&cfg, &logits, 3, &[0, 1])
+        .tree(&[0, 0])
+        .draft_probs(DraftProbs::Probs {
+            probs: &q,
+            vocab: 3,
+        })
+        .position(7);
+    let mut v = Verifier::new();
+    for seed in 0..300 {
+        let out = v.verify(&req.seed(seed)).unwrap();
+        let u = Stream::new(seed).uniform(7, crate::rng::lane::sibling_accept(1));
+        assert_eq!(out.path == [1], u < 0.4, "seed {seed}: u = {u}, {out:?}");
+    }
+}
+
 /// `m` siblings drawn from `q` with the test's generator: independently, or without
 /// replacement (each draw from q without the earlier ones, renormalised).
 fn draw_siblings(g: &mut Gen, q: &[f64], m: usize, without: bool) -> Vec<u32> {
