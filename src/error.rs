@@ -220,7 +220,8 @@ pub enum Error {
         what: &'static str,
     },
     /// A backend does not support an input form that [`crate::Verifier`] takes (for example a
-    /// GPU batch that mixes draft forms per sequence). Verify that batch on the CPU, or split it.
+    /// GPU batch that mixes draft forms per sequence, or holds token trees). Verify that batch
+    /// on the CPU, or split it.
     #[error("the {backend} backend does not support {what}")]
     Unsupported {
         /// Backend name.
