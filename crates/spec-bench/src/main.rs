@@ -6,6 +6,9 @@
 //!     --runs bench-out/runs.json --out sim-out
 //! cargo run --release -p spec-bench -- replay --workload docs/workloads/smollm2.jsonl \
 //!     --runs bench-out/runs.json --cost docs/cost-tables/cpu-smollm2-fast-q8.json --out replay-out
+//! cargo run --release -p spec-bench -- replay --workload docs/workloads/smollm2.jsonl \
+//!     --runs bench-out/runs.json --cost docs/cost-tables/cpu-smollm2-fast-q8.json \
+//!     --k 8 --nodes 8,16,32,64 --out replay-tree-out
 //! ```
 
 use std::path::PathBuf;
@@ -14,8 +17,8 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use spec_bench::matrix::{Matrix, PreparedRequest, run_matrix};
 use spec_bench::replay::{
-    CostCurve, MARKDOWN_NOTES as REPLAY_NOTES, ReplayRow, ReplayStats, Trace,
-    markdown as replay_markdown, oracle, replay,
+    CostCurve, MARKDOWN_NOTES as REPLAY_NOTES, ReplayRow, ReplayStats, TREE_MARKDOWN_NOTES, Trace,
+    markdown as replay_markdown, oracle, replay, replay_tree, tree_markdown,
 };
 use spec_bench::report::{aggregate, markdown, sim_markdown, sim_plot, standard_plots, write_json};
 use spec_bench::run::{ConfigSpec, DraftSpec, RunRecord, token_hash};
@@ -70,9 +73,14 @@ struct ReplayArgs {
     /// suffix:MIN_CONFIDENCE (SuffixConfig::min_confidence).
     #[arg(long, value_delimiter = ',', default_value = "prompt-lookup,suffix")]
     proposers: Vec<String>,
-    /// Draft lengths.
+    /// Draft lengths (for trees: the depth bound).
     #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
     k: Vec<usize>,
+    /// Node budgets of tree drafts (e.g. 8,16,32,64): for each budget n and each k, the
+    /// proposers' trees (`Proposer::propose_tree`, at most n nodes, depth at most k) are
+    /// replayed next to their chains of the same budget (depth min(n, k)). Default: none.
+    #[arg(long, value_delimiter = ',')]
+    nodes: Vec<usize>,
     /// Longest n-gram the copy oracle matches.
     #[arg(long, default_value_t = 8)]
     oracle_max_n: usize,
@@ -467,6 +475,12 @@ fn replay_cmd(a: ReplayArgs) -> Result<()> {
     for p in &a.proposers {
         replay_proposer(p)?;
     }
+    if a.nodes.contains(&0) {
+        return Err(BenchError::Invalid {
+            what: "--nodes",
+            reason: "node budgets must be at least 1".into(),
+        });
+    }
     if a.oracle_max_n == 0 {
         return Err(BenchError::Invalid {
             what: "--oracle-max-n",
@@ -553,16 +567,43 @@ fn replay_cmd(a: ReplayArgs) -> Result<()> {
                     .collect::<Result<_>>()?;
                 rows.push(ReplayRow::new(kind, &name, k, &per));
             }
+            for &n in &a.nodes {
+                for name in &a.proposers {
+                    let chain: Vec<ReplayStats> = of_kind
+                        .iter()
+                        .map(|t| replay(&mut *replay_proposer(name)?, t, n.min(k), &cost))
+                        .collect::<Result<_>>()?;
+                    let tree: Vec<ReplayStats> = of_kind
+                        .iter()
+                        .map(|t| replay_tree(&mut *replay_proposer(name)?, t, k, n, &cost))
+                        .collect::<Result<_>>()?;
+                    let mut row = ReplayRow::new(kind, name, n.min(k), &chain);
+                    row.nodes = Some(n);
+                    rows.push(row);
+                    let mut row = ReplayRow::new(kind, name, k, &tree);
+                    row.nodes = Some(n);
+                    row.tree = true;
+                    rows.push(row);
+                }
+            }
         }
     }
     std::fs::create_dir_all(&a.out).map_err(io(&a.out))?;
     write_json(&a.out.join("replay.json"), &rows)?;
     let md = replay_markdown(&rows);
+    let trees = if a.nodes.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "\n## Trees against chains of the same node budget\n\n{}\n{TREE_MARKDOWN_NOTES}\n",
+            tree_markdown(&rows)
+        )
+    };
     let p = a.out.join("replay.md");
     std::fs::write(
         &p,
         format!(
-            "Greedy traces: {} ({} requests); cost curve: {}\n\n{md}\n{}\n",
+            "Greedy traces: {} ({} requests); cost curve: {}\n\n{md}\n{}\n{trees}",
             a.runs.display(),
             traces.len(),
             CostTable::from_json(&std::fs::read_to_string(&a.cost).map_err(io(&a.cost))?)?.source,
@@ -570,7 +611,7 @@ fn replay_cmd(a: ReplayArgs) -> Result<()> {
         ),
     )
     .map_err(io(&p))?;
-    println!("{md}");
+    println!("{md}{trees}");
     Ok(())
 }
 

@@ -15,6 +15,15 @@
 //! proposer's own time and the prefill are not included (both are in the measured end-to-end
 //! figures of `spec-bench run`).
 //!
+//! **Trees.** [`replay_tree`] asks the proposer for a token tree
+//! ([`Proposer::propose_tree`]) of at most `nodes` nodes and depth at most `k`. Under greedy
+//! verification a step accepts the longest root-to-node path of the tree whose tokens equal the
+//! recorded continuation (at each node, descend into the child equal to the target's argmax,
+//! which is the next recorded token), then emits one more token, so the counts are again exact;
+//! a step with `n` nodes is charged `c(n + 1)`, the cost of a chain forward over the same
+//! number of rows (a tree forward reads the same rows; its attention mask is not modelled).
+//! The chain of the same node budget `n` has depth `min(n, k)` ([`replay`] with that `k`).
+//!
 //! **Copy oracle.** [`oracle`] replays the same trace with the best draft a proposer that
 //! *copies from the request's own context* could make at each step: among all earlier positions
 //! `j` of the context whose preceding `n` tokens equal the context's last `n` tokens (for some
@@ -35,6 +44,7 @@ use serde::{Deserialize, Serialize};
 use speculative::SamplingConfig;
 use speculative::decode::Metrics;
 use speculative::propose::{Draft, ProposeRequest, Proposer};
+use speculative::tree::{DraftBlock, TreeLimits};
 
 use crate::error::{BenchError, Result};
 use crate::sim::CostTable;
@@ -128,6 +138,30 @@ fn matched(draft: &[u32], truth: &[u32]) -> usize {
     draft.iter().zip(truth).take_while(|(d, t)| d == t).count()
 }
 
+/// Greedy acceptance of a draft block against the true continuation `truth`: the length `a`
+/// of the longest root-to-node path whose tokens equal `truth[..a]` (descending, at each row,
+/// into the child equal to the next true token; siblings are distinct, so the path is unique),
+/// and whether the last node of that path has children (a deeper node was tried and
+/// rejected). For a chain, `a` is the matched prefix. `O(n * a)` for `n` nodes.
+pub fn accepted_path(block: &DraftBlock<'_>, truth: &[u32]) -> (usize, bool) {
+    let tokens = block.tokens();
+    let (mut row, mut a) = (0usize, 0usize);
+    loop {
+        let mut children = block.children(row).peekable();
+        let has_children = children.peek().is_some();
+        let next = truth
+            .get(a)
+            .and_then(|&t| children.find(|&j| tokens[j] == t));
+        match next {
+            Some(j) => {
+                a += 1;
+                row = j + 1;
+            }
+            None => return (a, has_children),
+        }
+    }
+}
+
 /// Replays `trace` through `proposer` with draft length `k` (capped, as the loop does, so that
 /// a step never drafts past the last output token).
 ///
@@ -163,6 +197,69 @@ pub fn replay(
         let a = matched(&draft.tokens[..n], &trace.output[i..]);
         let emitted = (a + 1).min(remaining);
         stats.record(n, a, emitted, cost.relative(n + 1));
+        ctx.extend_from_slice(&trace.output[i..i + emitted]);
+        i += emitted;
+    }
+    proposer.finish(&ctx);
+    Ok(stats)
+}
+
+/// Replays `trace` through `proposer`'s tree drafts ([`Proposer::propose_tree`]) with at most
+/// `nodes` nodes and depth at most `k` (capped, as in [`replay`], so that a step never drafts
+/// past the last output token); see "Trees" in the module docs. The metrics count nodes as
+/// proposed drafts (acceptance rate = accepted path nodes / nodes) and depths as positions
+/// (per-position acceptance = acceptance at depth `i` given that the path reached depth `i - 1`
+/// and the tree had a node below it).
+///
+/// # Errors
+/// [`BenchError::Decode`] when the proposer fails; [`BenchError::Invalid`] when its tree fails
+/// [`DraftBlock::validate`] against the node budget and depth (the proposer's bug).
+pub fn replay_tree(
+    proposer: &mut dyn Proposer,
+    trace: &Trace,
+    k: usize,
+    nodes: usize,
+    cost: &CostCurve,
+) -> Result<ReplayStats> {
+    let cfg = SamplingConfig::greedy();
+    proposer.begin(&trace.prompt)?;
+    let mut ctx = trace.prompt.clone();
+    let mut stats = ReplayStats::default();
+    let mut draft = Draft::default();
+    let mut i = 0;
+    while i < trace.output.len() {
+        let remaining = trace.output.len() - i;
+        let req = ProposeRequest {
+            context: &ctx,
+            config: &cfg,
+            max_draft: k.min(remaining - 1),
+            max_nodes: nodes,
+            seed: 0,
+            target_hidden: None,
+            prompt_len: 0,
+            eos: &[],
+            suppress_eos_rows: 0,
+        };
+        proposer.propose_tree(&req, &mut draft)?;
+        let block = draft.block();
+        let limits = TreeLimits {
+            max_nodes: req.max_nodes,
+            max_depth: req.max_draft,
+            ..TreeLimits::vocab(usize::MAX)
+        };
+        block.validate(&limits).map_err(|e| BenchError::Invalid {
+            what: "tree draft",
+            reason: format!("{} at output position {i}: {e}", proposer.name()),
+        })?;
+        let n = block.len();
+        let (a, deeper) = accepted_path(&block, &trace.output[i..]);
+        let emitted = (a + 1).min(remaining);
+        // Positions are depths: `a` accepted, and depth `a + 1` tried when the path's last node
+        // has children; every other node counts as proposed only.
+        let tried = a + usize::from(deeper);
+        stats.record(tried, a, emitted, cost.relative(n + 1));
+        // (A non-empty tree has a child of the root, so `tried >= 1`: not a no-draft step.)
+        stats.metrics.proposed += n - tried;
         ctx.extend_from_slice(&trace.output[i..i + emitted]);
         i += emitted;
     }
@@ -261,8 +358,15 @@ pub struct ReplayRow {
     pub kind: String,
     /// Proposer name, or `oracle n>=N` / `oracle any position`.
     pub proposer: String,
-    /// Draft length k.
+    /// Draft length k (for a tree row: the depth bound).
     pub k: usize,
+    /// Node budget of the tree-replay rows (trees and the chains they are compared with),
+    /// `None` for the rows of the chain table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<usize>,
+    /// `true` for a tree draft ([`replay_tree`]), `false` for a chain.
+    #[serde(default)]
+    pub tree: bool,
     /// Traces replayed.
     pub traces: usize,
     /// Output tokens replayed (all traces).
@@ -295,6 +399,8 @@ impl ReplayRow {
             kind: kind.to_string(),
             proposer: proposer.to_string(),
             k,
+            nodes: None,
+            tree: false,
             traces: per_trace.len(),
             tokens: m.emitted,
             steps: m.target_calls,
@@ -324,13 +430,58 @@ included), for the same proposer and fixed k. Oracle rows draft only tokens that
 the request's own context (`oracle n>=1`: positions after a matching token, which includes \
 prompt lookup and suffix trees; `oracle any position`: every position).";
 
-/// A markdown table of replay rows.
+/// Notes printed under the tree table ([`tree_markdown`]).
+pub const TREE_MARKDOWN_NOTES: &str = "Trees: the proposer's tree draft (`Proposer::propose_tree`) \
+with at most `node budget` nodes and depth at most k; greedy acceptance is the longest path of the \
+tree that matches the recorded output (exact). The chain of the same node budget has depth \
+min(budget, k). Nodes per step: mean nodes proposed per verify step (the tree may be smaller than \
+its budget). Predicted speed-ups charge c(nodes + 1) per step, the chain cost curve of the same \
+number of rows (beyond its last measured point it is extrapolated linearly); they exclude the \
+tree forward's mask, the prefill and the proposer's time.";
+
+/// A markdown table comparing each tree row with the chain row of the same kind, proposer and
+/// node budget (rows with `nodes` set; trees without their chain are left out).
+pub fn tree_markdown(rows: &[ReplayRow]) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::from(
+        "| kind | proposer | k | node budget | chain depth | chain mean accepted length | tree mean accepted length | tree / chain | tree nodes per step | chain predicted speed-up | tree predicted speed-up |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for t in rows.iter().filter(|r| r.tree) {
+        let Some(c) = rows.iter().find(|c| {
+            !c.tree
+                && c.nodes == t.nodes
+                && c.kind == t.kind
+                && c.proposer == t.proposer
+                && c.k == t.nodes.unwrap_or(0).min(t.k)
+        }) else {
+            continue;
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.3} | {:.1} | {:.2}x | {:.2}x |",
+            t.kind,
+            t.proposer,
+            t.k,
+            t.nodes.unwrap_or(0),
+            c.k,
+            c.mean_accepted_length,
+            t.mean_accepted_length,
+            t.mean_accepted_length / c.mean_accepted_length.max(f64::MIN_POSITIVE),
+            t.proposed as f64 / t.steps.max(1) as f64,
+            c.predicted_speedup_mean,
+            t.predicted_speedup_mean,
+        );
+    }
+    s
+}
+
+/// A markdown table of the chain replay rows (rows without a node budget).
 pub fn markdown(rows: &[ReplayRow]) -> String {
     use std::fmt::Write as _;
     let mut s = String::from(
         "| kind | proposer | k | acceptance rate | mean accepted length | predicted decode speed-up | measured e2e speed-up |\n|---|---|---|---|---|---|---|\n",
     );
-    for r in rows {
+    for r in rows.iter().filter(|r| r.nodes.is_none()) {
         let measured = r
             .measured_speedup_mean
             .map_or("-".to_string(), |m| format!("{m:.2}x"));
@@ -531,6 +682,150 @@ mod tests {
             any.accepted, any.proposed,
             "the oracle drafts only accepted tokens"
         );
+    }
+
+    /// Returns the scripted trees in order (tokens, parents), then empty drafts.
+    struct ScriptedTrees(Vec<(Vec<u32>, Vec<u32>)>);
+
+    impl Proposer for ScriptedTrees {
+        fn propose(
+            &mut self,
+            _req: &ProposeRequest<'_>,
+            draft: &mut Draft,
+        ) -> speculative::Result<()> {
+            draft.clear();
+            Ok(())
+        }
+        fn propose_tree(
+            &mut self,
+            _req: &ProposeRequest<'_>,
+            draft: &mut Draft,
+        ) -> speculative::Result<()> {
+            draft.clear();
+            if !self.0.is_empty() {
+                let (t, p) = self.0.remove(0);
+                draft.tokens = t;
+                draft.parents = p;
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn accepted_path_descends_into_the_matching_child() {
+        // Root -> 5 -> 6 -> 7, root -> 5 -> 8, root -> 9.
+        let tokens = [5, 6, 9, 8, 7];
+        let parents = [0, 1, 0, 1, 2];
+        let b = DraftBlock::tree(&tokens, &parents);
+        assert_eq!(accepted_path(&b, &[5, 8, 1]), (2, false));
+        assert_eq!(accepted_path(&b, &[5, 6, 7, 1]), (3, false));
+        assert_eq!(accepted_path(&b, &[5, 6, 1]), (2, true));
+        assert_eq!(accepted_path(&b, &[9, 1]), (1, false));
+        assert_eq!(accepted_path(&b, &[1]), (0, true));
+        assert_eq!(accepted_path(&b, &[5]), (1, true), "truth ends");
+        assert_eq!(
+            accepted_path(&DraftBlock::chain(&[1, 2, 3]), &[1, 2, 4]),
+            (2, true)
+        );
+        assert_eq!(accepted_path(&DraftBlock::chain(&[]), &[1]), (0, false));
+    }
+
+    #[test]
+    fn scripted_trees_are_scored_exactly() {
+        let trace = Trace {
+            kind: "t".into(),
+            request: 0,
+            prompt: vec![9],
+            output: vec![1, 2, 3, 4, 5, 6],
+        };
+        // Step 1: tree 7 | 1 -> {4, 2 -> 3}: path 1 2 3 accepted (3 of 5 nodes), emits 4
+        // tokens. Step 2: tree {6, 5}: 5 accepted, then the bonus: 2 tokens, done.
+        let mut p = ScriptedTrees(vec![
+            (vec![7, 1, 4, 2, 3], vec![0, 0, 2, 2, 4]),
+            (vec![6, 5], vec![0, 0]),
+        ]);
+        let c = flat_cost();
+        let s = replay_tree(&mut p, &trace, 3, 5, &c).unwrap();
+        let m = &s.metrics;
+        assert_eq!(
+            (
+                m.target_calls,
+                m.proposed,
+                m.accepted,
+                m.emitted,
+                m.no_draft_steps
+            ),
+            (2, 7, 4, 6, 0)
+        );
+        // Depth 1 tried twice (accepted twice), depth 2 once, depth 3 once; the leaf at
+        // depth 3 and the leaf 5 end their paths (nothing deeper tried).
+        assert_eq!(
+            (&m.reached_at[..], &m.accepted_at[..]),
+            (&[2, 1, 1][..], &[2, 1, 1][..])
+        );
+        assert!((s.cost - (c.relative(6) + c.relative(3))).abs() < 1e-12);
+        // A tree over the budget is the proposer's bug, reported as such.
+        let mut big = ScriptedTrees(vec![(vec![1, 2, 3], vec![0, 0, 0])]);
+        assert!(replay_tree(&mut big, &trace, 3, 2, &c).is_err());
+        let mut dup = ScriptedTrees(vec![(vec![1, 1], vec![0, 0])]);
+        assert!(replay_tree(&mut dup, &trace, 3, 4, &c).is_err());
+    }
+
+    #[test]
+    fn tree_replay_of_one_node_equals_the_chain_of_one() {
+        let trace = Trace {
+            kind: "t".into(),
+            request: 0,
+            prompt: vec![1, 2, 3, 4, 1, 2, 5, 1],
+            output: vec![2, 3, 4, 1, 2, 5, 1, 2, 3, 9, 1, 2],
+        };
+        let c = flat_cost();
+        for k in [1, 3, 6] {
+            let chain = replay(&mut PromptLookup::new(1, 3).unwrap(), &trace, 1, &c).unwrap();
+            let tree =
+                replay_tree(&mut PromptLookup::new(1, 3).unwrap(), &trace, k, 1, &c).unwrap();
+            assert_eq!(tree, chain, "k {k}");
+        }
+        // With a budget above k the tree holds the chain and more: after the trailing 1, the
+        // chain drafts "2 5 1" (newest match) and accepts 1 token; the tree also holds "2 3 4"
+        // (older match) and accepts 3, finishing in one step instead of two.
+        let trace = Trace {
+            output: vec![2, 3, 4, 9],
+            ..trace
+        };
+        let chain = replay(&mut PromptLookup::new(1, 3).unwrap(), &trace, 3, &c).unwrap();
+        let tree = replay_tree(&mut PromptLookup::new(1, 3).unwrap(), &trace, 3, 8, &c).unwrap();
+        assert_eq!(
+            (chain.metrics.target_calls, tree.metrics.target_calls),
+            (2, 1)
+        );
+    }
+
+    #[test]
+    fn tree_rows_pair_with_chains_of_the_same_budget() {
+        let stats = |calls: usize, emitted: usize| ReplayStats {
+            metrics: Metrics {
+                target_calls: calls,
+                emitted,
+                proposed: 10,
+                ..Metrics::default()
+            },
+            cost: calls as f64,
+        };
+        let mut chain = ReplayRow::new("chat", "suffix", 8, &[stats(10, 15)]);
+        chain.nodes = Some(16);
+        let mut tree = ReplayRow::new("chat", "suffix", 8, &[stats(10, 18)]);
+        tree.nodes = Some(16);
+        tree.tree = true;
+        let plain = ReplayRow::new("chat", "suffix", 4, &[stats(10, 14)]);
+        let md = tree_markdown(&[plain.clone(), chain, tree]);
+        assert!(
+            md.contains("| chat | suffix | 8 | 16 | 8 | 1.50 | 1.80 | 1.200 | 1.0 |"),
+            "{md}"
+        );
+        assert_eq!(md.lines().count(), 3);
+        // The chain table leaves the tree replay's rows out.
+        assert_eq!(markdown(&[plain]).lines().count(), 3);
     }
 
     #[test]
