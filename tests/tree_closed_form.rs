@@ -15,7 +15,7 @@
 //!    independently against the unmodified target, (c) samples drawn without replacement
 //!    verified with the with-replacement rule.
 //! 3. **The real verifier against the calculator**: for fixed drafted trees, the empirical law of
-//!    `Verifier::verify`'s outcome (accepted path and emitted token) over 20,000 seeds against the
+//!    `Verifier::verify`'s outcome (accepted path and emitted token) over 40,000 seeds against the
 //!    calculator's conditional law given the drafts, Pearson chi-square at `ALPHA = 1e-3`
 //!    (fixed seeds, so deterministic; p-values printed with `--nocapture`). Negative control: the
 //!    same counts against the law of a wrong rule are rejected.
@@ -458,7 +458,20 @@ fn fixed_cases() -> Vec<(&'static str, Mode, SamplingConfig, DetChoice, bool)> {
             DetChoice::Fixed,
             true,
         ),
-        ("mixed plain", Mode::Mixed, plain, DetChoice::Fixed, false),
+        (
+            "mixed plain",
+            Mode::Mixed,
+            plain.clone(),
+            DetChoice::Fixed,
+            false,
+        ),
+        (
+            "mixed plain (draft logits)",
+            Mode::Mixed,
+            plain,
+            DetChoice::Fixed,
+            true,
+        ),
         (
             "mixed nucleus",
             Mode::Mixed,
@@ -510,14 +523,18 @@ fn seeded_case(
 }
 
 /// Seeds per fixed tree.
-const N_GIVEN: u64 = 20_000;
+const N_GIVEN: u64 = 40_000;
 
 #[test]
 fn verifier_matches_conditional_law_given_drafts() {
     let mut verifier = Verifier::new();
     for (c, (name, mode, cfg, det, lf)) in fixed_cases().into_iter().enumerate() {
         let case = seeded_case(1000 + c as u64, 6, 5, mode, det, lf);
-        let shape = Shape::random(case.shape_seed, 4, 3, 24, mode.schemes(), 5);
+        // A bushy shape: three siblings at the root and at least 10 nodes.
+        let shape = (case.shape_seed..)
+            .map(|s| Shape::random(s, 4, 3, 24, mode.schemes(), 5))
+            .find(|s| s.children(0).len() == 3 && s.len() >= 10)
+            .unwrap();
         case.with_models(&cfg, |m| {
             let inst = Instance::draft(m, &shape, case.form(), &mut SplitMix(77 + c as u64));
             let rule = StepRule {
