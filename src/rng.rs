@@ -43,6 +43,23 @@ pub mod lane {
     pub const SAMPLE: u32 = 1;
     /// The uniform a sampling proposer (draft model, heads) uses to draw its draft at this position.
     pub const DRAFT: u32 = 2;
+    /// First lane of the acceptance tests of later siblings: sibling `j >= 1` of a sampled
+    /// group uses lane `SIBLING_BASE + j` ([`sibling_accept`]).
+    pub const SIBLING_BASE: u32 = 0x100;
+
+    /// The lane of the acceptance test of sibling `j` (0-based, in node order) of a sampled tree
+    /// group (with or without replacement, see [`crate::verify`], section "Trees"): [`ACCEPT`]
+    /// for the first sibling, so that a chain (one node per group) draws exactly the uniforms it
+    /// always drew, and `SIBLING_BASE + j` for the later ones (distinct from every other lane
+    /// of the crate for `j < 2^32 - 0x100`; larger `j` wraps).
+    #[inline]
+    pub const fn sibling_accept(j: usize) -> u32 {
+        if j == 0 {
+            ACCEPT
+        } else {
+            SIBLING_BASE.wrapping_add(j as u32)
+        }
+    }
 }
 
 const M0: u32 = 0xD251_1F53;

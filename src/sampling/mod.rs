@@ -24,6 +24,7 @@
 //! `p(x) / q(x)` obey the same rules (case C01).
 
 mod config;
+mod history;
 mod logit;
 #[cfg(feature = "half")]
 mod logit_half;
@@ -33,6 +34,7 @@ mod top_k;
 mod top_p;
 
 pub use config::{SamplingConfig, SamplingConfigBuilder, TokenMask};
+pub(crate) use history::BlockHistory;
 pub use logit::Logit;
 pub(crate) use logit::for_each_span;
 pub use penalties::{PenaltyScope, TokenCounts, apply_penalties};

@@ -72,6 +72,20 @@ impl TokenCounts {
         Ok(())
     }
 
+    /// Removes one generated occurrence of `token` (the inverse of [`TokenCounts::add`]), for a
+    /// history that steps back up a draft tree. A token without a generated occurrence is left
+    /// as it is; a token with no occurrence left is no longer counted ([`TokenCounts::len`]).
+    pub fn remove(&mut self, token: u32) {
+        if let Some(e) = self.counts.get_mut(&token)
+            && e.1 > 0
+        {
+            e.1 -= 1;
+            if *e == (0, 0) {
+                self.counts.remove(&token);
+            }
+        }
+    }
+
     /// Number of occurrences of `token`, prompt and generated.
     pub fn get(&self, token: u32) -> u32 {
         self.counts.get(&token).map_or(0, |&(p, g)| p + g)

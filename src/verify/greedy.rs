@@ -1,4 +1,9 @@
 //! Greedy verification: argmax comparisons only, no softmax, no random draws.
+//!
+//! One walk for chains and trees: at row `r` (0 = the root's), take the argmax `best` of the
+//! processed target row; descend into the first child of `r` whose token is `best`, or emit
+//! `best` and stop. Every emitted token is the argmax of the target at its prefix, so the output
+//! is plain greedy decoding's.
 
 use super::{StepEnd, StepOutput, TokenLogprob, Verifier, VerifyRequest, row};
 use crate::error::{Result, RowKind};
@@ -10,24 +15,19 @@ pub(super) fn verify<L: Logit, Q: Logit>(
 ) -> Result<StepOutput> {
     let vocab = req.vocab_size;
     let k = req.draft_tokens.len();
-    let rows = req.target_rows();
+    let block = req.block();
     let want_lp = req.config.logprobs();
-    let mut tokens = Vec::with_capacity(k + 1);
-    let mut logprobs = want_lp.map(|_| Vec::with_capacity(k + 1));
-    let mut end = match (k, req.final_draft_ends) {
-        (0, _) => StepEnd::NoDraft,
-        (_, true) => StepEnd::Ended,
-        _ => StepEnd::AllAccepted,
-    };
-    for i in 0..rows {
-        let logits = row(req.target_logits, vocab, i);
+    let cap = block.max_depth() + 1;
+    let mut tokens = Vec::with_capacity(cap);
+    let mut path = Vec::with_capacity(cap);
+    let mut logprobs = want_lp.map(|_| Vec::with_capacity(cap));
+    let mut r = 0;
+    let end = loop {
+        let logits = row(req.target_logits, vocab, r);
         let hist = v.hist.view();
         let best = v
             .proc
-            .argmax(req.config, logits, &hist, RowKind::Target, i)?;
-        if i < k && req.draft_tokens[i] != best {
-            end = StepEnd::Rejected { index: i };
-        }
+            .argmax(req.config, logits, &hist, RowKind::Target, r)?;
         if let (Some(lps), Some(n)) = (logprobs.as_mut(), want_lp) {
             let (lp, top) = v.proc.greedy_logprobs(req.config, logits, &hist, best, n)?;
             lps.push(TokenLogprob {
@@ -37,18 +37,27 @@ pub(super) fn verify<L: Logit, Q: Logit>(
             });
         }
         tokens.push(best);
-        if i + 1 == rows || matches!(end, StepEnd::Rejected { .. }) {
-            break;
+        let mut kids = block.children(r).peekable();
+        let leaf = kids.peek().is_none();
+        let Some(j) = kids.find(|&j| req.draft_tokens[j] == best) else {
+            break if !leaf {
+                StepEnd::Rejected { index: path.len() }
+            } else if k == 0 {
+                StepEnd::NoDraft
+            } else {
+                StepEnd::AllAccepted
+            };
+        };
+        path.push(j as u32);
+        if req.ends_at(j) {
+            break StepEnd::Ended;
         }
-        v.hist.push(best, vocab)?;
-    }
-    let accepted = match end {
-        StepEnd::Ended => tokens.len(),
-        _ => tokens.len() - 1,
+        v.hist.push(best)?;
+        r = j + 1;
     };
     Ok(StepOutput {
-        accepted,
-        path: (0..accepted as u32).collect(),
+        accepted: path.len(),
+        path,
         tokens,
         logprobs,
         end,

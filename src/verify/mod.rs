@@ -34,6 +34,87 @@
 //! coupling the draft's own draw to the target's, which a draft sampled before `p` is known
 //! cannot do.
 //!
+//! ## Trees
+//!
+//! With [`VerifyRequest::parents`] the `k` drafts are the nodes of a token tree (row convention
+//! in [`crate::tree`]: node `i` is checked against row `parents[i]`, one forward gives
+//! `[k + 1, vocab]` rows, row 0 after the root). The verifier walks down from the root. At row
+//! `r`, at depth `d` (the number of nodes accepted so far), it processes target row `r` with the
+//! history "context + tokens of the path to `r`" (the committed context and the node's
+//! ancestors, never another branch) and decides among the children of `r`, its **sibling
+//! group** (in node order), by the group's [`SiblingScheme`]. Accepting node `j` moves to row
+//! `j + 1`; a node marked in [`VerifyRequest::ends`] stops the step there
+//! ([`StepEnd::Ended`], no bonus token, its row is not read); at a leaf the leaf's own row gives
+//! the bonus token; when a group rejects every sibling the step emits a token of the group's
+//! final residual and stops. Random draws use the uniforms keyed by `(seed, position + d)`, so a
+//! sequence's result depends only on its own tree, seed and position. A chain is the tree whose
+//! groups have one node each: the same walk verifies it, with exactly the draws and arithmetic
+//! of the chain rules above.
+//!
+//! The rules, with `p` the processed target row, `x_0 .. x_{m-1}` the group's tokens and
+//! `norm(w) = w / sum(w)`:
+//!
+//! - **Greedy**: descend into the first child equal to the argmax of `p`, else emit the argmax.
+//!   Every emitted token is the argmax at its prefix: the output is plain greedy decoding's.
+//! - [`SiblingScheme::Deterministic`] (point masses: every group of a point-mass request, and
+//!   the groups of a dense-q request marked deterministic, whose q rows are not read): draw
+//!   `t ~ p` with the position's sampling uniform (lane [`crate::rng::lane::SAMPLE`], inverse
+//!   CDF in id order, as plain sampling draws), descend into the child that carries `t`, else
+//!   emit `t`.
+//! - [`SiblingScheme::WithReplacement`] (SpecInfer's multi-step speculative sampling, Miao et
+//!   al. 2024, "SpecInfer", algorithm 2): `p_0 = p`; sibling `j` is accepted with probability
+//!   `min(1, p_j(x_j) / q(x_j))` on the uniform of lane
+//!   [`crate::rng::lane::sibling_accept`]`(j)` (the chain's lane `ACCEPT` for `j = 0`); on
+//!   rejection `p_{j+1} = norm(max(0, p_j - q))`. All rejected: sample `p_m` (lane `SAMPLE`).
+//! - [`SiblingScheme::WithoutReplacement`] (recursive rejection sampling, Jeon et al. 2024,
+//!   "Recursive Speculative Decoding: Accelerating LLM Inference via Sampling Without
+//!   Replacement"): as above with `q_j` in place of `q`, where
+//!   `q_0 = q` and `q_j` is `q` without `x_0 .. x_{j-1}`, renormalised (divided by q's total
+//!   minus their mass): accept with `min(1, p_j(x_j) / q_j(x_j))`, on rejection
+//!   `p_{j+1} = norm(max(0, p_j - q_j))`.
+//!
+//! If a residual has no mass (`p_j = q_j` up to rounding, where rejection has probability 0 in
+//! exact arithmetic), `p_j` itself is sampled, as the chain rule does.
+//!
+//! **Proofs.** *Lemma (one sibling).* Let `x` have law `q` given everything decided before it at
+//! this row, let the acceptance uniform be independent of `x`, and let a rejection lead to an
+//! emitted token whose law, given the past, `x` and the rejection, is
+//! `r = norm(max(0, p - q))`, not depending on `x`. Then
+//! `P(emit y) = q(y) min(1, p(y)/q(y)) + sum_x q(x) (1 - min(1, p(x)/q(x))) r(y)
+//! = min(p(y), q(y)) + Z r(y) = min(p(y), q(y)) + max(0, p(y) - q(y)) = p(y)`, with
+//! `Z = sum_x max(0, p(x) - q(x))` (Leviathan et al. 2023, appendix A.1; `Z = 0` means `p = q`,
+//! and rejection has probability 0).
+//!
+//! *A group of `m` siblings emits a token of law `p`*, by induction on `m`: with no sibling the
+//! step samples `p`. With `m >= 1`, apply the lemma to sibling 0 with target `p_0 = p` and its
+//! law `q_0`; after a rejection the rest of the group is the same procedure on `m - 1` siblings
+//! with target `p_1`, which emits a token of law `p_1` by induction, provided the remaining
+//! siblings have, given the past, the laws the procedure assumes, and `p_1` does not depend on
+//! `x_0`:
+//! - with replacement, `x_1, ..` are independent of `x_0` with law `q`, and
+//!   `p_1 = norm(max(0, p - q))` involves `q` only;
+//! - without replacement, given `x_0 .. x_j` the next sibling has law `q_{j+1}` (q without them,
+//!   renormalised), exactly the law the procedure uses next, and
+//!   `p_{j+1} = norm(max(0, p_j - q_j))` depends on the earlier siblings through `q_j` but not
+//!   on `x_j` (the argument of Jeon et al. 2024 for recursive rejection sampling);
+//! - deterministic siblings are the case `q_j = δ(x_j)`: acceptance `min(1, p_j(x_j))` =
+//!   `p_j(x_j)`, residual `p_j` without `x_j`, renormalised, so
+//!   `p_j(x) = p(x) / (1 - S_j)` with `S_j = p(x_0) + .. + p(x_{j-1})`. That sequential rule
+//!   accepts `x_j` with probability `prod_{i<j} (1 - p_i(x_i)) · p_j(x_j)`
+//!   `= prod_{i<j} ((1 - S_{i+1}) / (1 - S_i)) · p(x_j) / (1 - S_j) = p(x_j)` (telescoping),
+//!   and when it rejects all emits a draw of `p` without the siblings, renormalised. The single draw `t ~ p` gives the same: `P(t = x_j) = p(x_j)`, and given that
+//!   `t` is no sibling, `t` has law `p` without the siblings. So both rules have the same law
+//!   of (accepted node, emitted token); the draw's `t` is moreover the token plain sampling
+//!   emits with the same seed and position, so **seeded output is reproducible for any
+//!   point-mass tree**, as for chains (case C15).
+//!
+//! *The whole tree.* At every row the emitted token (the accepted child's, or the final draw)
+//! has the law of the processed target at that prefix. The subtree below an accepted node was
+//! drafted given that node's path only, with draws independent of the verifier's uniforms
+//! (other lanes), so the next row is again a sibling group in the situation of the lemma; by
+//! the chain rule of probability the emitted sequence has the law of plain sampling from the
+//! processed target. A step that stops at an ending node stops where plain decoding stops.
+//!
 //! ## Input forms
 //!
 //! - Dtypes: target logits and draft q rows are slices of any [`Logit`] (`f32`; `half::f16` and
@@ -53,7 +134,12 @@
 //! token against the target vocabulary and (dense q) the draft vocabulary, every q row (finite,
 //! non-negative, sums to 1 within 1e-3, gives its own draft token probability > 0, in greedy
 //! mode too), every draft-logit row (processed with its history; its draft token must have
-//! probability > 0) and every raw target logit (no NaN or `+inf`). Only [`Error::NoAllowedToken`]
+//! probability > 0) and every raw target logit (no NaN or `+inf`). For a tree also its structure
+//! ([`DraftBlock::validate`]: parents before children, schemes, distinct deterministic and
+//! without-replacement siblings, sampled schemes only with dense q; [`Error::InvalidTree`]),
+//! [`VerifyRequest::ends`] (empty or `[k]`, ending nodes are leaves), and that the siblings of
+//! every sampled group carry identical q rows (the group's q; [`Error::InvalidDraftProbs`]).
+//! The q rows of deterministic groups are not read, and not checked. Only [`Error::NoAllowedToken`]
 //! for a target row is reported when that row is processed: whether a row is reached is part of
 //! the step's outcome (a row after a draft token that the mask forbids can legitimately allow
 //! nothing).
@@ -69,13 +155,15 @@ pub(crate) use batch::{check_layout, sequence_request};
 pub mod exact;
 mod greedy;
 mod stochastic;
+#[cfg(test)]
+mod tree_tests;
 
 pub use array::array_rows;
 pub use batch::{SequenceParams, VerifyBatch};
 
 use crate::error::{Error, Result, RowKind};
-use crate::sampling::{History, Logit, RowProcessor, SamplingConfig, TokenCounts, TokenDist};
-use crate::tree::{DraftBlock, SiblingScheme};
+use crate::sampling::{BlockHistory, Logit, RowProcessor, SamplingConfig, TokenDist};
+use crate::tree::{DraftBlock, SiblingScheme, TreeFault, TreeLimits};
 
 /// The draft probabilities q handed to the verifier, with their rows in dtype `Q` (any
 /// [`Logit`]: `f32`, or `half::f16` / `half::bf16` with the cargo feature `half`), which may
@@ -98,7 +186,9 @@ pub enum DraftQ<'a, Q = f32> {
     PointMass,
     /// Probabilities the drafts were sampled from, `[k, vocab]` row-major, already processed
     /// (the proposer applied the request's [`SamplingConfig`]). `vocab` may be smaller than the
-    /// target's (padded embeddings): missing entries are probability 0.
+    /// target's (padded embeddings): missing entries are probability 0. In a tree, row `i` is
+    /// the q node `i` was drawn from (its sibling group's q: siblings of a sampled group carry
+    /// identical rows); rows of deterministic groups are not read.
     Probs {
         /// `[k, vocab]` probabilities.
         probs: &'a [Q],
@@ -106,8 +196,11 @@ pub enum DraftQ<'a, Q = f32> {
         vocab: usize,
     },
     /// Raw draft-model logits `[k, vocab]`. The verifier processes row `i` with the request's
-    /// configuration and the same history as target row `i`; the proposer must have sampled
-    /// `d_i` from exactly that processed distribution.
+    /// configuration and the same history as the target row that checks draft `i` (the context
+    /// plus drafts `0..i` in a chain; the context plus node `i`'s ancestors in a tree, without
+    /// node `i` itself); the proposer must have sampled `d_i` from exactly that processed
+    /// distribution. Siblings of a sampled tree group carry identical rows; rows of
+    /// deterministic groups are not read.
     Logits {
         /// `[k, vocab]` logits.
         logits: &'a [Q],
@@ -184,16 +277,20 @@ pub(crate) fn residual_weights_of<Q: Logit>(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StepEnd {
-    /// Draft `index` (0-based) was rejected; the last emitted token is the correction sampled
-    /// from the residual (or the target argmax in greedy mode).
+    /// The drafts at depth `index + 1` were rejected (for a chain: draft `index`, 0-based; for
+    /// a tree: every child of the last accepted node, or of the root); the last emitted token is
+    /// the correction sampled from the residual (or the target argmax in greedy mode).
+    /// `index == accepted`.
     Rejected {
-        /// Index of the rejected draft token.
+        /// Number of accepted drafts before the rejection: the index of the rejected draft in a
+        /// chain, the depth at which a tree walk stopped.
         index: usize,
     },
-    /// All `k >= 1` drafts were accepted; the last emitted token is the bonus token from row `k`.
+    /// The walk reached a leaf: for a chain all `k >= 1` drafts were accepted; the last emitted
+    /// token is the bonus token from the leaf's row (row `k` for a chain).
     AllAccepted,
-    /// All `k >= 1` drafts were accepted and the final one ends the sequence
-    /// ([`VerifyRequest::final_draft_ends`]): no bonus token, `tokens.len() == accepted`.
+    /// The last accepted draft ends the sequence ([`VerifyRequest::final_draft_ends`], or a node
+    /// marked in [`VerifyRequest::ends`]): no bonus token, `tokens.len() == accepted`.
     Ended,
     /// A no-draft step (`k = 0`, plain decoding): the one emitted token comes from row 0.
     NoDraft,
@@ -218,11 +315,12 @@ pub struct TokenLogprob {
 /// `StepOutput` is `Send + Sync`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepOutput {
-    /// Number of accepted draft tokens (the leading run; the bonus token is not counted).
+    /// Number of accepted draft tokens (the leading run of a chain, the path length of a tree;
+    /// the bonus token is not counted).
     pub accepted: usize,
-    /// Emitted tokens: the accepted drafts followed by one correction or bonus token, so
-    /// `tokens.len() == accepted + 1`, except after [`StepEnd::Ended`] (an accepted final draft
-    /// that ends the sequence), where `tokens.len() == accepted`.
+    /// Emitted tokens: the accepted drafts (a tree's path) followed by one correction or bonus
+    /// token, so `tokens.len() == accepted + 1`, except after [`StepEnd::Ended`] (an accepted
+    /// draft that ends the sequence), where `tokens.len() == accepted`.
     pub tokens: Vec<u32>,
     /// Per emitted token, when the configuration asked for log-probabilities.
     pub logprobs: Option<Vec<TokenLogprob>>,
@@ -251,13 +349,15 @@ pub fn leading_accepted(flags: &[bool]) -> usize {
 pub struct VerifyRequest<'a, L = f32, Q = f32> {
     /// Sampling configuration; the same one the proposer used.
     pub config: &'a SamplingConfig,
-    /// Target logits `[k + 1, vocab_size]` row-major.
+    /// Target logits `[k + 1, vocab_size]` row-major (row 0 after the last context token, row
+    /// `i + 1` after draft `i`), `[k, vocab_size]` with [`VerifyRequest::final_draft_ends`].
     pub target_logits: &'a [L],
     /// Width of a target row, in tokens.
     pub vocab_size: usize,
-    /// Draft tokens `d_1 .. d_k`.
+    /// Draft tokens `d_1 .. d_k`: a chain, or the nodes of a tree in topological order
+    /// ([`VerifyRequest::parents`]).
     pub draft_tokens: &'a [u32],
-    /// The draft probabilities q.
+    /// The draft probabilities q: point masses, or one `[draft_vocab]` row per draft.
     pub draft_probs: DraftQ<'a, Q>,
     /// Tokens before the block (prompt + generated), for penalties and masks. May be empty when
     /// neither is used.
@@ -426,6 +526,12 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
         self.draft_tokens.len()
     }
 
+    /// `true` when accepting node `j` ends the sequence ([`VerifyRequest::ends`], or the final
+    /// node with [`VerifyRequest::final_draft_ends`]).
+    fn ends_at(&self, j: usize) -> bool {
+        self.ends.get(j).copied().unwrap_or(false) || (self.final_draft_ends && j + 1 == self.k())
+    }
+
     /// Number of target rows: `k + 1`, or `k` when the final draft ends the sequence.
     fn target_rows(&self) -> usize {
         self.k() + 1 - self.final_draft_ends as usize
@@ -460,6 +566,16 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
                 actual: 0,
             });
         }
+        if self.final_draft_ends
+            && let Some(p) = self.parents
+            && !(p.len() == k && p.iter().enumerate().all(|(i, &r)| r as usize == i))
+        {
+            return Err(Error::config(
+                "final_draft_ends",
+                true,
+                "a tree marks its ending leaves with `ends`; final_draft_ends is for chains",
+            ));
+        }
         let rows = self.target_rows();
         let expected = rows.checked_mul(v).ok_or(Error::ShapeMismatch {
             what: "target_logits",
@@ -486,6 +602,28 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
                 });
             }
         }
+        let dense = !matches!(self.draft_probs, DraftQ::PointMass);
+        let block = self.block();
+        block
+            .validate(&TreeLimits {
+                vocab_size: v,
+                max_nodes: usize::MAX,
+                max_depth: usize::MAX,
+                dense_q: dense,
+            })
+            .map_err(Error::InvalidTree)?;
+        if !self.ends.is_empty() && self.ends.len() != k {
+            return Err(Error::ShapeMismatch {
+                what: "ends ([k] or empty)",
+                expected: k,
+                actual: self.ends.len(),
+            });
+        }
+        if let Some(node) = (0..self.ends.len())
+            .find(|&i| self.ends[i] && (i + 1 < k) && block.children(i + 1).next().is_some())
+        {
+            return Err(Error::InvalidTree(TreeFault::EndHasChildren { node }));
+        }
         self.config.check_vocab(v)?;
         // The context reaches the caller's mask (and the penalties, which check it themselves).
         if self.config.mask.is_some()
@@ -504,6 +642,10 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
                 vocab_size: v,
             });
         }
+        // Dense q is read for the nodes of sampled groups only (the q rows of deterministic
+        // groups are not read: those nodes are point masses).
+        let default = scheme_default(dense);
+        let sampled = |i: usize| block.scheme(i, default) != SiblingScheme::Deterministic;
         match self.draft_probs {
             DraftQ::PointMass => {}
             DraftQ::Probs { probs: data, vocab }
@@ -532,8 +674,8 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
                         actual: data.len(),
                     });
                 }
-                for &t in self.draft_tokens {
-                    if t as usize >= vocab {
+                for (i, &t) in self.draft_tokens.iter().enumerate() {
+                    if t as usize >= vocab && sampled(i) {
                         return Err(Error::TokenOutOfVocab {
                             what: "draft token (draft vocabulary)",
                             token: t,
@@ -545,7 +687,10 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
         }
         if let DraftQ::Probs { probs, vocab: qv } = self.draft_probs {
             for (i, &d) in self.draft_tokens.iter().enumerate() {
-                let q = &probs[i * qv..(i + 1) * qv];
+                if !sampled(i) {
+                    continue;
+                }
+                let q = row(probs, qv, i);
                 check_dense_q(q, i)?;
                 if q[d as usize].widen() <= 0.0 {
                     return Err(Error::InvalidDraftProbs {
@@ -553,16 +698,62 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
                         reason: "the drafted token has probability 0 under q",
                     });
                 }
+                check_group_row(probs, qv, &block, i)?;
             }
         }
         if let DraftQ::Logits { logits, vocab: qv } = self.draft_probs {
-            check_finite(logits, qv, RowKind::Draft)?;
+            for i in (0..k).filter(|&i| sampled(i)) {
+                if let Some(e) =
+                    crate::sampling::non_finite_in(row(logits, qv, i), RowKind::Draft, i)
+                {
+                    return Err(e);
+                }
+                check_group_row(logits, qv, &block, i)?;
+            }
         }
         if target {
             check_finite(self.target_logits, v, RowKind::Target)?;
         }
         Ok(())
     }
+}
+
+/// The scheme of a group without one: [`TreeLimits::default_scheme`].
+fn scheme_default(dense_q: bool) -> SiblingScheme {
+    TreeLimits {
+        dense_q,
+        ..TreeLimits::vocab(1)
+    }
+    .default_scheme()
+}
+
+/// The first node of node `i`'s sibling group (the node whose q row is the group's q).
+#[inline]
+fn group_first(block: &DraftBlock<'_>, i: usize) -> usize {
+    block.children(block.parent_row(i)).next().unwrap_or(i)
+}
+
+/// Checks that node `i`'s dense q row (`[qv]` in `data`) equals the row of its group's first
+/// node: the siblings of a sampled group were drawn from one q, and each carries it.
+fn check_group_row<Q: Logit>(
+    data: &[Q],
+    qv: usize,
+    block: &DraftBlock<'_>,
+    i: usize,
+) -> Result<()> {
+    let first = group_first(block, i);
+    if first != i
+        && row(data, qv, first)
+            .iter()
+            .zip(row(data, qv, i))
+            .any(|(a, b)| a.widen() != b.widen())
+    {
+        return Err(Error::InvalidDraftProbs {
+            row: i,
+            reason: "siblings of a sampled group (with or without replacement) must carry the same q row, the distribution the group was drawn from",
+        });
+    }
+    Ok(())
 }
 
 /// Tolerance on the total of a dense q row (probabilities must sum to 1 within this).
@@ -606,66 +797,16 @@ pub(crate) fn check_finite<T: Logit>(logits: &[T], width: usize, kind: RowKind) 
     Ok(())
 }
 
-/// Penalty counts and mask prefix for the rows of one block, built once per request and
-/// extended by one draft token per row.
-#[derive(Debug, Default)]
-struct BlockHistory {
-    counts: Option<TokenCounts>,
-    prefix: Vec<u32>,
-    use_prefix: bool,
-    suppress: Vec<u32>,
-    suppress_rows: usize,
-    row: usize,
-}
-
-impl BlockHistory {
-    fn begin<L, Q>(&mut self, req: &VerifyRequest<'_, L, Q>) -> Result<()> {
-        let cfg = req.config;
-        self.counts = if cfg.has_penalties() {
-            Some(TokenCounts::from_context(
-                req.context,
-                req.prompt_len,
-                req.vocab_size,
-            )?)
-        } else {
-            None
-        };
-        self.use_prefix = cfg.mask.is_some();
-        self.prefix.clear();
-        if self.use_prefix {
-            self.prefix.extend_from_slice(req.context);
-        }
-        self.suppress.clear();
-        self.suppress.extend_from_slice(req.suppress);
-        self.suppress_rows = req.suppress_rows;
-        self.row = 0;
-        Ok(())
-    }
-
-    /// Moves to the next row: `token` (an accepted draft) joins the history.
-    fn push(&mut self, token: u32, vocab: usize) -> Result<()> {
-        if let Some(c) = self.counts.as_mut() {
-            c.add(token, vocab)?;
-        }
-        if self.use_prefix {
-            self.prefix.push(token);
-        }
-        self.row += 1;
-        Ok(())
-    }
-
-    /// What the current row's processing sees.
-    fn view(&self) -> History<'_> {
-        History {
-            counts: self.counts.as_ref(),
-            prefix: &self.prefix,
-            suppress: if self.row < self.suppress_rows {
-                &self.suppress
-            } else {
-                &[]
-            },
-        }
-    }
+/// Starts `hist` at the request's context (penalty counts, mask prefix, suppressed rows).
+fn begin_history<L, Q>(hist: &mut BlockHistory, req: &VerifyRequest<'_, L, Q>) -> Result<()> {
+    hist.begin(
+        req.config,
+        req.context,
+        req.prompt_len,
+        req.vocab_size,
+        req.suppress.iter().copied(),
+        req.suppress_rows,
+    )
 }
 
 /// The verifier. Holds reusable buffers; create one per thread and call it for every step.
@@ -698,9 +839,17 @@ pub struct Verifier {
     proc: RowProcessor,
     p: TokenDist,
     hist: BlockHistory,
+    /// Residual weights of the current sibling (`p_j`) and the next (`p_{j+1}`).
     residual: Vec<(u32, f64)>,
-    /// Processed draft-logit rows (`DraftProbs::Logits`), computed before any draw.
+    residual_next: Vec<(u32, f64)>,
+    /// Processed draft-logit rows (`DraftProbs::Logits`), computed before any draw: the row of
+    /// the first node of each sampled group (the group's q).
     q_rows: Vec<TokenDist>,
+    /// The sibling group of the current row.
+    kids: Vec<usize>,
+    /// Node indices and tokens of a path (draft-row histories).
+    path_nodes: Vec<u32>,
+    path_tokens: Vec<u32>,
 }
 
 impl Verifier {
@@ -709,17 +858,23 @@ impl Verifier {
         Self::default()
     }
 
-    /// Verifies one sequence's block.
+    /// Verifies one sequence's block: a chain, or a token tree ([`VerifyRequest::parents`]).
     ///
     /// # Errors
-    /// - [`Error::ShapeMismatch`]: `target_logits` is not `[k + 1, vocab]`, or q is not
-    ///   `[k, draft_vocab]`.
+    /// - [`Error::ShapeMismatch`]: `target_logits` is not `[k + 1, vocab]` (`[k, vocab]` with
+    ///   [`VerifyRequest::final_draft_ends`]), q is not `[k, draft_vocab]`, or
+    ///   [`VerifyRequest::ends`] is neither empty nor `[k]`.
+    /// - [`Error::InvalidTree`]: the tree's structure ([`DraftBlock::validate`] without node or
+    ///   depth limits: parents, schemes, duplicate siblings, a sampled scheme without q), or an
+    ///   ending node with children ([`TreeFault::EndHasChildren`]).
+    /// - [`Error::InvalidConfig`]: `final_draft_ends` on a tree that is not a chain.
     /// - [`Error::TokenOutOfVocab`]: a draft or context token (or a token of the configuration)
     ///   is outside the vocabulary.
     /// - [`Error::DraftVocabTooLarge`]: the draft vocabulary is wider than the target's.
-    /// - [`Error::NonFiniteLogits`]: a target or draft logit (any row) is NaN or `+inf`.
-    /// - [`Error::InvalidDraftProbs`]: a q row is not a distribution, or gives its own draft
-    ///   token probability 0 (any row; draft-logit rows after processing).
+    /// - [`Error::NonFiniteLogits`]: a target or (read) draft logit, any row, is NaN or `+inf`.
+    /// - [`Error::InvalidDraftProbs`]: a q row is not a distribution, gives its own draft token
+    ///   probability 0 (any row; draft-logit rows after processing), or differs from its
+    ///   siblings' in a sampled group.
     /// - [`Error::NoAllowedToken`]: a draft-logit row (any), or a target row that the step
     ///   processes, has no token left after masking.
     ///
@@ -730,7 +885,7 @@ impl Verifier {
     ) -> Result<StepOutput> {
         req.validate()?;
         self.prepare_draft_rows(req)?;
-        self.hist.begin(req)?;
+        begin_history(&mut self.hist, req)?;
         if req.config.is_greedy() {
             greedy::verify(self, req)
         } else {
@@ -738,8 +893,10 @@ impl Verifier {
         }
     }
 
-    /// Processes every draft-logit row with its history (context plus drafts `0..i`), before any
-    /// draw, and checks that each draft token is possible under its processed row.
+    /// Processes the draft-logit row of the first node of every sampled group with its history
+    /// (context plus the node's ancestors: the row the group was drawn from), before any draw,
+    /// and checks that every node of the group is possible under it. Rows of deterministic
+    /// groups are not read.
     fn prepare_draft_rows<L: Logit, Q: Logit>(
         &mut self,
         req: &VerifyRequest<'_, L, Q>,
@@ -748,34 +905,52 @@ impl Verifier {
             return Ok(());
         };
         let k = req.k();
-        self.hist.begin(req)?;
+        let block = req.block();
+        let default = scheme_default(true);
+        begin_history(&mut self.hist, req)?;
         self.q_rows
             .resize_with(k.max(self.q_rows.len()), TokenDist::default);
         for (i, &d) in req.draft_tokens.iter().enumerate() {
-            let row = &logits[i * qv..(i + 1) * qv];
-            let hist = self.hist.view();
-            if req.config.is_greedy() {
-                let t = self
-                    .proc
-                    .argmax(req.config, row, &hist, RowKind::Draft, i)?;
-                self.q_rows[i] = TokenDist::point_mass(t, qv)?;
-            } else {
-                self.proc.distribution(
-                    req.config,
-                    row,
-                    &hist,
-                    RowKind::Draft,
-                    i,
-                    &mut self.q_rows[i],
-                )?;
+            if block.scheme(i, default) == SiblingScheme::Deterministic {
+                continue;
             }
-            if self.q_rows[i].prob(d) <= 0.0 {
+            let first = group_first(&block, i);
+            if first == i {
+                let parent = block.parent_row(i);
+                self.path_tokens.clear();
+                if parent > 0 {
+                    block.path_to(parent - 1, &mut self.path_nodes);
+                    self.path_tokens.extend(
+                        self.path_nodes
+                            .iter()
+                            .map(|&n| req.draft_tokens[n as usize]),
+                    );
+                }
+                self.hist.goto(&self.path_tokens)?;
+                let row = row(logits, qv, i);
+                let hist = self.hist.view();
+                if req.config.is_greedy() {
+                    let t = self
+                        .proc
+                        .argmax(req.config, row, &hist, RowKind::Draft, i)?;
+                    self.q_rows[i] = TokenDist::point_mass(t, qv)?;
+                } else {
+                    self.proc.distribution(
+                        req.config,
+                        row,
+                        &hist,
+                        RowKind::Draft,
+                        i,
+                        &mut self.q_rows[i],
+                    )?;
+                }
+            }
+            if self.q_rows[first].prob(d) <= 0.0 {
                 return Err(Error::InvalidDraftProbs {
                     row: i,
                     reason: "the drafted token has probability 0 under the processed draft logits",
                 });
             }
-            self.hist.push(d, req.vocab_size)?;
         }
         Ok(())
     }
