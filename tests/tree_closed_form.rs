@@ -2,8 +2,8 @@
 //!
 //! 1. **Exact law** (property test). For random small trees (vocabulary 3-12, depth up to 4, up
 //!    to 3 siblings per group, every sibling scheme and trees that mix them, penalties, bias,
-//!    masks, top-k / top-p / min-p, a draft vocabulary narrower than the target's, an EOS whose
-//!    nodes end the step) whose groups are drafted as their scheme says (deterministic: fixed
+//!    masks, top-k / top-p / min-p, a prompt length, `min_tokens` suppression by depth, a draft
+//!    vocabulary narrower than the target's, an EOS whose nodes end the step) whose groups are drafted as their scheme says (deterministic: fixed
 //!    distinct tokens or the draft's top tokens; with replacement: i.i.d. from q; without
 //!    replacement: sequentially from q), the exact law of the first emitted token and of the
 //!    first two, marginalised over the drafts and the verifier's rule (`common::tree::LawCalc`,
@@ -82,6 +82,10 @@ struct TreeCase {
     det: DetChoice,
     logits_form: bool,
     eos: Option<u32>,
+    /// The request's prompt length (within the context) and `min_tokens` suppression.
+    prompt_len: usize,
+    suppress: Vec<u32>,
+    suppress_rows: usize,
 }
 
 fn tree_case() -> impl Strategy<Value = TreeCase> {
@@ -105,6 +109,7 @@ fn tree_case() -> impl Strategy<Value = TreeCase> {
                 prop::sample::select(vec![DetChoice::Fixed, DetChoice::TopOfDraft]),
                 any::<bool>(),
                 prop_oneof![2 => Just(None), 1 => (0..vocab as u32).prop_map(Some)],
+                (0usize..=10, vec(0..vocab as u32, 0..3), 0usize..4),
             )
         })
         .prop_map(
@@ -118,12 +123,15 @@ fn tree_case() -> impl Strategy<Value = TreeCase> {
                 det,
                 lf,
                 eos,
+                (prompt_len, mut suppress, suppress_rows),
             )| {
                 for r in 0..DEPTHS * vocab {
                     target[r * vocab + keep as usize] = 0.5;
                     draft[r * qv + keep as usize] = 0.25;
                 }
                 params.protect(keep);
+                suppress.retain(|&t| t != keep);
+                let prompt_len = prompt_len.min(params.context.len());
                 TreeCase {
                     vocab,
                     qv,
@@ -135,6 +143,9 @@ fn tree_case() -> impl Strategy<Value = TreeCase> {
                     det,
                     logits_form: lf && mode != Mode::Det,
                     eos,
+                    prompt_len,
+                    suppress,
+                    suppress_rows,
                 }
             },
         )
@@ -183,6 +194,9 @@ impl TreeCase {
             draft: &draft,
             eos: self.eos,
             det: self.det,
+            prompt_len: self.prompt_len,
+            suppress: &self.suppress,
+            suppress_rows: self.suppress_rows,
         };
         f(&models)
     }
@@ -261,6 +275,9 @@ fn control_case() -> TreeCase {
         det: DetChoice::Fixed,
         logits_form: false,
         eos: None,
+        prompt_len: 0,
+        suppress: vec![],
+        suppress_rows: 0,
     }
 }
 
@@ -519,6 +536,9 @@ fn seeded_case(
         det,
         logits_form: lf,
         eos: Some(2),
+        prompt_len: 2,
+        suppress: vec![2],
+        suppress_rows: 1,
     }
 }
 
@@ -656,7 +676,13 @@ proptest! {
             for (i, &t) in out.tokens.iter().enumerate() {
                 let row = (m.target)(&seq);
                 let plain = Verifier::new()
-                    .verify(&VerifyRequest::new(&cfg, &row, m.vocab, &[]).context(&seq).seed(seed))
+                    .verify(
+                        &VerifyRequest::new(&cfg, &row, m.vocab, &[])
+                            .context(&seq)
+                            .seed(seed)
+                            .prompt_len(case.prompt_len)
+                            .suppress(&case.suppress, case.suppress_rows.saturating_sub(i)),
+                    )
                     .unwrap();
                 prop_assert_eq!(plain.tokens[0], t, "token {} of {:?}", i, out);
                 seq.push(t);

@@ -1,8 +1,8 @@
 //! Greedy tree verification on toy targets is plain greedy decoding.
 //!
 //! For random trees over [`ToyModel`] targets (random order-3 Markov models, and tie-heavy tables
-//! of logits with `-inf` entries), with random penalties, bias and masks at temperature 0, and
-//! an EOS whose nodes end the step: the tokens a greedy tree step emits are the first tokens of
+//! of logits with `-inf` entries), with random penalties, bias and masks at temperature 0, a
+//! prompt length, `min_tokens` suppression (by depth), and an EOS whose nodes end the step: the tokens a greedy tree step emits are the first tokens of
 //! plain greedy decoding from the same context (argmax of every processed row, the history being
 //! the context plus the tokens before it), and the accepted path is the longest path of the tree
 //! that follows plain greedy decoding, so the verifier never stops before a matching child.
@@ -36,6 +36,7 @@ struct GreedyCase {
     tree_seed: u64,
     sampled: bool,
     eos: Option<u32>,
+    extra: Extra,
 }
 
 fn greedy_case() -> impl Strategy<Value = GreedyCase> {
@@ -48,15 +49,31 @@ fn greedy_case() -> impl Strategy<Value = GreedyCase> {
                 params(vocab, true),
                 (0..vocab as u32, any::<u64>(), any::<bool>()),
                 prop_oneof![2 => Just(None), 1 => (0..vocab as u32).prop_map(Some)],
+                (0usize..=10, vec(0..vocab as u32, 0..3), 0usize..4),
             )
         })
         .prop_map(
-            |(vocab, markov, mut table, mut params, (keep, tree_seed, sampled), eos)| {
+            |(
+                vocab,
+                markov,
+                mut table,
+                mut params,
+                (keep, tree_seed, sampled),
+                eos,
+                (prompt_len, mut suppress, suppress_rows),
+            )| {
                 for r in 0..vocab {
                     table[r * vocab + keep as usize] = 0.5;
                 }
                 params.protect(keep);
                 params.temperature = 0.0;
+                suppress.retain(|&t| t != keep);
+                let extra = Extra {
+                    ctx_len: params.context.len(),
+                    prompt_len: prompt_len.min(params.context.len()),
+                    suppress,
+                    suppress_rows,
+                };
                 GreedyCase {
                     vocab,
                     markov,
@@ -65,6 +82,7 @@ fn greedy_case() -> impl Strategy<Value = GreedyCase> {
                     tree_seed,
                     sampled,
                     eos,
+                    extra,
                 }
             },
         )
@@ -89,14 +107,30 @@ impl GreedyCase {
     }
 }
 
-/// The greedy token after `seq` (penalties and masks over all of `seq`).
-fn argmax(cfg: &SamplingConfig, model: &ToyModel, seq: &[u32]) -> u32 {
+/// What the request adds to a row's history: the prompt length (frequency and presence
+/// penalties skip the prompt) and the tokens suppressed at depths `0..suppress_rows` after a
+/// context of `ctx_len` tokens.
+#[derive(Debug, Clone, Default)]
+struct Extra {
+    ctx_len: usize,
+    prompt_len: usize,
+    suppress: Vec<u32>,
+    suppress_rows: usize,
+}
+
+/// The greedy token after `seq` (the context and the tokens after it), the documented
+/// processing written out with the library's row processor.
+fn argmax(cfg: &SamplingConfig, model: &ToyModel, seq: &[u32], x: &Extra) -> u32 {
     let row = model.logits(seq);
-    let counts = TokenCounts::from_tokens(seq, row.len()).unwrap();
+    let counts = TokenCounts::from_context(seq, x.prompt_len, row.len()).unwrap();
     let hist = History {
         counts: Some(&counts),
         prefix: seq,
-        suppress: &[],
+        suppress: if seq.len() - x.ctx_len < x.suppress_rows {
+            &x.suppress
+        } else {
+            &[]
+        },
     };
     RowProcessor::new()
         .argmax(cfg, &row, &hist, RowKind::Target, 0)
@@ -148,7 +182,7 @@ fn draft(case: &GreedyCase, cfg: &SamplingConfig, model: &ToyModel, ctx: &[u32])
             group.push(x);
         }
         if rng.below(2) == 0 {
-            let g = argmax(cfg, model, &seq);
+            let g = argmax(cfg, model, &seq, &case.extra);
             if !group.contains(&g) {
                 let j = rng.below(m as u64) as usize;
                 group[j] = g;
@@ -196,13 +230,15 @@ proptest! {
             .node_ends(&tree.ends)
             .draft_probs(dp)
             .context(&ctx)
-            .seed(case.tree_seed);
+            .seed(case.tree_seed)
+            .prompt_len(case.extra.prompt_len)
+            .suppress(&case.extra.suppress, case.extra.suppress_rows);
         let out = Verifier::new().verify(&req).unwrap();
 
         // Plain greedy decoding from the same context.
         let mut seq = ctx.clone();
         for (i, &t) in out.tokens.iter().enumerate() {
-            let g = argmax(&cfg, &model, &seq);
+            let g = argmax(&cfg, &model, &seq, &case.extra);
             prop_assert_eq!(t, g, "token {} of {:?}", i, out);
             seq.push(g);
         }
@@ -225,7 +261,7 @@ proptest! {
             let mut longest = Vec::new();
             let mut seq = ctx.clone();
             loop {
-                let g = argmax(&cfg, &model, &seq);
+                let g = argmax(&cfg, &model, &seq, &case.extra);
                 let child = (0..tree.tokens.len())
                     .find(|&i| tree.parents[i] as usize == row && tree.tokens[i] == g);
                 match child {
@@ -259,7 +295,11 @@ fn empty_tree_is_a_plain_step() {
                 .context(&ctx),
         )
         .unwrap();
-    assert_eq!(out.tokens, vec![argmax(&cfg, &model, &ctx)]);
+    let x = Extra {
+        ctx_len: 3,
+        ..Extra::default()
+    };
+    assert_eq!(out.tokens, vec![argmax(&cfg, &model, &ctx, &x)]);
     assert_eq!(out.end, StepEnd::NoDraft);
     assert!(out.path.is_empty());
 }

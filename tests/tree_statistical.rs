@@ -104,6 +104,9 @@ impl Setup {
             draft: &draft,
             eos: self.eos,
             det: self.det,
+            prompt_len: 0,
+            suppress: &[],
+            suppress_rows: 0,
         })
     }
 

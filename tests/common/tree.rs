@@ -18,9 +18,10 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 use speculative::rng::Stream;
-use speculative::{DraftProbs, SamplingConfig, SiblingScheme, TokenDist, VerifyRequest};
+use speculative::sampling::{History, RowProcessor, TokenCounts};
+use speculative::{DraftProbs, RowKind, SamplingConfig, SiblingScheme, TokenDist, VerifyRequest};
 
-use super::{dense, process};
+use super::dense;
 
 pub const DET: SiblingScheme = SiblingScheme::Deterministic;
 pub const WR: SiblingScheme = SiblingScheme::WithReplacement;
@@ -339,6 +340,11 @@ pub struct Models<'a> {
     /// A token that ends the sequence (its node is a leaf that ends the step).
     pub eos: Option<u32>,
     pub det: DetChoice,
+    /// Leading context tokens that are the prompt (frequency and presence penalties skip them).
+    pub prompt_len: usize,
+    /// Tokens banned at depths `0..suppress_rows` (`min_tokens`).
+    pub suppress: &'a [u32],
+    pub suppress_rows: usize,
 }
 
 impl Models<'_> {
@@ -348,19 +354,38 @@ impl Models<'_> {
         s
     }
 
+    /// `logits` processed with the history of the row after `path`: penalties over the context
+    /// (the prompt part as the request says) and the path, the suppressed tokens at depths
+    /// below `suppress_rows`.
+    pub fn process(&self, logits: &[f32], path: &[u32]) -> TokenDist {
+        let s = self.seq(path);
+        let counts = TokenCounts::from_context(&s, self.prompt_len, self.vocab).unwrap();
+        let hist = History {
+            counts: Some(&counts),
+            prefix: &s,
+            suppress: if path.len() < self.suppress_rows {
+                self.suppress
+            } else {
+                &[]
+            },
+        };
+        let mut d = TokenDist::default();
+        RowProcessor::new()
+            .distribution(self.cfg, logits, &hist, RowKind::Target, 0, &mut d)
+            .unwrap();
+        d
+    }
+
     /// The processed target after `path`, normalised, `[vocab]`.
     pub fn p(&self, path: &[u32]) -> Vec<f64> {
         let s = self.seq(path);
-        normalised(
-            &process(self.cfg, &(self.target)(&s), &s, self.vocab).unwrap(),
-            self.vocab,
-        )
+        normalised(&self.process(&(self.target)(&s), path), self.vocab)
     }
 
-    /// The processed draft distribution after `path` (`[qv]`).
+    /// The processed draft distribution after `path` (`[qv]`), with the target's history.
     pub fn q_dist(&self, path: &[u32]) -> TokenDist {
         let s = self.seq(path);
-        process(self.cfg, &(self.draft)(&s), &s, self.vocab).unwrap()
+        self.process(&(self.draft)(&s), path)
     }
 
     /// [`Models::q_dist`] normalised and zero-padded to `[vocab]`.
@@ -513,6 +538,10 @@ pub struct Instance {
     pub form: QForm,
     /// Tokens after the context leading to each row (`[n + 1]`; row 0: empty).
     pub paths: Vec<Vec<u32>>,
+    /// The request's prompt length and suppressed tokens (from the models).
+    pub prompt_len: usize,
+    pub suppress: Vec<u32>,
+    pub suppress_rows: usize,
 }
 
 impl Instance {
@@ -533,6 +562,9 @@ impl Instance {
             q: Vec::new(),
             form,
             paths: vec![Vec::new()],
+            prompt_len: models.prompt_len,
+            suppress: models.suppress.to_vec(),
+            suppress_rows: models.suppress_rows,
         };
         let mut map: Vec<Option<usize>> = vec![None; shape.len()];
         for srow in 0..=shape.len() {
@@ -633,6 +665,8 @@ impl Instance {
             .draft_probs(q)
             .context(ctx)
             .seed(seed)
+            .prompt_len(self.prompt_len)
+            .suppress(&self.suppress, self.suppress_rows)
     }
 
     /// The schemes with groups drawn without replacement relabelled as with replacement.
