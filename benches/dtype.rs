@@ -111,6 +111,9 @@ fn bench_one<L: Logit>(
         .collect();
     let d = drafts(data, vocab, k, batch);
     let vb = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: vocab,
         target_logits: data,
         draft_tokens: &d,
@@ -193,6 +196,9 @@ fn bench(c: &mut Criterion) {
                     b.iter(|| {
                         black_box(src).convert_to_f32_slice(&mut buf);
                         verifier.verify_batch(&VerifyBatch {
+                            parents: None,
+                            schemes: None,
+                            ends: &[],
                             vocab_size: vocab,
                             target_logits: &buf,
                             draft_tokens: &d,

@@ -236,6 +236,9 @@ fn bench(c: &mut Criterion) {
                 draft_offsets: &offsets,
                 draft_probs: DraftProbs::PointMass,
                 sequences: &seqs,
+                parents: None,
+                schemes: None,
+                ends: &[],
             };
             group.bench_function(format!("{}/read", case.name()), |b| b.iter(|| r.read(n)));
             group.bench_function(format!("{}/verify", case.name()), |b| {

@@ -169,6 +169,9 @@ fn bench(c: &mut Criterion) {
                             .entry((k, batch))
                             .or_insert_with(|| drafts(data, vocab, k, batch));
                         let vb = VerifyBatch {
+                            parents: None,
+                            schemes: None,
+                            ends: &[],
                             vocab_size: vocab,
                             target_logits: data,
                             draft_tokens: d,

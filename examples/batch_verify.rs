@@ -234,6 +234,9 @@ fn verify_all<S: std::borrow::Borrow<Sequence>>(
         })
         .collect();
     let batch = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: VOCAB,
         target_logits: &logits,
         draft_tokens: &drafts,

@@ -55,6 +55,7 @@
 //! | `include_stop_str_in_output` | bool | false | vLLM |
 //! | `num_speculative_tokens` | integer | fixed 4 | vLLM `speculative_config`: fixed draft length; 0 = no speculation ([`DraftLength::Off`]) |
 //! | `adaptive_draft` | [`AdaptiveConfig`] object | - | [`DraftLength::Adaptive`]; not together with `num_speculative_tokens` |
+//! | `tree_nodes` | integer | 0 (chains) | node budget of tree drafts ([`GenerationParams::tree_nodes`]) |
 //!
 //! An absent field takes this crate's default (the builder's, [`GenerationParams::default`]),
 //! not another engine's: HF transformers applies `top_k = 50` when sampling and vLLM samples at
@@ -336,6 +337,13 @@ pub struct RequestConfig {
         deserialize_with = "rq::adaptive_draft"
     )]
     pub adaptive_draft: Option<AdaptiveConfig>,
+    /// Node budget of tree drafts ([`GenerationParams::tree_nodes`]); 0 = chains.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "rq::tree_nodes"
+    )]
+    pub tree_nodes: Option<usize>,
 }
 
 /// The fields [`SamplingConfig`] accepts.
@@ -394,6 +402,7 @@ impl RequestConfig {
             include_stop_str_in_output,
             num_speculative_tokens,
             adaptive_draft,
+            tree_nodes,
         } = self;
         [
             ("do_sample", do_sample.is_some()),
@@ -422,6 +431,7 @@ impl RequestConfig {
             ),
             ("num_speculative_tokens", num_speculative_tokens.is_some()),
             ("adaptive_draft", adaptive_draft.is_some()),
+            ("tree_nodes", tree_nodes.is_some()),
         ]
         .into_iter()
         .filter_map(|(name, set)| set.then_some(name))
@@ -571,7 +581,7 @@ impl RequestConfig {
 
     /// The generation parameters of every field: [`RequestConfig::sampling_config`],
     /// [`RequestConfig::stop_conditions`], [`RequestConfig::draft_length`], and `seed`,
-    /// `max_new_tokens`, `min_tokens` (absent: [`GenerationParams::default`]'s). No cancel
+    /// `max_new_tokens`, `min_tokens`, `tree_nodes` (absent: [`GenerationParams::default`]'s). No cancel
     /// flag.
     ///
     /// # Errors
@@ -595,6 +605,7 @@ impl RequestConfig {
             min_tokens,
             stop: self.stop_conditions()?,
             draft: self.draft_length()?,
+            tree_nodes: self.tree_nodes.unwrap_or(d.tree_nodes),
             cancel: None,
         })
     }
@@ -664,10 +675,12 @@ impl RequestConfig {
             min_tokens,
             stop,
             draft,
+            tree_nodes,
             cancel: _,
         } = params;
         RequestConfig {
             seed: Some(*seed),
+            tree_nodes: Some(*tree_nodes),
             max_new_tokens: Some(*max_new_tokens),
             min_tokens: Some(*min_tokens),
             ..RequestConfig::from_sampling(sampling)
@@ -706,7 +719,8 @@ impl RequestConfig {
             eos_token_id,
             include_stop_str_in_output,
             num_speculative_tokens,
-            adaptive_draft
+            adaptive_draft,
+            tree_nodes
         )
     }
 }
@@ -1103,6 +1117,7 @@ mod rq {
         include_stop_str_in_output: Option<bool>,
         num_speculative_tokens: Option<usize>,
         adaptive_draft: Option<AdaptiveConfig>,
+        tree_nodes: Option<usize>,
     }
 }
 
@@ -1602,6 +1617,7 @@ mod tests {
             include_stop_str_in_output: Some(true),
             num_speculative_tokens: Some(3),
             adaptive_draft: Some(AdaptiveConfig::default()),
+            tree_nodes: Some(16),
         }
     }
 
@@ -1614,7 +1630,7 @@ mod tests {
         let mut set = r.set_fields();
         set.sort_unstable();
         assert_eq!(keys, set);
-        assert_eq!(set.len(), 23);
+        assert_eq!(set.len(), 24);
         for f in SAMPLING_FIELDS
             .iter()
             .chain(STOP_FIELDS)

@@ -220,7 +220,8 @@ pub enum Error {
         what: &'static str,
     },
     /// A backend does not support an input form that [`crate::Verifier`] takes (for example a
-    /// GPU batch that mixes draft forms per sequence). Verify that batch on the CPU, or split it.
+    /// GPU batch that mixes draft forms per sequence, or holds token trees). Verify that batch
+    /// on the CPU, or split it.
     #[error("the {backend} backend does not support {what}")]
     Unsupported {
         /// Backend name.
@@ -260,6 +261,9 @@ pub enum ProposalFault {
     /// The draft is a tree the loop cannot use (see [`TreeFault`]): malformed, over the node
     /// budget, or deeper than the step allows.
     Tree(TreeFault),
+    /// A branching tree returned by [`crate::Proposer::propose`] (a chain step), or by
+    /// `propose_tree` with tree drafts off: the loop asked for a chain.
+    TreeNotRequested,
 }
 
 impl From<TreeFault> for ProposalFault {
@@ -287,6 +291,9 @@ impl fmt::Display for ProposalFault {
                 "q must be [k, q_vocab] with 0 < q_vocab <= vocab: expected {expected} elements, got {actual}"
             ),
             ProposalFault::Tree(t) => write!(f, "{t}"),
+            ProposalFault::TreeNotRequested => {
+                write!(f, "a branching tree where the loop asked for a chain")
+            }
         }
     }
 }

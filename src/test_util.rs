@@ -170,10 +170,11 @@ impl TargetModel for ToyModel {
                 self.tokens.len()
             )));
         }
-        self.tokens.truncate(len);
-        if self.pending.as_ref().is_some_and(|(base, _)| len <= *base) {
+        // Any rollback ends a pending tree forward (its nodes are no longer all there).
+        if len < self.tokens.len() {
             self.pending = None;
         }
+        self.tokens.truncate(len);
         Ok(())
     }
     fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
@@ -269,6 +270,11 @@ pub struct CallLog<M> {
     pub prefills: Vec<usize>,
     /// Token counts of the `forward` calls.
     pub forwards: Vec<usize>,
+    /// The blocks of the `forward_tree` calls: `(root, tokens, parent rows)`.
+    pub trees: Vec<(u32, Vec<u32>, Vec<u32>)>,
+    /// The paths of the `commit_tree` calls.
+    pub commits: Vec<Vec<u32>>,
+    tree_cap: usize,
 }
 
 impl<M> CallLog<M> {
@@ -278,6 +284,9 @@ impl<M> CallLog<M> {
             inner,
             prefills: Vec::new(),
             forwards: Vec::new(),
+            trees: Vec::new(),
+            commits: Vec::new(),
+            tree_cap: 0,
         }
     }
 }
@@ -303,6 +312,45 @@ impl<M: TargetModel> TargetModel for CallLog<M> {
         self.prefills.push(tokens.len());
         let mut scratch = Vec::new();
         self.inner.forward(tokens, &mut scratch)
+    }
+    /// The inner model's tree support, logged.
+    fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
+        match self.inner.tree().map(|t| t.max_tree_nodes()) {
+            Some(cap) => {
+                self.tree_cap = cap;
+                Some(self)
+            }
+            None => None,
+        }
+    }
+}
+
+impl<M: TargetModel> TreeTarget for CallLog<M> {
+    fn max_tree_nodes(&self) -> usize {
+        // Read from the inner model by `tree()`, the only way to reach this impl.
+        self.tree_cap
+    }
+    fn forward_tree(
+        &mut self,
+        root: u32,
+        block: &DraftBlock<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let parents = (0..block.len())
+            .map(|i| block.parent_row(i) as u32)
+            .collect();
+        self.trees.push((root, block.tokens().to_vec(), parents));
+        match self.inner.tree() {
+            Some(t) => t.forward_tree(root, block, logits),
+            None => Err(Error::model("inner model has no tree support")),
+        }
+    }
+    fn commit_tree(&mut self, path: &[u32]) -> Result<()> {
+        self.commits.push(path.to_vec());
+        match self.inner.tree() {
+            Some(t) => t.commit_tree(path),
+            None => Err(Error::model("inner model has no tree support")),
+        }
     }
 }
 

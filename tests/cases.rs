@@ -255,6 +255,9 @@ fn c06_accepted_is_the_leading_run_via_batch() {
         SequenceParams::new(&greedy, 2),
     ];
     let batch = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: v,
         target_logits: &target,
         draft_tokens: &drafts,
@@ -318,6 +321,9 @@ fn c06_accepted_is_the_leading_run_via_batch() {
         ];
         let out = Verifier::new()
             .verify_batch(&VerifyBatch {
+                parents: None,
+                schemes: None,
+                ends: &[],
                 target_logits: &target,
                 sequences: &seqs,
                 ..batch
@@ -463,6 +469,9 @@ fn c07_non_finite_logits_never_become_a_token() {
         ];
         let out = verifier
             .verify_batch(&VerifyBatch {
+                parents: None,
+                schemes: None,
+                ends: &[],
                 vocab_size: v,
                 target_logits: &target,
                 draft_tokens: &drafts,
@@ -584,6 +593,9 @@ fn run_batch(v: &mut Verifier, seqs: &[&Seq], mode: Mode) -> Vec<Result<StepOutp
         },
     };
     v.verify_batch(&VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: V8,
         target_logits: &target,
         draft_tokens: &drafts,
@@ -826,6 +838,9 @@ fn batch_offsets_that_decrease_name_the_offending_index() {
     ];
     let logits = vec![0.0f32; 6 * 2];
     let batch = speculative::VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: 2,
         target_logits: &logits,
         draft_tokens: &[0, 0, 0, 0],

@@ -186,6 +186,9 @@ fn check_case<L: Dtype, Q: Dtype>(
         .map(|&s| SequenceParams::new(cfg, s).context(&c.params.context))
         .collect();
     let batch = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: c.vocab,
         target_logits: &batch_target[..],
         draft_tokens: &tokens,
@@ -640,6 +643,9 @@ fn mixed_forms<Q: Dtype>() {
         })
         .collect();
     let batch = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: vocab,
         target_logits: &target[..],
         draft_tokens: &tokens,

@@ -1525,6 +1525,9 @@ fn batch_property(c: BatchCase) -> Result<(), TestCaseError> {
         })
         .collect();
     let batch = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: v,
         target_logits: &target,
         draft_tokens: &drafts,
@@ -3146,6 +3149,9 @@ fn bug_batch_huge_vocab_panics() {
     let cfg = SamplingConfig::greedy();
     let seqs = [SequenceParams::new(&cfg, 0)];
     let res = Verifier::new().verify_batch(&VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: usize::MAX / 2 + 1,
         target_logits: &[] as &[f32],
         draft_tokens: &[0],
@@ -3155,6 +3161,9 @@ fn bug_batch_huge_vocab_panics() {
     });
     assert!(matches!(res, Err(Error::ShapeMismatch { .. })), "{res:?}");
     let res = Verifier::new().verify_batch(&VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: usize::MAX,
         target_logits: &[] as &[f32],
         draft_tokens: &[0, 0],

@@ -396,6 +396,9 @@ impl Owned {
 
     fn batch<'a>(&'a self, seqs: &'a [SequenceParams<'a>]) -> VerifyBatch<'a> {
         VerifyBatch {
+            parents: None,
+            schemes: None,
+            ends: &[],
             vocab_size: self.vocab,
             target_logits: &self.logits,
             draft_tokens: &self.drafts,
@@ -584,6 +587,9 @@ fn run_same_errors(backend: Under) {
             ),
         ] {
             let batch = VerifyBatch {
+                parents: None,
+                schemes: None,
+                ends: &[],
                 vocab_size: v,
                 target_logits: &logits,
                 draft_tokens: &drafts,
@@ -607,6 +613,9 @@ fn run_same_errors(backend: Under) {
     ];
     let clean: Vec<f32> = (0..5 * v).map(|i| (i % 3) as f32 * 0.1).collect();
     let batch = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: v,
         target_logits: &clean,
         draft_tokens: &drafts,
@@ -632,6 +641,9 @@ fn run_same_errors(backend: Under) {
     assert_eq!(c, g);
     // Malformed batches fail as a whole, with the CPU's error.
     let short = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         target_logits: &clean[..4 * v],
         ..batch
     };
@@ -677,6 +689,9 @@ fn run_c14(backend: Under) {
         .map(|s| SequenceParams::new(&sampled, s as u64 * 7919))
         .collect();
     let batch = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: 2,
         target_logits: &logits,
         draft_tokens: &drafts,
@@ -703,6 +718,9 @@ fn run_c14(backend: Under) {
         .map(|s| SequenceParams::new(&greedy, s as u64))
         .collect();
     let batch = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: 2,
         target_logits: &logits,
         draft_tokens: &drafts,
@@ -733,6 +751,9 @@ fn run_c14(backend: Under) {
         .map(|s| SequenceParams::new(&sampled, s as u64))
         .collect();
     let batch = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: v,
         target_logits: &logits,
         draft_tokens: &drafts,
@@ -779,6 +800,9 @@ fn run_c14(backend: Under) {
         ),
     ] {
         let batch = VerifyBatch {
+            parents: None,
+            schemes: None,
+            ends: &[],
             vocab_size: v,
             target_logits: &clean,
             draft_tokens: &drafts,
@@ -854,6 +878,9 @@ fn run_c15(backend: Under) {
         })
         .collect();
     let batch = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: vocab,
         target_logits: &logits,
         draft_tokens: &drafts,
@@ -899,6 +926,9 @@ fn run_c15(backend: Under) {
     let plain_offsets = vec![0usize; who.len() + 1];
     let plain = gpu
         .verify_batch(&VerifyBatch {
+            parents: None,
+            schemes: None,
+            ends: &[],
             vocab_size: vocab,
             target_logits: &plain_logits,
             draft_tokens: &[],
@@ -1001,6 +1031,9 @@ fn stat_fit(gpu: &mut dyn BatchVerifier, n: usize, k: usize, q_pass: u8) -> Fit 
             })
             .collect();
         let batch = VerifyBatch {
+            parents: None,
+            schemes: None,
+            ends: &[],
             vocab_size: vocab,
             target_logits: &logits,
             draft_tokens: &drafts,
@@ -1091,6 +1124,9 @@ fn run_mixed_forms(under: Under) {
         SequenceParams::new(&cfg, 3).draft_probs(DraftProbs::PointMass),
     ];
     let batch = VerifyBatch {
+        parents: None,
+        schemes: None,
+        ends: &[],
         vocab_size: v,
         target_logits: &logits,
         draft_tokens: &drafts,
@@ -1112,10 +1148,16 @@ fn run_mixed_forms(under: Under) {
     let dense_rows: Vec<f32> = q.iter().copied().cycle().take(4 * v).collect();
     let mixed = [
         VerifyBatch {
+            parents: None,
+            schemes: None,
+            ends: &[],
             sequences: &mixed_seqs,
             ..batch
         },
         VerifyBatch {
+            parents: None,
+            schemes: None,
+            ends: &[],
             draft_probs: DraftProbs::Probs {
                 probs: &dense_rows,
                 vocab: v,
@@ -1347,6 +1389,9 @@ mod wgpu_resident {
             SequenceParams::new(&greedy, 4).context(&[1]),
         ];
         let batch = VerifyBatch {
+            parents: None,
+            schemes: None,
+            ends: &[],
             vocab_size: v,
             target_logits: &logits,
             draft_tokens: &drafts,

@@ -480,6 +480,9 @@ fn greedy_batches_match_reference() {
             .collect();
         let out = Verifier::new()
             .verify_batch(&VerifyBatch {
+                parents: None,
+                schemes: None,
+                ends: &[],
                 vocab_size: vocab,
                 target_logits: &target,
                 draft_tokens: &flat_drafts,

@@ -161,6 +161,7 @@ fn vllm_sampling_params_load_like_the_builder() {
             .with_stop_string("\n\nUser:")
             .with_stop_string("Observation:"),
         draft: DraftLength::Fixed(3),
+        tree_nodes: 0,
         cancel: None,
     };
     let got: GenerationParams = json(VLLM).unwrap();
@@ -775,6 +776,7 @@ proptest! {
                 include_stop_str_in_output: include,
             },
             draft,
+            tree_nodes: (seed % 3) as usize * 16,
             cancel: None,
         };
         let s = serde_json::to_string(&p).unwrap();

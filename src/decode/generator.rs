@@ -1,167 +1,18 @@
 //! The speculative decoding loop.
 
 use std::ops::ControlFlow;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::metrics::Metrics;
+use super::params::GenerationParams;
 use super::policy::{AdaptiveState, DraftLength};
-use super::stop::{Detokenizer, FinishReason, StopConditions, TextTracker};
+use super::stop::{Detokenizer, FinishReason, TextTracker};
 use crate::error::{Error, ProposalFault, Result};
 use crate::model::TargetModel;
 use crate::propose::{Draft, ProposeRequest, Proposer};
-use crate::sampling::SamplingConfig;
-use crate::verify::{DraftProbs, StepOutput, TokenLogprob, Verifier, VerifyRequest};
-
-/// Parameters of one generation request.
-///
-/// The [`Default`] is valid: greedy sampling, seed 0, at most 256 new tokens, no `min_tokens`,
-/// no stop condition, a fixed draft length of 4 ([`DraftLength::default`]), no cancel flag.
-/// Every field is validated by [`Generator::session`] before the target runs.
-#[derive(Debug, Clone)]
-pub struct GenerationParams {
-    /// Sampling configuration, used by the verifier and by sampling proposers alike.
-    pub sampling: SamplingConfig,
-    /// Seed of the request's random stream ([`crate::rng::Stream`]). With point-mass proposers
-    /// (prompt lookup, suffix) the same seed gives the same tokens whatever the proposer, the
-    /// draft length and the policy, and the same tokens as plain sampling (case C15).
-    pub seed: u64,
-    /// Maximum number of new tokens (the token budget). Default 256.
-    pub max_new_tokens: usize,
-    /// Minimum number of new tokens before the generation may stop: until then the EOS ids (and
-    /// single-token stop sequences) are banned at every target and draft row, and no stop
-    /// sequence or stop string ends the generation (vLLM's `min_tokens`). Must not exceed
-    /// `max_new_tokens`. Default 0.
-    pub min_tokens: usize,
-    /// Stop conditions (EOS ids, stop sequences, stop strings). Default: none.
-    pub stop: StopConditions,
-    /// Draft length policy for this request (per-request override or opt-out).
-    pub draft: DraftLength,
-    /// Set to `true` from any thread to cancel; checked before each step.
-    pub cancel: Option<Arc<AtomicBool>>,
-}
-
-impl Default for GenerationParams {
-    /// Greedy sampling ([`SamplingConfig::greedy`]), seed 0, `max_new_tokens` 256,
-    /// `min_tokens` 0, no stop condition, draft length `Fixed(4)`, no cancel flag.
-    fn default() -> Self {
-        GenerationParams {
-            sampling: SamplingConfig::greedy(),
-            seed: 0,
-            max_new_tokens: 256,
-            min_tokens: 0,
-            stop: StopConditions::default(),
-            draft: DraftLength::default(),
-            cancel: None,
-        }
-    }
-}
-
-impl PartialEq for GenerationParams {
-    /// Field by field ([`SamplingConfig`]'s equality); two cancel flags are equal when they are
-    /// the same `Arc` ([`Arc::ptr_eq`]).
-    fn eq(&self, other: &Self) -> bool {
-        let cancel = match (&self.cancel, &other.cancel) {
-            (None, None) => true,
-            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-            _ => false,
-        };
-        cancel
-            && self.sampling == other.sampling
-            && self.seed == other.seed
-            && self.max_new_tokens == other.max_new_tokens
-            && self.min_tokens == other.min_tokens
-            && self.stop == other.stop
-            && self.draft == other.draft
-    }
-}
-
-impl GenerationParams {
-    /// Greedy decoding of at most `max_new_tokens`, fixed draft length 4, no stop condition.
-    pub fn greedy(max_new_tokens: usize) -> Self {
-        GenerationParams {
-            max_new_tokens,
-            ..Default::default()
-        }
-    }
-
-    /// Sampling with `sampling` and `seed`, at most `max_new_tokens`, fixed draft length 4.
-    pub fn sampled(sampling: SamplingConfig, seed: u64, max_new_tokens: usize) -> Self {
-        GenerationParams {
-            sampling,
-            seed,
-            max_new_tokens,
-            ..Default::default()
-        }
-    }
-
-    /// Replaces the stop conditions (the token budget is kept).
-    pub fn with_stop(mut self, stop: StopConditions) -> Self {
-        self.stop = stop;
-        self
-    }
-
-    /// Sets the draft length policy.
-    pub fn with_draft(mut self, draft: DraftLength) -> Self {
-        self.draft = draft;
-        self
-    }
-
-    /// Sets `min_tokens`.
-    pub fn with_min_tokens(mut self, min_tokens: usize) -> Self {
-        self.min_tokens = min_tokens;
-        self
-    }
-
-    /// Checks the parameters against a vocabulary of `vocab` tokens.
-    ///
-    /// # Errors
-    /// [`Error::TokenOutOfVocab`] for a configuration, EOS or stop-sequence token outside the
-    /// vocabulary; [`Error::InvalidConfig`] for `min_tokens > max_new_tokens`, an empty stop
-    /// string, stop strings without a detokenizer (`has_detokenizer`), or an invalid adaptive
-    /// configuration.
-    pub fn validate(&self, vocab: usize, has_detokenizer: bool) -> Result<()> {
-        self.sampling.check_vocab(vocab)?;
-        let stop_tokens = self
-            .stop
-            .eos
-            .iter()
-            .chain(self.stop.stop_sequences.iter().flatten());
-        if let Some(&t) = stop_tokens.into_iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::TokenOutOfVocab {
-                what: "EOS or stop-sequence token",
-                token: t,
-                vocab_size: vocab,
-            });
-        }
-        if self.min_tokens > self.max_new_tokens {
-            return Err(Error::config(
-                "min_tokens",
-                self.min_tokens,
-                "must not exceed max_new_tokens",
-            ));
-        }
-        if self.stop.stop_strings.iter().any(String::is_empty) {
-            return Err(Error::config(
-                "stop.stop_strings",
-                "\"\"",
-                "stop strings must not be empty",
-            ));
-        }
-        if !self.stop.stop_strings.is_empty() && !has_detokenizer {
-            return Err(Error::config(
-                "stop.stop_strings",
-                self.stop.stop_strings.len(),
-                "stop strings need a Detokenizer (Generator::with_detokenizer)",
-            ));
-        }
-        if let DraftLength::Adaptive(a) = &self.draft {
-            a.validate()?;
-        }
-        Ok(())
-    }
-}
+use crate::tree::TreeLimits;
+use crate::verify::{DraftProbs, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyRequest};
 
 /// The result of a generation.
 #[derive(Debug, Clone, PartialEq)]
@@ -176,7 +27,7 @@ pub struct Generation {
     pub logprobs: Option<Vec<TokenLogprob>>,
     /// The text of the new tokens when the generator has a [`Detokenizer`], cut before a
     /// completed stop string (or after it with
-    /// [`StopConditions::include_stop_str_in_output`]).
+    /// [`StopConditions::include_stop_str_in_output`](super::StopConditions::include_stop_str_in_output)).
     pub text: Option<String>,
 }
 
@@ -229,6 +80,21 @@ pub struct StreamChunk<'a> {
     /// [`Detokenizer`]). Text that could still complete a stop string is held back until it
     /// cannot; the concatenation of every chunk's text is [`Generation::text`].
     pub text: &'a str,
+    /// The step's draft: size, shape and how much of it was accepted.
+    pub step: StepStats,
+}
+
+/// What one verify step drafted and accepted ([`StreamChunk::step`], [`Session::last_step`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepStats {
+    /// Draft tokens verified: the draft length k of a chain, the node count of a tree.
+    pub drafted: usize,
+    /// Depth of the draft: k for a chain, the deepest node's depth for a tree.
+    pub depth: usize,
+    /// Accepted drafts kept (the accepted path length of a tree), after stop conditions.
+    pub accepted: usize,
+    /// `true` when the draft was a branching token tree.
+    pub tree: bool,
 }
 
 /// Runs speculative decoding: propose, one target forward over `[last token, d_1 .. d_k]`, verify,
@@ -264,6 +130,10 @@ pub struct Generator<T, P> {
     draft: Draft,
     hidden: Vec<f32>,
     detokenizer: Option<Box<dyn Detokenizer>>,
+    /// Per node of a tree draft: accepting it ends the generation.
+    node_ends: Vec<bool>,
+    /// Scratch for tree paths.
+    path: Vec<u32>,
 }
 
 impl<T: TargetModel, P: Proposer> Generator<T, P> {
@@ -278,6 +148,8 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             draft: Draft::default(),
             hidden: Vec::new(),
             detokenizer: None,
+            node_ends: Vec::new(),
+            path: Vec::new(),
         }
     }
 
@@ -490,6 +362,7 @@ fn check_seq_len<T: TargetModel>(target: &T, expected: usize, what: &'static str
 struct LastStep {
     tokens: (usize, usize),
     text: (usize, usize),
+    stats: StepStats,
 }
 
 /// One generation in progress; see [`Generator::session`].
@@ -509,11 +382,14 @@ pub struct Session<'g, T, P> {
     start: Instant,
 }
 
-/// What the draft phase produced: draft length, whether the final draft ends the sequence,
-/// and the time spent.
+/// What the draft phase produced: draft length (nodes, for a tree), whether the final draft of
+/// a chain ends the sequence, whether the draft is a tree (then `Generator::node_ends` says
+/// which nodes end it), its depth, and the time spent.
 struct Proposed {
     k: usize,
     ends: bool,
+    tree: bool,
+    depth: usize,
     time: Duration,
 }
 
@@ -553,7 +429,13 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             tokens: &self.tokens()[a..b],
             logprobs: self.logprobs.as_deref().map(|l| &l[a..b]),
             text: &self.text.text[ta..tb],
+            step: self.last.stats,
         }
+    }
+
+    /// The draft size, depth and accepted length of the last successful [`Session::step`].
+    pub fn last_step(&self) -> StepStats {
+        self.last.stats
     }
 
     fn end(&mut self, reason: FinishReason) {
@@ -644,15 +526,27 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             DraftLength::Adaptive(a) => self.g.adaptive.choose(a, cap),
         };
         let suppress_rows = params.min_tokens.saturating_sub(generated);
-        let proposed = self.propose(k_req, suppress_rows)?;
-        let out = self.forward_and_verify(&proposed, suppress_rows)?;
-        self.commit(&proposed, out)?;
+        // Tree drafts: every node holds a KV slot until the commit, so the node budget is also
+        // capped by the context room (the depth, like a chain's k, by `cap`).
+        let nodes = if params.tree_nodes > 0 && k_req > 0 {
+            let max = self.g.target.tree().map_or(0, |t| t.max_tree_nodes());
+            params.tree_nodes.min(max).min(room)
+        } else {
+            0
+        };
+        let proposed = self.propose(k_req, nodes, suppress_rows)?;
+        let forward = self.forward(&proposed)?;
+        let (out, verify) = self.verify(&proposed, suppress_rows)?;
+        let kept = self.commit(&proposed, &out)?;
+        self.observe(&proposed, out, kept, forward, verify)?;
         Ok(true)
     }
 
-    /// Propose phase: asks the proposer for up to `k_req` drafts, checks them, and cuts the
-    /// draft at its first end (EOS, stop sequence or stop string; case C11).
-    fn propose(&mut self, k_req: usize, suppress_rows: usize) -> Result<Proposed> {
+    /// Propose phase: asks the proposer for up to `k_req` drafts (a tree of at most `nodes`
+    /// nodes and depth `k_req` when `nodes > 0`), checks them, and cuts the draft at its first
+    /// end (EOS, stop sequence or stop string; case C11): a chain after the ending token, a tree
+    /// below every ending node.
+    fn propose(&mut self, k_req: usize, nodes: usize, suppress_rows: usize) -> Result<Proposed> {
         let t = Instant::now();
         let params = self.params;
         let g = &mut *self.g;
@@ -662,16 +556,56 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                 context: &self.context,
                 config: &params.sampling,
                 max_draft: k_req,
-                max_nodes: k_req,
+                max_nodes: if nodes > 0 { nodes } else { k_req },
                 seed: params.seed,
                 target_hidden: (!g.hidden.is_empty()).then_some(&g.hidden[..]),
                 prompt_len: self.prompt_len,
                 eos: &params.stop.eos,
                 suppress_eos_rows: suppress_rows,
             };
-            g.proposer.propose(&req, &mut g.draft)?;
+            if nodes > 0 {
+                g.proposer.propose_tree(&req, &mut g.draft)?;
+            } else {
+                g.proposer.propose(&req, &mut g.draft)?;
+            }
         }
-        check_proposal(&g.draft, k_req, g.target.vocab_size(), g.proposer.name())?;
+        check_proposal(
+            &g.draft,
+            k_req,
+            nodes,
+            g.target.vocab_size(),
+            g.proposer.name(),
+        )?;
+        if plain_chain(&g.draft) {
+            g.draft.parents.clear();
+            g.draft.schemes.clear();
+        }
+        if !g.draft.parents.is_empty() {
+            self.tree_ends()?;
+            let g = &mut *self.g;
+            if plain_chain(&g.draft) {
+                // Pruning left a chain: only its last node can end the generation.
+                let ends = g.node_ends.last().copied().unwrap_or(false);
+                g.draft.parents.clear();
+                g.draft.schemes.clear();
+                let k = g.draft.len();
+                return Ok(Proposed {
+                    k,
+                    ends,
+                    tree: false,
+                    depth: k,
+                    time: t.elapsed(),
+                });
+            }
+            let depth = g.draft.block().max_depth();
+            return Ok(Proposed {
+                k: g.draft.len(),
+                ends: false,
+                tree: true,
+                depth,
+                time: t.elapsed(),
+            });
+        }
         let (k, ends) = self.draft_end()?;
         let g = &mut *self.g;
         g.draft.tokens.truncate(k);
@@ -681,8 +615,100 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         Ok(Proposed {
             k,
             ends,
+            tree: false,
+            depth: k,
             time: t.elapsed(),
         })
+    }
+
+    /// Marks the tree nodes whose acceptance ends the generation (`Generator::node_ends`) and
+    /// removes every node below one (case C11 for trees: no row past an end is processed). A
+    /// node's path is checked exactly as a chain's tokens are ([`Session::draft_end`]); its
+    /// ancestors were checked before it (topological order), so only its own token can end it.
+    fn tree_ends(&mut self) -> Result<()> {
+        let stop = &self.params.stop;
+        let n = self.g.draft.len();
+        self.g.node_ends.clear();
+        self.g.node_ends.resize(n, false);
+        let token_stops = !stop.eos.is_empty() || !stop.stop_sequences.is_empty();
+        let text_stops = !stop.stop_strings.is_empty() && self.g.detokenizer.is_some();
+        if n == 0 || !(token_stops || text_stops) {
+            return Ok(());
+        }
+        let (len, mark) = (self.context.len(), self.text.mark());
+        let mut keep = vec![true; n];
+        let mut path = std::mem::take(&mut self.g.path);
+        let mut res = Ok(());
+        for i in 0..n {
+            let block = self.g.draft.block();
+            let r = block.parent_row(i);
+            if r > 0 && (!keep[r - 1] || self.g.node_ends[r - 1]) {
+                keep[i] = false;
+                continue;
+            }
+            block.path_to(i, &mut path);
+            self.context.truncate(len);
+            self.text.reset(mark);
+            self.context
+                .extend(path.iter().map(|&j| self.g.draft.tokens[j as usize]));
+            let generated = &self.context[self.prompt_len..];
+            if generated.len() < self.params.min_tokens {
+                continue;
+            }
+            if stop.check(generated).is_some() {
+                self.g.node_ends[i] = true;
+                continue;
+            }
+            if let (true, Some(det)) = (text_stops, self.g.detokenizer.as_deref()) {
+                match self.text.push(det, generated, stop, true) {
+                    Ok(hit) => self.g.node_ends[i] = hit,
+                    Err(e) => {
+                        res = Err(e);
+                        break;
+                    }
+                }
+            }
+        }
+        self.context.truncate(len);
+        self.text.reset(mark);
+        self.g.path = path;
+        res?;
+        if keep.iter().all(|&k| k) {
+            return Ok(());
+        }
+        // Remove the pruned nodes: remap parent rows, keep q rows and end flags in step.
+        let g = &mut *self.g;
+        let d = &mut g.draft;
+        let mut new_index = vec![u32::MAX; n];
+        let mut w = 0usize;
+        let qv = d.q_vocab;
+        for i in 0..n {
+            if !keep[i] {
+                continue;
+            }
+            new_index[i] = w as u32;
+            let r = d.parents[i] as usize;
+            d.parents[w] = if r == 0 { 0 } else { new_index[r - 1] + 1 };
+            d.tokens[w] = d.tokens[i];
+            if !d.schemes.is_empty() {
+                d.schemes[w] = d.schemes[i];
+            }
+            g.node_ends[w] = g.node_ends[i];
+            if let Some(q) = d.q.as_mut() {
+                q.copy_within(i * qv..(i + 1) * qv, w * qv);
+            }
+            w += 1;
+        }
+        d.tokens.truncate(w);
+        d.parents.truncate(w);
+        if !d.schemes.is_empty() {
+            d.schemes.truncate(w);
+        }
+        g.node_ends.truncate(w);
+        if let Some(q) = d.q.as_mut() {
+            q.truncate(w * qv);
+        }
+        Ok(())
     }
 
     /// The draft length after cutting at the first draft token that would end the generation,
@@ -727,10 +753,10 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         end
     }
 
-    /// Forward and verify phases: one target forward over `[last, d_1 .. d_k]` (without the
-    /// final draft when it ends the sequence), then verification.
-    fn forward_and_verify(&mut self, p: &Proposed, suppress_rows: usize) -> Result<Timed> {
-        let params = self.params;
+    /// Forward phase: one target forward over `[last, d_1 .. d_k]` (a chain, without the final
+    /// draft when it ends the sequence) or over the root and every node of a tree
+    /// ([`crate::TreeTarget::forward_tree`]); checks the logits' shape and the sequence length.
+    fn forward(&mut self, p: &Proposed) -> Result<Duration> {
         let g = &mut *self.g;
         let vocab = g.target.vocab_size();
         let k = p.k;
@@ -739,14 +765,28 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         let Some(&last) = self.context.last() else {
             return Err(Error::EmptyPrompt);
         };
-        let mut feed = Vec::with_capacity(rows);
-        feed.push(last);
-        feed.extend_from_slice(&g.draft.tokens[..rows - 1]);
-        g.target.forward(&feed, &mut g.logits)?;
+        if p.tree {
+            // One tree forward over the root and every node (each attends to its ancestors).
+            let Some(tree) = g.target.tree() else {
+                return Err(Error::TargetContract {
+                    what: "tree() returned None after offering tree support",
+                });
+            };
+            tree.forward_tree(last, &g.draft.block(), &mut g.logits)?;
+        } else {
+            let mut feed = Vec::with_capacity(rows);
+            feed.push(last);
+            feed.extend_from_slice(&g.draft.tokens[..rows - 1]);
+            g.target.forward(&feed, &mut g.logits)?;
+        }
         let forward_time = t.elapsed();
         if g.logits.len() != rows * vocab {
             return Err(Error::ShapeMismatch {
-                what: "target logits ([k + 1, vocab])",
+                what: if p.tree {
+                    "target logits ([nodes + 1, vocab])"
+                } else {
+                    "target logits ([k + 1, vocab])"
+                },
                 expected: rows * vocab,
                 actual: g.logits.len(),
             });
@@ -756,7 +796,14 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             self.context.len() - 1 + rows,
             "seq_len after forward",
         )?;
+        Ok(forward_time)
+    }
 
+    /// Verify phase: the logits of the forward against the draft (a chain or a tree).
+    fn verify(&mut self, p: &Proposed, suppress_rows: usize) -> Result<(StepOutput, Duration)> {
+        let params = self.params;
+        let g = &mut *self.g;
+        let vocab = g.target.vocab_size();
         let t = Instant::now();
         let draft_probs = match &g.draft.q {
             None => DraftProbs::PointMass,
@@ -778,30 +825,20 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             suppress: &self.suppressed,
             suppress_rows,
             final_draft_ends: p.ends,
-            parents: None,
-            schemes: None,
-            ends: &[],
+            parents: p.tree.then_some(&g.draft.parents[..]),
+            schemes: (p.tree && !g.draft.schemes.is_empty()).then_some(&g.draft.schemes[..]),
+            ends: if p.tree { &g.node_ends } else { &[] },
         };
         let out = g.verifier.verify(&req)?;
-        Ok(Timed {
-            out,
-            forward: forward_time,
-            verify: t.elapsed(),
-        })
+        Ok((out, t.elapsed()))
     }
 
-    /// Commit and observe phases: appends the emitted tokens up to the first stop, rolls the
-    /// target's KV cache back to them, tells the proposer, records metrics and policy
-    /// observations, and ends the generation when a stop or the budget is reached.
-    fn commit(&mut self, p: &Proposed, timed: Timed) -> Result<()> {
-        let Timed {
-            out,
-            forward,
-            verify,
-        } = timed;
+    /// Commit phase: appends the emitted tokens up to the first stop and keeps the target's KV
+    /// cache for exactly them but the last (a chain by truncation, a tree by committing the
+    /// accepted path). Returns what was kept.
+    fn commit(&mut self, p: &Proposed, out: &StepOutput) -> Result<Kept> {
         let params = self.params;
         let before = self.context.len();
-        let gen_before = before - self.prompt_len;
         let text_before = self.text.released;
         let mut kept = 0;
         let mut reason = None;
@@ -825,8 +862,55 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         }
         // The KV cache keeps every emitted token but the last (the next step feeds it).
         let g = &mut *self.g;
-        g.target.truncate(before + kept - 1)?;
-        g.capture_hidden(kept - 1);
+        if p.tree {
+            // Rows of a tree forward: 0 for the root, j + 1 for node j. The row that predicted
+            // the last kept token is the one of the token before it.
+            let row = if kept >= 2 {
+                out.path[kept - 2] as usize + 1
+            } else {
+                0
+            };
+            g.capture_hidden(row);
+            match g.target.tree() {
+                Some(tree) => tree.commit_tree(&out.path[..kept - 1])?,
+                None => {
+                    return Err(Error::TargetContract {
+                        what: "tree() returned None after a tree forward",
+                    });
+                }
+            }
+            check_seq_len(&g.target, before + kept - 1, "seq_len after commit_tree")?;
+        } else {
+            g.target.truncate(before + kept - 1)?;
+            g.capture_hidden(kept - 1);
+        }
+        Ok(Kept {
+            before,
+            text_before,
+            kept,
+            reason,
+        })
+    }
+
+    /// Observe phase: log-probabilities, the proposer's feedback, metrics and the policy's
+    /// observations, and the end of the generation when a stop or the budget is reached.
+    fn observe(
+        &mut self,
+        p: &Proposed,
+        out: StepOutput,
+        k: Kept,
+        forward: Duration,
+        verify: Duration,
+    ) -> Result<()> {
+        let params = self.params;
+        let Kept {
+            before,
+            text_before,
+            kept,
+            reason,
+        } = k;
+        let gen_before = before - self.prompt_len;
+        let g = &mut *self.g;
         let accepted_kept = out.accepted.min(kept);
         if let (Some(all), Some(lps)) = (self.logprobs.as_mut(), out.logprobs) {
             all.extend(lps.into_iter().take(kept));
@@ -837,14 +921,24 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         let observe_time = t.elapsed();
 
         let m = &mut self.metrics;
-        m.record_step(p.k, out.accepted, accepted_kept, kept);
+        if p.tree {
+            // Whether the walk stopped at a row with children (a depth was tested and failed).
+            let row = out.path.last().map_or(0, |&j| j as usize + 1);
+            let tested = accepted_kept == out.accepted
+                && !matches!(out.end, StepEnd::Ended)
+                && g.draft.block().children(row).next().is_some();
+            m.record_tree_step(p.k, p.depth, accepted_kept, kept, tested);
+        } else {
+            m.record_step(p.k, out.accepted, accepted_kept, kept);
+        }
         m.propose_time += p.time + observe_time;
         m.forward_time += forward;
         m.verify_time += verify;
         if m.time_to_first_token.is_none() {
             m.time_to_first_token = Some(self.start.elapsed());
         }
-        if let DraftLength::Adaptive(a) = &params.draft {
+        // The adaptive policy's cost model is per chain length: tree steps do not update it.
+        if let (DraftLength::Adaptive(a), false) = (&params.draft, p.tree) {
             g.adaptive.observe(
                 a,
                 p.k,
@@ -870,6 +964,12 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         self.last = LastStep {
             tokens: (gen_before, gen_before + kept),
             text: (text_before, released),
+            stats: StepStats {
+                drafted: p.k,
+                depth: p.depth,
+                accepted: accepted_kept,
+                tree: p.tree,
+            },
         };
         Ok(())
     }
@@ -899,19 +999,56 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
     }
 }
 
-/// A verified step with its timings.
-struct Timed {
-    out: StepOutput,
-    forward: Duration,
-    verify: Duration,
+/// What the commit phase kept: the context length before the step, the released text
+/// before it, the number of emitted tokens kept, and the stop that cut them.
+struct Kept {
+    before: usize,
+    text_before: usize,
+    kept: usize,
+    reason: Option<FinishReason>,
 }
 
-/// Checks a proposer's draft before the target sees it: at most `max_draft` tokens, every id in
-/// the vocabulary, q of shape `[k, q_vocab]` with `0 < q_vocab <= vocab`.
-fn check_proposal(d: &Draft, max_draft: usize, vocab: usize, proposer: &'static str) -> Result<()> {
+/// `true` when the draft can be verified as a chain: no parents, or parents of a chain with the
+/// draft form's default scheme (a chain step then gives the same law and needs no tree support).
+fn plain_chain(d: &Draft) -> bool {
+    if d.parents.is_empty() {
+        return true;
+    }
+    let default = TreeLimits {
+        dense_q: d.q.is_some(),
+        ..TreeLimits::vocab(0)
+    }
+    .default_scheme();
+    d.block().is_chain() && d.schemes.iter().all(|&s| s == default)
+}
+
+/// Checks a proposer's draft before the target sees it: a chain of at most `max_draft` tokens,
+/// or (tree steps, `max_nodes > 0`) a valid tree of at most `max_nodes` nodes and depth
+/// `max_draft` ([`crate::DraftBlock::validate`]); every id in the vocabulary; q of shape
+/// `[k, q_vocab]` with `0 < q_vocab <= vocab`.
+fn check_proposal(
+    d: &Draft,
+    max_draft: usize,
+    max_nodes: usize,
+    vocab: usize,
+    proposer: &'static str,
+) -> Result<()> {
     let fault = |fault| Error::InvalidProposal { proposer, fault };
     let k = d.tokens.len();
-    if k > max_draft {
+    if !d.parents.is_empty() || !d.schemes.is_empty() {
+        if max_nodes == 0 && !plain_chain(d) {
+            return Err(fault(ProposalFault::TreeNotRequested));
+        }
+        let limits = TreeLimits {
+            vocab_size: vocab,
+            max_nodes: max_nodes.max(max_draft),
+            max_depth: max_draft,
+            dense_q: d.q.is_some(),
+        };
+        d.block()
+            .validate(&limits)
+            .map_err(|t| fault(ProposalFault::Tree(t)))?;
+    } else if k > max_draft {
         return Err(fault(ProposalFault::TooLong { len: k, max_draft }));
     }
     if let Some((index, &token)) = d

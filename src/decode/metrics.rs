@@ -39,6 +39,16 @@ pub struct Metrics {
     pub reached_at: Vec<usize>,
     /// `accepted_at[i]`: steps in which draft position `i` was accepted.
     pub accepted_at: Vec<usize>,
+    /// Tree steps: verify steps whose draft was a branching token tree
+    /// ([`GenerationParams::tree_nodes`](crate::decode::GenerationParams::tree_nodes)). Their
+    /// nodes count in `proposed`; their positions in `reached_at` / `accepted_at` are depths
+    /// (position `i` is depth `i + 1`: reached when the accepted path's node at depth `i` has
+    /// children).
+    pub tree_steps: usize,
+    /// Nodes of all tree steps (divide by `tree_steps` for the mean tree size).
+    pub tree_nodes: usize,
+    /// Sum of the depths of all tree steps (the deepest node of each).
+    pub tree_depth: usize,
     /// Time spent in the prompt prefill forward.
     pub prefill_time: Duration,
     /// Time spent in [`crate::Proposer::propose`] and [`crate::Proposer::observe`].
@@ -82,6 +92,24 @@ impl Metrics {
             .zip(&self.accepted_at)
             .map(|(&p, &a)| if p == 0 { 0.0 } else { a as f64 / p as f64 })
             .collect()
+    }
+
+    /// Mean number of nodes of a tree step (0 without tree steps).
+    pub fn mean_tree_nodes(&self) -> f64 {
+        if self.tree_steps == 0 {
+            0.0
+        } else {
+            self.tree_nodes as f64 / self.tree_steps as f64
+        }
+    }
+
+    /// Mean depth of a tree step (0 without tree steps).
+    pub fn mean_tree_depth(&self) -> f64 {
+        if self.tree_steps == 0 {
+            0.0
+        } else {
+            self.tree_depth as f64 / self.tree_steps as f64
+        }
     }
 
     /// Output tokens per second over the whole generation (prefill included in the time).
@@ -133,6 +161,39 @@ impl Metrics {
 }
 
 impl Metrics {
+    /// Records one tree step: `nodes` drafted in a tree of depth `depth`, `kept` nodes of the
+    /// accepted path kept after the stop conditions, `emitted` tokens kept, and whether the walk
+    /// stopped at a node with children (`tested_next`: the depth after the path was tested and
+    /// nothing there was accepted). Acceptance by depth goes to `reached_at` / `accepted_at`.
+    pub fn record_tree_step(
+        &mut self,
+        nodes: usize,
+        depth: usize,
+        kept: usize,
+        emitted: usize,
+        tested_next: bool,
+    ) {
+        self.target_calls += 1;
+        self.proposed += nodes;
+        self.accepted += kept;
+        self.emitted += emitted;
+        self.tree_steps += 1;
+        self.tree_nodes += nodes;
+        self.tree_depth += depth;
+        let reach = depth.max(kept + tested_next as usize);
+        if self.reached_at.len() < reach {
+            self.reached_at.resize(reach, 0);
+            self.accepted_at.resize(reach, 0);
+        }
+        for i in 0..kept {
+            self.reached_at[i] += 1;
+            self.accepted_at[i] += 1;
+        }
+        if tested_next {
+            self.reached_at[kept] += 1;
+        }
+    }
+
     /// Adds `other`'s counters and timings to these (for totals over several generations).
     pub fn merge(&mut self, other: &Metrics) {
         self.proposed += other.proposed;
@@ -140,6 +201,9 @@ impl Metrics {
         self.emitted += other.emitted;
         self.target_calls += other.target_calls;
         self.no_draft_steps += other.no_draft_steps;
+        self.tree_steps += other.tree_steps;
+        self.tree_nodes += other.tree_nodes;
+        self.tree_depth += other.tree_depth;
         let n = self.reached_at.len().max(other.reached_at.len());
         self.reached_at.resize(n, 0);
         self.accepted_at.resize(n, 0);
@@ -185,5 +249,24 @@ mod tests {
         assert_eq!(total.target_calls, 4);
         assert_eq!(total.reached_at, vec![3, 3, 1, 0]);
         assert_eq!(total.accepted_at, vec![3, 2, 1, 0]);
+    }
+
+    #[test]
+    fn tree_steps_count_by_depth() {
+        let mut m = Metrics::default();
+        // 6 nodes, depth 3: path of 2 accepted, the node at depth 2 had children.
+        m.record_tree_step(6, 3, 2, 3, true);
+        // 4 nodes, depth 2: a leaf at depth 2 accepted (bonus token).
+        m.record_tree_step(4, 2, 2, 3, false);
+        assert_eq!((m.proposed, m.accepted, m.emitted), (10, 4, 6));
+        assert_eq!((m.tree_steps, m.tree_nodes, m.tree_depth), (2, 10, 5));
+        assert_eq!(m.reached_at, vec![2, 2, 1]);
+        assert_eq!(m.accepted_at, vec![2, 2, 0]);
+        assert_eq!(m.position_acceptance(), vec![1.0, 1.0, 0.0]);
+        assert!((m.mean_tree_nodes() - 5.0).abs() < 1e-12);
+        assert!((m.mean_tree_depth() - 2.5).abs() < 1e-12);
+        let mut total = Metrics::default();
+        total.merge(&m);
+        assert_eq!(total.tree_steps, 2);
     }
 }

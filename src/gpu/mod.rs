@@ -31,6 +31,12 @@
 //! sequences, or dense q given per sequence) is [`Error::Unsupported`] (the outer `Err`) on the
 //! wgpu and CUDA backends; the CPU [`Verifier::verify_batch`] verifies it.
 //!
+//! Chains only: the kernels verify chains of drafts. A batch with a token tree
+//! ([`VerifyBatch::parents`] other than each sequence's chain), a sibling scheme other than the
+//! draft form's default ([`VerifyBatch::schemes`]) or an ending draft ([`VerifyBatch::ends`])
+//! is [`Error::Unsupported`] (the outer `Err`); the CPU [`Verifier::verify_batch`] verifies
+//! trees ([`crate::verify`], section "Trees").
+//!
 //! - Processing order: penalties -> logit bias -> allowed / banned sets, the tokens suppressed at
 //!   rows `0..suppress_rows` and the caller's mask -> temperature -> top-k -> softmax -> top-p ->
 //!   min-p -> renormalise. The repetition penalty counts every earlier token (prompt and
@@ -124,6 +130,7 @@ pub use wgpu_impl::{WgpuDevice, WgpuLogits};
 use std::fmt;
 
 use crate::error::{Error, Result};
+use crate::tree::SiblingScheme;
 use crate::verify::{DraftProbs, SequenceParams, StepOutput, VerifyBatch};
 // For the docs' links only: verification itself never calls the CPU verifier.
 #[cfg(doc)]
@@ -186,6 +193,15 @@ pub struct DeviceBatch<'a> {
     pub draft_probs: DraftProbs<'a>,
     /// One entry per sequence.
     pub sequences: &'a [SequenceParams<'a>],
+    /// Parent rows, `[sum_b k_b]` ([`VerifyBatch::parents`]): the GPU backends take chains only,
+    /// so every sequence's parents must be its chain (`i` at node `i`), or `None`.
+    pub parents: Option<&'a [u32]>,
+    /// Sibling schemes, `[sum_b k_b]` ([`VerifyBatch::schemes`]): on the GPU only the default
+    /// of the batch's draft form, or `None`.
+    pub schemes: Option<&'a [SiblingScheme]>,
+    /// Ending drafts, `[sum_b k_b]` or empty ([`VerifyBatch::ends`]): on the GPU all `false`,
+    /// or empty.
+    pub ends: &'a [bool],
 }
 
 impl<'a> DeviceBatch<'a> {
@@ -197,6 +213,9 @@ impl<'a> DeviceBatch<'a> {
             draft_offsets: b.draft_offsets,
             draft_probs: b.draft_probs,
             sequences: b.sequences,
+            parents: b.parents,
+            schemes: b.schemes,
+            ends: b.ends,
         }
     }
 
@@ -343,8 +362,8 @@ impl GpuVerifier {
     ///
     /// # Errors
     /// The outer `Err` for a malformed batch (the errors of [`Verifier::verify_batch`]), for
-    /// per-sequence draft forms the device backends do not take ([`Error::Unsupported`], see
-    /// the module docs) or for a device failure ([`Error::BackendUnavailable`]); each inner
+    /// per-sequence draft forms or token trees the device backends do not take
+    /// ([`Error::Unsupported`], see the module docs) or for a device failure ([`Error::BackendUnavailable`]); each inner
     /// `Result` is that sequence's own outcome.
     pub fn verify_batch(&mut self, batch: &VerifyBatch<'_>) -> Result<Vec<Result<StepOutput>>> {
         let dev = DeviceBatch::from_batch(batch);

@@ -138,7 +138,44 @@ pub(crate) fn check_batch(batch: &DeviceBatch<'_>) -> Result<usize> {
             what: "per-sequence draft forms (SequenceParams::draft_probs) other than point masses in a point-mass batch",
         });
     }
+    crate::verify::check_tree_layout(
+        batch.draft_tokens.len(),
+        batch.parents,
+        batch.schemes,
+        batch.ends,
+    )?;
+    if !chains_only(batch) {
+        return Err(Error::Unsupported {
+            backend: "gpu",
+            what: "token trees (parents other than a chain, sibling schemes other than the draft form's default, or ending drafts); the CPU Verifier verifies them",
+        });
+    }
     Ok(qv)
+}
+
+/// `true` when every sequence's block is a plain chain the kernels verify: parents `i` at node
+/// `i` (or none), the draft form's default scheme, no ending draft.
+fn chains_only(batch: &DeviceBatch<'_>) -> bool {
+    let off = batch.draft_offsets;
+    let default = crate::tree::TreeLimits {
+        dense_q: !matches!(batch.draft_probs, DraftProbs::PointMass),
+        ..crate::tree::TreeLimits::vocab(batch.vocab_size)
+    }
+    .default_scheme();
+    let parents_ok = batch.parents.is_none_or(|p| {
+        (0..batch.sequences.len()).all(|b| {
+            crate::tree::DraftBlock::tree(
+                &batch.draft_tokens[off[b]..off[b + 1]],
+                &p[off[b]..off[b + 1]],
+            )
+            .is_chain()
+        })
+    });
+    parents_ok
+        && batch
+            .schemes
+            .is_none_or(|s| s.iter().all(|&x| x == default))
+        && !batch.ends.contains(&true)
 }
 
 /// Sequence `b` of a layout-checked batch as the request [`crate::Verifier::verify_batch`] builds
@@ -149,6 +186,7 @@ fn request<'b>(
     qv: usize,
     target: &'b [f32],
 ) -> VerifyRequest<'b> {
+    let (lo, hi) = (batch.draft_offsets[b], batch.draft_offsets[b + 1]);
     crate::verify::sequence_request(
         batch.sequences,
         batch.draft_tokens,
@@ -157,6 +195,7 @@ fn request<'b>(
         (b, qv, batch.vocab_size),
         target,
     )
+    .with_tree(batch.parents, batch.schemes, batch.ends, (lo, hi))
 }
 
 fn token_check(t: u32, vocab: usize, what: &'static str) -> Result<()> {
@@ -605,4 +644,66 @@ pub(crate) fn assemble(
         })
     }
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tree::SiblingScheme;
+    use crate::{SamplingConfig, SequenceParams};
+
+    #[test]
+    fn the_kernels_take_chains_and_refuse_trees() {
+        let cfg = SamplingConfig::greedy();
+        let seqs = [SequenceParams::new(&cfg, 0), SequenceParams::new(&cfg, 1)];
+        let batch = DeviceBatch {
+            vocab_size: 5,
+            draft_tokens: &[1, 2, 3, 4],
+            draft_offsets: &[0, 2, 4],
+            draft_probs: DraftProbs::PointMass,
+            sequences: &seqs,
+            parents: None,
+            schemes: None,
+            ends: &[],
+        };
+        let unsupported = |b: DeviceBatch<'_>| {
+            matches!(
+                check_batch(&b),
+                Err(Error::Unsupported { backend: "gpu", .. })
+            )
+        };
+        assert_eq!(check_batch(&batch).unwrap(), 0);
+        // Chains given as (local) parents, and the default scheme, are chains.
+        let chain = DeviceBatch {
+            parents: Some(&[0, 1, 0, 1]),
+            schemes: Some(&[SiblingScheme::Deterministic; 4]),
+            ends: &[false; 4],
+            ..batch
+        };
+        assert!(check_batch(&chain).is_ok());
+        assert!(unsupported(DeviceBatch {
+            parents: Some(&[0, 1, 0, 0]),
+            ..batch
+        }));
+        assert!(unsupported(DeviceBatch {
+            ends: &[false, false, false, true],
+            ..batch
+        }));
+        let dense = [0.2f32; 20];
+        assert!(unsupported(DeviceBatch {
+            draft_probs: DraftProbs::Probs {
+                probs: &dense,
+                vocab: 5
+            },
+            schemes: Some(&[SiblingScheme::Deterministic; 4]),
+            ..batch
+        }));
+        assert!(matches!(
+            check_batch(&DeviceBatch {
+                parents: Some(&[0, 1]),
+                ..batch
+            }),
+            Err(Error::ShapeMismatch { .. })
+        ));
+    }
 }

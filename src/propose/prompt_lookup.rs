@@ -7,8 +7,13 @@
 //!
 //! The index is a trie over reversed n-grams (depth `max_n`), kept in one hash map from
 //! `(node, token)` to child node; every node remembers the most recent end position of its
-//! n-gram. It is updated only for the tokens appended since the previous call, so a proposal
-//! costs `O(max_n + max_draft)` hash look-ups and copies whatever the context length.
+//! n-gram, and every indexed end the previous end of each of its n-grams (the occurrence
+//! lists that tree drafts walk). It is updated only for the tokens appended since the previous
+//! call, so a proposal costs `O(max_n + max_draft)` hash look-ups and copies whatever the
+//! context length.
+//!
+//! Tree drafts ([`Proposer::propose_tree`]) merge the continuations after several earlier
+//! occurrences into a prefix tree; the rule is documented on [`PromptLookup`].
 //!
 //! This file also holds the small helpers shared with [`super::suffix`]: the edge map type with
 //! its hasher and the "is this context an extension of what was indexed" check.
@@ -91,7 +96,9 @@ pub(super) fn extends(indexed: &[u32], context: &[u32]) -> bool {
 // The n-gram index.
 // ---------------------------------------------------------------------------------------------
 
-/// Trie over reversed n-grams, each node tagged with the most recent end of its n-gram.
+/// Trie over reversed n-grams, each node tagged with the most recent end of its n-gram, and
+/// for every indexed end the previous end of the same n-gram (one list of occurrences per
+/// n-gram, newest first, for tree drafts).
 ///
 /// Node 0 is the root. The node reached from the root by the edges `t_1, t_2, .., t_n` stands
 /// for the n-gram `[t_n, .., t_2, t_1]` (read backwards from an end position). An "end" `e` is
@@ -104,16 +111,24 @@ struct NgramIndex {
     edges: EdgeMap,
     /// `last_end[node]`: most recent indexed end of the node's n-gram.
     last_end: Vec<usize>,
+    /// `prev[(e - 1) * max_n + n - 1]`: the end before `e` of the n-gram `seq[e - n .. e]`, or
+    /// 0 when `e` is its first occurrence (or `n > e`). Walking it from `last_end[node]` lists
+    /// every occurrence of the node's n-gram, newest first.
+    prev: Vec<u32>,
+    /// Largest n-gram size indexed (the stride of `prev`).
+    max_n: usize,
     /// Ends `1 .. next_end` are indexed.
     next_end: usize,
 }
 
 impl NgramIndex {
-    fn new() -> Self {
+    fn new(max_n: usize) -> Self {
         NgramIndex {
             seq: Vec::new(),
             edges: EdgeMap::default(),
             last_end: vec![0],
+            prev: Vec::new(),
+            max_n,
             next_end: 1,
         }
     }
@@ -123,6 +138,7 @@ impl NgramIndex {
         self.edges.clear();
         self.last_end.clear();
         self.last_end.push(0);
+        self.prev.clear();
         self.next_end = 1;
     }
 
@@ -130,7 +146,7 @@ impl NgramIndex {
     /// rebuilds from scratch when `context` does not extend the indexed sequence. Afterwards
     /// every end `1 ..= context.len() - 1` is indexed, so the trailing n-gram (end
     /// `context.len()`) is not yet in the index and every match is an earlier occurrence.
-    fn sync(&mut self, context: &[u32], max_n: usize) -> Result<()> {
+    fn sync(&mut self, context: &[u32]) -> Result<()> {
         if !extends(&self.seq, context) {
             self.clear();
         }
@@ -138,14 +154,26 @@ impl NgramIndex {
             self.seq.extend_from_slice(new);
         }
         while self.next_end < self.seq.len() {
-            self.insert_end(self.next_end, max_n)?;
+            self.insert_end(self.next_end)?;
             self.next_end += 1;
         }
         Ok(())
     }
 
     /// Records end `e`: the n-grams `seq[e - n .. e]` for `n = 1 ..= min(max_n, e)`.
-    fn insert_end(&mut self, e: usize, max_n: usize) -> Result<()> {
+    fn insert_end(&mut self, e: usize) -> Result<()> {
+        let max_n = self.max_n;
+        // Ends are stored as `u32` in `prev`.
+        if u32::try_from(e).is_err() {
+            return Err(Error::proposer(
+                "prompt lookup index exceeds 2^32 - 1 tokens",
+            ));
+        }
+        // Entries of end `e` sit at `base ..` (a failed earlier insert may have left a partial
+        // row behind: the row is rewritten from scratch).
+        let base = (e - 1) * max_n;
+        self.prev.truncate(base);
+        self.prev.resize(base + max_n, 0);
         let mut node = 0u32;
         for n in 1..=max_n.min(e) {
             let token = self.seq[e - n];
@@ -163,6 +191,8 @@ impl NgramIndex {
             if child as usize == next_id {
                 self.last_end.push(e);
             } else {
+                // `last_end <= e - 1 < 2^32`, checked when it was recorded.
+                self.prev[base + n - 1] = self.last_end[child as usize] as u32;
                 self.last_end[child as usize] = e;
             }
             node = child;
@@ -187,6 +217,153 @@ impl NgramIndex {
             }
         }
         found
+    }
+
+    /// The trie nodes of the trailing n-grams of `seq` that occur earlier: `out[n - 1]` for
+    /// `n = 1 ..= ` the longest such `n` (at most `max_n`); `out` is cleared first.
+    fn trailing_nodes(&self, out: &mut Vec<u32>) {
+        out.clear();
+        let len = self.seq.len();
+        let mut node = 0u32;
+        for n in 1..=self.max_n.min(len) {
+            match self.edges.get(&edge_key(node, self.seq[len - n])) {
+                Some(&child) => node = child,
+                None => break,
+            }
+            out.push(node);
+        }
+    }
+
+    /// The end of the occurrence of the n-gram `seq[e - n .. e]` before end `e`, if any.
+    #[inline]
+    fn prev_end(&self, e: usize, n: usize) -> Option<usize> {
+        let p = self.prev[(e - 1) * self.max_n + n - 1];
+        (p != 0).then_some(p as usize)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tree drafts: the prefix trie of candidate continuations.
+// ---------------------------------------------------------------------------------------------
+
+/// Most occurrences (matches) whose continuations a tree draft considers, whatever the node
+/// budget: it bounds the work of a call (`O(MAX_TREE_MATCHES * max_draft)`).
+const MAX_TREE_MATCHES: usize = 256;
+
+/// "The root" as the parent of a [`CandidateNode`].
+const ROOT_PARENT: u32 = u32::MAX;
+
+/// One node of the candidate trie: a distinct prefix of the candidate continuations.
+#[derive(Debug, Clone, Copy)]
+struct CandidateNode {
+    token: u32,
+    /// Parent node id, or [`ROOT_PARENT`].
+    parent: u32,
+    /// Number of candidates (matches) whose continuation starts with this node's prefix.
+    support: u32,
+    /// Rank of the first candidate that reached the node (0 is the chain).
+    rank: u32,
+    /// Depth, 1 for a child of the root.
+    depth: u32,
+}
+
+/// The prefix trie of the candidate continuations of one tree draft, and the rule that picks
+/// the nodes of the draft from it (see "Tree drafts" on [`PromptLookup`]).
+#[derive(Debug, Clone, Default)]
+struct CandidateTrie {
+    nodes: Vec<CandidateNode>,
+    /// `(parent id + 1, token) -> id`, the root being 0.
+    edges: EdgeMap,
+    /// Node ids outside the chain, in selection order.
+    order: Vec<u32>,
+    /// Draft node index of each candidate node (`u32::MAX` when not selected).
+    out_index: Vec<u32>,
+    /// Trailing n-gram nodes of the index (see `NgramIndex::trailing_nodes`).
+    trail: Vec<u32>,
+    /// One continuation.
+    scratch: Vec<u32>,
+}
+
+impl CandidateTrie {
+    fn clear(&mut self) {
+        self.nodes.clear();
+        self.edges.clear();
+    }
+
+    /// Adds the candidate continuation `tokens` of rank `rank`: one more support for each of
+    /// its prefixes. The first call (rank 0) creates nodes `0 .. tokens.len()` in order.
+    fn insert(&mut self, tokens: &[u32], rank: u32) {
+        let mut parent = ROOT_PARENT;
+        for (d, &token) in tokens.iter().enumerate() {
+            let key = edge_key(parent.wrapping_add(1), token);
+            let id = match self.edges.get(&key) {
+                Some(&id) => {
+                    self.nodes[id as usize].support += 1;
+                    id
+                }
+                None => {
+                    // Below `MAX_TREE_MATCHES * MAX_PERIODIC_DRAFT` nodes: fits in `u32`.
+                    let id = self.nodes.len() as u32;
+                    self.nodes.push(CandidateNode {
+                        token,
+                        parent,
+                        support: 1,
+                        rank,
+                        depth: d as u32 + 1,
+                    });
+                    self.edges.insert(key, id);
+                    id
+                }
+            };
+            parent = id;
+        }
+    }
+
+    /// Writes the draft: the chain (candidate nodes `0 .. chain_len`, already in
+    /// `draft.tokens`) as nodes `0 .. chain_len`, then the other candidate nodes by decreasing
+    /// support, then increasing depth, then increasing rank, up to `budget` nodes in all. A
+    /// parent always precedes its children in that order (its support is at least theirs; on
+    /// a tie it is shallower), so the selected nodes form a tree in topological order. A
+    /// result that is a single path is left as a chain (empty `parents`).
+    fn write(&mut self, chain_len: usize, budget: usize, draft: &mut Draft) {
+        let nodes = &self.nodes;
+        self.order.clear();
+        self.order.extend(chain_len as u32..nodes.len() as u32);
+        self.order.sort_unstable_by_key(|&id| {
+            let c = &nodes[id as usize];
+            (std::cmp::Reverse(c.support), c.depth, c.rank, id)
+        });
+        self.order.truncate(budget.saturating_sub(chain_len));
+        if self.order.is_empty() {
+            return;
+        }
+        self.out_index.clear();
+        self.out_index.resize(nodes.len(), u32::MAX);
+        draft.parents.clear();
+        for i in 0..chain_len {
+            self.out_index[i] = i as u32;
+            draft.parents.push(i as u32);
+        }
+        for &id in &self.order {
+            let c = &nodes[id as usize];
+            let row = if c.parent == ROOT_PARENT {
+                0
+            } else {
+                self.out_index[c.parent as usize] + 1
+            };
+            self.out_index[id as usize] = draft.tokens.len() as u32;
+            draft.tokens.push(c.token);
+            draft.parents.push(row);
+        }
+        normalize_chain(draft);
+    }
+}
+
+/// Clears `draft.parents` when every node's parent is the node before it: a tree that is a
+/// single path is returned in the chain form (the form [`Proposer::propose`] returns).
+pub(super) fn normalize_chain(draft: &mut Draft) {
+    if draft.block().is_chain() {
+        draft.parents.clear();
     }
 }
 
@@ -273,6 +450,42 @@ impl PromptLookupConfig {
 ///
 /// The proposer is deterministic: [`Draft::q`] is `None` (a point mass on each draft token).
 ///
+/// # Tree drafts
+///
+/// [`Proposer::propose_tree`] drafts the continuations after several earlier occurrences of
+/// the trailing n-gram at once, merged into a prefix tree: the candidate sequences of one step
+/// share a single verify forward as a token tree (SpecInfer, Miao et al., ASPLOS 2024), and
+/// candidates retrieved from text are merged into a trie whose prefixes are ranked by how
+/// many candidates share them (REST, He et al., NAACL 2024; SuffixDecoding, Oliaro et al.,
+/// arXiv 2411.04975, scores by the same empirical frequencies). The rule, for a request with
+/// `max_draft = k` and `max_nodes = N`:
+///
+/// 1. `N <= k`: the chain that [`Proposer::propose`] returns for `max_draft = N` (a deeper
+///    chain is worth more than alternatives at the same budget).
+/// 2. Candidates: the earlier occurrences of the trailing n-gram for `n` from the longest
+///    matched down to `min_n`; within one `n` the newest first, and an occurrence that also
+///    matches the `(n + 1)`-gram is taken only once, in the longer list. At most
+///    `min(N, MAX_TREE_MATCHES)` (256) occurrences. Each gives its continuation exactly as the
+///    chain does (at most `k` tokens, cycled with periodic extension, cut after its first EOS),
+///    and the first one is the chain of `propose`.
+/// 3. The continuations are merged into a prefix trie; the **support** of a prefix is the
+///    number of candidates that start with it (how often the text went on that way after the
+///    n-gram).
+/// 4. Nodes: the chain first, whole, as nodes `0 .. L` (node `i` the child of node `i - 1`);
+///    then the other prefixes by decreasing support, then increasing depth (breadth first among
+///    equally supported prefixes), then the newer candidate first, until `N` nodes. A parent
+///    sorts before its children (its support is at least theirs and it is shallower), so the
+///    nodes come in topological order and every selected node's parent is selected.
+///
+/// So the tree holds the chain as a path: under greedy verification it never accepts less than
+/// the chain at the same step when `N > k`. Siblings are distinct tokens (a prefix tree), nodes
+/// are point masses ([`crate::tree::SiblingScheme::Deterministic`], [`Draft::schemes`] empty),
+/// no branch goes past its first EOS, and the depth is at most `k`. A tree that is a single
+/// path (one distinct continuation) is returned as a chain (empty [`Draft::parents`]), equal to
+/// `propose`'s draft. On the project's workloads breadth first on ties gave slightly longer
+/// accepted lengths than taking each candidate whole in rank order (`spec-bench replay
+/// --nodes`; docs/benchmarks.md, "Tree replay").
+///
 /// # State across requests
 ///
 /// The index belongs to one context. Every call checks exactly that `req.context` starts with
@@ -290,7 +503,11 @@ impl PromptLookupConfig {
 /// `O(L)` comparison above (a `memcmp` of `4 L` bytes, a few microseconds at `L = 32,000`). A
 /// context that does not extend the indexed one is indexed from scratch in `O(L * max_n)`.
 /// Memory: a copy of the context plus at most `max_n` trie nodes per token (about 30 bytes
-/// each), so `O(L * max_n)`.
+/// each) and the occurrence lists (`4 * max_n` bytes per token), so `O(L * max_n)`.
+///
+/// A tree draft costs the chain's proposal plus `O(M * k)` hash operations for its `M <=
+/// min(max_nodes, 256)` candidates and a sort of at most `M * k` candidate prefixes, whatever the
+/// context length.
 ///
 /// # Example
 ///
@@ -323,6 +540,8 @@ pub struct PromptLookup {
     max_n: usize,
     periodic: bool,
     index: NgramIndex,
+    /// Scratch of [`Proposer::propose_tree`].
+    tree: CandidateTrie,
 }
 
 impl PromptLookup {
@@ -351,7 +570,8 @@ impl PromptLookup {
             min_n: cfg.min_n,
             max_n: cfg.max_n,
             periodic: cfg.periodic,
-            index: NgramIndex::new(),
+            index: NgramIndex::new(cfg.max_n),
+            tree: CandidateTrie::default(),
         })
     }
 
@@ -405,6 +625,26 @@ impl PromptLookup {
     pub fn reset(&mut self) {
         self.index.clear();
     }
+
+    /// Writes to `out` (cleared first) the draft that follows the occurrence ending at `end`:
+    /// at most `max_draft` tokens of `seq[end..]` (cycled when periodic extension is on), cut
+    /// after the first EOS of `req`.
+    fn continuation(&self, end: usize, req: &ProposeRequest<'_>, out: &mut Vec<u32>) {
+        out.clear();
+        let Some(cont) = self.index.seq.get(end..).filter(|c| !c.is_empty()) else {
+            return;
+        };
+        if self.periodic {
+            // Bounded whatever `max_draft` says (returning fewer tokens is always allowed).
+            let take = req.max_draft.min(MAX_PERIODIC_DRAFT);
+            out.extend(cont.iter().cycle().take(take));
+        } else {
+            out.extend_from_slice(&cont[..req.max_draft.min(cont.len())]);
+        }
+        // A draft ends at its first EOS.
+        let keep = req.draft_len_to_eos(out);
+        out.truncate(keep);
+    }
 }
 
 impl Proposer for PromptLookup {
@@ -418,28 +658,76 @@ impl Proposer for PromptLookup {
     /// hundreds of millions of tokens); the draft is then empty.
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
-        self.index.sync(req.context, self.max_n)?;
+        self.index.sync(req.context)?;
         if req.max_draft == 0 {
             return Ok(());
         }
         let Some(end) = self.index.lookup(self.min_n, self.max_n) else {
             return Ok(());
         };
-        let seq = &self.index.seq;
-        let Some(continuation) = seq.get(end..).filter(|c| !c.is_empty()) else {
-            return Ok(());
-        };
-        if self.periodic {
-            // Bounded whatever `max_draft` says (returning fewer tokens is always allowed).
-            let take = req.max_draft.min(MAX_PERIODIC_DRAFT);
-            draft.tokens.extend(continuation.iter().cycle().take(take));
-        } else {
-            let take = req.max_draft.min(continuation.len());
-            draft.tokens.extend_from_slice(&continuation[..take]);
+        let mut tokens = std::mem::take(&mut draft.tokens);
+        self.continuation(end, req, &mut tokens);
+        draft.tokens = tokens;
+        Ok(())
+    }
+
+    /// A prefix tree of the continuations after several earlier occurrences of the trailing
+    /// n-gram, of at most `req.max_nodes` nodes and depth at most `req.max_draft`, by the rule
+    /// in "Tree drafts" on [`PromptLookup`]. With `req.max_nodes <= req.max_draft` it returns
+    /// exactly the chain [`Proposer::propose`] returns for `max_draft = max_nodes`, and a
+    /// tree that holds a single path is returned as that chain (empty [`Draft::parents`]).
+    /// Rebuilds the index as `propose` does.
+    ///
+    /// # Errors
+    /// As [`PromptLookup::propose`](Proposer::propose).
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        if req.max_nodes <= req.max_draft {
+            let chain = ProposeRequest {
+                max_draft: req.max_nodes,
+                ..*req
+            };
+            return self.propose(&chain, draft);
         }
-        // A draft ends at its first EOS.
-        let keep = req.draft_len_to_eos(&draft.tokens);
-        draft.tokens.truncate(keep);
+        // The chain first: it is the continuation of the first match in the order below.
+        self.propose(req, draft)?;
+        if draft.is_empty() {
+            // No occurrence of any trailing n-gram of `min_n ..= max_n` tokens: no candidate.
+            return Ok(());
+        }
+        let mut tree = std::mem::take(&mut self.tree);
+        tree.clear();
+        tree.insert(&draft.tokens, 0);
+        let max_matches = req.max_nodes.min(MAX_TREE_MATCHES);
+        self.index.trailing_nodes(&mut tree.trail);
+        let longest = tree.trail.len();
+        let len = self.index.seq.len();
+        let mut rank = 1u32;
+        let mut cont = std::mem::take(&mut tree.scratch);
+        'lists: for n in (self.min_n..=longest).rev() {
+            let mut end = Some(self.index.last_end[tree.trail[n - 1] as usize]);
+            if n == longest {
+                // The newest occurrence of the longest n-gram is the chain's, inserted above.
+                end = end.and_then(|e| self.index.prev_end(e, n));
+            }
+            while let Some(e) = end {
+                if rank as usize >= max_matches {
+                    break 'lists;
+                }
+                // An occurrence of the (n + 1)-gram as well was visited in that longer list.
+                let longer = n < longest
+                    && e > n
+                    && self.index.seq[e - n - 1] == self.index.seq[len - n - 1];
+                if !longer {
+                    self.continuation(e, req, &mut cont);
+                    tree.insert(&cont, rank);
+                    rank += 1;
+                }
+                end = self.index.prev_end(e, n);
+            }
+        }
+        tree.scratch = cont;
+        tree.write(draft.tokens.len(), req.max_nodes, draft);
+        self.tree = tree;
         Ok(())
     }
 
@@ -454,7 +742,7 @@ impl Proposer for PromptLookup {
     /// As [`PromptLookup::propose`](Proposer::propose).
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         self.index.clear();
-        self.index.sync(prompt, self.max_n)
+        self.index.sync(prompt)
     }
 }
 
@@ -814,6 +1102,228 @@ mod tests {
             let got = propose(&mut p, &other, 4);
             assert_eq!(got, reference(&other, 1, 3, 4, false), "diverge at {at}");
             assert_eq!(p.indexed_len(), other.len());
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Tree drafts.
+    // -----------------------------------------------------------------------------------------
+
+    fn propose_tree(
+        p: &mut PromptLookup,
+        context: &[u32],
+        k: usize,
+        nodes: usize,
+        eos: &[u32],
+    ) -> Draft {
+        let config = SamplingConfig::greedy();
+        let req = ProposeRequest {
+            max_nodes: nodes,
+            eos,
+            ..ProposeRequest::new(context, &config, k)
+        };
+        let mut draft = Draft {
+            tokens: vec![99; 7],
+            parents: vec![0; 3],
+            ..Default::default()
+        };
+        p.propose_tree(&req, &mut draft).unwrap();
+        draft
+    }
+
+    /// Brute-force specification of the tree rule: occurrences found by scanning the context,
+    /// in the documented order (longest n first, newest first, each occurrence once, at most
+    /// `min(nodes, MAX_TREE_MATCHES)`), their continuations merged into a prefix trie, the
+    /// first (the chain) kept whole, the other prefixes by (support desc, depth, rank).
+    fn reference_tree(
+        context: &[u32],
+        min_n: usize,
+        max_n: usize,
+        k: usize,
+        nodes: usize,
+        periodic: bool,
+        eos: &[u32],
+    ) -> (Vec<u32>, Vec<u32>) {
+        let chain_k = if nodes <= k { nodes } else { k };
+        let cut = |mut v: Vec<u32>| {
+            if let Some(i) = v.iter().position(|t| eos.contains(t)) {
+                v.truncate(i + 1);
+            }
+            v
+        };
+        let cont = |e: usize| -> Vec<u32> {
+            let c = &context[e..];
+            cut(if periodic {
+                c.iter().cycle().take(chain_k).copied().collect()
+            } else {
+                c[..chain_k.min(c.len())].to_vec()
+            })
+        };
+        let len = context.len();
+        let matches_n = |e: usize, n: usize| e >= n && context[e - n..e] == context[len - n..];
+        let longest = (1..=max_n.min(len))
+            .take_while(|&n| (n..len).any(|e| matches_n(e, n)))
+            .last()
+            .unwrap_or(0);
+        if longest < min_n || chain_k == 0 {
+            return (Vec::new(), Vec::new());
+        }
+        let mut ends = Vec::new();
+        for n in (min_n..=longest).rev() {
+            for e in (n..len).rev() {
+                if matches_n(e, n) && !(n < longest && matches_n(e, n + 1)) {
+                    ends.push(e);
+                }
+            }
+        }
+        let chain = cont(ends[0]);
+        if nodes <= k {
+            return (chain, Vec::new());
+        }
+        ends.truncate(nodes.min(MAX_TREE_MATCHES));
+        // Distinct prefixes: (prefix, support, first rank).
+        let mut prefixes: Vec<(Vec<u32>, u32, usize)> = Vec::new();
+        for (rank, &e) in ends.iter().enumerate() {
+            let c = cont(e);
+            for d in 1..=c.len() {
+                match prefixes.iter_mut().find(|p| p.0 == c[..d]) {
+                    Some(p) => p.1 += 1,
+                    None => prefixes.push((c[..d].to_vec(), 1, rank)),
+                }
+            }
+        }
+        let mut rest: Vec<&(Vec<u32>, u32, usize)> = prefixes
+            .iter()
+            .filter(|p| !chain.starts_with(&p.0))
+            .collect();
+        rest.sort_by_key(|p| (std::cmp::Reverse(p.1), p.0.len(), p.2));
+        rest.truncate(nodes - chain.len());
+        let mut paths: Vec<Vec<u32>> = (1..=chain.len()).map(|d| chain[..d].to_vec()).collect();
+        let mut tokens = chain.clone();
+        let mut parents: Vec<u32> = (0..chain.len() as u32).collect();
+        for p in rest {
+            let (head, last) = p.0.split_at(p.0.len() - 1);
+            let row = if head.is_empty() {
+                0
+            } else {
+                1 + paths.iter().position(|q| q == head).unwrap() as u32
+            };
+            paths.push(p.0.clone());
+            tokens.push(last[0]);
+            parents.push(row);
+        }
+        if parents.iter().enumerate().all(|(i, &r)| r as usize == i) {
+            parents.clear();
+        }
+        (tokens, parents)
+    }
+
+    #[test]
+    fn tree_merges_shared_prefixes() {
+        // After [1, 2]: "3 4 9" (oldest), "3 5 9", then "6 9" (newest, the chain).
+        let ctx = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 6, 9, 1, 2];
+        let mut p = PromptLookup::new(2, 2).unwrap();
+        let d = propose_tree(&mut p, &ctx, 3, 8, &[]);
+        // Chain 6 9 1 first; then "3" (support 2), then depth 2: "3 5" (rank 1), "3 4" (rank 2),
+        // then depth 3: "3 5 9", "3 4 9" (one node of the budget of 8 is left for them).
+        assert_eq!(d.tokens, [6, 9, 1, 3, 5, 4, 9, 9]);
+        assert_eq!(d.parents, [0, 1, 2, 0, 4, 4, 5, 6]);
+        assert_eq!(
+            (d.tokens.clone(), d.parents.clone()),
+            reference_tree(&ctx, 2, 2, 3, 8, false, &[])
+        );
+        let lim = crate::tree::TreeLimits {
+            max_nodes: 8,
+            max_depth: 3,
+            ..crate::tree::TreeLimits::vocab(10)
+        };
+        assert_eq!(d.block().validate(&lim), Ok(()));
+        // A budget of 6: the two depth-3 nodes do not fit.
+        let d = propose_tree(&mut p, &ctx, 3, 6, &[]);
+        assert_eq!(d.tokens, [6, 9, 1, 3, 5, 4]);
+        assert_eq!(d.parents, [0, 1, 2, 0, 4, 4]);
+    }
+
+    #[test]
+    fn tree_chain_special_cases() {
+        let ctx = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 6, 9, 1, 2];
+        let mut p = PromptLookup::new(1, 2).unwrap();
+        // max_nodes <= max_draft: the chain of max_draft = max_nodes.
+        for (k, n) in [(3, 3), (5, 2), (4, 0), (0, 0)] {
+            let d = propose_tree(&mut p, &ctx, k, n, &[]);
+            assert!(d.parents.is_empty());
+            assert_eq!(d.tokens, propose(&mut p, &ctx, n), "k {k} nodes {n}");
+        }
+        // max_draft 0 with a budget: nothing.
+        assert!(propose_tree(&mut p, &ctx, 0, 5, &[]).is_empty());
+        // One continuation only: the chain form.
+        let one = [5, 6, 7, 8, 9, 10, 11, 7, 8];
+        let d = propose_tree(&mut p, &one, 3, 16, &[]);
+        assert!(d.parents.is_empty());
+        assert_eq!(d.tokens, [9, 10, 11]);
+        // No match: empty.
+        assert!(propose_tree(&mut p, &[1, 2, 3], 3, 16, &[]).is_empty());
+    }
+
+    #[test]
+    fn tree_branches_end_at_their_first_eos() {
+        let ctx = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 6, 9, 1, 2];
+        let mut p = PromptLookup::new(2, 2).unwrap();
+        // EOS 3 cuts both "3 ..." branches after the 3; EOS 9 cuts the chain after 9.
+        let d = propose_tree(&mut p, &ctx, 3, 8, &[3, 9]);
+        assert_eq!(d.tokens, [6, 9, 3]);
+        assert_eq!(d.parents, [0, 1, 0]);
+        let d = propose_tree(&mut p, &ctx, 3, 8, &[5]);
+        assert_eq!(d.tokens, [6, 9, 1, 3, 5, 4, 9]);
+        assert_eq!(d.parents, [0, 1, 2, 0, 4, 4, 6]);
+    }
+
+    #[test]
+    fn tree_occurrence_lists_span_n_gram_sizes() {
+        // Trailing [7, 2]: one earlier [7, 2] (then 8); [2] alone also follows 1 and 3.
+        let ctx = [1, 2, 5, 3, 2, 6, 7, 2, 8, 0, 7, 2];
+        let mut p = PromptLookup::new(1, 2).unwrap();
+        let d = propose_tree(&mut p, &ctx, 2, 16, &[]);
+        // Chain "8 0"; then the occurrences of [2] not preceded by 7, newest first: "6 7",
+        // "5 3"; then "2" itself? No: end 12 is the trailing occurrence, never a match.
+        assert_eq!(d.tokens, [8, 0, 6, 5, 7, 3]);
+        assert_eq!(d.parents, [0, 1, 0, 0, 3, 4]);
+        assert_eq!(
+            (d.tokens, d.parents),
+            reference_tree(&ctx, 1, 2, 2, 16, false, &[])
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// The tree from the incremental index equals the brute-force specification, after
+        /// extensions and rebuilds, with EOS ids and periodic extension.
+        #[test]
+        fn tree_equals_reference(
+            seq in proptest::collection::vec(0u32..4, 0..70),
+            cuts in proptest::collection::vec(0usize..70, 0..4),
+            min_n in 1usize..3,
+            extra in 0usize..3,
+            k in 0usize..7,
+            nodes in 0usize..30,
+            periodic in any::<bool>(),
+            eos in proptest::collection::vec(0u32..4, 0..2),
+        ) {
+            let max_n = min_n + extra;
+            let mut p = PromptLookup::new(min_n, max_n).unwrap().periodic_extension(periodic);
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(seq.len())).collect();
+            cuts.sort_unstable();
+            cuts.push(seq.len());
+            for &c in &cuts {
+                let d = propose_tree(&mut p, &seq[..c], k, nodes, &eos);
+                prop_assert!(d.q.is_none());
+                prop_assert_eq!(
+                    (d.tokens, d.parents),
+                    reference_tree(&seq[..c], min_n, max_n, k, nodes, periodic, &eos),
+                    "cut {}", c
+                );
+            }
         }
     }
 }

@@ -7,14 +7,18 @@
 //! probability stays above a threshold; of the two candidates (request, corpus) the one with the
 //! larger expected number of accepted tokens wins.
 //!
+//! Tree drafts ([`Proposer::propose_tree`]) grow a speculation tree best-first by the same
+//! path probability over both tries; the rule is documented on [`SuffixProposer`].
+//!
 //! A trie node stands for one token string `w` of length `1 ..= max_depth` and counts its
 //! occurrences (every substring of every indexed sequence, up to `max_depth` tokens, is counted
 //! once per start position). Children are kept in a doubly linked sibling list (for the greedy
 //! argmax and O(1) removal) and in a hash map from `(node, token)` for look-ups.
 
-use std::collections::VecDeque;
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, VecDeque};
 
-use super::prompt_lookup::{EdgeMap, edge_key, extends};
+use super::prompt_lookup::{EdgeMap, edge_key, extends, normalize_chain};
 use super::{Draft, ProposeRequest, Proposer};
 use crate::error::{Error, Result};
 
@@ -60,7 +64,8 @@ pub struct SuffixConfig {
     pub max_match_len: usize,
     /// Stop the draft when the estimated probability of the whole draft path, the product over
     /// its steps of `count(child) / count(node)`, falls below this (dimensionless, `0.0 ..=
-    /// 1.0`; `0.0` never stops early).
+    /// 1.0`; `0.0` never stops early). For tree drafts ([`Proposer::propose_tree`]) every node
+    /// is held to it: a node whose path's estimated probability is below it is not added.
     pub min_confidence: f32,
     /// Most tokens of earlier generations kept in the shared corpus. When a new generation
     /// would exceed it, the oldest generations are evicted whole (FIFO) until it fits; a single
@@ -487,6 +492,44 @@ impl Corpus {
 ///
 /// The proposer is deterministic: [`Draft::q`] is `None` (a point mass on each draft token).
 ///
+/// # Tree drafts
+///
+/// [`Proposer::propose_tree`] grows a speculation tree greedily by estimated probability, as
+/// SuffixDecoding does (Oliaro, Jia, Campos & Qiao, arXiv 2411.04975, NeurIPS 2025 version:
+/// the method's speculation-tree expansion and scoring). For a request with `max_draft = k` and `max_nodes = N`:
+///
+/// 1. `N <= k`: the chain that [`Proposer::propose`] returns for `max_draft = N`.
+/// 2. The chain of `propose` (with `max_draft = k`) first, as nodes `0 .. L` (node `i` the child
+///    of node `i - 1`).
+/// 3. Best-first expansion over **both** tries: the candidates are the children of the two
+///    matched nodes (step 1 of the algorithm above), each with its estimated path probability
+///    `D` = the product along its path from the match of `count(child) / count(node)` (the step
+///    estimate of the chain, the request trie leaving out the context's own last occurrence).
+///    Repeatedly the candidate with the largest `D` is taken (ties: lower parent node, lower
+///    token, request trie first). When the draft already has a node with the same parent and
+///    token (a node of the chain, or the same prefix from the other trie), the candidate merges
+///    into it and costs no node; otherwise it becomes a new node. Then its children become
+///    candidates, unless it is an EOS (a branch ends at its first EOS) or at depth `k`.
+///    Stops at `N` nodes or when no candidate is left.
+/// 4. [`SuffixConfig::min_confidence`] applies to every node: a candidate whose `D` is below it
+///    is never added (for a chain this is the same stopping rule). The trie depth
+///    [`SuffixConfig::max_depth`] bounds the paths as for chains.
+///
+/// Candidates are taken in decreasing `D`, and `D` never increases along a path, so parents
+/// come before their children (topological order) and, apart from the chain kept first, the
+/// nodes are the `N` most probable prefixes under these estimates, which maximises the
+/// estimated number of accepted tokens (the sum of `D` over the nodes, the paper's score) among
+/// trees of `N` nodes. Two differences from the paper, both documented choices: the paper
+/// builds one tree per suffix tree and verifies the higher-scoring one, while this proposer
+/// merges both into one tree (each prefix ranked by the better of its two estimates, so the
+/// merged tree's score is at least either tree's); and the paper sizes the tree by the match
+/// length (`MAX_SPEC = alpha * p`), while here the caller's node budget `N` and depth `k` do
+/// (the loop's policy). Siblings are distinct tokens, nodes are point masses
+/// ([`crate::tree::SiblingScheme::Deterministic`]), and a tree that is a single path is returned
+/// as a chain (empty [`Draft::parents`]), equal to `propose`'s draft. The tree holds the chain as
+/// a path: under greedy verification it never accepts less than the chain at the same step
+/// when `N > k`.
+///
 /// # State across requests
 ///
 /// The request trie belongs to one context. Every call checks exactly that `req.context`
@@ -528,7 +571,11 @@ impl Corpus {
 /// a context that extends the previous one by `a` tokens (usually 1 to `k + 1`), independent of
 /// the context length, plus the `O(L)` comparison above (a `memcmp` of `4 L` bytes). A context
 /// that is not an extension of the indexed one is re-indexed in `O(L * max_depth)`. Adding a generation of `g` tokens costs `O(g *
-/// max_depth)` plus the same per evicted token.
+/// max_depth)` plus the same per evicted token. A tree draft of `N` nodes adds at most `2 N`
+/// expansions (each node is reached from at most two tries), each scanning the node's
+/// children and pushing those above `min_confidence` onto a heap: `O(N * c * log(N c))` for at
+/// most `c` children per node (with `min_confidence > 0`, at most `1 / min_confidence` of them
+/// pass).
 ///
 /// # Example
 ///
@@ -573,6 +620,10 @@ pub struct SuffixProposer {
     prompt_len: Option<usize>,
     request_draft: Vec<u32>,
     corpus_draft: Vec<u32>,
+    /// Scratch of [`Proposer::propose_tree`]: the frontier of the best-first expansion.
+    tree_frontier: BinaryHeap<Frontier>,
+    /// Scratch of [`Proposer::propose_tree`]: `(parent row, token) -> node` of the draft.
+    tree_edges: EdgeMap,
 }
 
 impl SuffixProposer {
@@ -592,6 +643,8 @@ impl SuffixProposer {
             prompt_len: None,
             request_draft: Vec::new(),
             corpus_draft: Vec::new(),
+            tree_frontier: BinaryHeap::new(),
+            tree_edges: EdgeMap::default(),
         })
     }
 
@@ -686,6 +739,121 @@ impl SuffixProposer {
     }
 }
 
+/// A matched suffix: `(trie node, match length m)`.
+type Match = (u32, usize);
+
+impl SuffixProposer {
+    /// The matched nodes `(trie node, match length m)` after [`SuffixProposer::sync`]: in the
+    /// request trie the longest suffix of `m <= max_match_len` tokens with an earlier
+    /// occurrence (count at least 2), in the corpus trie the longest suffix present.
+    fn matches(&self) -> (Option<Match>, Option<Match>) {
+        let active = &self.request.active;
+        let longest = self.cfg.max_match_len.min(active.len().saturating_sub(1));
+        let request = (1..=longest)
+            .rev()
+            .find(|&m| self.request.trie.count(active[m]) >= 2)
+            .map(|m| (active[m], m));
+        let corpus = self
+            .corpus_match
+            .iter()
+            .enumerate()
+            .next_back()
+            .filter(|&(m, _)| m > 0)
+            .map(|(m, &node)| (node, m));
+        (request, corpus)
+    }
+
+    /// Pushes the children of trie node `node` (a string of `depth` tokens; path probability
+    /// `prob`) whose path probability `prob * count(child) / denominator(node)` is at least
+    /// `min_confidence`, as candidates for draft row `row` at draft depth `tree_depth`.
+    #[allow(clippy::too_many_arguments)]
+    fn push_children(
+        &mut self,
+        corpus: bool,
+        node: u32,
+        depth: usize,
+        prob: f64,
+        row: u32,
+        tree_depth: u32,
+        min_confidence: f64,
+    ) {
+        let (trie, tail) = if corpus {
+            (&self.corpus.trie, None)
+        } else {
+            (&self.request.trie, Some(self.request.active.as_slice()))
+        };
+        // As in `Trie::greedy_path`: the context's own last occurrence has no continuation.
+        let is_tail = tail.is_some_and(|t| t.get(depth) == Some(&node));
+        let denominator = trie.count(node).saturating_sub(u32::from(is_tail));
+        if denominator == 0 {
+            return;
+        }
+        let mut c = trie.nodes[node as usize].first_child;
+        while c != NIL {
+            let child = &trie.nodes[c as usize];
+            let p = prob * f64::from(child.count) / f64::from(denominator);
+            if child.count > 0 && p >= min_confidence {
+                self.tree_frontier.push(Frontier {
+                    prob: p,
+                    row,
+                    token: child.token,
+                    corpus,
+                    node: c,
+                    depth: depth as u32 + 1,
+                    tree_depth,
+                });
+            }
+            c = child.next;
+        }
+    }
+}
+
+/// A candidate node of a tree draft (see "Tree drafts" on [`SuffixProposer`]): a child of trie
+/// node `node`'s parent, proposed under draft row `row`. Ordered by path probability, ties by
+/// lower row, then lower token, then request before corpus, so the expansion is a function of
+/// the counts only (not of the tries' child-list order).
+#[derive(Debug, Clone, Copy)]
+struct Frontier {
+    /// Estimated path probability: the product of `count(child) / count(parent)` from the match.
+    prob: f64,
+    /// Draft row of the parent (0: the root).
+    row: u32,
+    token: u32,
+    /// From the corpus trie (else the request trie).
+    corpus: bool,
+    /// The trie node of the candidate.
+    node: u32,
+    /// Length of the candidate's trie string.
+    depth: u32,
+    /// Draft depth of the candidate (1 for a child of the root).
+    tree_depth: u32,
+}
+
+impl Ord for Frontier {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // BinaryHeap pops the greatest: larger probability, then smaller row, token, source.
+        self.prob
+            .total_cmp(&other.prob)
+            .then_with(|| other.row.cmp(&self.row))
+            .then_with(|| other.token.cmp(&self.token))
+            .then_with(|| other.corpus.cmp(&self.corpus))
+    }
+}
+
+impl PartialOrd for Frontier {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Frontier {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Frontier {}
+
 /// Moves the corpus match of the context's suffixes forward by one appended `token`.
 fn advance_match(trie: &Trie, cur: &mut Vec<u32>, next: &mut Vec<u32>, token: u32, max_len: usize) {
     next.clear();
@@ -714,20 +882,16 @@ impl Proposer for SuffixProposer {
             return Ok(());
         }
         let min_confidence = f64::from(self.cfg.min_confidence);
+        let (request_match, corpus_match) = self.matches();
 
         // Request trie: the longest suffix with an earlier occurrence.
         let mut request_score = 0.0;
         self.request_draft.clear();
-        let active = &self.request.active;
-        let longest = self.cfg.max_match_len.min(active.len().saturating_sub(1));
-        if let Some(m) = (1..=longest)
-            .rev()
-            .find(|&m| self.request.trie.count(active[m]) >= 2)
-        {
+        if let Some((node, m)) = request_match {
             request_score = self.request.trie.greedy_path(
-                active[m],
+                node,
                 m,
-                Some(active),
+                Some(&self.request.active),
                 req.max_draft,
                 min_confidence,
                 req.eos,
@@ -738,13 +902,7 @@ impl Proposer for SuffixProposer {
         // Corpus trie: the longest suffix present.
         let mut corpus_score = 0.0;
         self.corpus_draft.clear();
-        if let Some((m, &node)) = self
-            .corpus_match
-            .iter()
-            .enumerate()
-            .next_back()
-            .filter(|&(m, _)| m > 0)
-        {
+        if let Some((node, m)) = corpus_match {
             corpus_score = self.corpus.trie.greedy_path(
                 node,
                 m,
@@ -762,6 +920,82 @@ impl Proposer for SuffixProposer {
             &self.request_draft
         };
         draft.tokens.extend_from_slice(chosen);
+        Ok(())
+    }
+
+    /// A speculation tree of at most `req.max_nodes` nodes and depth at most `req.max_draft`,
+    /// grown best-first by estimated path probability over both tries, by the rule in "Tree
+    /// drafts" on [`SuffixProposer`]. With `req.max_nodes <= req.max_draft` it returns exactly
+    /// the chain [`Proposer::propose`] returns for `max_draft = max_nodes`, and a tree that
+    /// holds a single path is returned as a chain (empty [`Draft::parents`]). Rebuilds the
+    /// request trie as `propose` does.
+    ///
+    /// # Errors
+    /// As [`SuffixProposer::propose`](Proposer::propose).
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        if req.max_nodes <= req.max_draft {
+            let chain = ProposeRequest {
+                max_draft: req.max_nodes,
+                ..*req
+            };
+            return self.propose(&chain, draft);
+        }
+        // The chain first (nodes 0 .. L, each the child of the one before).
+        self.propose(req, draft)?;
+        if draft.is_empty() {
+            // No match, or no continuation reaches `min_confidence`: nor would any other node.
+            return Ok(());
+        }
+        let min_confidence = f64::from(self.cfg.min_confidence);
+        let (request_match, corpus_match) = self.matches();
+        let mut edges = std::mem::take(&mut self.tree_edges);
+        edges.clear();
+        draft.parents.clear();
+        for (i, &t) in draft.tokens.iter().enumerate() {
+            edges.insert(edge_key(i as u32, t), i as u32);
+            draft.parents.push(i as u32);
+        }
+        self.tree_frontier.clear();
+        if let Some((node, m)) = request_match {
+            self.push_children(false, node, m, 1.0, 0, 1, min_confidence);
+        }
+        if let Some((node, m)) = corpus_match {
+            self.push_children(true, node, m, 1.0, 0, 1, min_confidence);
+        }
+        while draft.tokens.len() < req.max_nodes {
+            let Some(f) = self.tree_frontier.pop() else {
+                break;
+            };
+            let key = edge_key(f.row, f.token);
+            let index = match edges.get(&key) {
+                // The same prefix from the other trie (or the chain): merged, no new node.
+                Some(&i) => i,
+                None => {
+                    // `max_nodes` nodes at most, and each node is a distinct trie string of
+                    // one of two tries below 2^32 nodes.
+                    let i = draft.tokens.len() as u32;
+                    draft.tokens.push(f.token);
+                    draft.parents.push(f.row);
+                    edges.insert(key, i);
+                    i
+                }
+            };
+            // A branch ends at its first EOS; depth at most `max_draft`.
+            if req.is_eos(f.token) || f.tree_depth as usize >= req.max_draft {
+                continue;
+            }
+            self.push_children(
+                f.corpus,
+                f.node,
+                f.depth as usize,
+                f.prob,
+                index + 1,
+                f.tree_depth + 1,
+                min_confidence,
+            );
+        }
+        self.tree_edges = edges;
+        normalize_chain(draft);
         Ok(())
     }
 
@@ -1342,6 +1576,262 @@ mod tests {
             let kept: Vec<Vec<u32>> = kept.into_iter().collect();
             for probe in &probes {
                 prop_assert_eq!(propose(&mut p, probe, 4), reference(probe, &kept, &c, 4));
+            }
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Tree drafts.
+    // -----------------------------------------------------------------------------------------
+
+    fn propose_tree(
+        p: &mut SuffixProposer,
+        context: &[u32],
+        k: usize,
+        nodes: usize,
+        eos: &[u32],
+    ) -> Draft {
+        let config = SamplingConfig::greedy();
+        let req = ProposeRequest {
+            max_nodes: nodes,
+            eos,
+            ..ProposeRequest::new(context, &config, k)
+        };
+        let mut draft = Draft {
+            tokens: vec![77; 3],
+            parents: vec![0; 2],
+            ..Default::default()
+        };
+        p.propose_tree(&req, &mut draft).unwrap();
+        assert!(draft.q.is_none());
+        draft
+    }
+
+    /// Brute-force specification of the tree rule, with counts found by scanning the texts:
+    /// the chain of [`reference_eos`], then best-first by path probability over the children
+    /// of both matches (ties: lower row, lower token, request first), merging equal prefixes.
+    fn reference_tree(
+        context: &[u32],
+        corpus: &[Vec<u32>],
+        c: &SuffixConfig,
+        k: usize,
+        nodes: usize,
+        eos: &[u32],
+    ) -> (Vec<u32>, Vec<u32>) {
+        if nodes <= k {
+            return (reference_eos(context, corpus, c, nodes, eos), Vec::new());
+        }
+        let chain = reference_eos(context, corpus, c, k, eos);
+        if chain.is_empty() {
+            return (chain, Vec::new());
+        }
+        let len = context.len();
+        let count = |corp: bool, w: &[u32]| -> u32 {
+            if corp {
+                corpus.iter().map(|g| occurrences(g, w, g.len())).sum()
+            } else {
+                occurrences(context, w, len)
+            }
+        };
+        let denom = |corp: bool, w: &[u32]| -> u32 {
+            if corp {
+                count(true, w)
+            } else {
+                occurrences(context, w, len - 1)
+            }
+        };
+        let mut alphabet: Vec<u32> = context
+            .iter()
+            .chain(corpus.iter().flatten())
+            .copied()
+            .collect();
+        alphabet.sort_unstable();
+        alphabet.dedup();
+        // (prob, row, token, corpus, string, tree depth)
+        type Cand = (f64, u32, u32, bool, Vec<u32>, usize);
+        let children =
+            |corp: bool, w: &[u32], prob: f64, row: u32, td: usize, out: &mut Vec<Cand>| {
+                if w.len() >= c.max_depth {
+                    return;
+                }
+                let d = denom(corp, w);
+                if d == 0 {
+                    return;
+                }
+                for &t in &alphabet {
+                    let mut x = w.to_vec();
+                    x.push(t);
+                    let n = count(corp, &x);
+                    let p = prob * f64::from(n) / f64::from(d);
+                    if n > 0 && p >= f64::from(c.min_confidence) {
+                        out.push((p, row, t, corp, x, td));
+                    }
+                }
+            };
+        let mut frontier: Vec<Cand> = Vec::new();
+        for m in (1..=c.max_match_len.min(len)).rev() {
+            let w = &context[len - m..];
+            if count(false, w) >= 2 {
+                children(false, w, 1.0, 0, 1, &mut frontier);
+                break;
+            }
+        }
+        for m in (1..=c.max_match_len.min(len)).rev() {
+            let w = &context[len - m..];
+            if count(true, w) >= 1 {
+                children(true, w, 1.0, 0, 1, &mut frontier);
+                break;
+            }
+        }
+        let mut tokens = chain.clone();
+        let mut parents: Vec<u32> = (0..chain.len() as u32).collect();
+        while tokens.len() < nodes && !frontier.is_empty() {
+            let best = (0..frontier.len())
+                .max_by(|&a, &b| {
+                    let (x, y) = (&frontier[a], &frontier[b]);
+                    x.0.total_cmp(&y.0)
+                        .then(y.1.cmp(&x.1))
+                        .then(y.2.cmp(&x.2))
+                        .then(y.3.cmp(&x.3))
+                })
+                .unwrap();
+            let (prob, row, t, corp, w, td) = frontier.swap_remove(best);
+            let index = match (0..tokens.len()).find(|&i| parents[i] == row && tokens[i] == t) {
+                Some(i) => i,
+                None => {
+                    tokens.push(t);
+                    parents.push(row);
+                    tokens.len() - 1
+                }
+            };
+            if eos.contains(&t) || td >= k {
+                continue;
+            }
+            children(corp, &w, prob, index as u32 + 1, td + 1, &mut frontier);
+        }
+        if parents.iter().enumerate().all(|(i, &r)| r as usize == i) {
+            parents.clear();
+        }
+        (tokens, parents)
+    }
+
+    #[test]
+    fn tree_grows_by_path_probability() {
+        let corpus = [vec![1, 2, 3, 4], vec![1, 2, 3, 4], vec![1, 2, 5, 6]];
+        let mut p = SuffixProposer::new(cfg(8, 4, 0.0)).unwrap();
+        for g in &corpus {
+            p.add_to_corpus(g);
+        }
+        // After "1 2": 3 (2/3) then 4 (2/3); 5 (1/3) then 6 (1/3).
+        let d = propose_tree(&mut p, &[9, 1, 2], 3, 6, &[]);
+        assert_eq!(
+            (d.tokens.as_slice(), d.parents.as_slice()),
+            (&[3, 4, 5, 6][..], &[0, 1, 0, 3][..])
+        );
+        // A budget of 3: the more probable 5 before its child 6.
+        let d = propose_tree(&mut p, &[9, 1, 2], 2, 3, &[]);
+        assert_eq!(
+            (d.tokens.as_slice(), d.parents.as_slice()),
+            (&[3, 4, 5][..], &[0, 1, 0][..])
+        );
+        // min_confidence 0.5 leaves out the 1/3 branch: the chain form.
+        let mut p = SuffixProposer::new(cfg(8, 4, 0.5)).unwrap();
+        for g in &corpus {
+            p.add_to_corpus(g);
+        }
+        let d = propose_tree(&mut p, &[9, 1, 2], 3, 6, &[]);
+        assert_eq!((d.tokens.as_slice(), d.parents.len()), (&[3, 4][..], 0));
+        // EOS 3 ends the first branch at the 3.
+        let mut p = SuffixProposer::new(cfg(8, 4, 0.0)).unwrap();
+        for g in &corpus {
+            p.add_to_corpus(g);
+        }
+        let d = propose_tree(&mut p, &[9, 1, 2], 3, 6, &[3]);
+        assert_eq!(
+            (d.tokens.as_slice(), d.parents.as_slice()),
+            (&[3, 5, 6][..], &[0, 0, 2][..])
+        );
+    }
+
+    #[test]
+    fn tree_merges_the_request_and_corpus_candidates() {
+        let corpus = [vec![1, 2, 3, 4], vec![1, 2, 6]];
+        let mut p = SuffixProposer::new(cfg(8, 4, 0.0)).unwrap();
+        for g in &corpus {
+            p.add_to_corpus(g);
+        }
+        let ctx = [7, 1, 2, 3, 8, 1, 2];
+        // The request chain "3 8 1" (score 3) beats the corpus chain "3 4" (score 1); the
+        // corpus's 3 merges into the chain's first node, its 4 and 6 are new nodes.
+        assert_eq!(propose(&mut p, &ctx, 3), [3, 8, 1]);
+        let d = propose_tree(&mut p, &ctx, 3, 6, &[]);
+        assert_eq!(
+            (d.tokens.as_slice(), d.parents.as_slice()),
+            (&[3, 8, 1, 6, 4][..], &[0, 1, 2, 0, 1][..])
+        );
+        assert_eq!(
+            (d.tokens, d.parents),
+            reference_tree(&ctx, &corpus, &cfg(8, 4, 0.0), 3, 6, &[])
+        );
+    }
+
+    #[test]
+    fn tree_chain_special_cases() {
+        let corpus = [vec![1, 2, 3, 4], vec![1, 2, 6]];
+        let mut p = SuffixProposer::new(cfg(8, 4, 0.0)).unwrap();
+        for g in &corpus {
+            p.add_to_corpus(g);
+        }
+        let ctx = [7, 1, 2, 3, 8, 1, 2];
+        for (k, n) in [(3, 3), (5, 2), (4, 0), (0, 0)] {
+            let d = propose_tree(&mut p, &ctx, k, n, &[]);
+            assert!(d.parents.is_empty());
+            assert_eq!(d.tokens, propose(&mut p, &ctx, n), "k {k} nodes {n}");
+        }
+        assert!(propose_tree(&mut p, &ctx, 0, 5, &[]).is_empty());
+        // One continuation only.
+        let mut q = SuffixProposer::new(SuffixConfig::default()).unwrap();
+        let d = propose_tree(&mut q, &[5, 6, 7, 8, 9, 10, 11, 7, 8], 3, 16, &[]);
+        assert_eq!(
+            (d.tokens.as_slice(), d.parents.len()),
+            (&[9, 10, 11][..], 0)
+        );
+        assert!(propose_tree(&mut q, &[1, 2, 3], 3, 16, &[]).is_empty());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(192))]
+
+        /// The tree from the incremental tries equals the brute-force specification after
+        /// extensions, with EOS ids and a corpus.
+        #[test]
+        fn tree_equals_reference(
+            seq in proptest::collection::vec(0u32..4, 0..50),
+            cuts in proptest::collection::vec(0usize..50, 0..4),
+            corpus in proptest::collection::vec(proptest::collection::vec(0u32..4, 0..12), 0..4),
+            max_depth in 2usize..8,
+            match_frac in 0usize..8,
+            min_confidence in prop_oneof![Just(0.0f32), 0.0f32..0.6],
+            k in 0usize..7,
+            nodes in 0usize..24,
+            eos in proptest::collection::vec(0u32..4, 0..2),
+        ) {
+            let c = cfg(max_depth, 1 + match_frac % (max_depth - 1), min_confidence);
+            let mut p = SuffixProposer::new(c.clone()).unwrap();
+            for g in &corpus {
+                p.add_to_corpus(g);
+            }
+            let kept: Vec<Vec<u32>> = corpus.iter().filter(|g| !g.is_empty()).cloned().collect();
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|x| x.min(seq.len())).collect();
+            cuts.sort_unstable();
+            cuts.push(seq.len());
+            for &cut in &cuts {
+                let d = propose_tree(&mut p, &seq[..cut], k, nodes, &eos);
+                prop_assert_eq!(
+                    (d.tokens, d.parents),
+                    reference_tree(&seq[..cut], &kept, &c, k, nodes, &eos),
+                    "cut {}", cut
+                );
             }
         }
     }

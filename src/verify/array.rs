@@ -103,6 +103,9 @@ impl<'a, L: Logit, Q: Logit> VerifyBatch<'a, L, Q> {
     ) -> Result<Self> {
         let (target_logits, vocab_size) = array_rows(target_logits, "target_logits")?;
         Ok(VerifyBatch {
+            parents: None,
+            schemes: None,
+            ends: &[],
             vocab_size,
             target_logits,
             draft_tokens,

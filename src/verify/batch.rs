@@ -3,6 +3,7 @@
 use super::{DraftQ, StepOutput, Verifier, VerifyRequest};
 use crate::error::{Error, Result};
 use crate::sampling::{Logit, SamplingConfig};
+use crate::tree::SiblingScheme;
 
 /// Per-sequence parameters of a [`VerifyBatch`].
 ///
@@ -85,7 +86,7 @@ impl<'a, Q: Logit> SequenceParams<'a, Q> {
     }
 }
 
-/// A batch of sequences with ragged draft lengths, flattened.
+/// A batch of sequences with ragged draft lengths (chains or token trees), flattened.
 ///
 /// Sequence `b` has `k_b = draft_offsets[b + 1] - draft_offsets[b]` drafts
 /// `draft_tokens[draft_offsets[b]..draft_offsets[b + 1]]`; its target rows are
@@ -93,6 +94,14 @@ impl<'a, Q: Logit> SequenceParams<'a, Q> {
 /// (`[sum_b (k_b + 1), vocab_size]` row-major), and its q rows (if any) are
 /// `draft_offsets[b]..draft_offsets[b + 1]` of the `[sum_b k_b, draft_vocab]` array in
 /// `draft_probs`, unless the sequence brings its own form ([`SequenceParams::draft_probs`]).
+///
+/// Trees: [`VerifyBatch::parents`], [`VerifyBatch::schemes`] and [`VerifyBatch::ends`] are
+/// aligned with `draft_tokens` (`[sum_b k_b]`, or absent / empty for none), and sequence `b`'s
+/// slice `draft_offsets[b]..draft_offsets[b + 1]` of each is its own
+/// [`VerifyRequest::parents`], [`VerifyRequest::schemes`] and [`VerifyRequest::ends`]: parent
+/// rows are local to the sequence (`0` for a child of its root, `j + 1` for a child of its node
+/// `j`), and its rows stay `[k_b + 1, vocab]`. A sequence whose parents are `i` at its node `i`
+/// is a chain, so one batch may mix chains and trees.
 ///
 /// Target logits are in dtype `L`, draft q rows in dtype `Q` (any [`Logit`], `f32` by
 /// default), as in [`VerifyRequest`]. From an `ndarray` view: [`VerifyBatch::from_array`].
@@ -116,6 +125,36 @@ pub struct VerifyBatch<'a, L = f32, Q = f32> {
     pub draft_probs: DraftQ<'a, Q>,
     /// One entry per sequence.
     pub sequences: &'a [SequenceParams<'a, Q>],
+    /// Parent row of every draft, `[sum_b k_b]`, local to its sequence (see the type docs), or
+    /// `None` when every sequence is a chain.
+    pub parents: Option<&'a [u32]>,
+    /// Sibling scheme of every draft's group, `[sum_b k_b]`, or `None` for the default of each
+    /// sequence's draft form ([`crate::TreeLimits::default_scheme`]).
+    pub schemes: Option<&'a [SiblingScheme]>,
+    /// Per draft, `[sum_b k_b]` or empty for none: `true` when accepting it ends its sequence
+    /// ([`VerifyRequest::ends`]).
+    pub ends: &'a [bool],
+}
+
+impl<'a, L, Q> VerifyBatch<'a, L, Q> {
+    /// Makes the drafts token trees with parent rows `parents` (`[sum_b k_b]`, local to each
+    /// sequence; see [`VerifyBatch::parents`]).
+    pub fn tree(mut self, parents: &'a [u32]) -> Self {
+        self.parents = Some(parents);
+        self
+    }
+
+    /// Sets the sibling scheme of every draft's group (`[sum_b k_b]`).
+    pub fn schemes(mut self, schemes: &'a [SiblingScheme]) -> Self {
+        self.schemes = Some(schemes);
+        self
+    }
+
+    /// Marks the drafts whose acceptance ends their sequence (`[sum_b k_b]`).
+    pub fn node_ends(mut self, ends: &'a [bool]) -> Self {
+        self.ends = ends;
+        self
+    }
 }
 
 /// Sequence `b`'s draft form: its own ([`SequenceParams::draft_probs`]), else its rows
@@ -151,13 +190,17 @@ impl Verifier {
     /// verified with its own draft form when it has one ([`SequenceParams::draft_probs`]): the
     /// outcome is the one of that sequence verified alone with [`Verifier::verify`].
     ///
+    /// Token trees are verified as [`Verifier::verify`] verifies them (module docs, section
+    /// "Trees"); a sequence's result equals verifying it alone, chain or tree.
+    ///
     /// # Errors
     /// The outer `Err` is for a malformed batch: [`Error::ShapeMismatch`] when the offsets,
-    /// sequences and arrays disagree, [`Error::InvalidOffsets`] when the offsets do not start at
-    /// 0 or decrease, [`Error::DraftVocabTooLarge`] for the batch-level form. Each inner
-    /// `Result` is that sequence's own outcome with the errors of [`Verifier::verify`] (the
-    /// shape of a sequence's own draft form included); one bad sequence does not fail the
-    /// others.
+    /// sequences and arrays (`parents`, `schemes` and `ends` included) disagree,
+    /// [`Error::InvalidOffsets`] when the offsets do not start at 0 or decrease,
+    /// [`Error::DraftVocabTooLarge`] for the batch-level form. Each inner `Result` is that
+    /// sequence's own outcome with the errors of [`Verifier::verify`] (the shape of a sequence's
+    /// own draft form and the structure of its tree included); one bad sequence does not fail
+    /// the others.
     pub fn verify_batch<L: Logit, Q: Logit>(
         &mut self,
         batch: &VerifyBatch<'_, L, Q>,
@@ -166,6 +209,12 @@ impl Verifier {
         let n = batch.sequences.len();
         let v = batch.vocab_size;
         let qv = check_layout(off, n, batch.draft_tokens.len(), v, &batch.draft_probs)?;
+        check_tree_layout(
+            batch.draft_tokens.len(),
+            batch.parents,
+            batch.schemes,
+            batch.ends,
+        )?;
         let rows = batch.draft_tokens.len() + n;
         let expected = rows.saturating_mul(v);
         if batch.target_logits.len() != expected {
@@ -186,7 +235,8 @@ impl Verifier {
                 batch.draft_probs,
                 (b, qv, v),
                 target,
-            );
+            )
+            .with_tree(batch.parents, batch.schemes, batch.ends, (lo, hi));
             out.push(self.verify(&req));
         }
         Ok(out)
@@ -195,7 +245,8 @@ impl Verifier {
 
 /// Sequence `b` of a layout-checked batch (`(b, draft vocab qv, vocab)`) as one request with
 /// `target` as its target logits: its drafts, its own draft form or its rows of the batch-level
-/// one, and its parameters. Shared by [`Verifier::verify_batch`] and the GPU packer, so both
+/// one, and its parameters; a chain until [`VerifyRequest::with_tree`] gives it its slices of
+/// the batch's tree arrays. Shared by [`Verifier::verify_batch`] and the GPU packer, so both
 /// verify exactly the request a sequence would be alone.
 pub(crate) fn sequence_request<'a, L, Q: Copy>(
     sequences: &'a [SequenceParams<'a, Q>],
@@ -224,6 +275,55 @@ pub(crate) fn sequence_request<'a, L, Q: Copy>(
         schemes: None,
         ends: &[],
     }
+}
+
+impl<'a, L, Q> VerifyRequest<'a, L, Q> {
+    /// Gives a batch sequence (drafts `lo..hi` of the batch) its slices of the batch's
+    /// layout-checked tree arrays ([`check_tree_layout`]).
+    pub(crate) fn with_tree(
+        mut self,
+        parents: Option<&'a [u32]>,
+        schemes: Option<&'a [SiblingScheme]>,
+        ends: &'a [bool],
+        (lo, hi): (usize, usize),
+    ) -> Self {
+        self.parents = parents.map(|p| &p[lo..hi]);
+        self.schemes = schemes.map(|s| &s[lo..hi]);
+        self.ends = if ends.is_empty() { ends } else { &ends[lo..hi] };
+        self
+    }
+}
+
+/// The batch-level shape checks of the tree arrays shared by [`Verifier::verify_batch`] and
+/// the GPU backends: `parents` and `schemes` (when given) and `ends` (when not empty) have one
+/// entry per draft token.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] naming the array.
+pub(crate) fn check_tree_layout(
+    draft_tokens: usize,
+    parents: Option<&[u32]>,
+    schemes: Option<&[SiblingScheme]>,
+    ends: &[bool],
+) -> Result<()> {
+    let lens = [
+        ("parents ([sum k])", parents.map(<[u32]>::len)),
+        ("schemes ([sum k])", schemes.map(<[SiblingScheme]>::len)),
+        (
+            "ends ([sum k] or empty)",
+            (!ends.is_empty()).then_some(ends.len()),
+        ),
+    ];
+    for (what, len) in lens {
+        if let Some(actual) = len.filter(|&l| l != draft_tokens) {
+            return Err(Error::ShapeMismatch {
+                what,
+                expected: draft_tokens,
+                actual,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The batch-level layout checks shared by [`Verifier::verify_batch`] and the GPU backends:

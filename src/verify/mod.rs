@@ -151,7 +151,7 @@
 
 mod array;
 mod batch;
-pub(crate) use batch::{check_layout, sequence_request};
+pub(crate) use batch::{check_layout, check_tree_layout, sequence_request};
 pub mod exact;
 mod greedy;
 mod stochastic;

@@ -671,3 +671,201 @@ fn sibling_lanes_are_distinct_and_the_first_is_the_chains() {
     let s = Stream::new(5);
     assert_ne!(s.uniform(3, lanes[1]), s.uniform(3, lanes[2]));
 }
+
+/// A random tree request's arrays: tokens, parents, per-node schemes, `[n, vocab]` dense q with
+/// one row per sibling group, ends, target logits.
+struct TreeCase {
+    tokens: Vec<u32>,
+    parents: Vec<u32>,
+    schemes: Vec<SiblingScheme>,
+    q: Vec<f32>,
+    ends: Vec<bool>,
+    logits: Vec<f32>,
+    ctx: Vec<u32>,
+}
+
+fn tree_case(g: &mut Gen, vocab: usize, chain: bool) -> TreeCase {
+    let ctx: Vec<u32> = (0..g.below(4)).map(|_| g.below(vocab) as u32).collect();
+    let (tokens, parents) = if chain {
+        let k = g.below(5);
+        (
+            (0..k).map(|_| g.below(vocab) as u32).collect(),
+            (0..k as u32).collect(),
+        )
+    } else {
+        random_tree(g, vocab, &ctx, 9)
+    };
+    let n = tokens.len();
+    let all = [
+        SiblingScheme::Deterministic,
+        SiblingScheme::WithReplacement,
+        SiblingScheme::WithoutReplacement,
+    ];
+    let group_scheme: Vec<SiblingScheme> = (0..=n).map(|_| all[g.below(3)]).collect();
+    let group_q: Vec<Vec<f32>> = (0..=n)
+        .map(|_| {
+            let w: Vec<f32> = (0..vocab).map(|_| 1.0 + g.below(20) as f32).collect();
+            let t: f32 = w.iter().sum();
+            w.iter().map(|x| x / t).collect()
+        })
+        .collect();
+    let schemes = parents.iter().map(|&r| group_scheme[r as usize]).collect();
+    let q = parents
+        .iter()
+        .flat_map(|&r| group_q[r as usize].clone())
+        .collect();
+    let ends = random_ends(g, &parents);
+    let logits = tree_logits(&tokens, &parents, &ctx, vocab);
+    TreeCase {
+        tokens,
+        parents,
+        schemes,
+        q,
+        ends,
+        logits,
+        ctx,
+    }
+}
+
+#[test]
+fn a_batch_of_trees_and_chains_verifies_each_sequence_as_alone() {
+    let mut g = Gen(5);
+    let mut v = Verifier::new();
+    let configs = [
+        SamplingConfig::greedy(),
+        SamplingConfig::builder().temperature(0.9).build().unwrap(),
+        penalised(1.0),
+    ];
+    let mut trees = 0;
+    for round in 0..60 {
+        let vocab = 3 + g.below(6);
+        let n_seq = 1 + g.below(5);
+        let cases: Vec<TreeCase> = (0..n_seq)
+            .map(|_| {
+                let chain = g.below(3) == 0;
+                tree_case(&mut g, vocab, chain)
+            })
+            .collect();
+        // Half the rounds give every sequence its own dense q, the others use point masses.
+        let dense = round % 2 == 0;
+        let seeds: Vec<u64> = (0..n_seq).map(|_| g.next()).collect();
+        let cfgs: Vec<&SamplingConfig> = (0..n_seq).map(|_| &configs[g.below(3)]).collect();
+        let seqs: Vec<SequenceParams<'_>> = (0..n_seq)
+            .map(|b| {
+                let s = SequenceParams::new(cfgs[b], seeds[b])
+                    .context(&cases[b].ctx)
+                    .position(10 + b as u64);
+                if dense {
+                    s.draft_probs(DraftProbs::Probs {
+                        probs: &cases[b].q,
+                        vocab,
+                    })
+                } else {
+                    s
+                }
+            })
+            .collect();
+        let cat =
+            |f: &dyn Fn(&TreeCase) -> Vec<u32>| -> Vec<u32> { cases.iter().flat_map(f).collect() };
+        let tokens = cat(&|c| c.tokens.clone());
+        let parents = cat(&|c| c.parents.clone());
+        let schemes: Vec<SiblingScheme> = if dense {
+            cases.iter().flat_map(|c| c.schemes.clone()).collect()
+        } else {
+            vec![SiblingScheme::Deterministic; tokens.len()]
+        };
+        let ends: Vec<bool> = cases.iter().flat_map(|c| c.ends.clone()).collect();
+        let logits: Vec<f32> = cases.iter().flat_map(|c| c.logits.clone()).collect();
+        let mut offsets = vec![0usize];
+        for c in &cases {
+            offsets.push(offsets.last().unwrap() + c.tokens.len());
+        }
+        let batch = VerifyBatch {
+            vocab_size: vocab,
+            target_logits: &logits,
+            draft_tokens: &tokens,
+            draft_offsets: &offsets,
+            draft_probs: DraftProbs::PointMass,
+            sequences: &seqs,
+            parents: None,
+            schemes: None,
+            ends: &[],
+        }
+        .tree(&parents)
+        .schemes(&schemes)
+        .node_ends(&ends);
+        let got = v.verify_batch(&batch).unwrap();
+        for (b, c) in cases.iter().enumerate() {
+            let lo = offsets[b];
+            let alone = VerifyRequest::new(cfgs[b], &c.logits, vocab, &c.tokens)
+                .tree(&c.parents)
+                .schemes(&schemes[lo..lo + c.tokens.len()])
+                .node_ends(&c.ends)
+                .context(&c.ctx)
+                .seed(seeds[b])
+                .position(10 + b as u64);
+            let alone = if dense {
+                v.verify(&alone.draft_probs(DraftProbs::Probs { probs: &c.q, vocab }))
+            } else {
+                v.verify(&alone)
+            };
+            let out = got[b].as_ref().unwrap();
+            assert_eq!(out, &alone.unwrap(), "round {round} sequence {b}");
+            check_path(out, &c.tokens, &c.parents);
+            trees += !DraftBlock::tree(&c.tokens, &c.parents).is_chain() as usize;
+        }
+    }
+    assert!(trees > 50, "{trees}");
+}
+
+#[test]
+fn batch_tree_arrays_must_cover_every_draft() {
+    let cfg = SamplingConfig::greedy();
+    let seqs = [SequenceParams::new(&cfg, 0), SequenceParams::new(&cfg, 1)];
+    let logits = vec![0.0f32; 6 * 5];
+    let batch = VerifyBatch {
+        vocab_size: 5,
+        target_logits: &logits,
+        draft_tokens: &[1, 2, 3, 4],
+        draft_offsets: &[0, 2, 4],
+        draft_probs: DraftProbs::PointMass,
+        sequences: &seqs,
+        parents: None,
+        schemes: None,
+        ends: &[],
+    };
+    let mut v = Verifier::new();
+    let shape = |r: Result<Vec<Result<StepOutput>>>| match r {
+        Err(Error::ShapeMismatch { what, .. }) => what,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        shape(v.verify_batch(&batch.tree(&[0, 0, 0]))),
+        "parents ([sum k])"
+    );
+    let s = [SiblingScheme::Deterministic; 3];
+    assert_eq!(
+        shape(v.verify_batch(&batch.schemes(&s))),
+        "schemes ([sum k])"
+    );
+    assert_eq!(
+        shape(v.verify_batch(&batch.node_ends(&[false]))),
+        "ends ([sum k] or empty)"
+    );
+    // Parents are local to each sequence: [0, 0] is a two-sibling root in both.
+    let out = v.verify_batch(&batch.tree(&[0, 0, 0, 0])).unwrap();
+    assert!(
+        out.iter()
+            .all(|r| r.as_ref().unwrap().end == StepEnd::Rejected { index: 0 })
+    );
+    // A bad tree fails its own sequence only.
+    let out = v.verify_batch(&batch.tree(&[0, 0, 0, 2])).unwrap();
+    assert!(out[0].is_ok());
+    assert!(matches!(
+        out[1],
+        Err(Error::InvalidTree(TreeFault::ParentNotBefore {
+            node: 1,
+            parent: 2
+        }))
+    ));
+}

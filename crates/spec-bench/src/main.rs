@@ -114,9 +114,15 @@ struct RunArgs {
     /// Proposers: prompt-lookup, suffix, early-exit:N (first N layers as draft), same-model.
     #[arg(long, value_delimiter = ',', default_value = "prompt-lookup,suffix")]
     proposers: Vec<String>,
-    /// Draft lengths: integers and/or adaptive[:max].
+    /// Draft lengths: integers and/or adaptive[:max]. With tree drafts, the tree depth.
     #[arg(long, value_delimiter = ',', default_value = "4")]
     k: Vec<String>,
+    /// Node budgets of tree drafts (0 = chains), crossed with every --k (the depth): for example
+    /// `--k 8,16 --tree-nodes 0,16` runs chains of 8 and 16 and trees of 16 nodes of depth 8 and
+    /// 16, so a tree and a chain of the same budget run side by side. Needs a backend with tree
+    /// support (fast); others fall back to chains.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    tree_nodes: Vec<usize>,
     /// Temperatures (0 = greedy).
     #[arg(long, value_delimiter = ',', default_value = "0")]
     temperature: Vec<f32>,
@@ -231,16 +237,19 @@ fn run(a: RunArgs) -> Result<()> {
                 what: "--k",
                 reason: format!("{k} (expected an integer or adaptive[:max])"),
             })?;
-            for &t in &a.temperature {
-                for &tp in &a.top_p {
-                    for &seed in &a.seeds {
-                        configs.push(ConfigSpec {
-                            proposer: p.clone(),
-                            draft,
-                            temperature: t,
-                            top_p: tp,
-                            seed,
-                        });
+            for &tree_nodes in &a.tree_nodes {
+                for &t in &a.temperature {
+                    for &tp in &a.top_p {
+                        for &seed in &a.seeds {
+                            configs.push(ConfigSpec {
+                                proposer: p.clone(),
+                                draft,
+                                temperature: t,
+                                top_p: tp,
+                                seed,
+                                tree_nodes,
+                            });
+                        }
                     }
                 }
             }

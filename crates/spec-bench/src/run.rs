@@ -69,13 +69,23 @@ pub struct ConfigSpec {
     pub top_p: f32,
     /// Seed.
     pub seed: u64,
+    /// Node budget of tree drafts ([`GenerationParams::tree_nodes`]); 0 = chains. Absent in
+    /// files written before trees: 0.
+    #[serde(default)]
+    pub tree_nodes: usize,
 }
 
 impl ConfigSpec {
-    /// A short label such as `prompt-lookup k=4 t=0 p=1 s=0`.
+    /// A short label such as `prompt-lookup k=4 t=0 p=1 s=0`, or
+    /// `suffix k=8 tree=16 t=0 p=1 s=0` for a tree configuration (depth k, 16 nodes).
     pub fn label(&self) -> String {
+        let tree = if self.tree_nodes > 0 {
+            format!(" tree={}", self.tree_nodes)
+        } else {
+            String::new()
+        };
         format!(
-            "{} {} t={} p={} s={}",
+            "{} {}{tree} t={} p={} s={}",
             self.proposer, self.draft, self.temperature, self.top_p, self.seed
         )
     }
@@ -103,6 +113,9 @@ pub struct StepRecord {
     pub accepted: usize,
     /// Tokens emitted.
     pub emitted: usize,
+    /// Depth of the step's draft tree (`None` for a chain, and in files written before trees).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tree_depth: Option<usize>,
 }
 
 /// The measurements of one generation.
@@ -160,12 +173,19 @@ pub struct RunRecord {
     pub speedup: Option<f64>,
     /// For greedy runs: whether the output equals the plain greedy output token for token.
     pub greedy_identical: Option<bool>,
+    /// Steps whose draft was a branching tree.
+    #[serde(default)]
+    pub tree_steps: usize,
+    /// Mean nodes per tree step (0 without tree steps).
+    #[serde(default)]
+    pub mean_tree_nodes: f64,
 }
 
 /// Wraps a proposer to record each step's draft length and outcome.
 struct Recording<'p> {
     inner: &'p mut dyn Proposer,
     pending_k: Option<usize>,
+    pending_depth: Option<usize>,
     position: usize,
     steps: Vec<StepRecord>,
 }
@@ -174,6 +194,18 @@ impl Proposer for Recording<'_> {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> speculative::Result<()> {
         self.inner.propose(req, draft)?;
         self.pending_k = Some(draft.tokens.len().min(req.max_draft));
+        self.pending_depth = None;
+        Ok(())
+    }
+    fn propose_tree(
+        &mut self,
+        req: &ProposeRequest<'_>,
+        draft: &mut Draft,
+    ) -> speculative::Result<()> {
+        self.inner.propose_tree(req, draft)?;
+        self.pending_k = Some(draft.tokens.len().min(req.max_nodes));
+        let b = draft.block();
+        self.pending_depth = (!b.is_chain()).then(|| b.max_depth());
         Ok(())
     }
     fn observe(&mut self, accepted: usize, emitted: &[u32]) -> speculative::Result<()> {
@@ -182,6 +214,7 @@ impl Proposer for Recording<'_> {
             k: self.pending_k.take().unwrap_or(0),
             accepted,
             emitted: emitted.len(),
+            tree_depth: self.pending_depth.take(),
         });
         self.position += emitted.len();
         self.inner.observe(accepted, emitted)
@@ -247,6 +280,7 @@ pub fn run_one(
         draft: config
             .map(|c| c.draft.to_length())
             .unwrap_or(DraftLength::Off),
+        tree_nodes: config.map_or(0, |c| c.tree_nodes),
         ..Default::default()
     };
     let mut no = NoProposer;
@@ -254,6 +288,7 @@ pub fn run_one(
     let mut rec = Recording {
         inner,
         pending_k: None,
+        pending_depth: None,
         position: 0,
         steps: Vec::new(),
     };
@@ -306,6 +341,8 @@ pub fn run_one(
         steps: rec.steps,
         speedup: None,
         greedy_identical: None,
+        tree_steps: m.tree_steps,
+        mean_tree_nodes: m.mean_tree_nodes(),
     })
 }
 

@@ -247,18 +247,21 @@ mod tests {
                 k: 4,
                 accepted: 4,
                 emitted: 5,
+                tree_depth: None,
             },
             StepRecord {
                 position: 5,
                 k: 4,
                 accepted: 1,
                 emitted: 2,
+                tree_depth: None,
             },
             StepRecord {
                 position: 7,
                 k: 0,
                 accepted: 0,
                 emitted: 1,
+                tree_depth: None,
             },
         ];
         let m = AcceptanceModel::Trace(steps);

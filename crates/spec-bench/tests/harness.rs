@@ -18,7 +18,7 @@ fn factory(name: &str) -> spec_bench::Result<Box<dyn Proposer>> {
 }
 
 fn records() -> Vec<RunRecord> {
-    let mut target = ToyModel::markov(16, 1, 3.0, 4);
+    let mut target = ToyModel::markov(16, 1, 3.0, 4).with_tree(16);
     let requests: Vec<PreparedRequest> = (0..3)
         .map(|i| PreparedRequest {
             kind: if i == 0 { "code".into() } else { "chat".into() },
@@ -39,8 +39,18 @@ fn records() -> Vec<RunRecord> {
                 temperature: 0.0,
                 top_p: 1.0,
                 seed: 0,
+                tree_nodes: 0,
             });
         }
+        // A tree of 8 nodes of depth 4, beside the chains.
+        configs.push(ConfigSpec {
+            proposer: p.into(),
+            draft: DraftSpec::Fixed(4),
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+            tree_nodes: 8,
+        });
     }
     configs.push(ConfigSpec {
         proposer: "prompt-lookup".into(),
@@ -48,6 +58,7 @@ fn records() -> Vec<RunRecord> {
         temperature: 0.8,
         top_p: 0.9,
         seed: 1,
+        tree_nodes: 0,
     });
     let matrix = Matrix {
         configs,
@@ -66,8 +77,8 @@ fn records() -> Vec<RunRecord> {
     .unwrap();
     assert_eq!(
         out.len(),
-        3 * 2 * (7 + 2),
-        "7 speculative configs + 2 baselines per request and rep"
+        3 * 2 * (9 + 2),
+        "9 speculative configs + 2 baselines per request and rep"
     );
     assert!(n >= out.len());
     out
@@ -167,6 +178,7 @@ fn simulator_reproduces_closed_form_and_replays_traces() {
                 k: 8,
                 accepted: acc,
                 emitted: acc + 1,
+                tree_depth: None,
             }
         })
         .collect();

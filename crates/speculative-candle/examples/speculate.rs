@@ -94,9 +94,14 @@ struct Args {
     /// Layers of the early-exit draft.
     #[arg(long, default_value_t = 8)]
     exit_layers: usize,
-    /// Draft length: an integer, or `adaptive` / `adaptive:MAX`.
+    /// Draft length: an integer, or `adaptive` / `adaptive:MAX`. With --tree-nodes, the depth of
+    /// the tree.
     #[arg(long, default_value = "4", value_parser = draft_length)]
     k: DraftLength,
+    /// Node budget of tree drafts (0 = chains): every step verifies a token tree of at most this
+    /// many nodes in one forward (the fast backend; the candle backend falls back to chains).
+    #[arg(long, default_value_t = 0)]
+    tree_nodes: usize,
     /// Temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
@@ -264,6 +269,7 @@ fn run() -> Result<(), DynError> {
                 s.with_stop_string(t.as_str())
             }),
         draft,
+        tree_nodes: a.tree_nodes,
         ..Default::default()
     };
     let proposer: Box<dyn Proposer> = match a.proposer {
@@ -371,6 +377,14 @@ fn report(name: &str, g: &Generation) {
         m.forward_time.as_secs_f64() * 1e3,
         m.verify_time.as_secs_f64() * 1e3,
     );
+    if m.tree_steps > 0 {
+        println!(
+            "[{name}] {} tree steps: {:.1} nodes and depth {:.1} per tree on average",
+            m.tree_steps,
+            m.mean_tree_nodes(),
+            m.mean_tree_depth()
+        );
+    }
     if m.proposed > 0 {
         let per: Vec<String> = m
             .position_acceptance()

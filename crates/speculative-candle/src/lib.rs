@@ -8,6 +8,12 @@
 //!   returns the logits of **all** `n` positions (`[n, vocab]`) and keeps the final hidden
 //!   states (`[n, hidden]`); the KV cache can be truncated to any length (rollback of
 //!   rejected drafts).
+//! - [`CandleTarget`] and [`FastTarget`] implement [`speculative::TreeTarget`] (token trees):
+//!   one forward over a draft tree's root and nodes, each node attending to the committed
+//!   context and its ancestors at the rotary position of its depth, gives every node the
+//!   logits of a chain forward of its path (bit for bit with the Q8 formats), and
+//!   `commit_tree` keeps the accepted path's KV entries, compacted (see [`FastTarget`],
+//!   section "Token trees").
 //! - [`CandleTarget::early_exit`] builds a model that runs only the first `N` layers and then
 //!   the final norm and output head (a self-speculative draft, LayerSkip, Elhoushi et al.
 //!   2024), sharing the weights ([`LlamaWeights`], behind an [`std::sync::Arc`]).
@@ -57,6 +63,7 @@
 mod error;
 mod model;
 mod tokenizer;
+mod tree;
 
 use std::path::PathBuf;
 

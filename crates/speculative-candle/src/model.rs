@@ -20,7 +20,7 @@
 //! ```
 //!
 //! then `hidden = rms_norm(x) * output_norm` (`[n, h]`, kept for
-//! [`speculative::TargetModel::last_hidden`]) and `logits = hidden · output^T` (`[n, vocab]`;
+//! [`speculative::HiddenStates::last_hidden`]) and `logits = hidden · output^T` (`[n, vocab]`;
 //! `output.weight` falls back to `token_embd.weight` when the file ties them).
 
 use std::fs::File;
@@ -31,8 +31,10 @@ use std::sync::Arc;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{D, DType, Device, Module, Tensor};
+use speculative::DraftBlock;
 
 use crate::error::{CandleError, Result};
+use crate::tree::{self, PendingTree, Rows};
 
 /// How the layer weights are stored in memory after loading.
 ///
@@ -578,24 +580,71 @@ fn attention(
     p: usize,
     group: usize,
 ) -> candle_core::Result<Tensor> {
-    let (n, nkv, _, d) = q.dims4()?;
+    let n = q.dim(0)?;
     let mut rows = Vec::with_capacity(n);
     for i in 0..n {
-        let len = p + i + 1;
-        let qi = q.narrow(0, i, 1)?.reshape((nkv, group, d))?;
-        let scores = qi.matmul(&k.narrow(1, 0, len)?.t()?)?; // [nkv, group, len]
-        let max = scores.max_keepdim(D::Minus1)?;
-        let e = scores.broadcast_sub(&max)?.exp()?;
-        let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-        let o = probs.matmul(&v.narrow(1, 0, len)?)?; // [nkv, group, d]
-        rows.push(o.reshape((1, nkv * group * d))?);
+        rows.push(attend_row(q, i, k, v, p + i + 1, group)?);
     }
+    cat_rows(rows)
+}
+
+/// Attention of query row `i` of `q` (`[n, nkv, group, d]`) over keys and values `0 .. len`
+/// of `k`, `v` (`[nkv, >= len, d]`), as `[1, nkv * group * d]`: the per-row computation of
+/// [`attention`].
+fn attend_row(
+    q: &Tensor,
+    i: usize,
+    k: &Tensor,
+    v: &Tensor,
+    len: usize,
+    group: usize,
+) -> candle_core::Result<Tensor> {
+    let (_, nkv, _, d) = q.dims4()?;
+    let qi = q.narrow(0, i, 1)?.reshape((nkv, group, d))?;
+    let scores = qi.matmul(&k.narrow(1, 0, len)?.t()?)?; // [nkv, group, len]
+    let max = scores.max_keepdim(D::Minus1)?;
+    let e = scores.broadcast_sub(&max)?.exp()?;
+    let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+    let o = probs.matmul(&v.narrow(1, 0, len)?)?; // [nkv, group, d]
+    o.reshape((1, nkv * group * d))
+}
+
+fn cat_rows(mut rows: Vec<Tensor>) -> candle_core::Result<Tensor> {
     if rows.len() == 1 {
         rows.pop()
             .ok_or_else(|| candle_core::Error::Msg("no rows".into()))
     } else {
         Tensor::cat(&rows, 0)
     }
+}
+
+/// Tree attention of the rows of `q` (`[n + 1, nkv, group, d]`, laid out by `rows`; their
+/// keys and values `k`, `v`: `[nkv, n + 1, d]`) over the layer cache `cache` (the module docs of
+/// `crate::tree`): in depth-first preorder, each row writes its key and value to slot
+/// `p + depth` and attends to slots `0 ..= p + depth` exactly as [`attention`] does for the same
+/// row of a chain of its path. Returns `[n + 1, nkv * group * d]` in row order.
+fn tree_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cache: &KvCache,
+    rows: &Rows,
+    p: usize,
+    group: usize,
+) -> candle_core::Result<Tensor> {
+    let mut out: Vec<Option<Tensor>> = vec![None; rows.depth.len()];
+    for &r in &rows.order {
+        let r = r as usize;
+        let pos = p + rows.depth[r] as usize;
+        cache
+            .k
+            .slice_set(&k.narrow(1, r, 1)?.contiguous()?, 1, pos)?;
+        cache
+            .v
+            .slice_set(&v.narrow(1, r, 1)?.contiguous()?, 1, pos)?;
+        out[r] = Some(attend_row(q, r, &cache.k, &cache.v, pos + 1, group)?);
+    }
+    cat_rows(out.into_iter().flatten().collect())
 }
 
 /// `x * w / sqrt(mean(x^2) + eps)` over the last dimension of `x: [n, h]`, `w: [h]`.
@@ -642,6 +691,22 @@ struct KvCache {
 ///
 /// [`CandleTarget::fork`] copies an instance with its KV cache (not the weights).
 ///
+/// # Token trees
+/// Implements [`speculative::TreeTarget`] like [`crate::FastTarget`] (capacity
+/// [`crate::fast::DEFAULT_MAX_TREE_NODES`] nodes by default, [`CandleTarget::with_max_tree_nodes`]):
+/// the root and the nodes are the rows of one forward at positions `seq_len + depth`; the rows
+/// attend one by one in depth-first preorder, each after writing its key and value to slot
+/// `seq_len + depth`, so it runs the attention of the same row of a chain forward of its path
+/// (same tensors, same shapes). With [`WeightFormat::Q8_0`] the logits of every node equal the
+/// chain's bit for bit (tested); with [`WeightFormat::F32`] they may differ as a chain forward
+/// of another length would (up to about 1e-4; measured 0 on an 11-node tree). [`speculative::TreeTarget::commit_tree`] copies the
+/// accepted path's keys and values (kept aside per layer) to contiguous slots. The cost: one
+/// cache write per row per layer (as a chain) plus the copies of the commit.
+///
+/// While a tree forward is not committed, `forward` and `prefill` return an error;
+/// `truncate(len)` with `len <= seq_len + 1` (as before the tree) drops it, and a longer `len`
+/// commits the first nodes when they form a chain from the root (an error otherwise).
+///
 /// # Threads
 /// Candle runs with all cores unless `RAYON_NUM_THREADS`/`CANDLE_NUM_THREADS` are set; loading
 /// with [`LoadOptions::single_thread`] (the default) sets them to 1 when unset. On a 2-core
@@ -654,6 +719,13 @@ pub struct CandleTarget {
     cache: Vec<Option<KvCache>>,
     seq_len: usize,
     hidden: Vec<f32>,
+    /// Most nodes of one tree forward (0: no tree support).
+    max_tree_nodes: usize,
+    /// The uncommitted tree forward, if any.
+    pending: Option<PendingTree>,
+    /// Per layer, the roped keys and values of the last tree forward's rows (`[nkv, n + 1, d]`
+    /// each).
+    tree_kv: Vec<Option<(Tensor, Tensor)>>,
 }
 
 impl std::fmt::Debug for CandleTarget {
@@ -703,7 +775,19 @@ impl CandleTarget {
             cache: (0..n_layers).map(|_| None).collect(),
             seq_len: 0,
             hidden: Vec::new(),
+            max_tree_nodes: crate::fast::DEFAULT_MAX_TREE_NODES,
+            pending: None,
+            tree_kv: vec![None; n_layers],
         }
+    }
+
+    /// Sets the most nodes one tree forward takes
+    /// ([`speculative::TreeTarget::max_tree_nodes`]; default
+    /// [`crate::fast::DEFAULT_MAX_TREE_NODES`]). `0` turns tree support off
+    /// ([`speculative::TargetModel::tree`] returns `None`).
+    pub fn with_max_tree_nodes(mut self, max_nodes: usize) -> Self {
+        self.max_tree_nodes = max_nodes;
+        self
     }
 
     /// A copy of this instance: same weights (shared), a deep copy of the KV cache.
@@ -722,13 +806,41 @@ impl CandleTarget {
                 None => None,
             });
         }
+        // The kept-aside tree keys and values are never written in place: sharing is safe.
         Ok(CandleTarget {
             weights: Arc::clone(&self.weights),
             n_layers: self.n_layers,
             cache,
             seq_len: self.seq_len,
             hidden: self.hidden.clone(),
+            max_tree_nodes: self.max_tree_nodes,
+            pending: self.pending.clone(),
+            tree_kv: self.tree_kv.clone(),
         })
+    }
+
+    /// The keys and values of positions `0 .. seq_len` of every layer, `(k, v)` each
+    /// `[kv_heads, seq_len, d]` flattened (keys after RoPE). For tests that compare caches.
+    ///
+    /// # Errors
+    /// [`CandleError::Candle`] if reading a tensor fails.
+    #[doc(hidden)]
+    pub fn kv_snapshot(&self) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+        let mut out = Vec::with_capacity(self.n_layers);
+        for c in &self.cache[..self.n_layers] {
+            out.push(match c {
+                Some(c) if self.seq_len > 0 => {
+                    let read = |t: &Tensor| -> Result<Vec<f32>> {
+                        Ok(t.narrow(1, 0, self.seq_len)?
+                            .flatten_all()?
+                            .to_vec1::<f32>()?)
+                    };
+                    (read(&c.k)?, read(&c.v)?)
+                }
+                _ => (Vec::new(), Vec::new()),
+            });
+        }
+        Ok(out)
     }
 
     /// The shared weights.
@@ -746,17 +858,19 @@ impl CandleTarget {
         self.cache.iter_mut().for_each(|c| *c = None);
         self.seq_len = 0;
         self.hidden.clear();
+        self.pending = None;
+        self.tree_kv.iter_mut().for_each(|t| *t = None);
     }
 
     /// Appends `tokens` and returns the `[n, vocab]` logits as a candle tensor, keeping the
-    /// `[n, hidden]` final hidden states for [`speculative::TargetModel::last_hidden`].
+    /// `[n, hidden]` final hidden states for [`speculative::HiddenStates::last_hidden`].
     ///
     /// On error the sequence is left as it was before the call.
     ///
     /// # Errors
-    /// [`CandleError::InvalidArgument`] for an empty slice, [`CandleError::TokenOutOfVocab`],
-    /// [`CandleError::ContextOverflow`] when `seq_len + n > max_context`, and
-    /// [`CandleError::Candle`] when a tensor operation fails.
+    /// [`CandleError::InvalidArgument`] for an empty slice or while a tree forward is not
+    /// committed, [`CandleError::TokenOutOfVocab`], [`CandleError::ContextOverflow`] when
+    /// `seq_len + n > max_context`, and [`CandleError::Candle`] when a tensor operation fails.
     pub fn forward_tensor(&mut self, tokens: &[u32]) -> Result<Tensor> {
         self.append(tokens, true)?
             .ok_or_else(|| CandleError::InvalidArgument("forward produced no logits".into()))
@@ -775,8 +889,22 @@ impl CandleTarget {
     /// Validates `tokens`, then runs the blocks (and the head when `head`), restoring the
     /// sequence length on error.
     fn append(&mut self, tokens: &[u32], head: bool) -> Result<Option<Tensor>> {
+        self.append_rows(tokens, None, head)
+    }
+
+    /// [`CandleTarget::append`] with a row layout: `Some` runs a tree forward (the module docs
+    /// of `crate::tree`).
+    fn append_rows(
+        &mut self,
+        tokens: &[u32],
+        layout: Option<&Rows>,
+        head: bool,
+    ) -> Result<Option<Tensor>> {
         let cfg = &self.weights.config;
         let n = tokens.len();
+        if self.pending.is_some() {
+            return Err(tree::pending_error());
+        }
         if n == 0 {
             return Err(CandleError::InvalidArgument(
                 "forward needs at least one token".into(),
@@ -796,7 +924,7 @@ impl CandleTarget {
             });
         }
         let saved_len = self.seq_len;
-        let out = self.run(tokens, head);
+        let out = self.run(tokens, layout, head);
         if out.is_err() {
             // Positions past `saved_len` may hold partial writes; they are simply not valid.
             self.seq_len = saved_len;
@@ -804,7 +932,9 @@ impl CandleTarget {
         out
     }
 
-    fn run(&mut self, tokens: &[u32], head: bool) -> Result<Option<Tensor>> {
+    /// Runs the rows `tokens` at positions `seq_len + depth` (`depth = i` without `layout`);
+    /// `layout` selects tree attention and keeps every row's keys and values in `tree_kv`.
+    fn run(&mut self, tokens: &[u32], layout: Option<&Rows>, head: bool) -> Result<Option<Tensor>> {
         let w = Arc::clone(&self.weights);
         let cfg = &w.config;
         let n = tokens.len();
@@ -814,8 +944,19 @@ impl CandleTarget {
         let group = nh / nkv;
         let ids = Tensor::from_slice(tokens, n, &w.device)?;
         let mut x = w.embed.embedding(&ids)?; // [n, h]
-        let cos = w.rope_cos.narrow(0, p, n)?.reshape((n, 1, d / 2, 1))?;
-        let sin = w.rope_sin.narrow(0, p, n)?.reshape((n, 1, d / 2, 1))?;
+        let (cos, sin) = match layout {
+            None => (w.rope_cos.narrow(0, p, n)?, w.rope_sin.narrow(0, p, n)?),
+            Some(rows) => {
+                let pos: Vec<u32> = rows.depth.iter().map(|&dep| (p as u32) + dep).collect();
+                let pos = Tensor::from_vec(pos, n, &w.device)?;
+                (
+                    w.rope_cos.index_select(&pos, 0)?,
+                    w.rope_sin.index_select(&pos, 0)?,
+                )
+            }
+        };
+        let cos = cos.reshape((n, 1, d / 2, 1))?;
+        let sin = sin.reshape((n, 1, d / 2, 1))?;
         let scale = 1.0 / (d as f64).sqrt();
         for (li, layer) in w.layers[..self.n_layers].iter().enumerate() {
             let a = rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
@@ -829,12 +970,22 @@ impl CandleTarget {
             let k = rope(&k, &cos, &sin)?;
             let k = k.transpose(0, 1)?.contiguous()?; // [nkv, n, d]
             let v = v.transpose(0, 1)?.contiguous()?;
-            let cache = self.append_kv(li, &k, &v, p, total)?;
-            let k_all = cache.k.narrow(1, 0, total)?; // [nkv, total, d]
-            let v_all = cache.v.narrow(1, 0, total)?;
             // Query head h uses kv head h / group: [n, nh, d] -> [n, nkv, group, d].
             let q = q.reshape((n, nkv, group, d))?;
-            let o = attention(&q, &k_all, &v_all, p, group)?; // [n, nh * d]
+            let o = match layout {
+                None => {
+                    let cache = self.append_kv(li, &k, &v, p, total)?;
+                    let k_all = cache.k.narrow(1, 0, total)?; // [nkv, total, d]
+                    let v_all = cache.v.narrow(1, 0, total)?;
+                    attention(&q, &k_all, &v_all, p, group)? // [n, nh * d]
+                }
+                Some(rows) => {
+                    let cache = self.reserve_kv(li, p, total)?;
+                    let o = tree_attention(&q, &k, &v, cache, rows, p, group)?;
+                    self.tree_kv[li] = Some((k, v));
+                    o
+                }
+            };
             x = (x + linear(&layer.wo, &o)?)?;
             let m = rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
             let gu = linear(&layer.w_gate_up, &m)?; // [n, 2 ffn]
@@ -864,6 +1015,15 @@ impl CandleTarget {
         p: usize,
         total: usize,
     ) -> Result<&KvCache> {
+        let cache = self.reserve_kv(li, p, total)?;
+        cache.k.slice_set(k, 1, p)?;
+        cache.v.slice_set(v, 1, p)?;
+        Ok(cache)
+    }
+
+    /// Grows layer `li`'s cache to hold `total` positions (keeping the first `p`) and returns
+    /// it.
+    fn reserve_kv(&mut self, li: usize, p: usize, total: usize) -> Result<&KvCache> {
         let cfg = &self.weights.config;
         let (nkv, d) = (cfg.n_kv_heads, cfg.head_dim);
         let need_grow = match &self.cache[li] {
@@ -891,24 +1051,85 @@ impl CandleTarget {
                 capacity,
             });
         }
-        let cache = self.cache[li]
+        self.cache[li]
             .as_ref()
-            .ok_or_else(|| CandleError::InvalidArgument("KV cache missing".into()))?;
-        cache.k.slice_set(k, 1, p)?;
-        cache.v.slice_set(v, 1, p)?;
-        Ok(cache)
+            .ok_or_else(|| CandleError::InvalidArgument("KV cache missing".into()))
     }
 
-    /// Drops every position at index `>= len`.
+    /// Appends the root and the nodes of a valid `block` as a tree forward (type docs, "Token
+    /// trees") and returns the `[n + 1, vocab]` logits; the tree is pending afterwards. On
+    /// error the sequence is unchanged.
+    fn forward_tree_tensor(&mut self, root: u32, block: &DraftBlock<'_>) -> Result<Tensor> {
+        let mut tokens = Vec::with_capacity(block.rows());
+        tokens.push(root);
+        tokens.extend_from_slice(block.tokens());
+        let rows = Rows::of(block);
+        let base = self.seq_len;
+        let logits = self
+            .append_rows(&tokens, Some(&rows), true)?
+            .ok_or_else(|| CandleError::InvalidArgument("forward produced no logits".into()))?;
+        self.pending = Some(PendingTree::new(base, block, &rows));
+        Ok(logits)
+    }
+
+    /// Keeps the root and the nodes `path` (a path of `t`'s block): copies the kept rows' keys
+    /// and values to slots `base + 1 ..` where they are not there already.
+    fn commit_rows(&mut self, t: &PendingTree, path: &[u32]) -> Result<()> {
+        for (cache, kv) in self.cache[..self.n_layers].iter().zip(&self.tree_kv) {
+            let (Some(cache), Some((k, v))) = (cache, kv) else {
+                return Err(CandleError::InvalidArgument(
+                    "tree keys and values missing".into(),
+                ));
+            };
+            for (j, &node) in path.iter().enumerate() {
+                let row = node as usize + 1;
+                if !t.in_place(j, row) {
+                    let pos = t.base + 1 + j;
+                    cache
+                        .k
+                        .slice_set(&k.narrow(1, row, 1)?.contiguous()?, 1, pos)?;
+                    cache
+                        .v
+                        .slice_set(&v.narrow(1, row, 1)?.contiguous()?, 1, pos)?;
+                }
+            }
+        }
+        self.seq_len = t.base + 1 + path.len();
+        Ok(())
+    }
+
+    /// Drops every position at index `>= len`. With a tree forward not committed: `len <=
+    /// base + 1` (`base` the length before the tree) drops the tree; a longer `len` keeps the
+    /// root and the first `len - base - 1` nodes when they form a chain from the root (as
+    /// [`commit_tree`](speculative::TreeTarget::commit_tree) of that path).
     ///
     /// # Errors
-    /// [`CandleError::TruncateBeyondEnd`] when `len > seq_len`.
+    /// [`CandleError::TruncateBeyondEnd`] when `len > seq_len`; [`CandleError::InvalidArgument`]
+    /// when `len` cuts into an uncommitted tree whose first nodes are not a chain (the
+    /// sequence is then unchanged); [`CandleError::Candle`] if copying kept entries fails (the
+    /// tree is then dropped and the sequence ends with the root).
     pub fn truncate_to(&mut self, len: usize) -> Result<()> {
         if len > self.seq_len {
             return Err(CandleError::TruncateBeyondEnd {
                 len,
                 seq_len: self.seq_len,
             });
+        }
+        if let Some(t) = self.pending.take() {
+            match t.truncation(len) {
+                Ok(None) => {}
+                Ok(Some(path)) => {
+                    let out = self.commit_rows(&t, &path);
+                    if out.is_err() {
+                        self.seq_len = t.base + 1;
+                    }
+                    return out;
+                }
+                Err(e) => {
+                    self.pending = Some(t);
+                    return Err(e);
+                }
+            }
         }
         self.seq_len = len;
         Ok(())
@@ -949,6 +1170,75 @@ impl speculative::TargetModel for CandleTarget {
 
     fn hidden_states(&self) -> Option<&dyn speculative::HiddenStates> {
         Some(self)
+    }
+
+    fn tree(&mut self) -> Option<&mut dyn speculative::TreeTarget> {
+        if self.max_tree_nodes == 0 {
+            None
+        } else {
+            Some(self)
+        }
+    }
+}
+
+impl speculative::TreeTarget for CandleTarget {
+    fn max_tree_nodes(&self) -> usize {
+        self.max_tree_nodes
+    }
+
+    /// See [`speculative::TreeTarget::forward_tree`] and the "Token trees" section of
+    /// [`CandleTarget`]. The block is checked with [`DraftBlock::validate`] against the
+    /// vocabulary and [`speculative::TreeTarget::max_tree_nodes`] (any sibling scheme).
+    ///
+    /// # Errors
+    /// [`speculative::Error::InvalidTree`] for an invalid block;
+    /// [`speculative::Error::Model`] (source [`CandleError`]) for a root outside the
+    /// vocabulary, `seq_len + n + 1 > context_length`, a tree forward not yet committed or a
+    /// failed tensor operation. On error the sequence is unchanged.
+    fn forward_tree(
+        &mut self,
+        root: u32,
+        block: &DraftBlock<'_>,
+        logits: &mut Vec<f32>,
+    ) -> speculative::Result<()> {
+        let limits = tree::limits(self.weights.config.vocab_size, self.max_tree_nodes);
+        block
+            .validate(&limits)
+            .map_err(speculative::Error::InvalidTree)?;
+        logits.clear();
+        let t = self.forward_tree_tensor(root, block)?;
+        let v = t
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(CandleError::from)?;
+        logits.extend_from_slice(&v);
+        Ok(())
+    }
+
+    /// See [`speculative::TreeTarget::commit_tree`].
+    ///
+    /// # Errors
+    /// [`speculative::Error::TargetContract`] when no tree forward is pending or `path` is not
+    /// a path of its block (the tree stays pending); [`speculative::Error::Model`] when a
+    /// tensor copy fails, after which the tree is dropped and the sequence ends with the root.
+    fn commit_tree(&mut self, path: &[u32]) -> speculative::Result<()> {
+        let Some(t) = self.pending.take() else {
+            return Err(speculative::Error::TargetContract {
+                what: "commit_tree without a pending tree forward",
+            });
+        };
+        if !t.is_path(path) {
+            self.pending = Some(t);
+            return Err(speculative::Error::TargetContract {
+                what: "commit_tree path is not a path of the pending tree block",
+            });
+        }
+        let base = t.base;
+        self.commit_rows(&t, path).map_err(|e| {
+            // Slots past the root may hold part of the path: keep only what is certain.
+            self.seq_len = base + 1;
+            e.into()
+        })
     }
 }
 

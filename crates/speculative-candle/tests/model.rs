@@ -247,3 +247,137 @@ fn prefill_without_head_leaves_the_same_cache() {
     assert!(m.prefill_tokens(&[]).is_err());
     assert_eq!(m.seq_len(), n);
 }
+
+// ---------------------------------------------------------------- token trees
+
+/// A mixed tree of 11 nodes: root -> 0 -> 1 -> 2, 0 -> 3, root -> 4 -> 5 -> 6, 5 -> 7,
+/// root -> 8, 4 -> 9 -> 10 (parent rows).
+const TREE_PARENTS: [u32; 11] = [0, 1, 2, 1, 0, 5, 6, 6, 0, 5, 10];
+
+fn tree_tokens() -> Vec<u32> {
+    (0..TREE_PARENTS.len() as u32)
+        .map(|i| 300 + i * 977 % 40_000)
+        .collect()
+}
+
+/// Chain forwards of the root and each node's path (from forks of `base`) against the tree
+/// forward's rows: returns the max |logit diff| over every row.
+fn tree_vs_chains(base: &CandleTarget, root: u32) -> f32 {
+    use speculative::{DraftBlock, TreeTarget};
+    let tokens = tree_tokens();
+    let block = DraftBlock::tree(&tokens, &TREE_PARENTS);
+    let mut m = base.fork().unwrap();
+    let v = m.vocab_size();
+    let mut tree = Vec::new();
+    m.forward_tree(root, &block, &mut tree).unwrap();
+    assert_eq!(tree.len(), (tokens.len() + 1) * v);
+    assert_eq!(m.seq_len(), base.seq_len() + tokens.len() + 1);
+    assert_eq!(
+        m.last_hidden().unwrap().len(),
+        (tokens.len() + 1) * m.hidden_size()
+    );
+    let mut worst = 0f32;
+    let mut chain_logits = Vec::new();
+    for node in 0..tokens.len() {
+        let mut path = Vec::new();
+        block.path_to(node, &mut path);
+        let mut chain = vec![root];
+        chain.extend(path.iter().map(|&j| tokens[j as usize]));
+        let mut c = base.fork().unwrap();
+        c.forward(&chain, &mut chain_logits).unwrap();
+        let last = &chain_logits[path.len() * v..];
+        let row = &tree[(node + 1) * v..(node + 2) * v];
+        assert_eq!(argmax(last), argmax(row), "node {node}");
+        worst = last
+            .iter()
+            .zip(row)
+            .fold(worst, |a, (x, y)| a.max((x - y).abs()));
+        if node == 0 {
+            // The root's row against the chain's row 0.
+            worst = tree[..v]
+                .iter()
+                .zip(&chain_logits[..v])
+                .fold(worst, |a, (x, y)| a.max((x - y).abs()));
+        }
+    }
+    worst
+}
+
+/// `CandleTarget` trees: every node equals the chain of its path (bit for bit on Q8_0,
+/// within the f32 batch tolerance on F32); `commit_tree` leaves the chain's cache; truncation
+/// drops a pending tree; errors are typed.
+#[test]
+fn tree_forward_equals_chains_and_commit_equals_chain() {
+    use speculative::{DraftBlock, Error, TreeFault, TreeTarget};
+    for format in [WeightFormat::Q8_0, WeightFormat::F32] {
+        let mut base = CandleTarget::new(weights(format));
+        let prompt = prompt_tokens();
+        base.prefill(&prompt).unwrap();
+        let diff = tree_vs_chains(&base, 1234);
+        println!("{format:?}: tree vs chains, max |logit diff| = {diff:e}");
+        assert!(diff <= tolerance(format), "{format:?}: {diff}");
+        if format != WeightFormat::Q8_0 {
+            continue;
+        }
+        let tokens = tree_tokens();
+        let block = DraftBlock::tree(&tokens, &TREE_PARENTS);
+        // Commit paths: empty, the last-child descent (left in place by the forward), and two
+        // that must be copied.
+        for path in [&[][..], &[8], &[4, 9, 10], &[0, 1, 2], &[4, 5, 7]] {
+            let mut m = base.fork().unwrap();
+            m.forward_tree(1234, &block, &mut Vec::new()).unwrap();
+            m.commit_tree(path).unwrap();
+            let mut want = base.fork().unwrap();
+            let mut chain = vec![1234];
+            chain.extend(path.iter().map(|&j| tokens[j as usize]));
+            want.forward(&chain, &mut Vec::new()).unwrap();
+            assert_eq!(m.seq_len(), want.seq_len());
+            assert!(
+                m.kv_snapshot().unwrap() == want.kv_snapshot().unwrap(),
+                "path {path:?}: KV cache differs from the chain's"
+            );
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            m.forward(&[42, 4242], &mut a).unwrap();
+            want.forward(&[42, 4242], &mut b).unwrap();
+            assert!(a == b, "path {path:?}: next forward differs");
+        }
+        // Truncate drops a pending tree; forwards wait for the commit.
+        let mut m = base.fork().unwrap();
+        m.forward_tree(1234, &block, &mut Vec::new()).unwrap();
+        assert!(matches!(
+            m.forward(&[1], &mut Vec::new()),
+            Err(Error::Model(_))
+        ));
+        assert!(matches!(
+            m.commit_tree(&[1]),
+            Err(Error::TargetContract { .. })
+        ));
+        // Nodes 0 .. 3 are not a chain (node 3 is a child of node 0).
+        assert!(m.truncate(base.seq_len() + 5).is_err());
+        assert_eq!(m.seq_len(), base.seq_len() + 12);
+        m.truncate(base.seq_len()).unwrap();
+        assert!(matches!(
+            m.commit_tree(&[]),
+            Err(Error::TargetContract { .. })
+        ));
+        assert!(m.kv_snapshot().unwrap() == base.kv_snapshot().unwrap());
+        // Typed errors, sequence unchanged.
+        let mut small = CandleTarget::new(weights(format)).with_max_tree_nodes(4);
+        let e = small.forward_tree(1, &block, &mut Vec::new()).unwrap_err();
+        assert!(matches!(
+            e,
+            Error::InvalidTree(TreeFault::TooManyNodes { nodes: 11, max: 4 })
+        ));
+        let e = small
+            .forward_tree(u32::MAX, &DraftBlock::chain(&[1]), &mut Vec::new())
+            .unwrap_err();
+        assert!(matches!(e, Error::Model(_)));
+        assert_eq!(small.seq_len(), 0);
+        assert!(
+            CandleTarget::new(weights(format))
+                .with_max_tree_nodes(0)
+                .tree()
+                .is_none()
+        );
+    }
+}

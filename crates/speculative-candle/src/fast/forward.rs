@@ -18,12 +18,19 @@
 //!
 //! So a forward over `[t, d1 .. dk]` gives, bit for bit, the logits of `k + 1` single-token
 //! forwards, and greedy speculative decoding emits exactly the plain greedy tokens.
+//!
+//! A token-tree forward ([`speculative::TreeTarget`]) runs the root and the nodes as the rows
+//! of one such forward, each at position `seq_len + depth`, and lets every row attend in
+//! depth-first order once its ancestors' keys and values sit in the slots a chain would have
+//! put them in ([`FastTarget`], section "Token trees"): the logits of every node equal, bit for
+//! bit, those of a chain forward of its path.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::Device;
 use candle_core::quantized::{GgmlDType, QTensor};
+use speculative::DraftBlock;
 
 use super::f32mat::F32Matrix;
 use super::ops::{self, KvCache};
@@ -31,6 +38,7 @@ use super::q8::{KernelPath, Q8Act, Q8Matrix};
 use crate::LlamaConfig;
 use crate::error::{CandleError, Result};
 use crate::model::open_gguf;
+use crate::tree::{self, PendingTree, Rows};
 
 /// In-memory weight format of [`FastWeights`].
 ///
@@ -502,9 +510,71 @@ fn attention(
     }
 }
 
+/// Tree attention of the `n` rows of `qkv` (`[n, width]`, roped and scaled, laid out by
+/// `rows`) into `o` (`[n, nh d]`): in the preorder of `rows`, each row writes its key and value
+/// at slot `p + depth` of `cache`, then attends to slots `0 ..= p + depth` with [`ops::attend`].
+/// Those slots then hold the committed context, the root and the row's ancestors, in position
+/// order, so each row's arithmetic is exactly that of the same row in a chain forward of its
+/// path (keys in the same order, same length).
+#[allow(clippy::too_many_arguments)]
+fn tree_attention(
+    cache: &mut KvCache,
+    qkv: &[f32],
+    rows: &Rows,
+    (p, nh, nkv, d, width): (usize, usize, usize, usize, usize),
+    o: &mut Vec<f32>,
+    scores: &mut Vec<f32>,
+    simd: bool,
+) {
+    let (group, kvd) = (nh / nkv, nkv * d);
+    let n = rows.depth.len();
+    o.clear();
+    o.resize(n * nh * d, 0.0);
+    for &r in &rows.order {
+        let i = r as usize;
+        let pos = p + rows.depth[i] as usize;
+        let row = &qkv[i * width..(i + 1) * width];
+        let kv = &row[nh * d..];
+        cache.write(pos, &kv[..kvd], &kv[kvd..]);
+        for kvh in 0..nkv {
+            let (h0, h1) = (kvh * group, (kvh + 1) * group);
+            let out = &mut o[(i * nh + h0) * d..(i * nh + h1) * d];
+            ops::attend(cache, kvh, &row[h0 * d..h1 * d], pos + 1, scores, out, simd);
+        }
+    }
+}
+
+/// Default of [`FastTarget::max_tree_nodes`](speculative::TreeTarget::max_tree_nodes).
+pub const DEFAULT_MAX_TREE_NODES: usize = 64;
+
 /// A model instance with its own KV cache over shared [`FastWeights`]: the full model or an
 /// early-exit model (first `n` layers, then the final norm and head; LayerSkip, Elhoushi et al.
 /// 2024). Implements [`speculative::TargetModel`]; forwards are batch-invariant (module docs).
+///
+/// # Token trees
+///
+/// Also implements [`speculative::TreeTarget`] (offered by [`speculative::TargetModel::tree`]
+/// while [`FastTarget::with_max_tree_nodes`] is not 0; default capacity
+/// [`DEFAULT_MAX_TREE_NODES`] nodes). A tree forward runs the root and the `n` nodes as `n + 1`
+/// rows of one forward (each weight block read once for all rows, as in a chain verify), with
+/// node `i` at position `seq_len + depth(i)`. Its attention is the chain's: the rows attend in
+/// depth-first preorder, and before a row attends its key and value are written to cache slot
+/// `seq_len + depth`, so slots `0 ..= seq_len + depth` hold the committed context, the root and
+/// exactly the row's ancestors, in position order, and the row runs the very attention call
+/// of a chain forward of its path (non-ancestors are never in the slots it reads). With the batch-invariant matmuls and norms, **the logits and hidden
+/// states of every node equal, bit for bit, those of a chain forward of the root and the path
+/// to the node** (tested on the real model for random trees of up to 32 nodes). Each row's key
+/// and value are written once per layer, as in a chain; the keys and values of every row are
+/// also kept aside (`[n + 1, 2 kv_heads d]` per layer) for
+/// [`commit_tree`](speculative::TreeTarget::commit_tree), which copies the accepted path's
+/// entries into slots `seq_len + 1 ..` (skipping those already there). Keys were rotated at
+/// the node's depth position, which is its chain position, so the cache after the commit
+/// equals a chain forward's, bit for bit.
+///
+/// While a tree forward is not committed, [`speculative::TargetModel::forward`] and
+/// [`speculative::TargetModel::prefill`] return an error; `truncate(len)` with `len <=
+/// seq_len + 1` (as before the tree) drops it, and a longer `len` commits the first nodes when
+/// they form a chain from the root (an error otherwise).
 #[derive(Debug)]
 pub struct FastTarget {
     weights: Arc<FastWeights>,
@@ -514,6 +584,13 @@ pub struct FastTarget {
     cache: Vec<KvCache>,
     seq_len: usize,
     hidden: Vec<f32>,
+    /// Most nodes of one tree forward (0: no tree support).
+    max_tree_nodes: usize,
+    /// The uncommitted tree forward, if any.
+    pending: Option<PendingTree>,
+    /// Per layer, the roped keys and values of the last tree forward's rows,
+    /// `[n + 1][2 kv_heads d]` (key then value).
+    tree_kv: Vec<Vec<f32>>,
 }
 
 impl FastTarget {
@@ -560,7 +637,21 @@ impl FastTarget {
             cache: vec![cache; n_layers],
             seq_len: 0,
             hidden: Vec::new(),
+            max_tree_nodes: DEFAULT_MAX_TREE_NODES,
+            pending: None,
+            tree_kv: vec![Vec::new(); n_layers],
         }
+    }
+
+    /// Sets the most nodes one tree forward takes
+    /// ([`speculative::TreeTarget::max_tree_nodes`]; default [`DEFAULT_MAX_TREE_NODES`]). The
+    /// kernels set no bound: the cost grows with the rows like a chain verify's, and the
+    /// kept-aside keys and values take `(n + 1) · 2 kv_heads d · n_layers` floats (64 nodes on
+    /// SmolLM2-135M: 1.5 MB). `0` turns tree support off ([`speculative::TargetModel::tree`]
+    /// returns `None`, so the decoding loop verifies chains).
+    pub fn with_max_tree_nodes(mut self, max_nodes: usize) -> Self {
+        self.max_tree_nodes = max_nodes;
+        self
     }
 
     /// Chooses the int8 kernel path (all paths give the same bits; for tests and benches).
@@ -617,13 +708,36 @@ impl FastTarget {
             cache: self.cache.clone(),
             seq_len: self.seq_len,
             hidden: self.hidden.clone(),
+            max_tree_nodes: self.max_tree_nodes,
+            pending: self.pending.clone(),
+            tree_kv: self.tree_kv.clone(),
         }
     }
 
-    /// Validates a forward's tokens: non-empty, in the vocabulary, fitting the context.
+    /// The keys and values of positions `0 .. seq_len` of every layer, `(k, v)` each
+    /// `[seq_len, kv_heads d]` (keys after RoPE). For tests that compare caches.
+    #[doc(hidden)]
+    pub fn kv_snapshot(&self) -> Vec<(Vec<f32>, Vec<f32>)> {
+        self.cache[..self.n_layers]
+            .iter()
+            .map(|c| {
+                let (mut k, mut v) = (Vec::new(), Vec::new());
+                for pos in 0..self.seq_len {
+                    c.read(pos, &mut k, &mut v);
+                }
+                (k, v)
+            })
+            .collect()
+    }
+
+    /// Validates a forward's tokens: no tree pending, non-empty, in the vocabulary, fitting the
+    /// context.
     fn check(&self, tokens: &[u32]) -> Result<()> {
         let cfg = &self.weights.config;
         let n = tokens.len();
+        if self.pending.is_some() {
+            return Err(tree::pending_error());
+        }
         if n == 0 {
             return Err(CandleError::InvalidArgument(
                 "forward needs at least one token".into(),
@@ -647,15 +761,16 @@ impl FastTarget {
 
     /// Appends `tokens` (`n` of them) and writes their `[n, vocab]` logits into `logits`
     /// (cleared first); keeps the `[n, hidden]` final hidden states for
-    /// [`speculative::TargetModel::last_hidden`]. On error the sequence is unchanged.
+    /// [`speculative::HiddenStates::last_hidden`]. On error the sequence is unchanged.
     ///
     /// # Errors
-    /// [`CandleError::InvalidArgument`] for an empty slice, [`CandleError::TokenOutOfVocab`],
-    /// [`CandleError::ContextOverflow`] when `seq_len + n > context_length`.
+    /// [`CandleError::InvalidArgument`] for an empty slice or while a tree forward is not
+    /// committed, [`CandleError::TokenOutOfVocab`], [`CandleError::ContextOverflow`] when
+    /// `seq_len + n > context_length`.
     pub fn forward_logits(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
         self.check(tokens)?;
         let saved = self.seq_len;
-        let out = self.run(tokens, Some(logits));
+        let out = self.run(tokens, None, Some(logits));
         if out.is_err() {
             // Cache entries past `seq_len` are never read.
             self.seq_len = saved;
@@ -673,14 +788,70 @@ impl FastTarget {
     pub fn prefill_tokens(&mut self, tokens: &[u32]) -> Result<()> {
         self.check(tokens)?;
         let saved = self.seq_len;
-        let out = self.run(tokens, None);
+        let out = self.run(tokens, None, None);
         if out.is_err() {
             self.seq_len = saved;
         }
         out
     }
 
-    fn run(&mut self, tokens: &[u32], logits: Option<&mut Vec<f32>>) -> Result<()> {
+    /// Appends the root and the nodes of a valid `block` (module docs of [`FastTarget`],
+    /// "Token trees"), writing `[n + 1, vocab]` logits; the tree is pending afterwards. On error
+    /// the sequence is unchanged.
+    fn forward_tree_logits(
+        &mut self,
+        root: u32,
+        block: &DraftBlock<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let mut tokens = Vec::with_capacity(block.rows());
+        tokens.push(root);
+        tokens.extend_from_slice(block.tokens());
+        self.check(&tokens)?;
+        let rows = Rows::of(block);
+        let cfg = &self.weights.config;
+        let kv2 = 2 * cfg.n_kv_heads * cfg.head_dim;
+        for s in &mut self.tree_kv[..self.n_layers] {
+            s.clear();
+            s.resize(tokens.len() * kv2, 0.0);
+        }
+        let saved = self.seq_len;
+        if let Err(e) = self.run(&tokens, Some(&rows), Some(logits)) {
+            self.seq_len = saved;
+            return Err(e);
+        }
+        self.pending = Some(PendingTree::new(saved, block, &rows));
+        Ok(())
+    }
+
+    /// Keeps the root and the nodes `path` (already checked to be a path of `t`'s block) and
+    /// drops the other nodes: copies the kept rows' keys and values to slots `base + 1 ..`
+    /// where they are not there already.
+    fn commit_rows(&mut self, t: &PendingTree, path: &[u32]) {
+        let cfg = &self.weights.config;
+        let kvd = cfg.n_kv_heads * cfg.head_dim;
+        for (k, &node) in path.iter().enumerate() {
+            let row = node as usize + 1;
+            if t.in_place(k, row) {
+                continue;
+            }
+            for (cache, kv) in self.cache[..self.n_layers].iter_mut().zip(&self.tree_kv) {
+                let kv = &kv[row * 2 * kvd..(row + 1) * 2 * kvd];
+                cache.write(t.base + 1 + k, &kv[..kvd], &kv[kvd..]);
+            }
+        }
+        self.seq_len = t.base + 1 + path.len();
+    }
+
+    /// Runs the rows `tokens` at positions `seq_len + depth` (`depth = i` without `layout`),
+    /// writing the logits when asked; `layout` selects tree attention and keeps every row's
+    /// keys and values in `tree_kv`.
+    fn run(
+        &mut self,
+        tokens: &[u32],
+        layout: Option<&Rows>,
+        logits: Option<&mut Vec<f32>>,
+    ) -> Result<()> {
         let w = Arc::clone(&self.weights);
         let cfg = &w.config;
         let n = tokens.len();
@@ -713,8 +884,9 @@ impl FastTarget {
             let width = (nh + 2 * nkv) * d;
             let cache = &mut self.cache[li];
             for (i, row) in qkv.chunks_exact_mut(width).enumerate() {
-                let cos = &w.rope_cos[(p + i) * half..(p + i + 1) * half];
-                let sin = &w.rope_sin[(p + i) * half..(p + i + 1) * half];
+                let pos = p + layout.map_or(i, |t| t.depth[i] as usize);
+                let cos = &w.rope_cos[pos * half..(pos + 1) * half];
+                let sin = &w.rope_sin[pos * half..(pos + 1) * half];
                 let (q, kv) = row.split_at_mut(nh * d);
                 for head in q.chunks_exact_mut(d) {
                     rope(head, cos, sin);
@@ -724,17 +896,32 @@ impl FastTarget {
                 for head in k.chunks_exact_mut(d) {
                     rope(head, cos, sin);
                 }
-                cache.write(p + i, k, v);
+                if layout.is_some() {
+                    self.tree_kv[li][i * 2 * kvd..(i + 1) * 2 * kvd].copy_from_slice(kv);
+                } else {
+                    cache.write(p + i, k, v);
+                }
             }
             let simd = self.exec.simd;
-            attention(
-                cache,
-                &qkv,
-                (n, p, nh, nkv, d, width),
-                &mut o,
-                &mut scores,
-                simd,
-            );
+            match layout {
+                None => attention(
+                    cache,
+                    &qkv,
+                    (n, p, nh, nkv, d, width),
+                    &mut o,
+                    &mut scores,
+                    simd,
+                ),
+                Some(rows) => tree_attention(
+                    cache,
+                    &qkv,
+                    rows,
+                    (p, nh, nkv, d, width),
+                    &mut o,
+                    &mut scores,
+                    simd,
+                ),
+            }
             layer.wo.matmul(&o, &mut proj, &mut self.exec)?;
             x.iter_mut().zip(&proj).for_each(|(xv, pv)| *xv += pv);
             rms_norm(&x, &layer.ffn_norm, eps, &mut a);
@@ -757,16 +944,35 @@ impl FastTarget {
         Ok(())
     }
 
-    /// Drops every position at index `>= len`.
+    /// Drops every position at index `>= len`. With a tree forward not committed (`seq_len`
+    /// then counts the root and every node): `len <= base + 1` (`base` the length before the
+    /// tree) drops the tree; a longer `len` keeps the root and the first `len - base - 1`
+    /// nodes when they form a chain from the root (as
+    /// [`commit_tree`](speculative::TreeTarget::commit_tree) of that path).
     ///
     /// # Errors
-    /// [`CandleError::TruncateBeyondEnd`] when `len > seq_len`.
+    /// [`CandleError::TruncateBeyondEnd`] when `len > seq_len`; [`CandleError::InvalidArgument`]
+    /// when `len` cuts into an uncommitted tree whose first nodes are not a chain (the
+    /// sequence is then unchanged).
     pub fn truncate_to(&mut self, len: usize) -> Result<()> {
         if len > self.seq_len {
             return Err(CandleError::TruncateBeyondEnd {
                 len,
                 seq_len: self.seq_len,
             });
+        }
+        if let Some(t) = self.pending.take() {
+            match t.truncation(len) {
+                Ok(None) => {}
+                Ok(Some(path)) => {
+                    self.commit_rows(&t, &path);
+                    return Ok(());
+                }
+                Err(e) => {
+                    self.pending = Some(t);
+                    return Err(e);
+                }
+            }
         }
         self.seq_len = len;
         Ok(())
@@ -801,6 +1007,60 @@ impl speculative::TargetModel for FastTarget {
 
     fn hidden_states(&self) -> Option<&dyn speculative::HiddenStates> {
         Some(self)
+    }
+
+    fn tree(&mut self) -> Option<&mut dyn speculative::TreeTarget> {
+        if self.max_tree_nodes == 0 {
+            None
+        } else {
+            Some(self)
+        }
+    }
+}
+
+impl speculative::TreeTarget for FastTarget {
+    fn max_tree_nodes(&self) -> usize {
+        self.max_tree_nodes
+    }
+
+    /// See [`speculative::TreeTarget::forward_tree`] and the "Token trees" section of
+    /// [`FastTarget`]. The block is checked with [`DraftBlock::validate`] against the
+    /// vocabulary and [`speculative::TreeTarget::max_tree_nodes`] (any sibling scheme is
+    /// accepted: the forward does not read them).
+    ///
+    /// # Errors
+    /// [`speculative::Error::InvalidTree`] for an invalid block;
+    /// [`speculative::Error::Model`] (source [`CandleError`]) for a root outside the
+    /// vocabulary, `seq_len + n + 1 > context_length`, or a tree forward not yet committed.
+    /// On error the sequence is unchanged.
+    fn forward_tree(
+        &mut self,
+        root: u32,
+        block: &DraftBlock<'_>,
+        logits: &mut Vec<f32>,
+    ) -> speculative::Result<()> {
+        let limits = tree::limits(self.weights.config.vocab_size, self.max_tree_nodes);
+        block
+            .validate(&limits)
+            .map_err(speculative::Error::InvalidTree)?;
+        logits.clear();
+        Ok(self.forward_tree_logits(root, block, logits)?)
+    }
+
+    fn commit_tree(&mut self, path: &[u32]) -> speculative::Result<()> {
+        let Some(t) = self.pending.take() else {
+            return Err(speculative::Error::TargetContract {
+                what: "commit_tree without a pending tree forward",
+            });
+        };
+        if !t.is_path(path) {
+            self.pending = Some(t);
+            return Err(speculative::Error::TargetContract {
+                what: "commit_tree path is not a path of the pending tree block",
+            });
+        }
+        self.commit_rows(&t, path);
+        Ok(())
     }
 }
 

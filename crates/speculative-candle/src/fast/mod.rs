@@ -15,6 +15,12 @@
 //! speculative decoding with [`FastTarget`] therefore emits exactly the tokens of plain greedy
 //! decoding with [`FastTarget`].
 //!
+//! **Token trees.** [`FastTarget`] implements [`speculative::TreeTarget`]: one forward over a
+//! draft tree's root and nodes (tree attention: each node sees the committed context and its
+//! ancestors only, at the rotary position of its depth) gives every node, bit for bit, the
+//! logits of a chain forward of its path, and `commit_tree` leaves the KV cache a chain of the
+//! accepted path would leave (see [`FastTarget`], section "Token trees").
+//!
 //! **Accuracy.** [`FastFormat::F32`] is the exact shipped model (Q4_1 weights dequantised
 //! without re-rounding). [`FastFormat::Q8`] re-quantises the Q4_1 weights to 8-bit blocks
 //! (the tied Q8_0 embedding/head is imported exactly) and quantises activations to 8 bits per
@@ -36,5 +42,5 @@ mod pool;
 pub mod q8;
 
 pub use f32mat::F32Matrix;
-pub use forward::{FastFormat, FastTarget, FastWeights, RandomSpec};
+pub use forward::{DEFAULT_MAX_TREE_NODES, FastFormat, FastTarget, FastWeights, RandomSpec};
 pub use q8::{KernelPath, Q8Act, Q8Matrix};

@@ -131,6 +131,14 @@ impl KvCache {
         }
         self.v[pos * rows..(pos + 1) * rows].copy_from_slice(&v[..rows]);
     }
+
+    /// Appends the key and value vectors (`[nkv][d]` each) of position `pos < cap` to `k` and
+    /// `v` (the inverse of [`KvCache::write`]).
+    pub(crate) fn read(&self, pos: usize, k: &mut Vec<f32>, v: &mut Vec<f32>) {
+        let rows = self.nkv * self.d;
+        k.extend((0..rows).map(|r| self.kt[r * self.cap + pos]));
+        v.extend_from_slice(&self.v[pos * rows..(pos + 1) * rows]);
+    }
 }
 
 /// Attention of the query heads in `q` (`[heads][d]`, heads sharing KV head `kvh`) over

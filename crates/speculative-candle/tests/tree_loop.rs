@@ -1,0 +1,101 @@
+//! Token-tree speculative decoding on the real model (needs
+//! `models/SmolLM2-135M-Instruct.Q4_1.gguf`; run `scripts/fetch-model.sh` first): greedy output
+//! with tree drafts from both model-free proposers equals plain greedy decoding token for token.
+
+use std::sync::{Arc, OnceLock};
+
+use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
+use speculative::propose::{PromptLookup, SuffixConfig, SuffixProposer};
+use speculative::{Proposer, TargetModel};
+use speculative_candle::{
+    ChatMessage, FastFormat, FastTarget, FastWeights, GgufTokenizer, default_model_path,
+};
+
+fn weights() -> Arc<FastWeights> {
+    static W: OnceLock<Arc<FastWeights>> = OnceLock::new();
+    W.get_or_init(|| {
+        let p = default_model_path();
+        assert!(
+            p.is_file(),
+            "model file {} is missing: run `scripts/fetch-model.sh`",
+            p.display()
+        );
+        FastWeights::load(p, FastFormat::Q8).expect("loading the model")
+    })
+    .clone()
+}
+
+fn tokenizer() -> &'static GgufTokenizer {
+    static TOK: OnceLock<GgufTokenizer> = OnceLock::new();
+    TOK.get_or_init(|| GgufTokenizer::load(default_model_path()).expect("loading the tokenizer"))
+}
+
+fn chat(question: &str) -> Vec<u32> {
+    let tok = tokenizer();
+    let text = tok
+        .apply_chat_template(&[ChatMessage::user(question)])
+        .unwrap();
+    tok.encode(&text).unwrap()
+}
+
+const PROMPTS: [&str; 3] = [
+    "Rewrite this sentence in the passive voice: The committee approved the budget, the \
+     committee rejected the plan, and the committee postponed the vote.",
+    "Here is a function:\nfn add(a: i32, b: i32) -> i32 { a + b }\nRename it to sum and add a \
+     doc comment; show the whole function.",
+    "What is a good way to learn to play the guitar?",
+];
+
+#[test]
+fn tree_drafts_give_plain_greedy_output_on_the_real_model() {
+    let w = weights();
+    let eos = tokenizer().eos_id();
+    let params = GenerationParams::greedy(64)
+        .with_draft(DraftLength::Fixed(8))
+        .with_tree_nodes(16)
+        .with_stop(StopConditions::eos(eos));
+    let plain_params = GenerationParams {
+        draft: DraftLength::Off,
+        tree_nodes: 0,
+        ..params.clone()
+    };
+    let mut tree_steps = [0usize; 2];
+    for q in PROMPTS {
+        let prompt = chat(q);
+        let mut plain = Generator::new(FastTarget::new(w.clone()), speculative::NoProposer);
+        let want = plain.generate(&prompt, &plain_params).unwrap().tokens;
+        let proposers: [Box<dyn Proposer>; 2] = [
+            Box::new(PromptLookup::new(1, 4).unwrap()),
+            Box::new(SuffixProposer::new(SuffixConfig::default()).unwrap()),
+        ];
+        for (i, p) in proposers.into_iter().enumerate() {
+            let target = FastTarget::new(w.clone());
+            let mut g = Generator::new(target, p);
+            let out = g.generate(&prompt, &params).unwrap();
+            let m = &out.metrics;
+            println!(
+                "{} on {q:?}: {} calls, {} tree steps ({:.1} nodes, depth {:.1}), mean accepted \
+                 length {:.2}",
+                g.proposer().name(),
+                m.target_calls,
+                m.tree_steps,
+                m.mean_tree_nodes(),
+                m.mean_tree_depth(),
+                m.mean_accepted_length()
+            );
+            assert_eq!(
+                out.tokens,
+                want,
+                "{} tree output differs for {q:?}",
+                g.proposer().name()
+            );
+            // The cache holds the prompt and every emitted token but the last.
+            assert_eq!(g.target().seq_len(), prompt.len() + out.tokens.len() - 1);
+            tree_steps[i] += m.tree_steps;
+        }
+    }
+    assert!(
+        tree_steps.iter().all(|&n| n > 0),
+        "both proposers must have drafted trees: {tree_steps:?}"
+    );
+}

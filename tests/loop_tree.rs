@@ -1,0 +1,442 @@
+//! The decoding loop with token-tree drafts: greedy output identical to plain greedy, seeded
+//! point-mass trees identical to plain sampling (case C15), ends inside a tree (case C11), the
+//! token budget and context cap, invalid trees, and the fallback to chains for targets without
+//! tree support.
+
+use speculative::decode::{FinishReason, GenerationParams, Generator, StopConditions};
+use speculative::error::ProposalFault;
+use speculative::rng::Stream;
+use speculative::test_util::{CallLog, ToyModel};
+use speculative::{
+    Draft, Error, NoProposer, ProposeRequest, Proposer, Result, SamplingConfig, TreeFault,
+};
+
+fn c10_next(p: &[u32]) -> u32 {
+    let s: u64 = p.iter().map(|&t| t as u64).sum();
+    ((s * 31 + p.len() as u64) % 7) as u32
+}
+
+/// A tree proposer for the C10 model: at every depth it offers up to `width` distinct
+/// candidates, one of which (at a pseudo-random sibling rank) is the model's true next token
+/// while the depth is below a pseudo-random "correct depth"; the true branch continues, the
+/// others are leaves. `propose` (chains) returns the first branch only.
+struct OracleTree {
+    width: usize,
+    salt: u64,
+    /// Every tree returned, as (tokens, parents).
+    log: Vec<(Vec<u32>, Vec<u32>)>,
+    chain_calls: usize,
+}
+
+impl OracleTree {
+    fn new(width: usize, salt: u64) -> Self {
+        OracleTree {
+            width,
+            salt,
+            log: Vec::new(),
+            chain_calls: 0,
+        }
+    }
+
+    fn build(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft, tree: bool) {
+        draft.clear();
+        let s = Stream::new(self.salt);
+        let pos = req.context.len() as u64;
+        let correct_depth = (s.bits(pos, 0)[0] % (req.max_draft as u32 + 1)) as usize;
+        let mut ctx = req.context.to_vec();
+        let mut parent_row = 0u32;
+        for depth in 0..req.max_draft {
+            let truth = c10_next(&ctx);
+            let good = depth < correct_depth;
+            let width = if tree { self.width } else { 1 };
+            let rank = (s.bits(pos, 1 + depth as u32)[1] as usize) % width;
+            let mut next_parent = None;
+            for j in 0..width {
+                if draft.tokens.len() >= req.max_nodes {
+                    break;
+                }
+                let tok = if good && j == rank {
+                    truth
+                } else {
+                    // A wrong token distinct from the truth and from its siblings.
+                    ((truth as usize + 1 + j + (j >= rank) as usize) % 7) as u32
+                };
+                draft.tokens.push(tok);
+                draft.parents.push(parent_row);
+                if j == rank {
+                    next_parent = Some(draft.tokens.len() as u32);
+                }
+            }
+            match next_parent {
+                Some(r) if draft.tokens.len() < req.max_nodes => {
+                    parent_row = r;
+                    ctx.push(draft.tokens[r as usize - 1]);
+                }
+                _ => break,
+            }
+        }
+        if !tree {
+            draft.parents.clear();
+        }
+        self.log.push((draft.tokens.clone(), draft.parents.clone()));
+    }
+}
+
+impl Proposer for OracleTree {
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        self.chain_calls += 1;
+        self.build(req, draft, false);
+        Ok(())
+    }
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        self.build(req, draft, true);
+        Ok(())
+    }
+}
+
+fn plain(target: ToyModel, prompt: &[u32], params: &GenerationParams) -> Vec<u32> {
+    let params = GenerationParams {
+        draft: speculative::decode::DraftLength::Off,
+        tree_nodes: 0,
+        ..params.clone()
+    };
+    Generator::new(target, NoProposer)
+        .generate(prompt, &params)
+        .unwrap()
+        .tokens
+}
+
+#[test]
+fn greedy_tree_output_equals_plain_greedy() {
+    for salt in 0..6u64 {
+        let prompt: Vec<u32> = (0..5).map(|i| ((i * 3 + salt) % 7) as u32).collect();
+        let params = GenerationParams::greedy(60)
+            .with_draft(speculative::decode::DraftLength::Fixed(5))
+            .with_tree_nodes(12);
+        let want = plain(ToyModel::c10(), &prompt, &params);
+        let mut g = Generator::new(
+            CallLog::new(ToyModel::c10().with_tree(16)),
+            OracleTree::new(3, salt),
+        );
+        let out = g.generate(&prompt, &params).unwrap();
+        assert_eq!(out.tokens, want, "salt {salt}");
+        let m = &out.metrics;
+        assert!(m.tree_steps > 0, "tree steps were taken");
+        assert_eq!(g.target().trees.len(), m.tree_steps);
+        assert_eq!(g.target().commits.len(), m.tree_steps);
+        assert!(m.tree_nodes <= 12 * m.tree_steps);
+        // Every tree fit the budget and the depth.
+        for (tokens, parents) in &g.proposer().log {
+            assert!(tokens.len() <= 12);
+            assert_eq!(tokens.len(), parents.len());
+        }
+        // The oracle's trees hold the true branch: tree steps accept more than width-1 chains.
+        assert!(
+            m.mean_accepted_length() > 1.5,
+            "{}",
+            m.mean_accepted_length()
+        );
+        assert_eq!(g.proposer().chain_calls, 0);
+    }
+}
+
+#[test]
+fn a_target_without_tree_support_verifies_chains() {
+    let prompt = [1u32, 2, 3];
+    let params = GenerationParams::greedy(40).with_tree_nodes(12);
+    let want = plain(ToyModel::c10(), &prompt, &params);
+    let mut g = Generator::new(CallLog::new(ToyModel::c10()), OracleTree::new(3, 7));
+    let out = g.generate(&prompt, &params).unwrap();
+    assert_eq!(out.tokens, want);
+    assert_eq!(out.metrics.tree_steps, 0);
+    assert!(g.target().trees.is_empty());
+    assert!(g.proposer().chain_calls > 0, "propose, not propose_tree");
+}
+
+#[test]
+fn tree_nodes_zero_never_asks_for_a_tree() {
+    let mut g = Generator::new(ToyModel::c10().with_tree(16), OracleTree::new(3, 1));
+    let out = g.generate(&[4, 5], &GenerationParams::greedy(30)).unwrap();
+    assert_eq!(out.metrics.tree_steps, 0);
+    assert_eq!(g.target().tree_calls, 0);
+}
+
+/// Random point-mass trees (distinct siblings) for a vocab-`v` model.
+struct RandomTree {
+    vocab: u32,
+    salt: u64,
+}
+
+impl Proposer for RandomTree {
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        self.propose_tree(req, draft)?;
+        draft.tokens.truncate(1);
+        draft.parents.clear();
+        Ok(())
+    }
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        draft.clear();
+        let s = Stream::new(self.salt);
+        let pos = req.context.len() as u64;
+        let mut depth_of = Vec::new();
+        for attempt in 0..2 * req.max_nodes {
+            let i = draft.tokens.len();
+            if i == req.max_nodes {
+                break;
+            }
+            let b = s.bits(pos, attempt as u32);
+            // Parent: any earlier row whose depth allows a child.
+            let mut r = (b[0] as usize) % (i + 1);
+            while r > 0 && depth_of[r - 1] >= req.max_draft {
+                r -= 1;
+            }
+            let d = if r == 0 { 1 } else { depth_of[r - 1] + 1 };
+            if d > req.max_draft {
+                break;
+            }
+            // A token not used by a sibling.
+            let used: Vec<u32> = (0..i)
+                .filter(|&j| draft.parents[j] as usize == r)
+                .map(|j| draft.tokens[j])
+                .collect();
+            if used.len() as u32 >= self.vocab {
+                continue;
+            }
+            let mut t = b[1] % self.vocab;
+            while used.contains(&t) {
+                t = (t + 1) % self.vocab;
+            }
+            draft.tokens.push(t);
+            draft.parents.push(r as u32);
+            depth_of.push(d);
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn seeded_point_mass_trees_reproduce_plain_sampling() {
+    // C15 for trees: with point-mass (deterministic) trees the emitted tokens are the ones plain
+    // sampling with the same seed emits, whatever the tree.
+    let cfg = SamplingConfig::builder()
+        .temperature(0.9)
+        .top_k(6)
+        .build()
+        .unwrap();
+    for seed in 0..8u64 {
+        let model = ToyModel::markov(8, 2, 2.0, 11);
+        let prompt = [1u32, 2, 3, 4];
+        let params = GenerationParams::sampled(cfg.clone(), seed, 48)
+            .with_draft(speculative::decode::DraftLength::Fixed(4))
+            .with_tree_nodes(10);
+        let want = plain(model.clone(), &prompt, &params);
+        let mut g = Generator::new(
+            model.with_tree(10),
+            RandomTree {
+                vocab: 8,
+                salt: seed,
+            },
+        );
+        let out = g.generate(&prompt, &params).unwrap();
+        assert_eq!(out.tokens, want, "seed {seed}");
+        assert!(out.metrics.tree_steps > 0);
+    }
+}
+
+#[test]
+fn an_eos_inside_a_tree_prunes_its_subtree_and_ends_there() {
+    // C10 model; EOS = the token the model emits 3rd. The oracle's true branch runs through it;
+    // no node below an EOS may reach the target, and the output ends at the EOS exactly as
+    // plain greedy decoding with the same stop.
+    let prompt = [3u32, 1, 4];
+    let mut ctx = prompt.to_vec();
+    for _ in 0..3 {
+        let t = c10_next(&ctx);
+        ctx.push(t);
+    }
+    let eos = ctx[prompt.len() + 2];
+    let params = GenerationParams::greedy(40)
+        .with_draft(speculative::decode::DraftLength::Fixed(6))
+        .with_tree_nodes(20)
+        .with_stop(StopConditions::default().with_eos(eos));
+    let want = plain(ToyModel::c10(), &prompt, &params);
+    let mut g = Generator::new(
+        CallLog::new(ToyModel::c10().with_tree(32)),
+        OracleTree::new(3, 99),
+    );
+    let out = g.generate(&prompt, &params).unwrap();
+    assert_eq!(out.tokens, want);
+    assert_eq!(out.finish, FinishReason::Eos);
+    let with_eos = g
+        .target()
+        .trees
+        .iter()
+        .filter(|(_, tokens, _)| tokens.contains(&eos))
+        .count();
+    assert!(with_eos > 0, "the test must put the EOS inside a tree");
+    for (_, tokens, parents) in &g.target().trees {
+        for (i, &r) in parents.iter().enumerate() {
+            if r > 0 {
+                assert_ne!(
+                    tokens[r as usize - 1],
+                    eos,
+                    "node {i} below an EOS reached the target"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_budget_and_the_context_cap_count_the_tree_depth() {
+    for budget in 1..12 {
+        let params = GenerationParams::greedy(budget)
+            .with_draft(speculative::decode::DraftLength::Fixed(6))
+            .with_tree_nodes(16);
+        let mut g = Generator::new(ToyModel::c10().with_tree(16), OracleTree::new(2, 5));
+        let out = g.generate(&[1, 2], &params).unwrap();
+        assert_eq!(out.tokens.len(), budget);
+        assert_eq!(out.finish, FinishReason::MaxTokens);
+    }
+    for max_ctx in 4..14 {
+        let params = GenerationParams::greedy(100)
+            .with_draft(speculative::decode::DraftLength::Fixed(6))
+            .with_tree_nodes(16);
+        let target = ToyModel::deterministic(7, max_ctx, c10_next).with_tree(16);
+        let mut g = Generator::new(target, OracleTree::new(3, 2));
+        let out = g.generate(&[1, 2, 3], &params).unwrap();
+        assert_eq!(out.tokens.len(), max_ctx - 3);
+        assert_eq!(out.finish, FinishReason::ContextFull);
+    }
+}
+
+/// Returns a fixed draft whatever it is asked.
+struct Fixed(Draft);
+
+impl Proposer for Fixed {
+    fn propose(&mut self, _req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        *draft = self.0.clone();
+        Ok(())
+    }
+    fn name(&self) -> &'static str {
+        "fixed"
+    }
+}
+
+#[test]
+fn invalid_trees_never_reach_the_target() {
+    let tree = |tokens: Vec<u32>, parents: Vec<u32>| Draft {
+        tokens,
+        parents,
+        ..Default::default()
+    };
+    let cases: Vec<(Draft, usize, ProposalFault)> = vec![
+        (
+            tree(vec![1, 2], vec![0, 2]),
+            8,
+            ProposalFault::Tree(TreeFault::ParentNotBefore { node: 1, parent: 2 }),
+        ),
+        (
+            tree(vec![1, 1], vec![0, 0]),
+            8,
+            ProposalFault::Tree(TreeFault::DuplicateSiblings { node: 1, token: 1 }),
+        ),
+        (
+            tree(vec![1, 2, 3, 4, 5], vec![0, 0, 0, 0, 0]),
+            4,
+            ProposalFault::Tree(TreeFault::TooManyNodes { nodes: 5, max: 4 }),
+        ),
+        (
+            tree(vec![1, 2, 3, 4, 5], vec![0, 1, 2, 3, 4]),
+            8,
+            ProposalFault::Tree(TreeFault::TooDeep { depth: 5, max: 4 }),
+        ),
+        (
+            tree(vec![1, 9], vec![0, 0]),
+            8,
+            ProposalFault::Tree(TreeFault::TokenOutOfVocab {
+                node: 1,
+                token: 9,
+                vocab_size: 7,
+            }),
+        ),
+    ];
+    for (d, nodes, want) in cases {
+        let params = GenerationParams::greedy(8)
+            .with_draft(speculative::decode::DraftLength::Fixed(4))
+            .with_tree_nodes(nodes);
+        let mut g = Generator::new(CallLog::new(ToyModel::c10().with_tree(16)), Fixed(d));
+        let e = g.generate(&[1, 2], &params).unwrap_err();
+        match &e.error {
+            Error::InvalidProposal { proposer, fault } => {
+                assert_eq!(*proposer, "fixed");
+                assert_eq!(fault, &want);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(g.target().trees.is_empty());
+        assert!(g.target().forwards.is_empty());
+    }
+    // A branching tree where the loop asked for a chain.
+    let mut g = Generator::new(
+        CallLog::new(ToyModel::c10()),
+        Fixed(tree(vec![1, 2], vec![0, 0])),
+    );
+    let e = g
+        .generate(&[1, 2], &GenerationParams::greedy(8))
+        .unwrap_err();
+    assert!(matches!(
+        e.error,
+        Error::InvalidProposal {
+            fault: ProposalFault::TreeNotRequested,
+            ..
+        }
+    ));
+    // A chain written with parents is a chain, with or without tree support.
+    let mut g = Generator::new(
+        CallLog::new(ToyModel::c10()),
+        Fixed(tree(vec![1, 2], vec![0, 1])),
+    );
+    let params = GenerationParams::greedy(8);
+    let mut s = g.session(&[1, 2], &params).unwrap();
+    let r = s.step().map(|t| t.map(<[u32]>::len));
+    assert!(matches!(r, Ok(Some(1..=3))), "{r:?}");
+}
+
+#[test]
+fn streaming_reports_each_tree_step() {
+    let params = GenerationParams::greedy(30)
+        .with_draft(speculative::decode::DraftLength::Fixed(4))
+        .with_tree_nodes(9);
+    let mut g = Generator::new(ToyModel::c10().with_tree(9), OracleTree::new(3, 3));
+    let mut steps = Vec::new();
+    let out = g
+        .generate_stream(&[2, 2], &params, |c| {
+            steps.push((c.tokens.len(), c.step));
+            std::ops::ControlFlow::Continue(())
+        })
+        .unwrap();
+    assert_eq!(steps.len(), out.metrics.target_calls);
+    let trees = steps.iter().filter(|(_, s)| s.tree).count();
+    assert_eq!(trees, out.metrics.tree_steps);
+    for (n, s) in &steps {
+        assert!(s.drafted <= 9 && s.depth <= 4 && s.accepted <= s.depth);
+        assert!(*n <= s.accepted + 1);
+    }
+    let accepted: usize = steps.iter().map(|(_, s)| s.accepted).sum();
+    assert_eq!(accepted, out.metrics.accepted);
+}
+
+#[test]
+fn the_kv_cache_after_tree_steps_is_the_emitted_sequence() {
+    let params = GenerationParams::greedy(25)
+        .with_draft(speculative::decode::DraftLength::Fixed(5))
+        .with_tree_nodes(12);
+    let prompt = [6u32, 0, 5];
+    let mut g = Generator::new(ToyModel::c10().with_tree(12), OracleTree::new(3, 8));
+    let out = g.generate(&prompt, &params).unwrap();
+    let mut all = prompt.to_vec();
+    all.extend(&out.tokens);
+    // The loop's invariant: the cache holds every token but the last.
+    assert_eq!(g.target().tokens(), &all[..all.len() - 1]);
+}
