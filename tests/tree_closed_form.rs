@@ -24,6 +24,9 @@
 //!    the emitted token, an ending node emits no bonus).
 //! 5. Deterministic (point-mass) trees reproduce plain sampling with the same seed token for
 //!    token (case C15: the position's token is drawn from `p` exactly as plain sampling draws it).
+//! 6. A batch of ragged trees (`Verifier::verify_batch`, each sequence with its own draft form,
+//!    context, seed, prompt length and suppression) gives each sequence exactly the outcome of
+//!    verifying it alone, so the laws above hold in batches too.
 
 mod common;
 
@@ -37,7 +40,10 @@ use common::tree::{
 use common::{Fit, chi_square};
 use proptest::collection::vec;
 use proptest::prelude::*;
-use speculative::{SamplingConfig, SiblingScheme, StepEnd, StepOutput, Verifier, VerifyRequest};
+use speculative::{
+    DraftProbs, SamplingConfig, SequenceParams, SiblingScheme, StepEnd, StepOutput, Verifier,
+    VerifyBatch, VerifyRequest,
+};
 
 /// Tolerance of the exact identities (f64 throughout, from f32 processed rows renormalised).
 const TOL: f64 = 1e-9;
@@ -689,5 +695,93 @@ proptest! {
             }
             Ok::<(), TestCaseError>(())
         })?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Each sequence of a batch of trees gets exactly the outcome it gets alone.
+    #[test]
+    fn batch_of_trees_is_each_tree_alone(
+        case in tree_case(),
+        modes in vec(prop::sample::select(vec![Mode::Det, Mode::Wr, Mode::Wor, Mode::Mixed]), 1..5),
+        seeds in vec(any::<u64>(), 4),
+    ) {
+        let cfg = case.params.config();
+        let cases: Vec<TreeCase> = modes
+            .iter()
+            .enumerate()
+            .map(|(b, &mode)| TreeCase {
+                mode,
+                shape_seed: case.shape_seed ^ b as u64,
+                logits_form: case.logits_form && mode != Mode::Det,
+                // Contexts of different lengths: different positions and histories.
+                params: Params {
+                    context: case.params.context[..case.params.context.len().saturating_sub(b)].to_vec(),
+                    ..case.params.clone()
+                },
+                prompt_len: case.prompt_len.min(case.params.context.len().saturating_sub(b)),
+                ..case.clone()
+            })
+            .collect();
+        let insts: Vec<Instance> = cases
+            .iter()
+            .enumerate()
+            .map(|(b, c)| {
+                let shape = c.shape();
+                c.with_models(&cfg, |m| Instance::draft(m, &shape, c.form(), &mut SplitMix(seeds[b])))
+            })
+            .collect();
+        let mut target = Vec::new();
+        let (mut tokens, mut parents, mut schemes, mut ends) = (vec![], vec![], vec![], vec![]);
+        let mut offsets = vec![0];
+        for inst in &insts {
+            target.extend_from_slice(&inst.target);
+            tokens.extend_from_slice(&inst.tokens);
+            parents.extend_from_slice(&inst.parents);
+            schemes.extend_from_slice(&inst.schemes);
+            ends.extend_from_slice(&inst.ends);
+            offsets.push(tokens.len());
+        }
+        let seqs: Vec<SequenceParams<'_>> = insts
+            .iter()
+            .zip(&cases)
+            .enumerate()
+            .map(|(b, (inst, c))| {
+                let q = match inst.form {
+                    QForm::PointMass => DraftProbs::PointMass,
+                    QForm::Probs => DraftProbs::Probs { probs: &inst.q, vocab: inst.qv },
+                    QForm::Logits => DraftProbs::Logits { logits: &inst.q, vocab: inst.qv },
+                };
+                SequenceParams::new(&cfg, seeds[b])
+                    .context(&c.params.context)
+                    .prompt_len(inst.prompt_len)
+                    .suppress(&inst.suppress, inst.suppress_rows)
+                    .draft_probs(q)
+            })
+            .collect();
+        let batch = VerifyBatch {
+            vocab_size: case.vocab,
+            target_logits: &target,
+            draft_tokens: &tokens,
+            draft_offsets: &offsets,
+            draft_probs: DraftProbs::PointMass,
+            sequences: &seqs,
+            parents: None,
+            schemes: None,
+            ends: &[],
+        }
+        .tree(&parents)
+        .schemes(&schemes)
+        .node_ends(&ends);
+        let got = Verifier::new().verify_batch(&batch).unwrap();
+        prop_assert_eq!(got.len(), insts.len());
+        for (b, (inst, c)) in insts.iter().zip(&cases).enumerate() {
+            let alone = Verifier::new()
+                .verify(&inst.request(&cfg, &c.params.context, seeds[b], &inst.schemes))
+                .unwrap();
+            prop_assert_eq!(got[b].as_ref().unwrap(), &alone, "sequence {}", b);
+        }
     }
 }
