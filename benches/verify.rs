@@ -29,12 +29,12 @@
 //! - `stochastic`: temperature 0.8, top-p 0.9, top-k 50, point-mass siblings (the position's
 //!   token is drawn once per row and the child equal to it is followed);
 //! - `stochastic_q`: the same configuration with dense q (siblings sampled with replacement, one
-//!   q row per node, the group's; q is the softmax of the checking row's logits), so every
-//!   rejection computes a residual over the vocabulary.
+//!   `[vocab]` q row per node, the group's; q is the softmax of the checking row's logits): the
+//!   verifier validates every q row and tests the siblings with `min(1, p / q)` and residuals.
 //!
 //! The third sibling is the argmax of row 0 and the first half of the chain under it follows the
-//! argmax of each row; the other nodes are the token after the argmax of their parent's row. The
-//! number of rows read (accepted + 1) is printed once per benchmark.
+//! argmax of each row; the other nodes are tokens after the argmax of their parent's row. The
+//! number of rows the walk processed (accepted + 1) is printed once per benchmark.
 
 use std::collections::HashMap;
 use std::hint::black_box;
