@@ -20,13 +20,30 @@
 //! Filter by name, e.g. `cargo bench --bench verify -- 'verify_v151936/.*/k4_b16'`. Inputs are
 //! generated lazily, only for the benchmarks that run: one `[576, vocab]` buffer per vocabulary
 //! (the largest batch * (k + 1)), sliced for smaller parameter sets.
+//!
+//! **Trees** (groups `tree_v{vocab}`, vocabularies 49,152 and 151,936; filter `-- tree`): one
+//! sequence, a token tree of `n` = 16 or 64 nodes of a common shape, 4 siblings at depth 1 and a
+//! chain under each (3 or 15 nodes deep), against `read_once` of its `[n + 1, vocab]` rows:
+//!
+//! - `greedy`: temperature 0, point-mass (deterministic) siblings;
+//! - `stochastic`: temperature 0.8, top-p 0.9, top-k 50, point-mass siblings (the position's
+//!   token is drawn once per row and the child equal to it is followed);
+//! - `stochastic_q`: the same configuration with dense q (siblings sampled with replacement, one
+//!   `[vocab]` q row per node, the group's; q is the softmax of the checking row's logits): the
+//!   verifier validates every q row and tests the siblings with `min(1, p / q)` and residuals.
+//!
+//! The third sibling is the argmax of row 0 and the first half of the chain under it follows the
+//! argmax of each row; the other nodes are tokens after the argmax of their parent's row. The
+//! number of rows the walk processed (accepted + 1) is printed once per benchmark.
 
 use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use speculative::{DraftProbs, SamplingConfig, SequenceParams, Verifier, VerifyBatch};
+use speculative::{
+    DraftProbs, SamplingConfig, SequenceParams, Verifier, VerifyBatch, VerifyRequest,
+};
 
 const VOCABS: [usize; 5] = [32_000, 49_152, 128_256, 151_936, 262_144];
 const KS: [usize; 3] = [1, 4, 8];
@@ -188,5 +205,131 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// Vocabularies and node counts of the tree benchmarks.
+const TREE_VOCABS: [usize; 2] = [49_152, 151_936];
+const TREE_NODES: [usize; 2] = [16, 64];
+
+/// Parent rows of the tree shape: 4 siblings under the root, then a chain of `(n - 4) / 4`
+/// nodes under each sibling, chain after chain.
+fn tree_parents(n: usize) -> Vec<u32> {
+    let depth = (n - 4) / 4;
+    let mut p: Vec<u32> = vec![0; 4];
+    for s in 0..4u32 {
+        let mut row = s + 1;
+        for _ in 0..depth {
+            p.push(row);
+            row = p.len() as u32;
+        }
+    }
+    p
+}
+
+/// Node tokens: the argmax of the checking row for sibling 2 and the first half of the chain
+/// under it, the token after the argmax elsewhere (distinct siblings).
+fn tree_tokens(buf: &[f32], vocab: usize, parents: &[u32]) -> Vec<u32> {
+    let n = parents.len();
+    let depth = (n - 4) / 4;
+    let on_path = |i: usize| i == 2 || (i >= 4 + 2 * depth && i < 4 + 2 * depth + depth / 2);
+    (0..n)
+        .map(|i| {
+            let r = parents[i] as usize;
+            let a = argmax(&buf[r * vocab..(r + 1) * vocab]);
+            if on_path(i) {
+                a
+            } else if i < 4 {
+                // Distinct siblings, none of them the argmax.
+                (a + 1 + i as u32) % vocab as u32
+            } else {
+                (a + 1) % vocab as u32
+            }
+        })
+        .collect()
+}
+
+/// Dense q, `[n, vocab]`: node `i` carries the softmax of its checking row (the group's q).
+fn tree_q(buf: &[f32], vocab: usize, parents: &[u32]) -> Vec<f32> {
+    let mut q = Vec::with_capacity(parents.len() * vocab);
+    for &r in parents {
+        let row = &buf[r as usize * vocab..(r as usize + 1) * vocab];
+        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let start = q.len();
+        q.extend(row.iter().map(|&x| (x - mx).exp()));
+        let s: f64 = q[start..].iter().map(|&x| x as f64).sum();
+        for x in &mut q[start..] {
+            *x = (*x as f64 / s) as f32;
+        }
+    }
+    q
+}
+
+fn bench_tree(c: &mut Criterion) {
+    let greedy = SamplingConfig::greedy();
+    let stochastic = SamplingConfig::builder()
+        .temperature(0.8)
+        .top_p(0.9)
+        .top_k(50)
+        .build()
+        .expect("valid configuration");
+    for vocab in TREE_VOCABS {
+        let mut group = c.benchmark_group(format!("tree_v{vocab}"));
+        group
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(300))
+            .measurement_time(Duration::from_millis(1500));
+        let mut buf: Option<Vec<f32>> = None;
+        for n in TREE_NODES {
+            let rows = n + 1;
+            let id = format!("n{n}");
+            let parents = tree_parents(n);
+            group.bench_function(BenchmarkId::new("read_once", &id), |b| {
+                let buf = buf.get_or_insert_with(|| logits(vocab));
+                let data = &buf[..rows * vocab];
+                b.iter(|| read_once(black_box(data)))
+            });
+            for (mode, cfg, dense) in [
+                ("greedy", &greedy, false),
+                ("stochastic", &stochastic, false),
+                ("stochastic_q", &stochastic, true),
+            ] {
+                let mut verifier = Verifier::new();
+                let mut reported = false;
+                let mut inputs: Option<(Vec<u32>, Vec<f32>)> = None;
+                group.bench_function(BenchmarkId::new(mode, &id), |b| {
+                    let buf = buf.get_or_insert_with(|| logits(vocab));
+                    let data = &buf[..rows * vocab];
+                    let (tokens, q) = inputs.get_or_insert_with(|| {
+                        let q = if dense {
+                            tree_q(data, vocab, &parents)
+                        } else {
+                            Vec::new()
+                        };
+                        (tree_tokens(data, vocab, &parents), q)
+                    });
+                    let dp = if dense {
+                        DraftProbs::Probs { probs: q, vocab }
+                    } else {
+                        DraftProbs::PointMass
+                    };
+                    let req = VerifyRequest::new(cfg, data, vocab, tokens)
+                        .tree(&parents)
+                        .draft_probs(dp)
+                        .seed(7);
+                    if !reported {
+                        reported = true;
+                        let out = verifier.verify(&req).expect("valid tree");
+                        eprintln!(
+                            "tree_v{vocab}/{mode}/{id}: rows read {} of {rows}, path {:?}",
+                            out.accepted + 1,
+                            out.path
+                        );
+                    }
+                    b.iter(|| verifier.verify(black_box(&req)))
+                });
+            }
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, bench, bench_tree);
 criterion_main!(benches);
