@@ -125,7 +125,7 @@ pub mod test_util;
 pub mod tree;
 pub mod verify;
 
-pub use error::{Error, Result, RowKind};
+pub use error::{Error, ProposalFault, Result, RowKind};
 pub use model::{HiddenStates, TargetModel, TreeTarget};
 pub use propose::{
     Draft, DraftModelProposer, NoProposer, PromptLookup, PromptLookupConfig, ProposeRequest,

@@ -222,7 +222,9 @@ pub trait TreeTarget {
     ///
     /// # Errors
     /// [`crate::Error::InvalidTree`] for a block that is not a valid tree or has more than
-    /// [`TreeTarget::max_tree_nodes`] nodes; [`crate::Error::Model`] for engine failures and when
+    /// [`TreeTarget::max_tree_nodes`] nodes (check it with `block.validate(&`
+    /// [`TreeLimits::target`](crate::TreeLimits::target)`(vocab, max_tree_nodes))`: a target
+    /// sees no q, so it must accept every sibling scheme); [`crate::Error::Model`] for engine failures and when
     /// the sequence would exceed [`TargetModel::max_context`] (counting every node). On error the
     /// sequence is left as it was.
     fn forward_tree(

@@ -196,10 +196,7 @@ impl TreeTarget for ToyModel {
         block: &DraftBlock<'_>,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
-        let limits = TreeLimits {
-            max_nodes: self.tree_nodes,
-            ..TreeLimits::vocab(self.vocab)
-        };
+        let limits = TreeLimits::target(self.vocab, self.tree_nodes);
         block.validate(&limits).map_err(Error::InvalidTree)?;
         if root as usize >= self.vocab {
             return Err(Error::TokenOutOfVocab {

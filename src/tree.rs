@@ -294,6 +294,19 @@ pub struct TreeLimits {
 }
 
 impl TreeLimits {
+    /// The limits a target's tree forward checks ([`crate::TreeTarget::forward_tree`]): the
+    /// vocabulary and the target's capacity, any depth, and any sibling scheme (a target sees
+    /// no q: with `dense_q: true` sampled groups, which may repeat a token, pass; groups marked
+    /// [`SiblingScheme::Deterministic`] still may not).
+    pub fn target(vocab_size: usize, max_nodes: usize) -> Self {
+        TreeLimits {
+            vocab_size,
+            max_nodes,
+            max_depth: usize::MAX,
+            dense_q: true,
+        }
+    }
+
     /// Limits with a vocabulary only: any node count and depth, point-mass drafts.
     pub fn vocab(vocab_size: usize) -> Self {
         TreeLimits {
@@ -398,7 +411,7 @@ impl fmt::Display for TreeFault {
             ),
             TreeFault::ParentNotBefore { node, parent } => write!(
                 f,
-                "node {node} has parent row {parent}; parents must come before their children (row <= node index)"
+                "node {node} has parent row {parent}; parents must come before their children (parent rows: 0 = the root, j + 1 = node j, so row <= node index)"
             ),
             TreeFault::TokenOutOfVocab {
                 node,

@@ -347,9 +347,18 @@ fn invalid_trees_never_reach_the_target() {
             ProposalFault::Tree(TreeFault::TooManyNodes { nodes: 5, max: 4 }),
         ),
         (
-            tree(vec![1, 2, 3, 4, 5], vec![0, 1, 2, 3, 4]),
+            tree(vec![1, 2, 3, 4, 5, 6], vec![0, 1, 2, 3, 4, 0]),
             8,
             ProposalFault::Tree(TreeFault::TooDeep { depth: 5, max: 4 }),
+        ),
+        (
+            // A chain written with parents is checked as a chain: its length against k.
+            tree(vec![1, 2, 3, 4, 5], vec![0, 1, 2, 3, 4]),
+            8,
+            ProposalFault::TooLong {
+                len: 5,
+                max_draft: 4,
+            },
         ),
         (
             tree(vec![1, 9], vec![0, 0]),
@@ -439,4 +448,146 @@ fn the_kv_cache_after_tree_steps_is_the_emitted_sequence() {
     all.extend(&out.tokens);
     // The loop's invariant: the cache holds every token but the last.
     assert_eq!(g.target().tokens(), &all[..all.len() - 1]);
+}
+
+/// A wide tree of `width` distinct children of the root, whatever the request asks.
+struct Wide(usize);
+
+impl Proposer for Wide {
+    fn propose(&mut self, _req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        draft.clear();
+        Ok(())
+    }
+    fn propose_tree(&mut self, _req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        draft.clear();
+        draft.tokens.extend(0..self.0 as u32);
+        draft.parents.resize(self.0, 0);
+        Ok(())
+    }
+    fn name(&self) -> &'static str {
+        "wide"
+    }
+}
+
+#[test]
+fn the_node_budget_and_the_target_capacity_bound_a_branching_tree() {
+    // Budget 3 nodes, depth 6: a 6-node tree is over the budget, not "within the depth".
+    let params = GenerationParams::greedy(8)
+        .with_draft(speculative::decode::DraftLength::Fixed(6))
+        .with_tree_nodes(3);
+    let mut g = Generator::new(CallLog::new(ToyModel::c10().with_tree(16)), Wide(6));
+    let e = g.generate(&[1, 2], &params).unwrap_err();
+    assert!(
+        matches!(
+            e.error,
+            Error::InvalidProposal {
+                fault: ProposalFault::Tree(TreeFault::TooManyNodes { nodes: 6, max: 3 }),
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(g.target().trees.is_empty());
+    // The target holds 4 nodes: the same tree never reaches its forward.
+    let params = params.with_tree_nodes(32);
+    let mut g = Generator::new(CallLog::new(ToyModel::c10().with_tree(4)), Wide(6));
+    let e = g.generate(&[1, 2], &params).unwrap_err();
+    assert!(
+        matches!(
+            e.error,
+            Error::InvalidProposal {
+                fault: ProposalFault::Tree(TreeFault::TooManyNodes { nodes: 6, max: 4 }),
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(g.target().trees.is_empty());
+}
+
+/// Samples `width` root children with replacement from a fixed q (duplicates allowed), dense q.
+struct Sampled {
+    width: usize,
+}
+
+impl Proposer for Sampled {
+    fn propose(&mut self, _req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        draft.clear();
+        Ok(())
+    }
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        draft.clear();
+        let vocab = 8usize;
+        let q: Vec<f32> = (0..vocab).map(|v| (v + 1) as f32 / 36.0).collect();
+        let s = Stream::new(req.seed ^ 0xabc);
+        for j in 0..self.width {
+            let u = s.uniform(req.context.len() as u64, 10 + j as u32);
+            let mut acc = 0.0;
+            let mut t = vocab - 1;
+            for (v, &p) in q.iter().enumerate() {
+                acc += p;
+                if u < acc {
+                    t = v;
+                    break;
+                }
+            }
+            draft.tokens.push(t as u32);
+            draft.parents.push(0);
+        }
+        draft.q = Some(q.repeat(self.width));
+        draft.q_vocab = vocab;
+        draft.schemes = vec![speculative::SiblingScheme::WithReplacement; self.width];
+        Ok(())
+    }
+}
+
+#[test]
+fn sampled_trees_with_repeated_tokens_reach_a_tree_target() {
+    let cfg = SamplingConfig::builder().temperature(1.0).build().unwrap();
+    let model = ToyModel::markov(8, 1, 1.5, 3);
+    let params = GenerationParams::sampled(cfg, 5, 60)
+        .with_draft(speculative::decode::DraftLength::Fixed(1))
+        .with_tree_nodes(4);
+    let mut g = Generator::new(CallLog::new(model.with_tree(8)), Sampled { width: 4 });
+    let out = g.generate(&[1, 2, 3], &params).unwrap();
+    assert_eq!(out.tokens.len(), 60);
+    let repeated = g.target().trees.iter().any(|(_, t, _)| {
+        let mut s = t.clone();
+        s.sort_unstable();
+        s.dedup();
+        s.len() < t.len()
+    });
+    assert!(repeated, "the test must send a tree with a repeated token");
+    assert_eq!(out.metrics.tree_steps, g.target().trees.len());
+}
+
+#[test]
+fn adaptive_depth_turns_unprofitable_trees_off() {
+    let params = GenerationParams::greedy(200)
+        .with_draft(speculative::decode::DraftLength::Adaptive(
+            speculative::decode::AdaptiveConfig::default(),
+        ))
+        .with_tree_nodes(24);
+    let mut g = Generator::new(
+        ToyModel::c10().with_tree(32),
+        RandomTree { vocab: 7, salt: 4 },
+    );
+    let out = g.generate(&[1, 2], &params).unwrap();
+    let m = &out.metrics;
+    assert!(m.tree_steps > 0, "the policy starts by measuring trees");
+    // Random trees of 24 nodes cost 25 rows for a few accepted tokens: the policy settles on
+    // plain decoding for most steps, as it does with chains that do not pay.
+    println!(
+        "{} calls, {} no-draft, {} tree steps, mean accepted length {:.2}",
+        m.target_calls,
+        m.no_draft_steps,
+        m.tree_steps,
+        m.mean_accepted_length()
+    );
+    assert!(
+        m.no_draft_steps * 2 > m.target_calls,
+        "{} no-draft steps of {}",
+        m.no_draft_steps,
+        m.target_calls
+    );
 }

@@ -386,6 +386,8 @@ pub struct Session<'g, T, P> {
 /// a chain ends the sequence, whether the draft is a tree (then `Generator::node_ends` says
 /// which nodes end it), its depth, and the time spent.
 struct Proposed {
+    /// The draft length (tree depth) the step asked for.
+    k_req: usize,
     k: usize,
     ends: bool,
     tree: bool,
@@ -590,6 +592,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                 g.draft.schemes.clear();
                 let k = g.draft.len();
                 return Ok(Proposed {
+                    k_req,
                     k,
                     ends,
                     tree: false,
@@ -599,6 +602,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             }
             let depth = g.draft.block().max_depth();
             return Ok(Proposed {
+                k_req,
                 k: g.draft.len(),
                 ends: false,
                 tree: true,
@@ -613,6 +617,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             q.truncate(k * g.draft.q_vocab);
         }
         Ok(Proposed {
+            k_req,
             k,
             ends,
             tree: false,
@@ -921,12 +926,15 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         let observe_time = t.elapsed();
 
         let m = &mut self.metrics;
-        if p.tree {
-            // Whether the walk stopped at a row with children (a depth was tested and failed).
+        // Tree steps: whether the walk stopped at a row with children (a depth was tested and
+        // failed).
+        let tested = p.tree && {
             let row = out.path.last().map_or(0, |&j| j as usize + 1);
-            let tested = accepted_kept == out.accepted
+            accepted_kept == out.accepted
                 && !matches!(out.end, StepEnd::Ended)
-                && g.draft.block().children(row).next().is_some();
+                && g.draft.block().children(row).next().is_some()
+        };
+        if p.tree {
             m.record_tree_step(p.k, p.depth, accepted_kept, kept, tested);
         } else {
             m.record_step(p.k, out.accepted, accepted_kept, kept);
@@ -937,15 +945,22 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         if m.time_to_first_token.is_none() {
             m.time_to_first_token = Some(self.start.elapsed());
         }
-        // The adaptive policy's cost model is per chain length: tree steps do not update it.
-        if let (DraftLength::Adaptive(a), false) = (&params.draft, p.tree) {
-            g.adaptive.observe(
-                a,
-                p.k,
-                out.accepted,
-                forward.as_secs_f64(),
-                (p.time + observe_time).as_secs_f64(),
-            );
+        if let DraftLength::Adaptive(a) = &params.draft {
+            let propose_secs = (p.time + observe_time).as_secs_f64();
+            if p.tree {
+                // The depth the policy chose, and the cost of the whole tree forward.
+                g.adaptive.observe_tree(
+                    a,
+                    p.k_req,
+                    out.accepted,
+                    tested,
+                    forward.as_secs_f64(),
+                    propose_secs,
+                );
+            } else {
+                g.adaptive
+                    .observe(a, p.k, out.accepted, forward.as_secs_f64(), propose_secs);
+            }
         }
 
         let generated = self.context.len() - self.prompt_len;
@@ -1035,13 +1050,15 @@ fn check_proposal(
 ) -> Result<()> {
     let fault = |fault| Error::InvalidProposal { proposer, fault };
     let k = d.tokens.len();
-    if !d.parents.is_empty() || !d.schemes.is_empty() {
-        if max_nodes == 0 && !plain_chain(d) {
+    if !plain_chain(d) {
+        if max_nodes == 0 {
             return Err(fault(ProposalFault::TreeNotRequested));
         }
+        // A branching tree must fit the node budget (the request's, capped by the target's
+        // capacity and the context room) and the depth; a chain, the draft length.
         let limits = TreeLimits {
             vocab_size: vocab,
-            max_nodes: max_nodes.max(max_draft),
+            max_nodes,
             max_depth: max_draft,
             dense_q: d.q.is_some(),
         };

@@ -39,6 +39,12 @@ pub struct GenerationParams {
     /// [`TreeTarget::max_tree_nodes`](crate::TreeTarget::max_tree_nodes) and the context room)
     /// and depth at most the step's draft length, and verifies every branch in one forward. A
     /// target without tree support verifies chains (the proposer's `propose`), as with 0.
+    ///
+    /// The shipped proposers branch only when `n` exceeds the draft length (with `n <= k` they
+    /// return a chain of `n` tokens), so give `n` above the [`DraftLength`]'s `k`: for example
+    /// `Fixed(8)` with 16 or 32 nodes. With [`DraftLength::Adaptive`] the policy chooses the
+    /// depth from tree steps' acceptance by depth and forward cost, and turns speculation off
+    /// where trees do not pay.
     pub tree_nodes: usize,
     /// Set to `true` from any thread to cancel; checked before each step.
     pub cancel: Option<Arc<AtomicBool>>,

@@ -43,6 +43,13 @@ impl Default for DraftLength {
 /// (a draft model rejected everywhere, whose catch-up over the skipped tokens is costly) costs
 /// a vanishing share of the time; the first step that speculates again resets the wait.
 ///
+/// **With token trees** ([`GenerationParams::tree_nodes`](crate::decode::GenerationParams::tree_nodes))
+/// `k` is the tree's depth: `a_i` is the probability that the accepted path reaches depth
+/// `i + 1` given it reached depth `i`, and `t(k + 1)` is the measured cost of the steps that
+/// chose depth `k` (tree forwards of up to the node budget, or chains when the proposer found a
+/// single path), so the same rule weighs the longer accepted paths of trees against their wider
+/// forwards, and turns speculation off where trees do not pay ([`AdaptiveState::observe_tree`]).
+///
 /// | field | default | valid range |
 /// |---|---|---|
 /// | `max_draft` | 8 | any (0 makes every step a no-draft step) |
@@ -232,6 +239,38 @@ impl AdaptiveState {
         forward_secs: f64,
         propose_secs: f64,
     ) {
+        // A chain tests every position up to the first rejection.
+        let reached = (accepted + 1).min(k);
+        self.record(cfg, k, accepted, reached, forward_secs, propose_secs);
+    }
+
+    /// Records one tree step chosen with depth `depth` (the `k` that [`AdaptiveState::choose`]
+    /// returned): `accepted` nodes on the accepted path, `tested_next` when the walk stopped at
+    /// a node with children (the next depth was tested and rejected; a path that ends at a leaf
+    /// tests nothing more), the tree forward took `forward_secs` (kept as the cost of depth
+    /// `depth`), proposing took `propose_secs`.
+    pub fn observe_tree(
+        &mut self,
+        cfg: &AdaptiveConfig,
+        depth: usize,
+        accepted: usize,
+        tested_next: bool,
+        forward_secs: f64,
+        propose_secs: f64,
+    ) {
+        let reached = (accepted + tested_next as usize).min(depth);
+        self.record(cfg, depth, accepted, reached, forward_secs, propose_secs);
+    }
+
+    fn record(
+        &mut self,
+        cfg: &AdaptiveConfig,
+        k: usize,
+        accepted: usize,
+        reached: usize,
+        forward_secs: f64,
+        propose_secs: f64,
+    ) {
         self.steps += 1;
         let n = k + 1;
         if self.cost.len() <= n {
@@ -253,7 +292,6 @@ impl AdaptiveState {
             self.acc.resize(k, 0.0);
             self.seen.resize(k, 0.0);
         }
-        let reached = (accepted + 1).min(k);
         for i in 0..reached {
             self.acc[i] *= cfg.decay;
             self.seen[i] *= cfg.decay;

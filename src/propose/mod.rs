@@ -210,7 +210,9 @@ pub trait Proposer {
     /// `req.max_draft` (parents in [`Draft::parents`]; see [`crate::tree`]). Every node must
     /// satisfy the rules of [`Proposer::propose`] along its own path (no token after an EOS).
     /// The loop calls it instead of `propose` when tree drafts are on and the target supports
-    /// them. The default returns the chain of [`Proposer::propose`] (a chain is a tree).
+    /// them. The default returns the chain of [`Proposer::propose`] (a chain is a tree; the loop
+    /// checks a chain against `max_draft` only, so it may exceed a `max_nodes` below
+    /// `max_draft`).
     ///
     /// # Errors
     /// As [`Proposer::propose`].

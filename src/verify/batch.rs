@@ -25,9 +25,10 @@ pub struct SequenceParams<'a, Q = f32> {
     pub position: Option<u64>,
     /// Number of leading `context` tokens that are the prompt ([`VerifyRequest::prompt_len`]).
     pub prompt_len: usize,
-    /// Tokens banned at the sequence's rows `0..suppress_rows` ([`VerifyRequest::suppress`]).
+    /// Tokens banned at the sequence's rows `0..suppress_rows` (depths, for a tree;
+    /// [`VerifyRequest::suppress`]).
     pub suppress: &'a [u32],
-    /// Number of leading rows at which `suppress` applies.
+    /// Number of leading rows (depths, for a tree) at which `suppress` applies.
     pub suppress_rows: usize,
     /// The sequence's own draft form, overriding the batch's [`VerifyBatch::draft_probs`]:
     /// point masses, or its own `[k_b, draft_vocab_b]` probabilities or draft logits (its own

@@ -375,9 +375,10 @@ pub struct VerifyRequest<'a, L = f32, Q = f32> {
     /// generated.
     pub prompt_len: usize,
     /// Tokens banned at rows `0..suppress_rows` only (`min_tokens`: the EOS ids while fewer than
-    /// `min_tokens` tokens have been generated). Empty by default.
+    /// `min_tokens` tokens have been generated). Empty by default. For a tree, "row `i`" means
+    /// every row at depth `i` (the root's row is depth 0): the rows of a chain.
     pub suppress: &'a [u32],
-    /// Number of leading rows at which `suppress` applies.
+    /// Number of leading rows (depths, for a tree) at which `suppress` applies.
     pub suppress_rows: usize,
     /// `true` when accepting the final draft token ends the sequence (it is an EOS or completes a
     /// stop). Then nothing after it is processed: `target_logits` holds `k` rows, not `k + 1`
@@ -691,14 +692,19 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
                     continue;
                 }
                 let q = row(probs, qv, i);
-                check_dense_q(q, i)?;
+                // A later sibling's row must equal its group's first row, which was checked
+                // in full: the equality is the whole check (one pass over the row, not two).
+                if group_first(&block, i) == i {
+                    check_dense_q(q, i)?;
+                } else {
+                    check_group_row(probs, qv, &block, i)?;
+                }
                 if q[d as usize].widen() <= 0.0 {
                     return Err(Error::InvalidDraftProbs {
                         row: i,
                         reason: "the drafted token has probability 0 under q",
                     });
                 }
-                check_group_row(probs, qv, &block, i)?;
             }
         }
         if let DraftQ::Logits { logits, vocab: qv } = self.draft_probs {

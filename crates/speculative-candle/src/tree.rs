@@ -20,12 +20,7 @@ use crate::error::CandleError;
 /// any depth (the context is checked separately) and any sibling scheme (the forward does not
 /// read them).
 pub(crate) fn limits(vocab_size: usize, max_nodes: usize) -> TreeLimits {
-    TreeLimits {
-        vocab_size,
-        max_nodes,
-        max_depth: usize::MAX,
-        dense_q: true,
-    }
+    TreeLimits::target(vocab_size, max_nodes)
 }
 
 /// The error of a forward, prefill or tree forward while a tree forward is not committed.
