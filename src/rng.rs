@@ -60,6 +60,23 @@ pub mod lane {
             SIBLING_BASE.wrapping_add(j as u32)
         }
     }
+
+    /// First lane of the draft draws of later siblings: sibling `j >= 1` of a sampled group is
+    /// drawn with lane `SIBLING_DRAFT_BASE + j` ([`sibling_draft`]).
+    pub const SIBLING_DRAFT_BASE: u32 = 0x1_0000;
+
+    /// The lane with which a sampling proposer draws sibling `j` (0-based) of a tree group:
+    /// [`DRAFT`] for the first, so that a chain draws what it always drew, and
+    /// `SIBLING_DRAFT_BASE + j` for the later ones (independent draws from the same q, as
+    /// [`crate::SiblingScheme::WithReplacement`] requires).
+    #[inline]
+    pub const fn sibling_draft(j: usize) -> u32 {
+        if j == 0 {
+            DRAFT
+        } else {
+            SIBLING_DRAFT_BASE.wrapping_add(j as u32)
+        }
+    }
 }
 
 const M0: u32 = 0xD251_1F53;
