@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the end-to-end figures of docs/benchmarks.md section 5 and the CPU cost table and
-# simulation of docs/simulator.md. Takes about 10 minutes on a 2-core machine.
+# simulation of docs/simulator.md. Takes about 20 minutes on a 2-core machine.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -12,6 +12,9 @@ OUT="${OUT:-docs/results}"
 # Greedy: model-free proposers at fixed k and adaptive, every workload kind.
 $BIN run --workload docs/workloads/smollm2.jsonl --proposers prompt-lookup,suffix \
     --k 2,4,8,adaptive --reps 2 --warmup 1 --out "$OUT/greedy"
+# Token trees (issue 11): trees of 16 nodes (depth k) next to chains of k = 4, 8, 16 and adaptive.
+$BIN run --workload docs/workloads/smollm2.jsonl --proposers prompt-lookup,suffix \
+    --k 4,8,16,adaptive --tree-nodes 0,16 --reps 2 --warmup 1 --out "$OUT/tree"
 # Sampling (temperature 0.7, top-p 0.9) with the adaptive policy, every workload kind.
 $BIN run --workload docs/workloads/smollm2.jsonl --proposers prompt-lookup,suffix \
     --k adaptive --temperature 0.7 --top-p 0.9 --seeds 1 --reps 2 --warmup 1 --out "$OUT/sampled"
@@ -25,3 +28,9 @@ $BIN simulate --cost docs/cost-tables/cpu-smollm2-fast-q8.json --runs "$OUT/gree
 # Replay of the greedy outputs through the proposers, and the copy-oracle bound (no model).
 $BIN replay --workload docs/workloads/smollm2.jsonl --runs "$OUT/greedy/runs.json" \
     --cost docs/cost-tables/cpu-smollm2-fast-q8.json --k 2,4,8 --out "$OUT/replay"
+# The same outputs through the tree drafts (node budgets 8-64) next to chains of the same budget,
+# on this machine's cost curve and on the illustrative GPU roofline table (flat c(n)).
+$BIN replay --workload docs/workloads/smollm2.jsonl --runs "$OUT/greedy/runs.json" \
+    --cost docs/cost-tables/cpu-smollm2-fast-q8.json --k 4,8 --nodes 8,16,32,64 --out "$OUT/replay-tree"
+$BIN replay --workload docs/workloads/smollm2.jsonl --runs "$OUT/greedy/runs.json" \
+    --cost docs/cost-tables/gpu-roofline-8b.json --k 4,8 --nodes 8,16,32,64 --out "$OUT/replay-tree-gpu"
