@@ -114,15 +114,19 @@ impl<'a> DraftBlock<'a> {
         self.tokens.len() + 1
     }
 
-    /// `true` when every node's parent is the node before it (a chain, however it was built).
+    /// `true` when every node's parent is the node before it (a chain, however it was built):
+    /// no parents, or one parent row per node with `parents[i] == i`.
     pub fn is_chain(&self) -> bool {
         match self.parents {
             None => true,
-            Some(p) => p.iter().enumerate().all(|(i, &r)| r as usize == i),
+            Some(p) => {
+                p.len() == self.tokens.len() && p.iter().enumerate().all(|(i, &r)| r as usize == i)
+            }
         }
     }
 
-    /// The target row that checks node `i` (its parent's row). Panics if `i >= n`.
+    /// The target row that checks node `i` (its parent's row). Panics if `i >= n` (or if the
+    /// block's `parents` is shorter than its tokens: [`DraftBlock::validate`] reports that).
     #[inline]
     pub fn parent_row(&self, i: usize) -> usize {
         match self.parents {
@@ -147,24 +151,28 @@ impl<'a> DraftBlock<'a> {
         (start..end).filter(move |&j| self.parent_row(j) == row)
     }
 
-    /// Depth of node `i` (1 for a child of the root). `O(depth)`; requires a valid block.
+    /// Depth of node `i` (1 for a child of the root). `O(depth)`. Panics if `i >= n`. On a
+    /// block that [`DraftBlock::validate`] rejects the walk stops at the first parent that is
+    /// not an earlier node (no panic, no endless loop; the value is then meaningless).
     pub fn depth(&self, i: usize) -> usize {
         let mut d = 1;
+        let mut node = i;
         let mut row = self.parent_row(i);
-        while row != 0 {
+        while row != 0 && row - 1 < node {
             d += 1;
-            row = self.parent_row(row - 1);
+            node = row - 1;
+            row = self.parent_row(node);
         }
         d
     }
 
-    /// Depth of every node, written to `out` (`[n]`, cleared first). `O(n)`; requires parents
-    /// before children (a valid block).
+    /// Depth of every node, written to `out` (`[n]`, cleared first). `O(n)`. A node whose parent
+    /// is not an earlier node (a block [`DraftBlock::validate`] rejects) counts as depth 1.
     pub fn depths(&self, out: &mut Vec<u32>) {
         out.clear();
         for i in 0..self.len() {
             let r = self.parent_row(i);
-            let d = if r == 0 { 1 } else { out[r - 1] + 1 };
+            let d = if r == 0 || r > i { 1 } else { out[r - 1] + 1 };
             out.push(d);
         }
     }
@@ -180,14 +188,16 @@ impl<'a> DraftBlock<'a> {
     }
 
     /// The nodes from the root's child down to `node` (inclusive), written to `out` (cleared
-    /// first): the path whose tokens a step emits when it accepts `node`.
+    /// first): the path whose tokens a step emits when it accepts `node`. Panics if
+    /// `node >= n`; on a block that [`DraftBlock::validate`] rejects the path stops at the first
+    /// parent that is not an earlier node.
     pub fn path_to(&self, node: usize, out: &mut Vec<u32>) {
         out.clear();
         let mut i = node;
         loop {
             out.push(i as u32);
             let r = self.parent_row(i);
-            if r == 0 {
+            if r == 0 || r - 1 >= i {
                 break;
             }
             i = r - 1;
@@ -474,6 +484,30 @@ mod tests {
         assert_eq!(p, vec![2, 4]);
         assert!(DraftBlock::tree(&TOKENS, &[0, 1, 2, 3, 4]).is_chain());
         assert_eq!(t.validate(&TreeLimits::vocab(15)), Ok(()));
+    }
+
+    #[test]
+    fn invalid_blocks_never_hang_or_panic_in_the_accessors() {
+        // Node 0's parent is node 1 and node 1's is node 0: a cycle, and parents after nodes.
+        let bad = DraftBlock::tree(&[1, 2, 3], &[2, 1, 3]);
+        let mut d = Vec::new();
+        bad.depths(&mut d);
+        assert_eq!(d.len(), 3);
+        for i in 0..3 {
+            assert!(bad.depth(i) >= 1);
+            bad.path_to(i, &mut d);
+            assert_eq!(d.last(), Some(&(i as u32)));
+        }
+        assert!(bad.max_depth() >= 1);
+        assert!(!bad.is_chain());
+        assert!(bad.validate(&TreeLimits::vocab(8)).is_err());
+        // Fewer parents than tokens is not a chain, and validation says why.
+        let short = DraftBlock::tree(&[1, 2, 3], &[0, 1]);
+        assert!(!short.is_chain());
+        assert!(matches!(
+            short.validate(&TreeLimits::vocab(8)),
+            Err(TreeFault::Shape { what: "parents", .. })
+        ));
     }
 
     #[test]
