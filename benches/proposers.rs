@@ -81,6 +81,7 @@ fn propose(
         config,
         max_draft: K,
         max_nodes: nodes,
+        max_branch: usize::MAX,
         seed: 0,
         target_hidden: None,
         prompt_len: 0,

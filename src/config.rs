@@ -56,6 +56,7 @@
 //! | `num_speculative_tokens` | integer | fixed 4 | vLLM `speculative_config`: fixed draft length; 0 = no speculation ([`DraftLength::Off`]) |
 //! | `adaptive_draft` | [`AdaptiveConfig`] object | - | [`DraftLength::Adaptive`]; not together with `num_speculative_tokens` |
 //! | `tree_nodes` | integer | 0 (chains) | node budget of tree drafts ([`GenerationParams::tree_nodes`]) |
+//! | `tree_branch` | integer | 0 (no limit) | most children per node of tree drafts ([`GenerationParams::tree_branch`]) |
 //!
 //! An absent field takes this crate's default (the builder's, [`GenerationParams::default`]),
 //! not another engine's: HF transformers applies `top_k = 50` when sampling and vLLM samples at
@@ -344,6 +345,13 @@ pub struct RequestConfig {
         deserialize_with = "rq::tree_nodes"
     )]
     pub tree_nodes: Option<usize>,
+    /// Branching limit of tree drafts ([`GenerationParams::tree_branch`]); 0 = none.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "rq::tree_branch"
+    )]
+    pub tree_branch: Option<usize>,
 }
 
 /// The fields [`SamplingConfig`] accepts.
@@ -403,6 +411,7 @@ impl RequestConfig {
             num_speculative_tokens,
             adaptive_draft,
             tree_nodes,
+            tree_branch,
         } = self;
         [
             ("do_sample", do_sample.is_some()),
@@ -432,6 +441,7 @@ impl RequestConfig {
             ("num_speculative_tokens", num_speculative_tokens.is_some()),
             ("adaptive_draft", adaptive_draft.is_some()),
             ("tree_nodes", tree_nodes.is_some()),
+            ("tree_branch", tree_branch.is_some()),
         ]
         .into_iter()
         .filter_map(|(name, set)| set.then_some(name))
@@ -581,7 +591,7 @@ impl RequestConfig {
 
     /// The generation parameters of every field: [`RequestConfig::sampling_config`],
     /// [`RequestConfig::stop_conditions`], [`RequestConfig::draft_length`], and `seed`,
-    /// `max_new_tokens`, `min_tokens`, `tree_nodes` (absent: [`GenerationParams::default`]'s). No cancel
+    /// `max_new_tokens`, `min_tokens`, `tree_nodes`, `tree_branch` (absent: [`GenerationParams::default`]'s). No cancel
     /// flag.
     ///
     /// # Errors
@@ -606,6 +616,7 @@ impl RequestConfig {
             stop: self.stop_conditions()?,
             draft: self.draft_length()?,
             tree_nodes: self.tree_nodes.unwrap_or(d.tree_nodes),
+            tree_branch: self.tree_branch.unwrap_or(d.tree_branch),
             cancel: None,
         })
     }
@@ -676,11 +687,13 @@ impl RequestConfig {
             stop,
             draft,
             tree_nodes,
+            tree_branch,
             cancel: _,
         } = params;
         RequestConfig {
             seed: Some(*seed),
             tree_nodes: Some(*tree_nodes),
+            tree_branch: Some(*tree_branch),
             max_new_tokens: Some(*max_new_tokens),
             min_tokens: Some(*min_tokens),
             ..RequestConfig::from_sampling(sampling)
@@ -720,7 +733,8 @@ impl RequestConfig {
             include_stop_str_in_output,
             num_speculative_tokens,
             adaptive_draft,
-            tree_nodes
+            tree_nodes,
+            tree_branch
         )
     }
 }
@@ -1118,6 +1132,7 @@ mod rq {
         num_speculative_tokens: Option<usize>,
         adaptive_draft: Option<AdaptiveConfig>,
         tree_nodes: Option<usize>,
+        tree_branch: Option<usize>,
     }
 }
 
@@ -1618,6 +1633,7 @@ mod tests {
             num_speculative_tokens: Some(3),
             adaptive_draft: Some(AdaptiveConfig::default()),
             tree_nodes: Some(16),
+            tree_branch: Some(2),
         }
     }
 
@@ -1630,7 +1646,7 @@ mod tests {
         let mut set = r.set_fields();
         set.sort_unstable();
         assert_eq!(keys, set);
-        assert_eq!(set.len(), 24);
+        assert_eq!(set.len(), 25);
         for f in SAMPLING_FIELDS
             .iter()
             .chain(STOP_FIELDS)

@@ -197,7 +197,7 @@ impl<'a> DraftBlock<'a> {
         loop {
             out.push(i as u32);
             let r = self.parent_row(i);
-            if r == 0 || r - 1 >= i {
+            if r == 0 || r > i {
                 break;
             }
             i = r - 1;
@@ -212,6 +212,7 @@ impl<'a> DraftBlock<'a> {
     /// ([`TreeFault::Shape`]), node count over `max_nodes` ([`TreeFault::TooManyNodes`]), a
     /// parent not before its node ([`TreeFault::ParentNotBefore`]), a token outside the vocabulary
     /// ([`TreeFault::TokenOutOfVocab`]), depth over `max_depth` ([`TreeFault::TooDeep`]),
+    /// more children under one row than `max_branch` ([`TreeFault::TooManyChildren`]),
     /// siblings with different schemes ([`TreeFault::MixedSchemes`]), a sampled scheme in a
     /// point-mass block ([`TreeFault::SchemeNeedsQ`]), duplicate tokens in a deterministic or
     /// without-replacement group ([`TreeFault::DuplicateSiblings`]).
@@ -266,8 +267,16 @@ impl<'a> DraftBlock<'a> {
             });
         }
         let default = limits.default_scheme();
+        let mut children = vec![0usize; n + 1];
         for i in 0..n {
             let row = self.parent_row(i);
+            children[row] += 1;
+            if children[row] > limits.max_branch {
+                return Err(TreeFault::TooManyChildren {
+                    row,
+                    max: limits.max_branch,
+                });
+            }
             let s = self.scheme(i, default);
             // Compare with the earlier siblings only: each pair is seen once.
             for j in self.children(row).take_while(|&j| j < i) {
@@ -298,6 +307,8 @@ pub struct TreeLimits {
     pub max_nodes: usize,
     /// Most depth allowed (the remaining token budget or context room of the step).
     pub max_depth: usize,
+    /// Most children of one node (the root included): the branching factor of the request.
+    pub max_branch: usize,
     /// `true` when the block comes with dense q (probabilities or draft logits); point-mass
     /// blocks allow only [`SiblingScheme::Deterministic`] groups.
     pub dense_q: bool,
@@ -313,16 +324,18 @@ impl TreeLimits {
             vocab_size,
             max_nodes,
             max_depth: usize::MAX,
+            max_branch: usize::MAX,
             dense_q: true,
         }
     }
 
-    /// Limits with a vocabulary only: any node count and depth, point-mass drafts.
+    /// Limits with a vocabulary only: any node count, depth and branching, point-mass drafts.
     pub fn vocab(vocab_size: usize) -> Self {
         TreeLimits {
             vocab_size,
             max_nodes: usize::MAX,
             max_depth: usize::MAX,
+            max_branch: usize::MAX,
             dense_q: false,
         }
     }
@@ -391,6 +404,13 @@ pub enum TreeFault {
         /// The limit.
         max: usize,
     },
+    /// A node (or the root) has more children than the branching limit.
+    TooManyChildren {
+        /// The parent's row (0 = the root, `j + 1` = node `j`).
+        row: usize,
+        /// The limit.
+        max: usize,
+    },
     /// Siblings declare different schemes.
     MixedSchemes {
         /// The first node whose scheme differs from an earlier sibling's.
@@ -441,6 +461,10 @@ impl fmt::Display for TreeFault {
             TreeFault::TooDeep { depth, max } => {
                 write!(f, "depth {depth}, at most {max} allowed")
             }
+            TreeFault::TooManyChildren { row, max } => write!(
+                f,
+                "row {row} (0 = the root, j + 1 = node j) has more than {max} children, the branching limit"
+            ),
             TreeFault::MixedSchemes { node } => {
                 write!(f, "node {node}'s sibling scheme differs from its siblings'")
             }
@@ -506,7 +530,10 @@ mod tests {
         assert!(!short.is_chain());
         assert!(matches!(
             short.validate(&TreeLimits::vocab(8)),
-            Err(TreeFault::Shape { what: "parents", .. })
+            Err(TreeFault::Shape {
+                what: "parents",
+                ..
+            })
         ));
     }
 
@@ -550,6 +577,14 @@ mod tests {
         assert_eq!(
             bad(&TOKENS, &PARENTS, &small),
             TreeFault::TooManyNodes { nodes: 5, max: 4 }
+        );
+        let narrow = TreeLimits {
+            max_branch: 1,
+            ..lim
+        };
+        assert_eq!(
+            bad(&TOKENS, &PARENTS, &narrow),
+            TreeFault::TooManyChildren { row: 0, max: 1 }
         );
         let shallow = TreeLimits {
             max_depth: 1,

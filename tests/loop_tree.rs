@@ -503,6 +503,47 @@ fn the_node_budget_and_the_target_capacity_bound_a_branching_tree() {
         "{e}"
     );
     assert!(g.target().trees.is_empty());
+    // A branching limit of 2: six children of the root are too many.
+    let params = params.with_tree_branch(2);
+    let mut g = Generator::new(CallLog::new(ToyModel::c10().with_tree(16)), Wide(6));
+    let e = g.generate(&[1, 2], &params).unwrap_err();
+    assert!(
+        matches!(
+            e.error,
+            Error::InvalidProposal {
+                fault: ProposalFault::Tree(TreeFault::TooManyChildren { row: 0, max: 2 }),
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(g.target().trees.is_empty());
+}
+
+#[test]
+fn the_branching_limit_reaches_the_proposers() {
+    // Prompt lookup on a repetitive prompt: with a limit of 2 no row has more than 2 children,
+    // and the output is still plain greedy's.
+    let prompt: Vec<u32> = (0..60)
+        .map(|i| [1u32, 2, 3, 1, 2, 4, 1, 2, 5][i % 9])
+        .collect();
+    let params = GenerationParams::greedy(40)
+        .with_draft(speculative::decode::DraftLength::Fixed(4))
+        .with_tree_nodes(12)
+        .with_tree_branch(2);
+    let want = plain(ToyModel::c10(), &prompt, &params);
+    let mut g = Generator::new(
+        CallLog::new(ToyModel::c10().with_tree(16)),
+        speculative::PromptLookup::new(1, 3).unwrap(),
+    );
+    let out = g.generate(&prompt, &params).unwrap();
+    assert_eq!(out.tokens, want);
+    assert!(out.metrics.tree_steps > 0);
+    for (_, tokens, parents) in &g.target().trees {
+        for row in 0..=tokens.len() {
+            assert!(parents.iter().filter(|&&r| r as usize == row).count() <= 2);
+        }
+    }
 }
 
 /// Samples `width` root children with replacement from a fixed q (duplicates allowed), dense q.

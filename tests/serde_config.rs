@@ -162,6 +162,7 @@ fn vllm_sampling_params_load_like_the_builder() {
             .with_stop_string("Observation:"),
         draft: DraftLength::Fixed(3),
         tree_nodes: 0,
+        tree_branch: 0,
         cancel: None,
     };
     let got: GenerationParams = json(VLLM).unwrap();
@@ -777,6 +778,7 @@ proptest! {
             },
             draft,
             tree_nodes: (seed % 3) as usize * 16,
+            tree_branch: (seed % 5) as usize,
             cancel: None,
         };
         let s = serde_json::to_string(&p).unwrap();

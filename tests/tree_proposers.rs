@@ -34,14 +34,28 @@ fn request<'a>(
 }
 
 fn tree(p: &mut dyn Proposer, context: &[u32], k: usize, nodes: usize, eos: &[u32]) -> Draft {
+    tree_branch(p, context, k, nodes, usize::MAX, eos)
+}
+
+fn tree_branch(
+    p: &mut dyn Proposer,
+    context: &[u32],
+    k: usize,
+    nodes: usize,
+    branch: usize,
+    eos: &[u32],
+) -> Draft {
     let config = SamplingConfig::greedy();
     let mut d = Draft {
         tokens: vec![4; 9],
         parents: vec![0; 9],
         ..Draft::default()
     };
-    p.propose_tree(&request(context, &config, k, nodes, eos), &mut d)
-        .unwrap();
+    let req = ProposeRequest {
+        max_branch: branch,
+        ..request(context, &config, k, nodes, eos)
+    };
+    p.propose_tree(&req, &mut d).unwrap();
     d
 }
 
@@ -86,6 +100,7 @@ fn check_tree(d: &Draft, k: usize, nodes: usize, eos: &[u32]) -> std::result::Re
         vocab_size: 16,
         max_nodes: nodes,
         max_depth: k,
+        max_branch: usize::MAX,
         dense_q: false,
     };
     d.block()
@@ -177,6 +192,37 @@ proptest! {
                 let a_chain = c.iter().zip(&truth).take_while(|(x, y)| x == y).count();
                 prop_assert!(accepted(&d.block(), &truth) >= a_chain);
             }
+        }
+    }
+
+    /// The branching limit: every node (the root included) has at most `branch` children, the
+    /// tree stays valid and still starts with the chain, and a limit of 1 gives the chain.
+    #[test]
+    fn trees_respect_the_branching_limit(
+        context in proptest::collection::vec(0u32..VOCAB, 0..80),
+        corpus in proptest::collection::vec(proptest::collection::vec(0u32..VOCAB, 0..16), 0..4),
+        min_n in 1usize..3,
+        k in 1usize..8,
+        nodes in 0usize..40,
+        branch in 1usize..4,
+        eos in proptest::collection::vec(0u32..VOCAB, 0..2),
+    ) {
+        for mut p in proposers(min_n, 1, false, &corpus, 0.0) {
+            let d = tree_branch(&mut *p, &context, k, nodes, branch, &eos);
+            prop_assert_eq!(check_tree(&d, k, nodes, &eos), Ok(()), "{}", p.name());
+            let limits = TreeLimits {
+                max_branch: branch,
+                ..TreeLimits::vocab(16)
+            };
+            prop_assert_eq!(d.block().validate(&limits), Ok(()), "{} {:?}", p.name(), d);
+            let c = chain(&mut *p, &context, k.min(nodes), &eos);
+            prop_assert_eq!(&d.tokens[..c.len()], &c[..], "{}", p.name());
+            if branch == 1 {
+                prop_assert!(d.parents.is_empty(), "{}: {:?}", p.name(), d);
+            }
+            // The limit only removes branches: the unlimited tree is never smaller.
+            let wide = tree(&mut *p, &context, k, nodes, &eos);
+            prop_assert!(wide.len() >= d.len());
         }
     }
 

@@ -552,6 +552,10 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         let t = Instant::now();
         let params = self.params;
         let g = &mut *self.g;
+        let branch = match params.tree_branch {
+            0 => usize::MAX,
+            b => b,
+        };
         g.draft.clear();
         if k_req > 0 {
             let req = ProposeRequest {
@@ -559,6 +563,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                 config: &params.sampling,
                 max_draft: k_req,
                 max_nodes: if nodes > 0 { nodes } else { k_req },
+                max_branch: branch,
                 seed: params.seed,
                 target_hidden: (!g.hidden.is_empty()).then_some(&g.hidden[..]),
                 prompt_len: self.prompt_len,
@@ -575,6 +580,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             &g.draft,
             k_req,
             nodes,
+            branch,
             g.target.vocab_size(),
             g.proposer.name(),
         )?;
@@ -1039,12 +1045,14 @@ fn plain_chain(d: &Draft) -> bool {
 
 /// Checks a proposer's draft before the target sees it: a chain of at most `max_draft` tokens,
 /// or (tree steps, `max_nodes > 0`) a valid tree of at most `max_nodes` nodes and depth
-/// `max_draft` ([`crate::DraftBlock::validate`]); every id in the vocabulary; q of shape
+/// `max_draft` and at most `max_branch` children per node ([`crate::DraftBlock::validate`]);
+/// every id in the vocabulary; q of shape
 /// `[k, q_vocab]` with `0 < q_vocab <= vocab`.
 fn check_proposal(
     d: &Draft,
     max_draft: usize,
     max_nodes: usize,
+    max_branch: usize,
     vocab: usize,
     proposer: &'static str,
 ) -> Result<()> {
@@ -1060,6 +1068,7 @@ fn check_proposal(
             vocab_size: vocab,
             max_nodes,
             max_depth: max_draft,
+            max_branch,
             dense_q: d.q.is_some(),
         };
         d.block()

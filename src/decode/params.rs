@@ -46,6 +46,10 @@ pub struct GenerationParams {
     /// depth from tree steps' acceptance by depth and forward cost, and turns speculation off
     /// where trees do not pay.
     pub tree_nodes: usize,
+    /// Branching limit of tree drafts: at most this many children per node, the root included
+    /// ([`ProposeRequest::max_branch`](crate::ProposeRequest::max_branch)); 0 (the default)
+    /// leaves the shape to the proposer. With 1 a tree is a chain.
+    pub tree_branch: usize,
     /// Set to `true` from any thread to cancel; checked before each step.
     pub cancel: Option<Arc<AtomicBool>>,
 }
@@ -63,6 +67,7 @@ impl Default for GenerationParams {
             stop: StopConditions::default(),
             draft: DraftLength::default(),
             tree_nodes: 0,
+            tree_branch: 0,
             cancel: None,
         }
     }
@@ -85,6 +90,7 @@ impl PartialEq for GenerationParams {
             && self.stop == other.stop
             && self.draft == other.draft
             && self.tree_nodes == other.tree_nodes
+            && self.tree_branch == other.tree_branch
     }
 }
 
@@ -122,6 +128,12 @@ impl GenerationParams {
     /// Sets the node budget of tree drafts ([`GenerationParams::tree_nodes`]; 0 = chains).
     pub fn with_tree_nodes(mut self, nodes: usize) -> Self {
         self.tree_nodes = nodes;
+        self
+    }
+
+    /// Sets the branching limit of tree drafts ([`GenerationParams::tree_branch`]; 0 = none).
+    pub fn with_tree_branch(mut self, children: usize) -> Self {
+        self.tree_branch = children;
         self
     }
 

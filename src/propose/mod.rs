@@ -43,6 +43,9 @@ pub struct ProposeRequest<'a> {
     /// Node budget of a tree draft ([`Proposer::propose_tree`]): at most this many nodes. Chains
     /// ([`Proposer::propose`]) ignore it. [`ProposeRequest::new`] sets it to `max_draft`.
     pub max_nodes: usize,
+    /// Branching limit of a tree draft: at most this many children per node, the root included
+    /// (`usize::MAX`, what [`ProposeRequest::new`] sets, for none). Chains ignore it.
+    pub max_branch: usize,
     /// The request's seed. Proposers that sample draw from the counter-based stream
     /// [`crate::rng::Stream`] keyed by this seed and the absolute token position.
     pub seed: u64,
@@ -72,6 +75,7 @@ impl<'a> ProposeRequest<'a> {
             config,
             max_draft,
             max_nodes: max_draft,
+            max_branch: usize::MAX,
             seed: 0,
             target_hidden: None,
             prompt_len: 0,
@@ -206,8 +210,8 @@ pub trait Proposer {
     /// [`crate::Error::Proposer`] or [`crate::Error::Model`] when the proposer's own model fails.
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()>;
 
-    /// Fills `draft` with a token tree of at most `req.max_nodes` nodes and depth at most
-    /// `req.max_draft` (parents in [`Draft::parents`]; see [`crate::tree`]). Every node must
+    /// Fills `draft` with a token tree of at most `req.max_nodes` nodes, depth at most
+    /// `req.max_draft` and at most `req.max_branch` children per node (parents in [`Draft::parents`]; see [`crate::tree`]). Every node must
     /// satisfy the rules of [`Proposer::propose`] along its own path (no token after an EOS).
     /// The loop calls it instead of `propose` when tree drafts are on and the target supports
     /// them. The default returns the chain of [`Proposer::propose`] (a chain is a tree; the loop

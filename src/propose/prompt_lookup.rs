@@ -321,11 +321,13 @@ impl CandidateTrie {
 
     /// Writes the draft: the chain (candidate nodes `0 .. chain_len`, already in
     /// `draft.tokens`) as nodes `0 .. chain_len`, then the other candidate nodes by decreasing
-    /// support, then increasing depth, then increasing rank, up to `budget` nodes in all. A
+    /// support, then increasing depth, then increasing rank, up to `budget` nodes in all and
+    /// `max_branch` children per node (a candidate whose parent has them all, or was left out,
+    /// is skipped with its subtree). A
     /// parent always precedes its children in that order (its support is at least theirs; on
     /// a tie it is shallower), so the selected nodes form a tree in topological order. A
     /// result that is a single path is left as a chain (empty `parents`).
-    fn write(&mut self, chain_len: usize, budget: usize, draft: &mut Draft) {
+    fn write(&mut self, chain_len: usize, budget: usize, max_branch: usize, draft: &mut Draft) {
         let nodes = &self.nodes;
         self.order.clear();
         self.order.extend(chain_len as u32..nodes.len() as u32);
@@ -333,27 +335,40 @@ impl CandidateTrie {
             let c = &nodes[id as usize];
             (std::cmp::Reverse(c.support), c.depth, c.rank, id)
         });
-        self.order.truncate(budget.saturating_sub(chain_len));
-        if self.order.is_empty() {
+        if self.order.is_empty() || budget <= chain_len || max_branch <= 1 {
             return;
         }
         self.out_index.clear();
         self.out_index.resize(nodes.len(), u32::MAX);
+        // Children per output row (row 0 = the root): the chain gives each of its rows one.
+        let mut children = vec![0usize; budget + 1];
         draft.parents.clear();
-        for i in 0..chain_len {
+        for (i, c) in children.iter_mut().enumerate().take(chain_len) {
             self.out_index[i] = i as u32;
             draft.parents.push(i as u32);
+            *c = 1;
         }
         for &id in &self.order {
+            if draft.tokens.len() == budget {
+                break;
+            }
             let c = &nodes[id as usize];
             let row = if c.parent == ROOT_PARENT {
                 0
             } else {
-                self.out_index[c.parent as usize] + 1
+                match self.out_index[c.parent as usize] {
+                    // The parent was left out (the branching limit): so is its subtree.
+                    u32::MAX => continue,
+                    r => r as usize + 1,
+                }
             };
+            if children[row] >= max_branch {
+                continue;
+            }
+            children[row] += 1;
             self.out_index[id as usize] = draft.tokens.len() as u32;
             draft.tokens.push(c.token);
-            draft.parents.push(row);
+            draft.parents.push(row as u32);
         }
         normalize_chain(draft);
     }
@@ -475,7 +490,9 @@ impl PromptLookupConfig {
 ///    then the other prefixes by decreasing support, then increasing depth (breadth first among
 ///    equally supported prefixes), then the newer candidate first, until `N` nodes. A parent
 ///    sorts before its children (its support is at least theirs and it is shallower), so the
-///    nodes come in topological order and every selected node's parent is selected.
+///    nodes come in topological order and every selected node's parent is selected. With a
+///    branching limit ([`ProposeRequest::max_branch`]) a prefix whose parent already has that
+///    many children is skipped, with everything below it.
 ///
 /// So the tree holds the chain as a path: under greedy verification it never accepts less than
 /// the chain at the same step when `N > k`. Siblings are distinct tokens (a prefix tree), nodes
@@ -523,6 +540,7 @@ impl PromptLookupConfig {
 ///     config: &config,
 ///     max_draft: 3,
 ///     max_nodes: 3,
+///     max_branch: usize::MAX,
 ///     seed: 0,
 ///     target_hidden: None,
 ///     prompt_len: 0,
@@ -726,7 +744,7 @@ impl Proposer for PromptLookup {
             }
         }
         tree.scratch = cont;
-        tree.write(draft.tokens.len(), req.max_nodes, draft);
+        tree.write(draft.tokens.len(), req.max_nodes, req.max_branch, draft);
         self.tree = tree;
         Ok(())
     }
@@ -759,6 +777,7 @@ mod tests {
             config: &config,
             max_draft: k,
             max_nodes: k,
+            max_branch: usize::MAX,
             seed: 0,
             target_hidden: None,
             prompt_len: 0,
@@ -1119,6 +1138,7 @@ mod tests {
         let config = SamplingConfig::greedy();
         let req = ProposeRequest {
             max_nodes: nodes,
+            max_branch: usize::MAX,
             eos,
             ..ProposeRequest::new(context, &config, k)
         };

@@ -509,7 +509,9 @@ impl Corpus {
 ///    token, request trie first). When the draft already has a node with the same parent and
 ///    token (a node of the chain, or the same prefix from the other trie), the candidate merges
 ///    into it and costs no node; otherwise it becomes a new node. Then its children become
-///    candidates, unless it is an EOS (a branch ends at its first EOS) or at depth `k`.
+///    candidates, unless it is an EOS (a branch ends at its first EOS) or at depth `k`. With
+///    a branching limit ([`ProposeRequest::max_branch`]) a candidate whose parent already has
+///    that many children is dropped, with everything below it.
 ///    Stops at `N` nodes or when no candidate is left.
 /// 4. [`SuffixConfig::min_confidence`] applies to every node: a candidate whose `D` is below it
 ///    is never added (for a chain this is the same stopping rule). The trie depth
@@ -593,6 +595,7 @@ impl Corpus {
 ///     config: &config,
 ///     max_draft: 4,
 ///     max_nodes: 4,
+///     max_branch: usize::MAX,
 ///     seed: 0,
 ///     target_hidden: None,
 ///     prompt_len: 0,
@@ -951,9 +954,13 @@ impl Proposer for SuffixProposer {
         let mut edges = std::mem::take(&mut self.tree_edges);
         edges.clear();
         draft.parents.clear();
+        // Children per row (0 = the root), for the branching limit: the chain gives each of its
+        // rows one.
+        let mut children = vec![0usize; req.max_nodes + 1];
         for (i, &t) in draft.tokens.iter().enumerate() {
             edges.insert(edge_key(i as u32, t), i as u32);
             draft.parents.push(i as u32);
+            children[i] = 1;
         }
         self.tree_frontier.clear();
         if let Some((node, m)) = request_match {
@@ -970,9 +977,13 @@ impl Proposer for SuffixProposer {
             let index = match edges.get(&key) {
                 // The same prefix from the other trie (or the chain): merged, no new node.
                 Some(&i) => i,
+                // The parent has as many children as the branching limit allows: this
+                // continuation and everything below it stay out.
+                None if children[f.row as usize] >= req.max_branch => continue,
                 None => {
                     // `max_nodes` nodes at most, and each node is a distinct trie string of
                     // one of two tries below 2^32 nodes.
+                    children[f.row as usize] += 1;
                     let i = draft.tokens.len() as u32;
                     draft.tokens.push(f.token);
                     draft.parents.push(f.row);
@@ -1048,6 +1059,7 @@ mod tests {
             config: &config,
             max_draft: k,
             max_nodes: k,
+            max_branch: usize::MAX,
             seed: 0,
             target_hidden: None,
             prompt_len: 0,
@@ -1594,6 +1606,7 @@ mod tests {
         let config = SamplingConfig::greedy();
         let req = ProposeRequest {
             max_nodes: nodes,
+            max_branch: usize::MAX,
             eos,
             ..ProposeRequest::new(context, &config, k)
         };

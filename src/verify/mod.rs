@@ -610,6 +610,7 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
                 vocab_size: v,
                 max_nodes: usize::MAX,
                 max_depth: usize::MAX,
+                max_branch: usize::MAX,
                 dense_q: dense,
             })
             .map_err(Error::InvalidTree)?;

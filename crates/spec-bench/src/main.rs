@@ -131,6 +131,10 @@ struct RunArgs {
     /// support (fast); others fall back to chains.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     tree_nodes: Vec<usize>,
+    /// Branching limits of tree drafts (most children per node; 0 = the proposer's choice),
+    /// crossed with every tree configuration (--tree-nodes above 0).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    tree_branch: Vec<usize>,
     /// Temperatures (0 = greedy).
     #[arg(long, value_delimiter = ',', default_value = "0")]
     temperature: Vec<f32>,
@@ -246,17 +250,26 @@ fn run(a: RunArgs) -> Result<()> {
                 reason: format!("{k} (expected an integer or adaptive[:max])"),
             })?;
             for &tree_nodes in &a.tree_nodes {
-                for &t in &a.temperature {
-                    for &tp in &a.top_p {
-                        for &seed in &a.seeds {
-                            configs.push(ConfigSpec {
-                                proposer: p.clone(),
-                                draft,
-                                temperature: t,
-                                top_p: tp,
-                                seed,
-                                tree_nodes,
-                            });
+                // Chains have no branching to vary.
+                let branches = if tree_nodes == 0 {
+                    &[0][..]
+                } else {
+                    &a.tree_branch[..]
+                };
+                for &tree_branch in branches {
+                    for &t in &a.temperature {
+                        for &tp in &a.top_p {
+                            for &seed in &a.seeds {
+                                configs.push(ConfigSpec {
+                                    proposer: p.clone(),
+                                    draft,
+                                    temperature: t,
+                                    top_p: tp,
+                                    seed,
+                                    tree_nodes,
+                                    tree_branch,
+                                });
+                            }
                         }
                     }
                 }

@@ -73,16 +73,21 @@ pub struct ConfigSpec {
     /// files written before trees: 0.
     #[serde(default)]
     pub tree_nodes: usize,
+    /// Branching limit of tree drafts ([`GenerationParams::tree_branch`]); 0 = none. Absent in
+    /// older files: 0.
+    #[serde(default)]
+    pub tree_branch: usize,
 }
 
 impl ConfigSpec {
     /// A short label such as `prompt-lookup k=4 t=0 p=1 s=0`, or
-    /// `suffix k=8 tree=16 t=0 p=1 s=0` for a tree configuration (depth k, 16 nodes).
+    /// `suffix k=8 tree=16 t=0 p=1 s=0` for a tree configuration (depth k, 16 nodes), with
+    /// ` branch=2` after the node budget when the branching is limited.
     pub fn label(&self) -> String {
-        let tree = if self.tree_nodes > 0 {
-            format!(" tree={}", self.tree_nodes)
-        } else {
-            String::new()
+        let tree = match (self.tree_nodes, self.tree_branch) {
+            (0, _) => String::new(),
+            (n, 0) => format!(" tree={n}"),
+            (n, b) => format!(" tree={n} branch={b}"),
         };
         format!(
             "{} {}{tree} t={} p={} s={}",
@@ -281,6 +286,7 @@ pub fn run_one(
             .map(|c| c.draft.to_length())
             .unwrap_or(DraftLength::Off),
         tree_nodes: config.map_or(0, |c| c.tree_nodes),
+        tree_branch: config.map_or(0, |c| c.tree_branch),
         ..Default::default()
     };
     let mut no = NoProposer;

@@ -40,9 +40,10 @@ fn records() -> Vec<RunRecord> {
                 top_p: 1.0,
                 seed: 0,
                 tree_nodes: 0,
+                tree_branch: 0,
             });
         }
-        // A tree of 8 nodes of depth 4, beside the chains.
+        // A tree of 8 nodes of depth 4, at most 2 children per node, beside the chains.
         configs.push(ConfigSpec {
             proposer: p.into(),
             draft: DraftSpec::Fixed(4),
@@ -50,6 +51,7 @@ fn records() -> Vec<RunRecord> {
             top_p: 1.0,
             seed: 0,
             tree_nodes: 8,
+            tree_branch: 2,
         });
     }
     configs.push(ConfigSpec {
@@ -59,6 +61,7 @@ fn records() -> Vec<RunRecord> {
         top_p: 0.9,
         seed: 1,
         tree_nodes: 0,
+        tree_branch: 0,
     });
     let matrix = Matrix {
         configs,

@@ -102,6 +102,9 @@ struct Args {
     /// many nodes in one forward (the fast backend; the candle backend falls back to chains).
     #[arg(long, default_value_t = 0)]
     tree_nodes: usize,
+    /// Branching limit of tree drafts: at most this many children per node (0 = none).
+    #[arg(long, default_value_t = 0)]
+    tree_branch: usize,
     /// Temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
@@ -270,6 +273,7 @@ fn run() -> Result<(), DynError> {
             }),
         draft,
         tree_nodes: a.tree_nodes,
+        tree_branch: a.tree_branch,
         ..Default::default()
     };
     let proposer: Box<dyn Proposer> = match a.proposer {
