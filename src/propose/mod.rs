@@ -306,6 +306,30 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
     }
 }
 
+/// The start of a model-free tree draft: `propose`'s chain. With `req.max_nodes <=
+/// req.max_draft` the draft is the chain of `max_draft = max_nodes` and nothing grows from it
+/// (`Ok(false)`); otherwise the chain of `max_draft`, and `Ok(true)` when it is not empty (a
+/// tree may grow around it).
+///
+/// # Errors
+/// Those of `p.propose`.
+fn tree_starts_with_chain<P: Proposer + ?Sized>(
+    p: &mut P,
+    req: &ProposeRequest<'_>,
+    draft: &mut Draft,
+) -> Result<bool> {
+    if req.max_nodes <= req.max_draft {
+        let chain = ProposeRequest {
+            max_draft: req.max_nodes,
+            ..*req
+        };
+        p.propose(&chain, draft)?;
+        return Ok(false);
+    }
+    p.propose(req, draft)?;
+    Ok(!draft.is_empty())
+}
+
 /// The proposer that never proposes: every step is a no-draft step (`k = 0`, plain decoding).
 /// It has no state, so its default is the only value.
 #[derive(Debug, Clone, Copy, Default)]

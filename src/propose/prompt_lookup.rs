@@ -699,17 +699,9 @@ impl Proposer for PromptLookup {
     /// # Errors
     /// As [`PromptLookup::propose`](Proposer::propose).
     fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
-        if req.max_nodes <= req.max_draft {
-            let chain = ProposeRequest {
-                max_draft: req.max_nodes,
-                ..*req
-            };
-            return self.propose(&chain, draft);
-        }
-        // The chain first: it is the continuation of the first match in the order below.
-        self.propose(req, draft)?;
-        if draft.is_empty() {
-            // No occurrence of any trailing n-gram of `min_n ..= max_n` tokens: no candidate.
+        // The chain first: it is the continuation of the first match in the order below. An
+        // empty chain means no occurrence of any trailing n-gram: no candidate.
+        if !super::tree_starts_with_chain(self, req, draft)? {
             return Ok(());
         }
         let mut tree = std::mem::take(&mut self.tree);

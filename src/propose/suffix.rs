@@ -936,17 +936,9 @@ impl Proposer for SuffixProposer {
     /// # Errors
     /// As [`SuffixProposer::propose`](Proposer::propose).
     fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
-        if req.max_nodes <= req.max_draft {
-            let chain = ProposeRequest {
-                max_draft: req.max_nodes,
-                ..*req
-            };
-            return self.propose(&chain, draft);
-        }
-        // The chain first (nodes 0 .. L, each the child of the one before).
-        self.propose(req, draft)?;
-        if draft.is_empty() {
-            // No match, or no continuation reaches `min_confidence`: nor would any other node.
+        // The chain first (nodes 0 .. L, each the child of the one before). An empty chain
+        // means no match, or no continuation reaches `min_confidence`: nor would any other node.
+        if !super::tree_starts_with_chain(self, req, draft)? {
             return Ok(());
         }
         let min_confidence = f64::from(self.cfg.min_confidence);

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{D, DType, Device, Module, Tensor};
-use speculative::DraftBlock;
+use speculative::{DraftBlock, TreeLimits};
 
 use crate::error::{CandleError, Result};
 use crate::tree::{self, PendingTree, Rows};
@@ -1201,7 +1201,7 @@ impl speculative::TreeTarget for CandleTarget {
         block: &DraftBlock<'_>,
         logits: &mut Vec<f32>,
     ) -> speculative::Result<()> {
-        let limits = tree::limits(self.weights.config.vocab_size, self.max_tree_nodes);
+        let limits = TreeLimits::target(self.weights.config.vocab_size, self.max_tree_nodes);
         block
             .validate(&limits)
             .map_err(speculative::Error::InvalidTree)?;

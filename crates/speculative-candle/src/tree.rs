@@ -12,16 +12,9 @@
 //! values a chain forward of `r`'s path holds there, and `r` attends to slots
 //! `0 ..= base + depth(r)` as that chain's row would.
 
-use speculative::{DraftBlock, TreeLimits};
+use speculative::DraftBlock;
 
 use crate::error::CandleError;
-
-/// The limits a tree forward checks a block against: the vocabulary and the node capacity;
-/// any depth (the context is checked separately) and any sibling scheme (the forward does not
-/// read them).
-pub(crate) fn limits(vocab_size: usize, max_nodes: usize) -> TreeLimits {
-    TreeLimits::target(vocab_size, max_nodes)
-}
 
 /// The error of a forward, prefill or tree forward while a tree forward is not committed.
 pub(crate) fn pending_error() -> CandleError {

@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use candle_core::quantized::{GgmlDType, QTensor};
-use speculative::DraftBlock;
+use speculative::{DraftBlock, TreeLimits};
 
 use super::f32mat::F32Matrix;
 use super::ops::{self, KvCache};
@@ -1039,7 +1039,7 @@ impl speculative::TreeTarget for FastTarget {
         block: &DraftBlock<'_>,
         logits: &mut Vec<f32>,
     ) -> speculative::Result<()> {
-        let limits = tree::limits(self.weights.config.vocab_size, self.max_tree_nodes);
+        let limits = TreeLimits::target(self.weights.config.vocab_size, self.max_tree_nodes);
         block
             .validate(&limits)
             .map_err(speculative::Error::InvalidTree)?;
