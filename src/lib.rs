@@ -64,6 +64,12 @@
 //! - **p** is the processed target distribution of a row, **q** the draft distribution a draft
 //!   token was sampled from; a proposer without q (prompt lookup, suffix tree) gives a
 //!   **point-mass** draft.
+//! - **Token tree**: a draft of several candidate continuations verified in one forward
+//!   ([`DraftBlock`]; nodes with the target row of their parent, the root being the last
+//!   committed token). A chain is the tree with one node per depth. For a tree, `k` counts its
+//!   **nodes**, its **depth** is the longest path, and the accepted length is that of the
+//!   accepted path ([`StepOutput::path`]); [`decode::GenerationParams::tree_nodes`] turns tree
+//!   steps on.
 //!
 //! ## Layers
 //!
