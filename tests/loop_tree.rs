@@ -471,53 +471,39 @@ impl Proposer for Wide {
 
 #[test]
 fn the_node_budget_and_the_target_capacity_bound_a_branching_tree() {
-    // Budget 3 nodes, depth 6: a 6-node tree is over the budget, not "within the depth".
-    let params = GenerationParams::greedy(8)
-        .with_draft(speculative::decode::DraftLength::Fixed(6))
-        .with_tree_nodes(3);
-    let mut g = Generator::new(CallLog::new(ToyModel::c10().with_tree(16)), Wide(6));
-    let e = g.generate(&[1, 2], &params).unwrap_err();
-    assert!(
-        matches!(
-            e.error,
-            Error::InvalidProposal {
-                fault: ProposalFault::Tree(TreeFault::TooManyNodes { nodes: 6, max: 3 }),
-                ..
-            }
+    let depth6 = GenerationParams::greedy(8).with_draft(speculative::decode::DraftLength::Fixed(6));
+    let cases = [
+        // Budget 3 nodes, depth 6: a 6-node tree is over the budget, not "within the depth".
+        (
+            depth6.clone().with_tree_nodes(3),
+            16,
+            TreeFault::TooManyNodes { nodes: 6, max: 3 },
         ),
-        "{e}"
-    );
-    assert!(g.target().trees.is_empty());
-    // The target holds 4 nodes: the same tree never reaches its forward.
-    let params = params.with_tree_nodes(32);
-    let mut g = Generator::new(CallLog::new(ToyModel::c10().with_tree(4)), Wide(6));
-    let e = g.generate(&[1, 2], &params).unwrap_err();
-    assert!(
-        matches!(
-            e.error,
-            Error::InvalidProposal {
-                fault: ProposalFault::Tree(TreeFault::TooManyNodes { nodes: 6, max: 4 }),
-                ..
-            }
+        // The target holds 4 nodes: the same tree never reaches its forward.
+        (
+            depth6.clone().with_tree_nodes(32),
+            4,
+            TreeFault::TooManyNodes { nodes: 6, max: 4 },
         ),
-        "{e}"
-    );
-    assert!(g.target().trees.is_empty());
-    // A branching limit of 2: six children of the root are too many.
-    let params = params.with_tree_branch(2);
-    let mut g = Generator::new(CallLog::new(ToyModel::c10().with_tree(16)), Wide(6));
-    let e = g.generate(&[1, 2], &params).unwrap_err();
-    assert!(
-        matches!(
-            e.error,
-            Error::InvalidProposal {
-                fault: ProposalFault::Tree(TreeFault::TooManyChildren { row: 0, max: 2 }),
-                ..
-            }
+        // A branching limit of 2: six children of the root are too many.
+        (
+            depth6.with_tree_nodes(32).with_tree_branch(2),
+            16,
+            TreeFault::TooManyChildren { row: 0, max: 2 },
         ),
-        "{e}"
-    );
-    assert!(g.target().trees.is_empty());
+    ];
+    for (params, capacity, want) in cases {
+        let mut g = Generator::new(CallLog::new(ToyModel::c10().with_tree(capacity)), Wide(6));
+        let e = g.generate(&[1, 2], &params).unwrap_err();
+        match &e.error {
+            Error::InvalidProposal {
+                fault: ProposalFault::Tree(fault),
+                ..
+            } => assert_eq!(fault, &want),
+            other => panic!("{other:?}"),
+        }
+        assert!(g.target().trees.is_empty());
+    }
 }
 
 #[test]

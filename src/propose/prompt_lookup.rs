@@ -1130,7 +1130,6 @@ mod tests {
         let config = SamplingConfig::greedy();
         let req = ProposeRequest {
             max_nodes: nodes,
-            max_branch: usize::MAX,
             eos,
             ..ProposeRequest::new(context, &config, k)
         };
