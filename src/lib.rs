@@ -135,13 +135,13 @@ pub use error::{Error, ProposalFault, Result, RowKind};
 pub use model::{HiddenStates, TargetModel, TreeTarget};
 pub use propose::{
     Draft, DraftModelProposer, NoProposer, PromptLookup, PromptLookupConfig, ProposeRequest,
-    Proposer, SuffixConfig, SuffixProposer,
+    Proposer, SuffixConfig, SuffixProposer, VerifiedRows,
 };
 pub use sampling::{SamplingConfig, SamplingConfigBuilder, TokenDist, TokenMask};
 pub use tree::{DraftBlock, SiblingScheme, TreeFault, TreeLimits};
 pub use verify::{
-    DraftProbs, DraftQ, SequenceParams, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyBatch,
-    VerifyRequest,
+    DraftProbs, DraftQ, RowCandidates, SequenceParams, StepEnd, StepOutput, TokenLogprob, Verifier,
+    VerifyBatch, VerifyRequest,
 };
 
 /// The code blocks of README.md, compiled and run as doc tests.

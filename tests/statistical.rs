@@ -239,6 +239,7 @@ fn always_accept(
         tokens,
         logprobs: None,
         end: speculative::StepEnd::AllAccepted,
+        row_top: Default::default(),
     }
 }
 

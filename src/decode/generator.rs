@@ -10,7 +10,7 @@ use super::policy::{AdaptiveState, DraftLength};
 use super::stop::{Detokenizer, FinishReason, TextTracker};
 use crate::error::{Error, ProposalFault, Result};
 use crate::model::TargetModel;
-use crate::propose::{Draft, ProposeRequest, Proposer};
+use crate::propose::{Draft, ProposeRequest, Proposer, VerifiedRows};
 use crate::tree::TreeLimits;
 use crate::verify::{DraftProbs, StepEnd, StepOutput, TokenLogprob, Verifier, VerifyRequest};
 
@@ -134,6 +134,8 @@ pub struct Generator<T, P> {
     node_ends: Vec<bool>,
     /// Scratch for tree paths.
     path: Vec<u32>,
+    /// Input token of each target row of the step (for [`Proposer::observe_rows`]).
+    row_inputs: Vec<u32>,
 }
 
 impl<T: TargetModel, P: Proposer> Generator<T, P> {
@@ -150,6 +152,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             detokenizer: None,
             node_ends: Vec::new(),
             path: Vec::new(),
+            row_inputs: Vec::new(),
         }
     }
 
@@ -839,6 +842,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             parents: p.tree.then_some(&g.draft.parents[..]),
             schemes: (p.tree && !g.draft.schemes.is_empty()).then_some(&g.draft.schemes[..]),
             ends: if p.tree { &g.node_ends } else { &[] },
+            row_top_k: g.proposer.row_candidates(),
         };
         let out = g.verifier.verify(&req)?;
         Ok((out, t.elapsed()))
@@ -927,6 +931,19 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             all.extend(lps.into_iter().take(kept));
         }
         let t = Instant::now();
+        if !out.row_top.is_empty() {
+            // Row 0's input is the root (the token before the step), row j + 1's node j's.
+            g.row_inputs.clear();
+            g.row_inputs.push(self.context[before - 1]);
+            g.row_inputs
+                .extend_from_slice(&g.draft.tokens[..out.row_top.rows() - 1]);
+            g.proposer.observe_rows(&VerifiedRows {
+                inputs: &g.row_inputs,
+                parents: if p.tree { &g.draft.parents } else { &[] },
+                candidates: &out.row_top,
+                path: &out.path,
+            })?;
+        }
         g.proposer
             .observe(accepted_kept, &self.context[before..before + kept])?;
         let observe_time = t.elapsed();

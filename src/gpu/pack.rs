@@ -640,6 +640,7 @@ pub(crate) fn assemble(
                 tokens,
                 logprobs: lps,
                 end,
+                row_top: Default::default(),
             }),
         })
     }

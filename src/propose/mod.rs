@@ -16,6 +16,7 @@
 use crate::error::Result;
 use crate::sampling::SamplingConfig;
 use crate::tree::{DraftBlock, SiblingScheme};
+use crate::verify::RowCandidates;
 
 mod draft_model;
 mod heads;
@@ -163,6 +164,25 @@ impl Draft {
     }
 }
 
+/// What the target's rows said at one verify step, for proposers that learn from them
+/// ([`Proposer::observe_rows`]): the input token of every target row and the row's best ids.
+///
+/// Row 0's input is the root (the last token before the step), row `j + 1`'s is node `j`'s
+/// token; a row's candidates are the target's best next tokens after that input along the
+/// row's own path (processed with the request's configuration, see [`RowCandidates`]). Rows of
+/// rejected nodes are included.
+#[derive(Debug, Clone, Copy)]
+pub struct VerifiedRows<'a> {
+    /// Input token of each row, `[rows]`: the root, then the token of each node that has a row.
+    pub inputs: &'a [u32],
+    /// Parent row of each node (`[rows - 1]`, see [`Draft::parents`]), empty for a chain.
+    pub parents: &'a [u32],
+    /// The best ids of each row, `rows` rows of up to [`Proposer::row_candidates`] ids.
+    pub candidates: &'a RowCandidates,
+    /// Node indices of the accepted path, the root's child first (`[accepted]`).
+    pub path: &'a [u32],
+}
+
 /// A source of draft tokens.
 ///
 /// Object safe: engines can hold `Box<dyn Proposer>`. The decoding loop calls
@@ -236,6 +256,26 @@ pub trait Proposer {
         Ok(())
     }
 
+    /// How many best ids of each verified target row this proposer wants in
+    /// [`Proposer::observe_rows`] (0, the default: none). The loop asks the verifier for that
+    /// many ([`crate::VerifyRequest::row_top_k`]), which costs one more pass over each row; a
+    /// proposer that wants none costs nothing. Read once per step.
+    fn row_candidates(&self) -> usize {
+        0
+    }
+
+    /// Told after verification, before [`Proposer::observe`], when
+    /// [`Proposer::row_candidates`] is above 0: the input token and best ids of every target row
+    /// of the step (root and nodes, rejected ones included). Token Recycling (Luo et al. 2024)
+    /// keeps them as successor candidates. The default does nothing.
+    ///
+    /// # Errors
+    /// Implementation defined.
+    fn observe_rows(&mut self, rows: &VerifiedRows<'_>) -> Result<()> {
+        let _ = rows;
+        Ok(())
+    }
+
     /// Called once at the start of a generation with the prompt. The default does nothing.
     ///
     /// # Errors
@@ -268,6 +308,12 @@ impl<P: Proposer + ?Sized> Proposer for Box<P> {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         (**self).propose(req, draft)
     }
+    fn row_candidates(&self) -> usize {
+        (**self).row_candidates()
+    }
+    fn observe_rows(&mut self, rows: &VerifiedRows<'_>) -> Result<()> {
+        (**self).observe_rows(rows)
+    }
     fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         (**self).propose_tree(req, draft)
     }
@@ -288,6 +334,12 @@ impl<P: Proposer + ?Sized> Proposer for Box<P> {
 impl<P: Proposer + ?Sized> Proposer for &mut P {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         (**self).propose(req, draft)
+    }
+    fn row_candidates(&self) -> usize {
+        (**self).row_candidates()
+    }
+    fn observe_rows(&mut self, rows: &VerifiedRows<'_>) -> Result<()> {
+        (**self).observe_rows(rows)
     }
     fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         (**self).propose_tree(req, draft)

@@ -620,6 +620,38 @@ impl RowProcessor {
         )
     }
 
+    /// The `n` best tokens of one processed row, best first, into `out` (cleared first): the
+    /// highest logits after penalties, bias and masks (steps 1-3; temperature, top-k, top-p and
+    /// min-p never change the order), ties to the lowest id. Masked (`-inf`) tokens are never
+    /// listed, so `out` holds `min(n, allowed tokens)` ids. The first id is
+    /// [`RowProcessor::argmax`]'s.
+    ///
+    /// `logits` is one row, `[vocab]`, in any [`Logit`] dtype. Cost: the argmax scan plus a
+    /// selection of `n` (O(vocab + n log n)), no softmax. Used by the verifier for the verified
+    /// rows' top candidates that proposers may ask for
+    /// ([`crate::Proposer::row_candidates`]).
+    ///
+    /// # Errors
+    /// As [`RowProcessor::argmax`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn top_ids<L: Logit>(
+        &mut self,
+        cfg: &SamplingConfig,
+        logits: &[L],
+        hist: &History<'_>,
+        n: usize,
+        kind: RowKind,
+        row: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<()> {
+        out.clear();
+        let (cands, blocks) = (&mut self.cands, &mut self.blocks);
+        with_row!(
+            Self::effective(&mut self.scratch, cfg, logits, hist),
+            |eff| { top_ids_of(eff, n, kind, row, cands, blocks, out) }
+        )
+    }
+
     /// The full pipeline for one row at temperature > 0: writes the processed distribution of
     /// `logits` (`[vocab]`, any [`Logit`] dtype) into `out`.
     ///
@@ -716,6 +748,38 @@ fn greedy_logprobs_of<T: Logit>(
             .collect();
     }
     Ok((lp, top))
+}
+
+/// [`RowProcessor::top_ids`] after steps 1-3.
+fn top_ids_of<T: Logit>(
+    eff: &[T],
+    n: usize,
+    kind: RowKind,
+    row: usize,
+    cands: &mut Vec<Cand>,
+    blocks: &mut Vec<f32>,
+    out: &mut Vec<u32>,
+) -> Result<()> {
+    let (mx, bad) = scan(eff);
+    if bad {
+        return Err(non_finite(eff, kind, row));
+    }
+    if mx == f32::NEG_INFINITY {
+        return Err(Error::NoAllowedToken { kind, row });
+    }
+    let n = n.min(eff.len());
+    if n == 0 {
+        return Ok(());
+    }
+    scan_top_k(eff, n, cands, blocks);
+    cands.sort_unstable_by(Cand::rank);
+    out.extend(
+        cands
+            .iter()
+            .filter(|c| c.logit > f32::NEG_INFINITY)
+            .map(|c| c.id),
+    );
+    Ok(())
 }
 
 /// [`RowProcessor::distribution`] after steps 1-3, temperature > 0.

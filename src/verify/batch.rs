@@ -275,6 +275,7 @@ pub(crate) fn sequence_request<'a, L, Q: Copy>(
         parents: None,
         schemes: None,
         ends: &[],
+        row_top_k: 0,
     }
 }
 

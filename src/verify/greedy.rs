@@ -61,5 +61,6 @@ pub(super) fn verify<L: Logit, Q: Logit>(
         tokens,
         logprobs,
         end,
+        row_top: Default::default(),
     })
 }

@@ -330,6 +330,70 @@ pub struct StepOutput {
     /// `0..accepted`; for a tree the accepted path, which a target with tree support keeps
     /// ([`crate::TreeTarget::commit_tree`]).
     pub path: Vec<u32>,
+    /// The best tokens of every target row of the step, when the request asked for them
+    /// ([`VerifyRequest::row_top_k`]); empty otherwise.
+    pub row_top: RowCandidates,
+}
+
+/// The best tokens of each target row of one verify step: row 0 is the root's (its input is
+/// the last committed token), row `j + 1` node `j`'s (its input is draft token `j`), so a
+/// step has `k + 1` rows (`k` when the final draft of a chain ends the sequence, whose row is
+/// never computed).
+///
+/// Each row lists up to [`VerifyRequest::row_top_k`] ids, best first, ranked by the row's
+/// processed logits (the request's penalties, bias and masks along the row's own path;
+/// [`crate::sampling::RowProcessor::top_ids`]): every row is processed, not only those of the
+/// accepted path, so the rows of rejected nodes carry information too. A row lists fewer ids
+/// when fewer tokens are allowed, and none when its mask allows none (a row off the accepted
+/// path only: a row on it fails the step).
+///
+/// Layout: the ids of all rows in one buffer with row offsets (`[rows + 1]`), so a step
+/// allocates nothing once the buffers have grown. Token Recycling (Luo et al. 2024) reads these
+/// rows as "successors of the row's input token" ([`crate::Proposer::observe_rows`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RowCandidates {
+    ids: Vec<u32>,
+    offsets: Vec<u32>,
+}
+
+impl RowCandidates {
+    /// Number of rows (0 when none were asked for).
+    pub fn rows(&self) -> usize {
+        self.offsets.len().saturating_sub(1)
+    }
+
+    /// `true` when no row is held.
+    pub fn is_empty(&self) -> bool {
+        self.rows() == 0
+    }
+
+    /// The ids of row `r`, best first (empty for `r >= rows()`).
+    pub fn row(&self, r: usize) -> &[u32] {
+        match (self.offsets.get(r), self.offsets.get(r + 1)) {
+            (Some(&a), Some(&b)) => &self.ids[a as usize..b as usize],
+            _ => &[],
+        }
+    }
+
+    /// Every row, row 0 first.
+    pub fn iter(&self) -> impl Iterator<Item = &[u32]> + '_ {
+        (0..self.rows()).map(|r| self.row(r))
+    }
+
+    /// Removes every row, keeping the allocations.
+    pub fn clear(&mut self) {
+        self.ids.clear();
+        self.offsets.clear();
+    }
+
+    /// Appends one row (its ids, best first).
+    pub fn push_row(&mut self, ids: &[u32]) {
+        if self.offsets.is_empty() {
+            self.offsets.push(0);
+        }
+        self.ids.extend_from_slice(ids);
+        self.offsets.push(self.ids.len() as u32);
+    }
 }
 
 /// Number of accepted drafts given per-position acceptance flags: the length of the leading run
@@ -398,6 +462,10 @@ pub struct VerifyRequest<'a, L = f32, Q = f32> {
     /// a step that accepts it ends with [`StepEnd::Ended`] and no bonus token. Unlike
     /// [`VerifyRequest::final_draft_ends`] it does not change the number of target rows.
     pub ends: &'a [bool],
+    /// How many best tokens of each target row to report in [`StepOutput::row_top`] (0, the
+    /// default: none, and no extra work). With `n > 0` every target row is processed once more
+    /// for its `n` best ids (see [`RowCandidates`]); the verification itself is unchanged.
+    pub row_top_k: usize,
 }
 
 impl<'a, L: Logit> VerifyRequest<'a, L> {
@@ -428,6 +496,7 @@ impl<'a, L: Logit> VerifyRequest<'a, L> {
             parents: None,
             schemes: None,
             ends: &[],
+            row_top_k: 0,
         }
     }
 }
@@ -452,7 +521,15 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
             parents: self.parents,
             schemes: self.schemes,
             ends: self.ends,
+            row_top_k: self.row_top_k,
         }
+    }
+
+    /// Asks for the `n` best ids of every target row in [`StepOutput::row_top`] (see
+    /// [`VerifyRequest::row_top_k`]).
+    pub fn row_top(mut self, n: usize) -> Self {
+        self.row_top_k = n;
+        self
     }
 
     /// Makes the drafts a token tree with parent rows `parents` (`[k]`; see
@@ -910,11 +987,57 @@ impl Verifier {
         req.validate()?;
         self.prepare_draft_rows(req)?;
         begin_history(&mut self.hist, req)?;
-        if req.config.is_greedy() {
-            greedy::verify(self, req)
+        let mut out = if req.config.is_greedy() {
+            greedy::verify(self, req)?
         } else {
-            stochastic::verify(self, req)
+            stochastic::verify(self, req)?
+        };
+        if req.row_top_k > 0 {
+            self.fill_row_top(req, &mut out.row_top)?;
         }
+        Ok(out)
+    }
+
+    /// [`StepOutput::row_top`]: the `row_top_k` best ids of every target row, each processed
+    /// with its own path's history. A row whose mask allows no token (possible off the
+    /// accepted path only) gets no ids.
+    fn fill_row_top<L: Logit, Q: Logit>(
+        &mut self,
+        req: &VerifyRequest<'_, L, Q>,
+        rows_out: &mut RowCandidates,
+    ) -> Result<()> {
+        rows_out.clear();
+        let block = req.block();
+        let mut ids = Vec::with_capacity(req.row_top_k);
+        for r in 0..req.target_rows() {
+            self.path_tokens.clear();
+            if r > 0 {
+                block.path_to(r - 1, &mut self.path_nodes);
+                self.path_tokens.extend(
+                    self.path_nodes
+                        .iter()
+                        .map(|&n| req.draft_tokens[n as usize]),
+                );
+            }
+            self.hist.goto(&self.path_tokens)?;
+            let hist = self.hist.view();
+            let logits = row(req.target_logits, req.vocab_size, r);
+            match self.proc.top_ids(
+                req.config,
+                logits,
+                &hist,
+                req.row_top_k,
+                RowKind::Target,
+                r,
+                &mut ids,
+            ) {
+                Ok(()) => {}
+                Err(Error::NoAllowedToken { .. }) => ids.clear(),
+                Err(e) => return Err(e),
+            }
+            rows_out.push_row(&ids);
+        }
+        Ok(())
     }
 
     /// Processes the draft-logit row of the first node of every sampled group with its history

@@ -133,6 +133,7 @@ pub(super) fn verify<L: Logit, Q: Logit>(
         tokens,
         logprobs,
         end,
+        row_top: Default::default(),
     })
 }
 

@@ -869,3 +869,80 @@ fn batch_tree_arrays_must_cover_every_draft() {
         }))
     ));
 }
+
+/// The `n` best ids after `prefix` under `cfg`'s penalties and masks, ranked by an independent
+/// route: the full softmax at temperature 1 (monotone in the processed logits), ties to the
+/// lowest id, zero-probability (masked) tokens left out.
+fn best_ids(cfg: &SamplingConfig, logits: &[f32], prefix: &[u32], n: usize) -> Vec<u32> {
+    let t1 = cfg.to_builder().temperature(1.0).build().unwrap();
+    let vocab = logits.len();
+    let counts = crate::sampling::TokenCounts::from_tokens(prefix, vocab).unwrap();
+    let hist = crate::sampling::History {
+        counts: Some(&counts),
+        prefix,
+        suppress: &[],
+    };
+    let mut d = TokenDist::default();
+    RowProcessor::new()
+        .distribution(&t1, logits, &hist, RowKind::Target, 0, &mut d)
+        .unwrap();
+    let mut p: Vec<(u32, f32)> = (0..vocab as u32).map(|t| (t, d.prob(t))).collect();
+    p.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    p.into_iter()
+        .filter(|&(_, q)| q > 0.0)
+        .take(n)
+        .map(|(t, _)| t)
+        .collect()
+}
+
+#[test]
+fn row_top_lists_the_best_ids_of_every_row_along_its_own_path() {
+    let vocab = 9;
+    let ctx = [2u32, 5, 2];
+    // Forbids the context's last token again: rows differ in what they mask.
+    let no_repeat_last: Arc<dyn crate::sampling::TokenMask> =
+        Arc::new(|prefix: &[u32], logits: &mut [f32]| {
+            if let Some(&t) = prefix.last() {
+                logits[t as usize] = f32::NEG_INFINITY;
+            }
+        });
+    let masked = penalised(0.7)
+        .to_builder()
+        .mask(no_repeat_last)
+        .build()
+        .unwrap();
+    let mut g = Gen(41);
+    let mut v = Verifier::new();
+    for cfg in [penalised(0.0), penalised(0.7), masked] {
+        for case in 0..60 {
+            let (tokens, parents) = random_tree(&mut g, vocab, &ctx, 7);
+            let logits = tree_logits(&tokens, &parents, &ctx, vocab);
+            let n = 1 + case % 4;
+            let req = VerifyRequest::new(&cfg, &logits, vocab, &tokens)
+                .tree(&parents)
+                .context(&ctx)
+                .seed(case as u64)
+                .position(ctx.len() as u64);
+            let plain_out = v.verify(&req).unwrap();
+            assert!(plain_out.row_top.is_empty());
+            let out = v.verify(&req.row_top(n)).unwrap();
+            // The verification itself is unchanged.
+            assert_eq!(
+                (&out.tokens, &out.path),
+                (&plain_out.tokens, &plain_out.path)
+            );
+            assert_eq!(out.row_top.rows(), tokens.len() + 1);
+            let block = DraftBlock::tree(&tokens, &parents);
+            let mut nodes = Vec::new();
+            for r in 0..=tokens.len() {
+                let mut prefix = ctx.to_vec();
+                if r > 0 {
+                    block.path_to(r - 1, &mut nodes);
+                    prefix.extend(nodes.iter().map(|&j| tokens[j as usize]));
+                }
+                let want = best_ids(&cfg, &logits[r * vocab..(r + 1) * vocab], &prefix, n);
+                assert_eq!(out.row_top.row(r), &want[..], "case {case} row {r}");
+            }
+        }
+    }
+}
