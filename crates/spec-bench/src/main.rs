@@ -15,12 +15,14 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use spec_bench::matrix::{Matrix, PreparedRequest, run_matrix};
+use spec_bench::matrix::{Matrix, PreparedRequest, Turn, run_matrix};
 use spec_bench::replay::{
     CostCurve, MARKDOWN_NOTES as REPLAY_NOTES, ReplayRow, ReplayStats, TREE_MARKDOWN_NOTES, Trace,
     markdown as replay_markdown, oracle, replay, replay_tree, tree_markdown,
 };
-use spec_bench::report::{aggregate, markdown, sim_markdown, sim_plot, standard_plots, write_json};
+use spec_bench::report::{
+    aggregate, markdown, request_markdown, sim_markdown, sim_plot, standard_plots, write_json,
+};
 use spec_bench::run::{ConfigSpec, DraftSpec, RunRecord, token_hash};
 use spec_bench::sim::{AcceptanceModel, CostTable, default_batches, simulate};
 use spec_bench::{BenchError, Result, workload};
@@ -156,6 +158,11 @@ struct RunArgs {
     /// Only the first N requests of the workload.
     #[arg(long)]
     limit: Option<usize>,
+    /// Keep each configuration's proposer across the requests of a repetition (suffix corpus
+    /// and token-recycling table carry over, as in a server; the baseline runs the same
+    /// requests in the same order). Without it every run starts from a fresh proposer.
+    #[arg(long)]
+    carry: bool,
     /// Output directory for runs.json, summary.json, summary.md and the plots.
     #[arg(long, default_value = "bench-out")]
     out: PathBuf,
@@ -239,9 +246,35 @@ fn run(a: RunArgs) -> Result<()> {
                 kind: r.kind.clone(),
                 prompt,
                 max_tokens: r.max_tokens.unwrap_or(a.max_tokens),
+                turn: r.session.as_ref().map(|s| Turn {
+                    session: s.clone(),
+                    message: r.prompt.clone(),
+                }),
             })
         })
         .collect::<Result<_>>()?;
+    // A conversation turn: the chat template over the earlier turns (user message, then the
+    // decoded output as the assistant's message) and the new message.
+    let mut build = |turns: &[(String, Vec<u32>)], message: &str| -> Result<Vec<u32>> {
+        let mut msgs = Vec::with_capacity(2 * turns.len() + 1);
+        for (user, reply) in turns {
+            msgs.push(ChatMessage::user(user.clone()));
+            msgs.push(ChatMessage::assistant(tok.decode(reply, true)?));
+        }
+        msgs.push(ChatMessage::user(message.to_string()));
+        let prompt = tok.encode(&tok.apply_chat_template(&msgs)?)?;
+        if prompt.len() > max_ctx / 2 {
+            return Err(BenchError::Invalid {
+                what: "workload",
+                reason: format!(
+                    "a conversation turn of {} tokens exceeds half the context ({})",
+                    prompt.len(),
+                    max_ctx / 2
+                ),
+            });
+        }
+        Ok(prompt)
+    };
     let mut configs = Vec::new();
     for p in &a.proposers {
         for k in &a.k {
@@ -280,6 +313,7 @@ fn run(a: RunArgs) -> Result<()> {
         configs,
         warmup: a.warmup,
         reps: a.reps,
+        carry: a.carry,
     };
     let keys = a.temperature.len() * a.top_p.len() * a.seeds.len();
     let total =
@@ -320,6 +354,7 @@ fn run(a: RunArgs) -> Result<()> {
         &prepared,
         &eos,
         &matrix,
+        &mut build,
         &mut |msg| {
             bar.inc(1);
             bar.set_message(msg.to_string());
@@ -330,7 +365,11 @@ fn run(a: RunArgs) -> Result<()> {
     let aggs = aggregate(&records);
     write_json(&a.out.join("runs.json"), &records)?;
     write_json(&a.out.join("summary.json"), &aggs)?;
-    let md = markdown(&aggs);
+    let md = format!(
+        "{}\n## Every request\n\n{}",
+        markdown(&aggs),
+        request_markdown(&records)
+    );
     let md_path = a.out.join("summary.md");
     std::fs::write(&md_path, &md).map_err(io(&md_path))?;
     standard_plots(&a.out, &records, &aggs)?;

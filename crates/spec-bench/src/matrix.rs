@@ -1,20 +1,41 @@
 //! The configuration matrix, interleaved with the plain baseline.
 
+use std::collections::HashMap;
+
 use speculative::{Proposer, TargetModel};
 
 use crate::error::Result;
-use crate::run::{ConfigSpec, RunInput, RunRecord, run_one};
+use crate::run::{ConfigSpec, RunInput, RunRecord, decode_tokens_per_s, run_one};
 
 /// A tokenized request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PreparedRequest {
     /// Kind, for aggregates.
     pub kind: String,
-    /// Prompt tokens (chat template applied).
+    /// Prompt tokens (chat template applied). Unused for a conversation turn (`turn`), whose
+    /// prompt is built when it runs.
     pub prompt: Vec<u32>,
     /// Maximum new tokens.
     pub max_tokens: usize,
+    /// A turn of a multi-turn conversation, or `None` for a stand-alone request.
+    pub turn: Option<Turn>,
 }
+
+/// A turn of a conversation ([`crate::workload::Request::session`]): its prompt is the whole
+/// conversation so far (the earlier turns' messages as user turns, and the outputs that the
+/// same configuration generated for them as assistant turns) followed by this turn's message,
+/// built by the [`PromptBuilder`] when the turn runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Turn {
+    /// The conversation's name; turns of one session run in workload order.
+    pub session: String,
+    /// This turn's user message.
+    pub message: String,
+}
+
+/// Builds the prompt tokens of a conversation turn from the earlier turns (user message and
+/// the output tokens generated for it) and the new message.
+pub type PromptBuilder<'a> = dyn FnMut(&[(String, Vec<u32>)], &str) -> Result<Vec<u32>> + 'a;
 
 /// The matrix: configurations, warm-up runs and repetitions.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,33 +46,77 @@ pub struct Matrix {
     pub warmup: usize,
     /// Repetitions of every (request, configuration) pair.
     pub reps: usize,
+    /// Keep each configuration's proposer across the requests of a repetition (a suffix
+    /// corpus, a token-recycling table carry over, as in a server that runs requests one after
+    /// another); `false`: a fresh proposer for every run.
+    pub carry: bool,
 }
 
 /// Creates a proposer from its name.
 pub type ProposerFactory<'a> = dyn FnMut(&str) -> Result<Box<dyn Proposer>> + 'a;
 
-/// Runs the matrix. For each request and repetition, and for each sampling key (temperature,
-/// top-p, seed) in the matrix, the plain baseline runs first and then every speculative
-/// configuration with that key, in an order rotated by the repetition index, so that machine
-/// drift affects the baseline and the speculative runs alike. Each speculative record gets its
-/// speed-up against that baseline (ratio of tokens per second) and, for greedy runs, whether its
-/// tokens equal the baseline's.
+/// The state one configuration (or one baseline) carries through a repetition: its proposer
+/// (with [`Matrix::carry`]) and its conversations.
+#[derive(Default)]
+struct Lane {
+    proposer: Option<Box<dyn Proposer>>,
+    sessions: HashMap<String, Vec<(String, Vec<u32>)>>,
+}
+
+impl Lane {
+    /// The prompt of `r` in this lane: its own tokens, or its conversation so far plus its
+    /// message.
+    fn prompt(&self, r: &PreparedRequest, build: &mut PromptBuilder<'_>) -> Result<Vec<u32>> {
+        match &r.turn {
+            None => Ok(r.prompt.clone()),
+            Some(t) => build(
+                self.sessions.get(&t.session).map(|v| &v[..]).unwrap_or(&[]),
+                &t.message,
+            ),
+        }
+    }
+
+    /// Records the output of `r` in its conversation.
+    fn answered(&mut self, r: &PreparedRequest, output: &[u32]) {
+        if let Some(t) = &r.turn {
+            self.sessions
+                .entry(t.session.clone())
+                .or_default()
+                .push((t.message.clone(), output.to_vec()));
+        }
+    }
+}
+
+/// Runs the matrix. For each repetition, request (in workload order) and sampling key
+/// (temperature, top-p, seed) in the matrix, the plain baseline runs first and then every
+/// speculative configuration with that key, in an order rotated by the repetition index, so
+/// that machine drift affects the baseline and the speculative runs alike. Each speculative
+/// record gets its speed-ups against that baseline (end to end and decode only, ratios of
+/// tokens per second) and, for greedy runs, whether its tokens equal the baseline's.
 ///
-/// Every run gets a fresh proposer from `factory`, so that no run can draw on the output of an
-/// earlier run of the same request (a suffix proposer's shared corpus would otherwise replay the
-/// identical greedy answer of the previous configuration or repetition and overstate its
-/// acceptance). Cross-request corpus effects are therefore not measured here.
+/// Without [`Matrix::carry`] every run gets a fresh proposer from `factory`, so that no run can
+/// draw on the output of an earlier run (a suffix proposer's shared corpus would otherwise
+/// replay the identical greedy answer of the previous configuration or repetition and overstate
+/// its acceptance). With it, each configuration keeps one proposer through the requests of a
+/// repetition (a fresh one per repetition), so what it learns from earlier requests (suffix
+/// corpus, token-recycling table) carries over, as in a server; the baseline runs the same
+/// requests in the same order.
+///
+/// Conversation turns ([`PreparedRequest::turn`]) get their prompt from `build` over the
+/// conversation of the same configuration (each configuration, and the baseline, answers its
+/// own conversation; under greedy decoding the answers are the same).
 ///
 /// `progress` is called after each generation with a short description.
 ///
 /// # Errors
-/// Errors of the factory and of the decoding loop.
+/// Errors of the factory, of `build` and of the decoding loop.
 pub fn run_matrix(
     target: &mut dyn TargetModel,
     factory: &mut ProposerFactory<'_>,
     requests: &[PreparedRequest],
     eos: &[u32],
     matrix: &Matrix,
+    build: &mut PromptBuilder<'_>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<RunRecord>> {
     // Check every proposer name once, before any run.
@@ -67,13 +132,14 @@ pub fn run_matrix(
         }
     }
     let mut none = speculative::NoProposer;
-    // Warm-up on the first request.
+    // Warm-up on the first request (fresh proposers, discarded).
     if let Some(r0) = requests.first() {
+        let prompt = Lane::default().prompt(r0, build)?;
         for w in 0..matrix.warmup {
             let input = RunInput {
                 request: 0,
                 kind: &r0.kind,
-                prompt: &r0.prompt,
+                prompt: &prompt,
                 max_tokens: r0.max_tokens,
                 eos,
                 rep: w,
@@ -93,32 +159,67 @@ pub fn run_matrix(
         }
     }
     let mut out = Vec::new();
-    for (ri, r) in requests.iter().enumerate() {
-        for rep in 0..matrix.reps {
-            let input = RunInput {
-                request: ri,
-                kind: &r.kind,
-                prompt: &r.prompt,
-                max_tokens: r.max_tokens,
-                eos,
-                rep,
-            };
-            for &(t, p, seed) in &keys {
-                let group: Vec<&ConfigSpec> = matrix
-                    .configs
-                    .iter()
-                    .filter(|c| (c.temperature, c.top_p, c.seed) == (t, p, seed))
+    for rep in 0..matrix.reps {
+        // One lane per baseline key, then one per configuration.
+        let mut base_lanes: Vec<Lane> = keys.iter().map(|_| Lane::default()).collect();
+        let mut lanes: Vec<Lane> = Vec::with_capacity(matrix.configs.len());
+        for c in &matrix.configs {
+            lanes.push(Lane {
+                proposer: if matrix.carry {
+                    Some(factory(&c.proposer)?)
+                } else {
+                    None
+                },
+                sessions: HashMap::new(),
+            });
+        }
+        for (ri, r) in requests.iter().enumerate() {
+            for (ki, &(t, p, seed)) in keys.iter().enumerate() {
+                let group: Vec<usize> = (0..matrix.configs.len())
+                    .filter(|&ci| {
+                        let c = &matrix.configs[ci];
+                        (c.temperature, c.top_p, c.seed) == (t, p, seed)
+                    })
                     .collect();
-                let sampling = group[0].sampling()?;
+                let sampling = matrix.configs[group[0]].sampling()?;
+                let prompt = base_lanes[ki].prompt(r, build)?;
+                let input = RunInput {
+                    request: ri,
+                    kind: &r.kind,
+                    prompt: &prompt,
+                    max_tokens: r.max_tokens,
+                    eos,
+                    rep,
+                };
                 let base = run_one(target, &mut none, &input, None, &sampling, seed)?;
+                base_lanes[ki].answered(r, &base.tokens);
                 progress(&format!("request {ri} rep {rep} plain"));
                 let n = group.len();
                 for j in 0..n {
-                    let c = group[(j + rep) % n];
-                    let mut prop = factory(&c.proposer)?;
-                    let mut rec = run_one(target, &mut *prop, &input, Some(c), &sampling, seed)?;
+                    let ci = group[(j + rep) % n];
+                    let c = &matrix.configs[ci];
+                    let lane = &mut lanes[ci];
+                    let prompt = lane.prompt(r, build)?;
+                    let input = RunInput {
+                        prompt: &prompt,
+                        ..input
+                    };
+                    let mut fresh;
+                    let prop: &mut dyn Proposer = match lane.proposer.as_mut() {
+                        Some(p) => &mut **p,
+                        None => {
+                            fresh = factory(&c.proposer)?;
+                            &mut *fresh
+                        }
+                    };
+                    let mut rec = run_one(target, prop, &input, Some(c), &sampling, seed)?;
+                    lane.answered(r, &rec.tokens);
                     if base.tokens_per_s > 0.0 {
                         rec.speedup = Some(rec.tokens_per_s / base.tokens_per_s);
+                    }
+                    let (bd, rd) = (decode_tokens_per_s(&base), decode_tokens_per_s(&rec));
+                    if bd > 0.0 {
+                        rec.decode_speedup = Some(rd / bd);
                     }
                     if t == 0.0 {
                         rec.greedy_identical = Some(rec.tokens == base.tokens);

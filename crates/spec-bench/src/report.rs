@@ -51,8 +51,12 @@ pub struct Aggregate {
     pub by_position: Vec<f64>,
     /// Acceptance rate by output position, in buckets of `OUTPUT_BUCKET` tokens.
     pub by_output_position: Vec<f64>,
-    /// Speed-up against the paired baseline (speculative runs).
+    /// Speed-up against the paired baseline (speculative runs), end to end (prefill included).
     pub speedup: Option<Summary>,
+    /// Decode speed-up against the paired baseline (prefill excluded; speculative runs).
+    /// Absent in files written before it was recorded.
+    #[serde(default)]
+    pub decode_speedup: Option<Summary>,
     /// Greedy runs whose output equalled plain greedy, and greedy runs.
     pub greedy_identical: Option<(usize, usize)>,
 }
@@ -109,6 +113,7 @@ pub fn aggregate(records: &[RunRecord]) -> Vec<Aggregate> {
                 .map(|r| r.propose_s + r.forward_s + r.verify_s)
                 .sum();
             let speed: Vec<f64> = rs.iter().filter_map(|r| r.speedup).collect();
+            let dspeed: Vec<f64> = rs.iter().filter_map(|r| r.decode_speedup).collect();
             let greedy: Vec<bool> = rs.iter().filter_map(|r| r.greedy_identical).collect();
             Aggregate {
                 kind,
@@ -142,6 +147,7 @@ pub fn aggregate(records: &[RunRecord]) -> Vec<Aggregate> {
                 by_position: pos.iter().map(|&(r, a)| ratio(a, r)).collect(),
                 by_output_position: outpos.iter().map(|&(p, a)| ratio(a, p)).collect(),
                 speedup: (!speed.is_empty()).then(|| Summary::of(&speed)),
+                decode_speedup: (!dspeed.is_empty()).then(|| Summary::of(&dspeed)),
                 greedy_identical: (!greedy.is_empty())
                     .then(|| (greedy.iter().filter(|&&g| g).count(), greedy.len())),
             }
@@ -152,25 +158,30 @@ pub fn aggregate(records: &[RunRecord]) -> Vec<Aggregate> {
 /// The markdown table for people: one row per (kind, configuration).
 pub fn markdown(aggs: &[Aggregate]) -> String {
     let mut s = String::new();
-    s.push_str("| kind | config | runs | tok/s | speed-up (mean ± sd, min-max) | accept rate | mean acc. len | TTFT ms | TPOT ms | ITL p50/p90/p99 ms | e2e s | propose % | peak RSS MiB | greedy identical |\n");
-    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    s.push_str("| kind | config | runs | tok/s | speed-up (mean ± sd, min-max) | decode speed-up | accept rate | mean acc. len | TTFT ms | TPOT ms | ITL p50/p90/p99 ms | e2e s | propose % | peak RSS MiB | greedy identical |\n");
+    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for a in aggs {
         let sp = a
             .speedup
             .map(|s| format!("{:.2}x ± {:.2} ({:.2}-{:.2})", s.mean, s.std, s.min, s.max))
             .unwrap_or_else(|| "baseline".into());
+        let dsp = a
+            .decode_speedup
+            .map(|s| format!("{:.2}x ({:.2}-{:.2})", s.mean, s.min, s.max))
+            .unwrap_or_else(|| "-".into());
         let gi = a
             .greedy_identical
             .map(|(i, n)| format!("{i}/{n}"))
             .unwrap_or_else(|| "-".into());
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.1} | {} | {:.3} | {:.2} | {:.1} | {:.2} | {:.1}/{:.1}/{:.1} | {:.2} | {:.1} | {} | {} |",
+            "| {} | {} | {} | {:.1} | {} | {} | {:.3} | {:.2} | {:.1} | {:.2} | {:.1}/{:.1}/{:.1} | {:.2} | {:.1} | {} | {} |",
             a.kind,
             a.label,
             a.runs,
             a.tokens_per_s.mean,
             sp,
+            dsp,
             a.acceptance_rate,
             a.mean_accepted_length,
             a.ttft_s.mean * 1e3,
@@ -184,6 +195,52 @@ pub fn markdown(aggs: &[Aggregate]) -> String {
                 .map(|k| format!("{:.0}", k as f64 / 1024.0))
                 .unwrap_or_else(|| "-".into()),
             gi
+        );
+    }
+    s
+}
+
+/// Every request listed: one row per (request, configuration) with the mean over repetitions
+/// of the end-to-end and decode speed-ups, the mean accepted length and whether greedy
+/// outputs matched, so that no request hides behind a kind's mean.
+pub fn request_markdown(records: &[RunRecord]) -> String {
+    let mut groups: BTreeMap<(usize, String), Vec<&RunRecord>> = BTreeMap::new();
+    for r in records.iter().filter(|r| r.config.is_some()) {
+        groups
+            .entry((r.request, r.label.clone()))
+            .or_default()
+            .push(r);
+    }
+    let mut s = String::new();
+    s.push_str("| request | kind | config | runs | tokens | speed-up e2e | decode speed-up | mean acc. len | greedy identical |\n");
+    s.push_str("|---|---|---|---|---|---|---|---|---|\n");
+    let mean = |v: &[f64]| {
+        if v.is_empty() {
+            f64::NAN
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
+    };
+    for ((req, label), rs) in groups {
+        let e2e: Vec<f64> = rs.iter().filter_map(|r| r.speedup).collect();
+        let dec: Vec<f64> = rs.iter().filter_map(|r| r.decode_speedup).collect();
+        let acc: Vec<f64> = rs.iter().map(|r| r.mean_accepted_length).collect();
+        let tokens: Vec<f64> = rs.iter().map(|r| r.tokens.len() as f64).collect();
+        let gi: Vec<bool> = rs.iter().filter_map(|r| r.greedy_identical).collect();
+        let gi = if gi.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{}/{}", gi.iter().filter(|&&g| g).count(), gi.len())
+        };
+        let _ = writeln!(
+            s,
+            "| {req} | {} | {label} | {} | {:.0} | {:.2}x | {:.2}x | {:.2} | {gi} |",
+            rs[0].kind,
+            rs.len(),
+            mean(&tokens),
+            mean(&e2e),
+            mean(&dec),
+            mean(&acc),
         );
     }
     s

@@ -174,8 +174,13 @@ pub struct RunRecord {
     /// The steps.
     pub steps: Vec<StepRecord>,
     /// Speed-up against the baseline of the same request, rep and sampling configuration
-    /// (ratio of tokens per second), set for speculative runs.
+    /// (ratio of tokens per second end to end, prefill included), set for speculative runs.
     pub speedup: Option<f64>,
+    /// Decode speed-up against the same baseline: the ratio of output tokens per second of
+    /// decoding, prefill excluded (`tokens / (e2e_s - prefill_s)`), set for speculative runs.
+    /// `None` in files written before it was recorded.
+    #[serde(default)]
+    pub decode_speedup: Option<f64>,
     /// For greedy runs: whether the output equals the plain greedy output token for token.
     pub greedy_identical: Option<bool>,
     /// Steps whose draft was a branching tree.
@@ -229,6 +234,25 @@ impl Proposer for Recording<'_> {
     }
     fn finish(&mut self, sequence: &[u32]) {
         self.inner.finish(sequence)
+    }
+    fn row_candidates(&self) -> usize {
+        self.inner.row_candidates()
+    }
+    fn observe_rows(&mut self, rows: &speculative::VerifiedRows<'_>) -> speculative::Result<()> {
+        self.inner.observe_rows(rows)
+    }
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+}
+
+/// Output tokens per second of decoding (prefill excluded) of a record.
+pub fn decode_tokens_per_s(r: &RunRecord) -> f64 {
+    let t = r.e2e_s - r.prefill_s;
+    if t > 0.0 {
+        r.tokens.len() as f64 / t
+    } else {
+        0.0
     }
 }
 
@@ -346,6 +370,7 @@ pub fn run_one(
             .collect(),
         steps: rec.steps,
         speedup: None,
+        decode_speedup: None,
         greedy_identical: None,
         tree_steps: m.tree_steps,
         mean_tree_nodes: m.mean_tree_nodes(),

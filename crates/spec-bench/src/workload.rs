@@ -10,7 +10,11 @@ use crate::error::{BenchError, Result};
 ///
 /// A line looks like `{"prompt": "Rewrite ...", "kind": "rewrite", "max_tokens": 128}`;
 /// `kind` (default `"default"`) groups requests in the aggregates and `max_tokens` (default: the
-/// run's `--max-tokens`) caps the output in tokens.
+/// run's `--max-tokens`) caps the output in tokens. Requests with the same `session` are the
+/// turns of one conversation, in file order: each turn is sent as the whole conversation so far
+/// (earlier turns' prompts as user messages, the outputs generated for them as assistant
+/// messages) followed by its own prompt, as an agent or a chat client resubmits it (see
+/// `spec_bench::matrix::Turn`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Request {
@@ -22,6 +26,9 @@ pub struct Request {
     /// Maximum new tokens for this request.
     #[serde(default)]
     pub max_tokens: Option<usize>,
+    /// Conversation name: requests that share it are turns of one conversation.
+    #[serde(default)]
+    pub session: Option<String>,
 }
 
 fn default_kind() -> String {
@@ -90,6 +97,9 @@ mod tests {
         assert_eq!(w.len(), 2);
         assert_eq!(w[0].kind, "default");
         assert_eq!(w[1].max_tokens, Some(9));
+        assert_eq!(w[1].session, None);
+        let w = parse("{\"prompt\": \"a\", \"session\": \"s1\"}").unwrap();
+        assert_eq!(w[0].session.as_deref(), Some("s1"));
     }
 
     #[test]

@@ -24,6 +24,7 @@ fn records() -> Vec<RunRecord> {
             kind: if i == 0 { "code".into() } else { "chat".into() },
             prompt: (0..40).map(|j| ((j * 5 + i) % 16) as u32).collect(),
             max_tokens: 24,
+            turn: None,
         })
         .collect();
     let mut configs = Vec::new();
@@ -67,6 +68,7 @@ fn records() -> Vec<RunRecord> {
         configs,
         warmup: 1,
         reps: 2,
+        carry: false,
     };
     let mut n = 0;
     let out = run_matrix(
@@ -75,6 +77,7 @@ fn records() -> Vec<RunRecord> {
         &requests,
         &[],
         &matrix,
+        &mut |_, _| unreachable!("no conversation turns"),
         &mut |_| n += 1,
     )
     .unwrap();
@@ -195,4 +198,110 @@ fn simulator_reproduces_closed_form_and_replays_traces() {
     let p = std::env::temp_dir().join(format!("sim-{}.svg", std::process::id()));
     sim_plot(&p, &r).unwrap();
     std::fs::remove_file(p).ok();
+}
+
+/// Tokens of a test message: its bytes modulo the toy vocabulary.
+fn toks(s: &str) -> Vec<u32> {
+    s.bytes().map(|b| (b % 16) as u32).collect()
+}
+
+#[test]
+fn conversations_resubmit_their_own_outputs_and_carry_keeps_the_suffix_corpus() {
+    let mut target = ToyModel::markov(16, 1, 3.0, 4).with_tree(16);
+    // Two identical stand-alone requests, then a conversation of two turns.
+    let plain = |p: &str| PreparedRequest {
+        kind: "rewrite".into(),
+        prompt: toks(p),
+        max_tokens: 20,
+        turn: None,
+    };
+    let turn = |m: &str| PreparedRequest {
+        kind: "agentic".into(),
+        prompt: Vec::new(),
+        max_tokens: 20,
+        turn: Some(spec_bench::matrix::Turn {
+            session: "s".into(),
+            message: m.into(),
+        }),
+    };
+    let requests = vec![
+        plain("the same prompt, twice over"),
+        plain("the same prompt, twice over"),
+        turn("first turn of the talk"),
+        turn("and the second turn"),
+    ];
+    let configs = vec![ConfigSpec {
+        proposer: "suffix".into(),
+        draft: DraftSpec::Fixed(4),
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+        tree_nodes: 0,
+        tree_branch: 0,
+    }];
+    let mut built: Vec<(usize, Vec<u32>)> = Vec::new();
+    let mut run = |carry: bool, built: &mut Vec<(usize, Vec<u32>)>| {
+        let mut build = |turns: &[(String, Vec<u32>)], msg: &str| {
+            let mut p = Vec::new();
+            for (u, reply) in turns {
+                p.extend(toks(u));
+                p.extend_from_slice(reply);
+            }
+            p.extend(toks(msg));
+            built.push((turns.len(), p.clone()));
+            Ok(p)
+        };
+        run_matrix(
+            &mut target,
+            &mut factory,
+            &requests,
+            &[],
+            &Matrix {
+                configs: configs.clone(),
+                warmup: 0,
+                reps: 1,
+                carry,
+            },
+            &mut build,
+            &mut |_| {},
+        )
+        .unwrap()
+    };
+    let fresh = run(false, &mut built);
+    let carried = run(true, &mut built);
+    for recs in [&fresh, &carried] {
+        assert_eq!(recs.len(), 4 * 2);
+        for r in recs.iter().filter(|r| r.config.is_some()) {
+            assert_eq!(r.greedy_identical, Some(true));
+            assert!(r.decode_speedup.is_some() && r.speedup.is_some());
+        }
+        // The second turn's prompt holds the first turn's message and output.
+        let t1 = recs
+            .iter()
+            .find(|r| r.request == 2 && r.config.is_none())
+            .unwrap();
+        let t2 = recs
+            .iter()
+            .find(|r| r.request == 3 && r.config.is_none())
+            .unwrap();
+        assert_eq!(
+            t2.prompt_tokens,
+            t1.prompt_tokens + t1.tokens.len() + toks("and the second turn").len()
+        );
+    }
+    // Every lane (baseline and configuration) built its own second turn from one earlier turn.
+    assert_eq!(built.iter().filter(|(n, _)| *n == 1).count(), 2 * 2);
+    // With carry, the repeated request is drafted from the first one's output in the corpus.
+    let acc = |recs: &[RunRecord]| {
+        recs.iter()
+            .find(|r| r.request == 1 && r.config.is_some())
+            .unwrap()
+            .mean_accepted_length
+    };
+    assert!(
+        acc(&carried) > acc(&fresh) + 1.0,
+        "carried {} vs fresh {}",
+        acc(&carried),
+        acc(&fresh)
+    );
 }
