@@ -541,6 +541,12 @@ fn replay_cmd(a: ReplayArgs) -> Result<()> {
     }
     let mut traces = Vec::new();
     for (i, r) in requests.iter().enumerate() {
+        if r.session.is_some() {
+            eprintln!(
+                "replay: request {i} skipped: a conversation turn (its prompt depends on earlier outputs)"
+            );
+            continue;
+        }
         let Some(rec) = recs
             .iter()
             .find(|x| x.request == i && x.greedy_identical == Some(true))

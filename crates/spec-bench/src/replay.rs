@@ -71,6 +71,11 @@ pub struct ReplayStats {
     pub metrics: Metrics,
     /// Sum over steps of `c(k_step + 1)`, in units of one single-token forward.
     pub cost: f64,
+    /// Tree replays: per depth `d` (0 = the root's children) and sibling rank `r` (the node's
+    /// index among its parent's children, in draft order), `(tested, accepted)`: a node is
+    /// tested when its parent was reached, accepted when it is on the accepted path. Empty for
+    /// chains.
+    pub by_rank: Vec<Vec<(usize, usize)>>,
 }
 
 impl ReplayStats {
@@ -81,6 +86,34 @@ impl ReplayStats {
             self.metrics.emitted as f64 / self.cost
         } else {
             0.0
+        }
+    }
+
+    /// Counts the tested and accepted nodes of `block` by depth and sibling rank against the
+    /// true continuation (see [`ReplayStats::by_rank`]).
+    fn record_ranks(&mut self, block: &DraftBlock<'_>, truth: &[u32]) {
+        let tokens = block.tokens();
+        let mut row = 0usize;
+        for (d, &t) in truth.iter().enumerate() {
+            let mut next = None;
+            for (r, j) in block.children(row).enumerate() {
+                if self.by_rank.len() <= d {
+                    self.by_rank.resize(d + 1, Vec::new());
+                }
+                let at = &mut self.by_rank[d];
+                if at.len() <= r {
+                    at.resize(r + 1, (0, 0));
+                }
+                at[r].0 += 1;
+                if tokens[j] == t {
+                    at[r].1 += 1;
+                    next = Some(j);
+                }
+            }
+            match next {
+                Some(j) => row = j + 1,
+                None => break,
+            }
         }
     }
 
@@ -255,6 +288,7 @@ pub fn replay_tree(
         })?;
         let n = block.len();
         let (a, deeper) = accepted_path(&block, &trace.output[i..]);
+        stats.record_ranks(&block, &trace.output[i..]);
         let emitted = (a + 1).min(remaining);
         // Positions are depths: `a` accepted, and depth `a + 1` tried when the path's last node
         // has children; every other node counts as proposed only.
@@ -349,6 +383,19 @@ pub fn sum(stats: &[ReplayStats]) -> ReplayStats {
     for s in stats {
         out.metrics.merge(&s.metrics);
         out.cost += s.cost;
+        if out.by_rank.len() < s.by_rank.len() {
+            out.by_rank.resize(s.by_rank.len(), Vec::new());
+        }
+        for (d, ranks) in s.by_rank.iter().enumerate() {
+            let at = &mut out.by_rank[d];
+            if at.len() < ranks.len() {
+                at.resize(ranks.len(), (0, 0));
+            }
+            for (r, &(t, a)) in ranks.iter().enumerate() {
+                at[r].0 += t;
+                at[r].1 += a;
+            }
+        }
     }
     out
 }
@@ -390,13 +437,28 @@ pub struct ReplayRow {
     /// Mean measured end-to-end speed-up of the same proposer and fixed k in the runs the
     /// traces came from (prefill included), when such runs exist.
     pub measured_speedup_mean: Option<f64>,
+    /// Tree rows: acceptance by depth and sibling rank, `[depth][rank]` = accepted / tested
+    /// (see [`ReplayStats::by_rank`]); empty for chains.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rank_acceptance: Vec<Vec<f64>>,
 }
 
 impl ReplayRow {
     /// Aggregates per-trace statistics into a row.
     pub fn new(kind: &str, proposer: &str, k: usize, per_trace: &[ReplayStats]) -> Self {
         let n = per_trace.len().max(1) as f64;
-        let m = sum(per_trace).metrics;
+        let total = sum(per_trace);
+        let rank_acceptance = total
+            .by_rank
+            .iter()
+            .map(|ranks| {
+                ranks
+                    .iter()
+                    .map(|&(t, a)| if t == 0 { 0.0 } else { a as f64 / t as f64 })
+                    .collect()
+            })
+            .collect();
+        let m = total.metrics;
         ReplayRow {
             kind: kind.to_string(),
             proposer: proposer.to_string(),
@@ -417,6 +479,7 @@ impl ReplayRow {
                 .sum::<f64>()
                 / n,
             measured_speedup_mean: None,
+            rank_acceptance,
         }
     }
 }
@@ -446,7 +509,7 @@ tree forward's mask, the prefill and the proposer's time.";
 pub fn tree_markdown(rows: &[ReplayRow]) -> String {
     use std::fmt::Write as _;
     let mut s = String::from(
-        "| kind | proposer | k | node budget | chain depth | chain mean accepted length | tree mean accepted length | tree / chain | tree nodes per step | chain predicted speed-up | tree predicted speed-up |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| kind | proposer | k | node budget | chain depth | chain mean accepted length | tree mean accepted length | tree / chain | tree nodes per step | chain predicted speed-up | tree predicted speed-up | tree acceptance by depth: rank 0/1/2 |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for t in rows.iter().filter(|r| r.tree) {
         let Some(c) = rows.iter().find(|c| {
@@ -460,7 +523,7 @@ pub fn tree_markdown(rows: &[ReplayRow]) -> String {
         };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.3} | {:.1} | {:.2}x | {:.2}x |",
+            "| {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.3} | {:.1} | {:.2}x | {:.2}x | {} |",
             t.kind,
             t.proposer,
             t.k,
@@ -472,9 +535,24 @@ pub fn tree_markdown(rows: &[ReplayRow]) -> String {
             t.proposed as f64 / t.steps.max(1) as f64,
             c.predicted_speedup_mean,
             t.predicted_speedup_mean,
+            rank_cell(&t.rank_acceptance),
         );
     }
     s
+}
+
+/// Acceptance by depth and rank as a table cell: `d1 .62/.10/.03; d2 ...` (the first four
+/// depths, the first three ranks).
+fn rank_cell(by: &[Vec<f64>]) -> String {
+    by.iter()
+        .take(4)
+        .enumerate()
+        .map(|(d, ranks)| {
+            let r: Vec<String> = ranks.iter().take(3).map(|a| format!("{a:.2}")).collect();
+            format!("d{} {}", d + 1, r.join("/"))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// A markdown table of the chain replay rows (rows without a node budget).
@@ -767,6 +845,18 @@ mod tests {
             (&[2, 1, 1][..], &[2, 1, 1][..])
         );
         assert!((s.cost - (c.relative(6) + c.relative(3))).abs() < 1e-12);
+        // By depth and rank: the accepted node was the second child at depths 1 and 2 of
+        // step 1 and at depth 1 of step 2.
+        assert_eq!(
+            s.by_rank,
+            vec![vec![(2, 0), (2, 2)], vec![(1, 0), (1, 1)], vec![(1, 1)],]
+        );
+        let row = ReplayRow::new("t", "scripted", 3, &[s.clone(), s]);
+        assert_eq!(row.rank_acceptance[0], vec![0.0, 1.0]);
+        assert_eq!(
+            rank_cell(&row.rank_acceptance),
+            "d1 0.00/1.00; d2 0.00/1.00; d3 1.00"
+        );
         // A tree over the budget is the proposer's bug, reported as such.
         let mut big = ScriptedTrees(vec![(vec![1, 2, 3], vec![0, 0, 0])]);
         assert!(replay_tree(&mut big, &trace, 3, 2, &c).is_err());
@@ -787,7 +877,14 @@ mod tests {
             let chain = replay(&mut PromptLookup::new(1, 3).unwrap(), &trace, 1, &c).unwrap();
             let tree =
                 replay_tree(&mut PromptLookup::new(1, 3).unwrap(), &trace, k, 1, &c).unwrap();
-            assert_eq!(tree, chain, "k {k}");
+            assert_eq!(
+                (&tree.metrics, tree.cost),
+                (&chain.metrics, chain.cost),
+                "k {k}"
+            );
+            // Every depth-1 node tested was the only child (rank 0).
+            assert_eq!(tree.by_rank.len(), 1);
+            assert_eq!(tree.by_rank[0].len(), 1);
         }
         // With a budget above k the tree holds the chain and more: after the trailing 1, the
         // chain drafts "2 5 1" (newest match) and accepts 1 token; the tree also holds "2 3 4"
@@ -814,6 +911,7 @@ mod tests {
                 ..Metrics::default()
             },
             cost: calls as f64,
+            by_rank: Vec::new(),
         };
         let mut chain = ReplayRow::new("chat", "suffix", 8, &[stats(10, 15)]);
         chain.nodes = Some(16);
