@@ -382,12 +382,14 @@ impl Trie {
 /// # Example
 ///
 /// ```
-/// use speculative::propose::{Draft, MergedProposer, PromptLookup, ProposeRequest, Proposer, SuffixProposer};
+/// use speculative::propose::{
+///     Draft, MergedProposer, PromptLookup, ProposeRequest, Proposer, SuffixConfig, SuffixProposer,
+/// };
 /// use speculative::SamplingConfig;
 ///
 /// let mut merged = MergedProposer::new(vec![
 ///     Box::new(PromptLookup::new(1, 3)?),
-///     Box::new(SuffixProposer::new()),
+///     Box::new(SuffixProposer::new(SuffixConfig::default())?),
 /// ])?;
 /// let config = SamplingConfig::greedy();
 /// let context = [5, 6, 7, 8, 9, 5, 6, 7, 3, 4, 5, 6];
@@ -396,7 +398,10 @@ impl Trie {
 /// let mut draft = Draft::default();
 /// merged.propose_tree(&req, &mut draft)?;
 /// assert!(draft.len() <= 6 && draft.q.is_none());
-/// assert_eq!(&draft.tokens[..2], [7, 8]); // what followed [5, 6] before
+/// assert_eq!(draft.tokens[0], 7); // what followed [5, 6] both times before
+/// // ... the target verifies the tree and emits [7, 3, 1]; every proposer learns from it.
+/// merged.observe(2, &[7, 3, 1])?;
+/// assert!(merged.rate(0, 1) > 0.5);
 /// # Ok::<(), speculative::Error>(())
 /// ```
 pub struct MergedProposer {
