@@ -1258,4 +1258,70 @@ mod tests {
         assert!(e.to_string().contains("Fixed"), "{e}");
         let _ = DraftBlock::chain(&[]);
     }
+
+    /// A draft of up to 12 nodes with random parents (any earlier row) and tokens below 4:
+    /// duplicate siblings and any depth allowed.
+    fn any_tree() -> impl proptest::strategy::Strategy<Value = (Vec<u32>, Vec<u32>)> {
+        use proptest::prelude::*;
+        proptest::collection::vec((any::<u32>(), 0u32..4), 0..12).prop_map(|v| {
+            let parents = v
+                .iter()
+                .enumerate()
+                .map(|(j, &(r, _))| r % (j as u32 + 1))
+                .collect();
+            (parents, v.iter().map(|&(_, t)| t).collect())
+        })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn merged_trees_are_valid_and_hold_only_proposed_paths(
+            subs in proptest::collection::vec(any_tree(), 1..4),
+            depth in 0usize..5,
+            nodes in 0usize..20,
+            branch in proptest::prop_oneof![1usize..4, proptest::strategy::Just(usize::MAX)],
+        ) {
+            let boxed = subs
+                .iter()
+                .map(|(parents, tokens)| fixed(tokens, parents).0)
+                .collect();
+            let mut m = MergedProposer::new(boxed).unwrap();
+            let d = tree(&mut m, depth, nodes, branch);
+            valid(&d, depth, nodes, branch);
+            // Every candidate path within the depth, over all proposers.
+            let mut all = std::collections::BTreeSet::new();
+            for (parents, tokens) in &subs {
+                let sub = Draft { tokens: tokens.clone(), parents: parents.clone(), ..Draft::default() };
+                for p in paths(&sub) {
+                    if p.len() <= depth {
+                        all.insert(p);
+                    }
+                }
+            }
+            let got = paths(&d);
+            for p in &got {
+                proptest::prop_assert!(all.contains(p), "{p:?} was proposed by nobody");
+            }
+            // Distinct paths: a prefix tree.
+            let distinct: std::collections::BTreeSet<_> = got.iter().collect();
+            proptest::prop_assert_eq!(distinct.len(), got.len());
+            if branch == usize::MAX {
+                // At the prior the score falls with depth only: the shallowest candidates
+                // fill the budget.
+                proptest::prop_assert_eq!(got.len(), nodes.min(all.len()));
+                if let Some(deepest) = got.iter().map(Vec::len).max() {
+                    for p in &all {
+                        proptest::prop_assert!(p.len() >= deepest || distinct.contains(p));
+                    }
+                }
+            }
+            // Siblings best first: at the prior, in order of depth; all nodes in topological
+            // order (checked by `valid`).
+            let mut chain_req = Draft::default();
+            let cfg = SamplingConfig::greedy();
+            let req = ProposeRequest::new(&CTX, &cfg, depth);
+            m.propose(&req, &mut chain_req).unwrap();
+            proptest::prop_assert!(chain_req.parents.is_empty() && chain_req.len() <= depth);
+        }
+    }
 }
