@@ -134,8 +134,8 @@ pub mod verify;
 pub use error::{Error, ProposalFault, Result, RowKind};
 pub use model::{HiddenStates, TargetModel, TreeTarget};
 pub use propose::{
-    Draft, DraftModelProposer, NoProposer, PromptLookup, PromptLookupConfig, ProposeRequest,
-    Proposer, SuffixConfig, SuffixProposer, VerifiedRows,
+    Draft, DraftModelProposer, MergedProposer, NoProposer, PromptLookup, PromptLookupConfig,
+    ProposeRequest, Proposer, SuffixConfig, SuffixProposer, VerifiedRows,
 };
 pub use sampling::{SamplingConfig, SamplingConfigBuilder, TokenDist, TokenMask};
 pub use tree::{DraftBlock, SiblingScheme, TreeFault, TreeLimits};

@@ -118,6 +118,9 @@ where
 fn boxed_engines_are_send() {
     send::<Generator<Box<dyn TargetModel + Send>, Box<dyn Proposer + Send>>>();
     send::<DraftModelProposer<Box<dyn TargetModel + Send>>>();
+    // Holds `Box<dyn Proposer + Send>`: Send, and usable as one in the loop.
+    send::<speculative::MergedProposer>();
+    send::<Generator<Box<dyn TargetModel + Send>, speculative::MergedProposer>>();
 }
 
 /// At run time: one configuration shared by reference across threads, one verifier per thread,

@@ -12,6 +12,8 @@
 //! - [`DraftModelProposer`]: a smaller model implementing [`crate::TargetModel`] samples the draft
 //!   (Leviathan et al. 2023; Chen et al. 2023).
 //! - [`HeadsProposer`]: MTP / Medusa heads on the target's last hidden state (Cai et al. 2024).
+//! - [`MergedProposer`]: any set of proposers, their drafts merged into one prefix tree per step
+//!   and ranked by acceptance rates learned online (SpecInfer, Miao et al. 2024).
 
 use crate::error::Result;
 use crate::sampling::SamplingConfig;
@@ -20,12 +22,14 @@ use crate::verify::RowCandidates;
 
 mod draft_model;
 mod heads;
+mod merged;
 mod prompt_lookup;
 mod sampler;
 mod suffix;
 
 pub use draft_model::DraftModelProposer;
 pub use heads::{DraftHeads, HeadsInput, HeadsProposer};
+pub use merged::{DEFAULT_MERGE_DECAY, MAX_MERGED_PROPOSERS, MergedProposer};
 pub use prompt_lookup::{PromptLookup, PromptLookupConfig};
 pub use suffix::{SuffixConfig, SuffixProposer};
 
@@ -297,7 +301,7 @@ pub trait Proposer {
     ///
     /// The default is [`std::any::type_name`] of the implementing type (for example
     /// `my_crate::Repeat`); the shipped proposers return `"prompt-lookup"`, `"suffix"`,
-    /// `"draft-model"`, `"heads"` and `"none"`. `Box<P>` and `&mut P` forward to `P`, so a
+    /// `"draft-model"`, `"heads"`, `"merged"` and `"none"`. `Box<P>` and `&mut P` forward to `P`, so a
     /// `Box<dyn Proposer>` reports the boxed proposer's name.
     fn name(&self) -> &'static str {
         std::any::type_name::<Self>()

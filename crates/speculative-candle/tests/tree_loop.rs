@@ -1,11 +1,12 @@
 //! Token-tree speculative decoding on the real model (needs
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf`; run `scripts/fetch-model.sh` first): greedy output
-//! with tree drafts from both model-free proposers equals plain greedy decoding token for token.
+//! with tree drafts from both model-free proposers, and from their merge, equals plain greedy
+//! decoding token for token.
 
 use std::sync::{Arc, OnceLock};
 
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
-use speculative::propose::{PromptLookup, SuffixConfig, SuffixProposer};
+use speculative::propose::{MergedProposer, PromptLookup, SuffixConfig, SuffixProposer};
 use speculative::{Proposer, TargetModel};
 use speculative_candle::{
     ChatMessage, FastFormat, FastTarget, FastWeights, GgufTokenizer, default_model_path,
@@ -98,4 +99,41 @@ fn tree_drafts_give_plain_greedy_output_on_the_real_model() {
         tree_steps.iter().all(|&n| n > 0),
         "both proposers must have drafted trees: {tree_steps:?}"
     );
+}
+
+#[test]
+fn a_merged_tree_gives_plain_greedy_output_on_the_real_model() {
+    // Prompt lookup + suffix merged into one tree per step (MergedProposer), one prompt.
+    let w = weights();
+    let eos = tokenizer().eos_id();
+    let params = GenerationParams::greedy(40)
+        .with_draft(DraftLength::Fixed(6))
+        .with_tree_nodes(12)
+        .with_stop(StopConditions::eos(eos));
+    let plain_params = GenerationParams {
+        draft: DraftLength::Off,
+        tree_nodes: 0,
+        ..params.clone()
+    };
+    let prompt = chat(PROMPTS[0]);
+    let mut plain = Generator::new(FastTarget::new(w.clone()), speculative::NoProposer);
+    let want = plain.generate(&prompt, &plain_params).unwrap().tokens;
+    let merged = MergedProposer::new(vec![
+        Box::new(PromptLookup::new(1, 4).unwrap()),
+        Box::new(SuffixProposer::new(SuffixConfig::default()).unwrap()),
+    ])
+    .unwrap();
+    let mut g = Generator::new(FastTarget::new(w), merged);
+    let out = g.generate(&prompt, &params).unwrap();
+    let m = &out.metrics;
+    println!(
+        "merged: {} calls, {} tree steps ({:.1} nodes), mean accepted length {:.2}",
+        m.target_calls,
+        m.tree_steps,
+        m.mean_tree_nodes(),
+        m.mean_accepted_length()
+    );
+    assert_eq!(out.tokens, want, "merged tree output differs");
+    assert_eq!(g.target().seq_len(), prompt.len() + out.tokens.len() - 1);
+    assert!(m.accepted > 0, "the merge drafted nothing accepted");
 }
