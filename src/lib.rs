@@ -135,7 +135,7 @@ pub use error::{Error, ProposalFault, Result, RowKind};
 pub use model::{HiddenStates, TargetModel, TreeTarget};
 pub use propose::{
     Draft, DraftModelProposer, NoProposer, PromptLookup, PromptLookupConfig, ProposeRequest,
-    Proposer, SuffixConfig, SuffixProposer, VerifiedRows,
+    Proposer, RecyclingConfig, SuffixConfig, SuffixProposer, TokenRecycling, VerifiedRows,
 };
 pub use sampling::{SamplingConfig, SamplingConfigBuilder, TokenDist, TokenMask};
 pub use tree::{DraftBlock, SiblingScheme, TreeFault, TreeLimits};

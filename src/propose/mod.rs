@@ -12,6 +12,8 @@
 //! - [`DraftModelProposer`]: a smaller model implementing [`crate::TargetModel`] samples the draft
 //!   (Leviathan et al. 2023; Chen et al. 2023).
 //! - [`HeadsProposer`]: MTP / Medusa heads on the target's last hidden state (Cai et al. 2024).
+//! - [`TokenRecycling`]: an adjacency table of the target's own top candidates from earlier
+//!   verify rows, drafted along a static tree template (Luo et al. 2024).
 
 use crate::error::Result;
 use crate::sampling::SamplingConfig;
@@ -21,12 +23,14 @@ use crate::verify::RowCandidates;
 mod draft_model;
 mod heads;
 mod prompt_lookup;
+mod recycling;
 mod sampler;
 mod suffix;
 
 pub use draft_model::DraftModelProposer;
 pub use heads::{DraftHeads, HeadsInput, HeadsProposer};
 pub use prompt_lookup::{PromptLookup, PromptLookupConfig};
+pub use recycling::{RecyclingConfig, TableFileError, TemplateNode, TokenRecycling, TreeTemplate};
 pub use suffix::{SuffixConfig, SuffixProposer};
 
 /// What a proposer is asked for at one step.
@@ -297,7 +301,7 @@ pub trait Proposer {
     ///
     /// The default is [`std::any::type_name`] of the implementing type (for example
     /// `my_crate::Repeat`); the shipped proposers return `"prompt-lookup"`, `"suffix"`,
-    /// `"draft-model"`, `"heads"` and `"none"`. `Box<P>` and `&mut P` forward to `P`, so a
+    /// `"draft-model"`, `"heads"`, `"recycling"` and `"none"`. `Box<P>` and `&mut P` forward to `P`, so a
     /// `Box<dyn Proposer>` reports the boxed proposer's name.
     fn name(&self) -> &'static str {
         std::any::type_name::<Self>()
