@@ -582,8 +582,10 @@ impl TokenRecycling {
         let io = |e: std::io::Error| Error::proposer(TableFileError::Io(e));
         w.write_all(&MAGIC).map_err(io)?;
         w.write_all(&FORMAT_VERSION.to_le_bytes()).map_err(io)?;
-        w.write_all(&(self.vocab as u64).to_le_bytes()).map_err(io)?;
-        w.write_all(&(self.top_k as u32).to_le_bytes()).map_err(io)?;
+        w.write_all(&(self.vocab as u64).to_le_bytes())
+            .map_err(io)?;
+        w.write_all(&(self.top_k as u32).to_le_bytes())
+            .map_err(io)?;
         let mut buf = Vec::with_capacity(4 * 4096);
         for chunk in self.table.chunks(4096) {
             buf.clear();
@@ -1082,10 +1084,14 @@ mod tests {
         check(b, |e| matches!(e, TableFileError::UnsupportedVersion(2)));
         let mut b = good.clone();
         b[12] = 51;
-        check(b, |e| matches!(e, TableFileError::Mismatch { field: "vocab", .. }));
+        check(b, |e| {
+            matches!(e, TableFileError::Mismatch { field: "vocab", .. })
+        });
         let mut b = good.clone();
         b[20] = 8;
-        check(b, |e| matches!(e, TableFileError::Mismatch { field: "top_k", .. }));
+        check(b, |e| {
+            matches!(e, TableFileError::Mismatch { field: "top_k", .. })
+        });
         check(good[..good.len() - 1].to_vec(), |e| {
             matches!(e, TableFileError::Io(_))
         });
@@ -1094,15 +1100,40 @@ mod tests {
         let mut b = good.clone();
         b[24 + 8..24 + 12].copy_from_slice(&50u32.to_le_bytes());
         check(b, |e| {
-            matches!(e, TableFileError::InvalidEntry { row: 0, slot: 2, value: 50 })
+            matches!(
+                e,
+                TableFileError::InvalidEntry {
+                    row: 0,
+                    slot: 2,
+                    value: 50
+                }
+            )
         });
         // A repeated id, and an id after an empty entry.
         let mut b = good.clone();
         b[24 + 4..24 + 8].copy_from_slice(&1u32.to_le_bytes());
-        check(b, |e| matches!(e, TableFileError::InvalidEntry { row: 0, slot: 1, .. }));
+        check(b, |e| {
+            matches!(
+                e,
+                TableFileError::InvalidEntry {
+                    row: 0,
+                    slot: 1,
+                    ..
+                }
+            )
+        });
         let mut b = good.clone();
         b[24 + 12..24 + 16].copy_from_slice(&3u32.to_le_bytes());
-        check(b, |e| matches!(e, TableFileError::InvalidEntry { row: 0, slot: 3, .. }));
+        check(b, |e| {
+            matches!(
+                e,
+                TableFileError::InvalidEntry {
+                    row: 0,
+                    slot: 3,
+                    ..
+                }
+            )
+        });
         // Empty input.
         check(Vec::new(), |e| matches!(e, TableFileError::Io(_)));
     }
