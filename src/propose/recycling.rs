@@ -404,7 +404,8 @@ pub enum TableFileError {
 ///
 /// - Chain ([`Proposer::propose`]): the rank-0 chain from the last context token, up to
 ///   `req.max_draft` tokens, stopping at an empty entry and after the first EOS.
-/// - Tree ([`Proposer::propose_tree`]): the template scaled to the request
+/// - Tree ([`Proposer::propose_tree`]), when `req.max_nodes > req.max_draft` (else the chain
+///   of `max_nodes` tokens, like the other shipped proposers): the template scaled to the request
 ///   ([`TreeTemplate::scaled`] with `max_nodes`, depth `max_draft`, branching `min(max_branch,
 ///   top_k)`), walked breadth-first: node `(parent, r)` is `table[parent's token][r]`. A node
 ///   whose entry is empty, or whose parent is an EOS, is skipped with its subtree (the draft
@@ -706,13 +707,24 @@ impl Proposer for TokenRecycling {
 
     /// The scaled template walked breadth-first (see the type docs): at most `req.max_nodes`
     /// nodes, depth at most `req.max_draft`, at most `min(req.max_branch, top_k)` children per
-    /// node, no node below an EOS, distinct siblings. `O(nodes * siblings)` after the template
+    /// node, no node below an EOS, distinct siblings. With `req.max_nodes <= req.max_draft` it
+    /// is the chain of [`TokenRecycling::propose`](Proposer::propose) with `max_draft =
+    /// max_nodes`, as for the other shipped proposers. `O(nodes * siblings)` after the template
     /// is scaled (once per distinct set of limits, `O(template)`).
     ///
     /// # Errors
     /// None.
     fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
+        if req.max_nodes <= req.max_draft {
+            // The convention of the shipped proposers: no branching unless the node budget
+            // exceeds the depth.
+            let chain = ProposeRequest {
+                max_draft: req.max_nodes,
+                ..*req
+            };
+            return self.propose(&chain, draft);
+        }
         let Some(&root) = req.context.last() else {
             return Ok(());
         };
@@ -1009,8 +1021,11 @@ mod tests {
         let d = tree(&mut p, &[0], 3, 16, &[1]);
         assert_eq!((d.tokens, d.parents), (vec![1, 2, 3], vec![0, 0, 0]));
         // Budget, depth and branching limits apply.
+        // A budget within the depth gives the rank-0 chain.
         let d = tree(&mut p, &[0], 3, 2, &[]);
-        assert_eq!(d.tokens, [1, 2]);
+        assert_eq!((d.tokens, d.parents), (vec![1, 4], vec![]));
+        let d = tree(&mut p, &[0], 2, 3, &[]);
+        assert_eq!((d.tokens, d.parents), (vec![1, 2, 4], vec![0, 0, 1]));
         let d = tree(&mut p, &[0], 1, 16, &[]);
         assert_eq!(d.tokens, [1, 2, 3]);
         let config = SamplingConfig::greedy();
@@ -1027,6 +1042,60 @@ mod tests {
         observe(&mut q, &[0, 1], &[&[1, 2], &[4, 5]]);
         let d = tree(&mut q, &[0], 3, 16, &[]);
         assert_eq!((d.tokens, d.parents), (vec![1, 4], vec![0, 1]));
+    }
+
+    /// Random tables, limits and EOS sets: every tree is valid (distinct siblings, parents
+    /// before children), within the budget, the depth and the branching, never below an EOS,
+    /// and every node is the table entry its template node names.
+    #[test]
+    fn random_tables_give_valid_trees_within_the_limits() {
+        use crate::tree::{DraftBlock, TreeLimits};
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for _ in 0..300 {
+            let vocab = 2 + next(30) as usize;
+            let top_k = 1 + next(8) as usize;
+            let mut p = TokenRecycling::new(vocab, cfg(top_k)).unwrap();
+            for _ in 0..next(3 * vocab as u64) {
+                let t = next(vocab as u64 + 2) as u32;
+                let ids: Vec<u32> = (0..next(10))
+                    .map(|_| next(vocab as u64 + 3) as u32)
+                    .collect();
+                p.set_successors(t, &ids);
+            }
+            let (k, nodes, branch) = (next(9) as usize, next(40) as usize, 1 + next(9) as usize);
+            let eos: Vec<u32> = (0..next(3)).map(|_| next(vocab as u64) as u32).collect();
+            let ctx = [next(vocab as u64) as u32];
+            let config = SamplingConfig::greedy();
+            let req = ProposeRequest {
+                max_nodes: nodes,
+                max_branch: branch,
+                eos: &eos,
+                ..ProposeRequest::new(&ctx, &config, k)
+            };
+            let mut d = Draft::default();
+            p.propose_tree(&req, &mut d).unwrap();
+            let limits = TreeLimits {
+                max_nodes: nodes.max(k.min(nodes)),
+                max_depth: k,
+                max_branch: if nodes <= k { usize::MAX } else { branch },
+                ..TreeLimits::vocab(vocab)
+            };
+            d.block().validate(&limits).unwrap();
+            assert!(d.len() <= nodes);
+            let block = d.block();
+            for i in 0..d.len() {
+                let r = block.parent_row(i);
+                let parent_tok = if r == 0 { ctx[0] } else { d.tokens[r - 1] };
+                assert!(r == 0 || !eos.contains(&parent_tok));
+                assert!(p.successors(parent_tok).contains(&d.tokens[i]));
+            }
+        }
     }
 
     #[test]
