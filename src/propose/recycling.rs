@@ -1049,7 +1049,7 @@ mod tests {
     /// and every node is the table entry its template node names.
     #[test]
     fn random_tables_give_valid_trees_within_the_limits() {
-        use crate::tree::{DraftBlock, TreeLimits};
+        use crate::tree::TreeLimits;
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
         let mut next = |n: u64| {
             x ^= x << 13;
