@@ -67,26 +67,27 @@ pub struct TemplateNode {
 ///
 /// # Shape
 ///
-/// Luo et al. (2024, section 3) draft every step along one static tree: all of the root's
-/// candidates at depth 1, then fewer nodes per depth, with the deeper branches under the
-/// better-ranked candidates (an imbalanced tree, wide near the root and narrow below). We do
-/// not reproduce the paper's node list. Our shape is derived from a positional prior instead: a
-/// node of rank `r` is assumed to be accepted, given its parent, with probability `2^-(r + 1)`,
-/// so the **cost** of a node, `-log2` of its path's prior acceptance, is the sum of `rank + 1`
-/// along its path ([`TreeTemplate::cost`]). [`TreeTemplate::from_widths`] puts at each depth the
-/// cheapest children of the previous depth's nodes, and the default
-/// ([`TreeTemplate::DEFAULT_WIDTHS`] = `[8, 16, 16, 14, 10, 8, 5, 3]`, 80 nodes, about the size of the
-/// paper's tree) is that rule applied to widths that are wide near the root and narrow with
-/// depth.
+/// Luo et al. (2024) draft every step along one static, imbalanced tree: wide near the root
+/// (the root's candidates side by side), narrowing with depth, the deeper branches under the
+/// better-ranked candidates. We do not reproduce the paper's node list. Our shape is derived
+/// from a positional prior instead: a node of rank `r` is assumed to be accepted, given its
+/// parent, with probability `2^-(r + 1)`, so the **cost** of a node, `-log2` of its path's prior
+/// acceptance, is the sum of `rank + 1` along its path ([`TreeTemplate::cost`]).
+/// [`TreeTemplate::from_widths`] puts at each depth the cheapest children of the previous
+/// depth's nodes, and the default ([`TreeTemplate::DEFAULT_WIDTHS`] = `[8, 16, 16, 14, 10, 8,
+/// 5, 3]`: 80 nodes, all 8 candidates of the root at depth 1, then narrowing) is that rule
+/// applied to widths of the paper's profile. The node budgets that pay on a CPU (8-16 nodes)
+/// use only its cheapest part (below).
 ///
 /// # Scaling to a request
 ///
 /// [`TreeTemplate::scaled`] keeps, of the nodes within the depth (`req.max_draft`) and
 /// branching (`req.max_branch`, by rank) limits, the `max_nodes` cheapest (ties: template
 /// order), in template order. The cost grows strictly along every path, so the kept nodes
-/// always form a tree; a small budget gets a deep narrow tree (the rank-0 chain first), the
-/// full budget the whole template. (A plain prefix of the breadth-first order would spend a
-/// small budget on the root's fan of depth 1.)
+/// always form a tree; a small budget gets the cheapest paths (the rank-0 chain and the
+/// best-ranked branches near it), the full budget the whole template. (A plain prefix of the
+/// breadth-first order would spend a small budget on the root's fan of depth 1.) The depth of
+/// a tree draft never exceeds the template's ([`TreeTemplate::max_depth`], 8 for the default).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TreeTemplate {
     nodes: Vec<TemplateNode>,
