@@ -35,6 +35,12 @@
 //! The third sibling is the argmax of row 0 and the first half of the chain under it follows the
 //! argmax of each row; the other nodes are tokens after the argmax of their parent's row. The
 //! number of rows the walk processed (accepted + 1) is printed once per benchmark.
+//!
+//! **Row candidates** (group `row_top_v32000`; filter `-- row_top`): the cost of the feedback
+//! path ([`VerifyRequest::row_top_k`], what Token Recycling asks for). One sequence, vocabulary
+//! 32,000, a chain of k = 4 (drafts as above) and the 16-node tree above, greedy and stochastic,
+//! each verified with `row_top_k` 0 (a proposer that asks for nothing) and 8 (every target row
+//! processed once more for its 8 best ids), beside `read_once` of the step's rows.
 
 use std::collections::HashMap;
 use std::hint::black_box;
@@ -331,5 +337,54 @@ fn bench_tree(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench, bench_tree);
+/// `row_top_k` 0 vs 8 on a k = 4 chain and a 16-node tree, vocabulary 32,000 (module docs).
+fn bench_row_top(c: &mut Criterion) {
+    let vocab = 32_000;
+    let greedy = SamplingConfig::greedy();
+    let stochastic = SamplingConfig::builder()
+        .temperature(0.8)
+        .top_p(0.9)
+        .top_k(50)
+        .build()
+        .expect("valid configuration");
+    let mut group = c.benchmark_group(format!("row_top_v{vocab}"));
+    let mut buf: Option<Vec<f32>> = None;
+    let k = 4;
+    let tree = tree_parents(16);
+    for (shape, parents) in [("chain_k4", None), ("tree_n16", Some(&tree[..]))] {
+        let rows = parents.map_or(k + 1, |p| p.len() + 1);
+        group.bench_function(BenchmarkId::new("read_once", shape), |b| {
+            let buf = buf.get_or_insert_with(|| logits(vocab));
+            let data = &buf[..rows * vocab];
+            b.iter(|| read_once(black_box(data)))
+        });
+        for (mode, cfg) in [("greedy", &greedy), ("stochastic", &stochastic)] {
+            for top in [0usize, 8] {
+                let mut verifier = Verifier::new();
+                let mut tokens: Option<Vec<u32>> = None;
+                let id = format!("{shape}/{mode}/row_top_{top}");
+                group.bench_function(BenchmarkId::from_parameter(&id), |b| {
+                    let buf = buf.get_or_insert_with(|| logits(vocab));
+                    let data = &buf[..rows * vocab];
+                    let tokens = tokens.get_or_insert_with(|| match parents {
+                        Some(p) => tree_tokens(data, vocab, p),
+                        None => drafts(data, vocab, k, 1),
+                    });
+                    let mut req = VerifyRequest::new(cfg, data, vocab, tokens)
+                        .seed(7)
+                        .row_top(top);
+                    if let Some(p) = parents {
+                        req = req.tree(p);
+                    }
+                    let out = verifier.verify(&req).expect("valid step");
+                    assert_eq!(out.row_top.rows(), if top > 0 { rows } else { 0 });
+                    b.iter(|| verifier.verify(black_box(&req)))
+                });
+            }
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, bench_tree, bench_row_top);
 criterion_main!(benches);

@@ -135,7 +135,8 @@ pub use error::{Error, ProposalFault, Result, RowKind};
 pub use model::{HiddenStates, TargetModel, TreeTarget};
 pub use propose::{
     Draft, DraftModelProposer, MergedProposer, NoProposer, PromptLookup, PromptLookupConfig,
-    ProposeRequest, Proposer, SuffixConfig, SuffixProposer, VerifiedRows,
+    ProposeRequest, Proposer, RecyclingConfig, SuffixConfig, SuffixProposer, TokenRecycling,
+    VerifiedRows,
 };
 pub use sampling::{SamplingConfig, SamplingConfigBuilder, TokenDist, TokenMask};
 pub use tree::{DraftBlock, SiblingScheme, TreeFault, TreeLimits};

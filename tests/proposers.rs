@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use speculative::decode::{DraftLength, FinishReason, GenerationParams, Generator, StopConditions};
 use speculative::propose::{
-    DraftModelProposer, HeadsProposer, PromptLookup, SuffixConfig, SuffixProposer,
+    DraftModelProposer, HeadsProposer, PromptLookup, RecyclingConfig, SuffixConfig, SuffixProposer,
+    TokenRecycling,
 };
 use speculative::test_util::{HeadsConditioning, OneHotHidden, ToyHeads, ToyModel};
 use speculative::{
@@ -214,6 +215,11 @@ fn c11_draft_model_in_the_loop_ends_at_eos() {
 fn shipped() -> Vec<Box<dyn Proposer>> {
     let mut suffix = SuffixProposer::new(SuffixConfig::default()).unwrap();
     suffix.add_to_corpus(&[1, 2, 3, 4, 5, 6]);
+    // A warm table (model knowledge, kept across requests by design): the same in every copy.
+    let mut recycling = TokenRecycling::new(7, RecyclingConfig::default()).unwrap();
+    for t in 0..7u32 {
+        recycling.set_successors(t, &[(t * 3 + 1) % 7, (t + 6) % 7]);
+    }
     vec![
         Box::new(PromptLookup::new(1, 3).unwrap()),
         Box::new(suffix),
@@ -224,6 +230,7 @@ fn shipped() -> Vec<Box<dyn Proposer>> {
             HeadsConditioning::LastToken,
             |t| (t * 2 + 1) % 7,
         ))),
+        Box::new(recycling),
         Box::new(NoProposer),
     ]
 }
@@ -233,7 +240,14 @@ fn shipped_proposers_have_short_names() {
     let names: Vec<&str> = shipped().iter().map(|p| p.name()).collect();
     assert_eq!(
         names,
-        ["prompt-lookup", "suffix", "draft-model", "heads", "none"]
+        [
+            "prompt-lookup",
+            "suffix",
+            "draft-model",
+            "heads",
+            "recycling",
+            "none"
+        ]
     );
     // Forwarded through references too.
     let mut p = PromptLookup::new(1, 2).unwrap();

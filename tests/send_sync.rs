@@ -60,6 +60,9 @@ fn proposer_types_are_send_and_sync() {
     send_sync::<PromptLookup>();
     send_sync::<SuffixProposer>();
     send_sync::<SuffixConfig>();
+    send_sync::<speculative::TokenRecycling>();
+    send_sync::<speculative::propose::TreeTemplate>();
+    send_sync::<speculative::propose::TableFileError>();
     send_sync::<NoProposer>();
     send_sync::<DraftModelProposer<ToyModel>>();
 }

@@ -14,6 +14,8 @@
 //! - [`HeadsProposer`]: MTP / Medusa heads on the target's last hidden state (Cai et al. 2024).
 //! - [`MergedProposer`]: any set of proposers, their drafts merged into one prefix tree per step
 //!   and ranked by acceptance rates learned online (SpecInfer, Miao et al. 2024).
+//! - [`TokenRecycling`]: an adjacency table of the target's own top candidates from earlier
+//!   verify rows, drafted along a static tree template (Luo et al. 2024).
 
 use crate::error::Result;
 use crate::sampling::SamplingConfig;
@@ -24,6 +26,7 @@ mod draft_model;
 mod heads;
 mod merged;
 mod prompt_lookup;
+mod recycling;
 mod sampler;
 mod suffix;
 
@@ -31,6 +34,7 @@ pub use draft_model::DraftModelProposer;
 pub use heads::{DraftHeads, HeadsInput, HeadsProposer};
 pub use merged::{DEFAULT_MERGE_DECAY, MAX_MERGED_PROPOSERS, MergedProposer};
 pub use prompt_lookup::{PromptLookup, PromptLookupConfig};
+pub use recycling::{RecyclingConfig, TableFileError, TemplateNode, TokenRecycling, TreeTemplate};
 pub use suffix::{SuffixConfig, SuffixProposer};
 
 /// What a proposer is asked for at one step.
@@ -301,8 +305,8 @@ pub trait Proposer {
     ///
     /// The default is [`std::any::type_name`] of the implementing type (for example
     /// `my_crate::Repeat`); the shipped proposers return `"prompt-lookup"`, `"suffix"`,
-    /// `"draft-model"`, `"heads"`, `"merged"` and `"none"`. `Box<P>` and `&mut P` forward to `P`, so a
-    /// `Box<dyn Proposer>` reports the boxed proposer's name.
+    /// `"draft-model"`, `"heads"`, `"merged"`, `"recycling"` and `"none"`. `Box<P>` and `&mut P`
+    /// forward to `P`, so a `Box<dyn Proposer>` reports the boxed proposer's name.
     fn name(&self) -> &'static str {
         std::any::type_name::<Self>()
     }

@@ -1,12 +1,14 @@
 //! Token-tree speculative decoding on the real model (needs
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf`; run `scripts/fetch-model.sh` first): greedy output
-//! with tree drafts from both model-free proposers, and from their merge, equals plain greedy
-//! decoding token for token.
+//! with tree drafts from both model-free proposers, from their merge, and from Token Recycling
+//! (chains and trees) equals plain greedy decoding token for token.
 
 use std::sync::{Arc, OnceLock};
 
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
-use speculative::propose::{MergedProposer, PromptLookup, SuffixConfig, SuffixProposer};
+use speculative::propose::{
+    MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig, SuffixProposer, TokenRecycling,
+};
 use speculative::{Proposer, TargetModel};
 use speculative_candle::{
     ChatMessage, FastFormat, FastTarget, FastWeights, GgufTokenizer, default_model_path,
@@ -136,4 +138,46 @@ fn a_merged_tree_gives_plain_greedy_output_on_the_real_model() {
     assert_eq!(out.tokens, want, "merged tree output differs");
     assert_eq!(g.target().seq_len(), prompt.len() + out.tokens.len() - 1);
     assert!(m.accepted > 0, "the merge drafted nothing accepted");
+}
+
+#[test]
+fn recycling_gives_plain_greedy_output_on_the_real_model() {
+    let w = weights();
+    let eos = tokenizer().eos_id();
+    let prompt = chat(PROMPTS[0]);
+    let chain = GenerationParams::greedy(40)
+        .with_draft(DraftLength::Fixed(4))
+        .with_stop(StopConditions::eos(eos));
+    let plain_params = GenerationParams {
+        draft: DraftLength::Off,
+        ..chain.clone()
+    };
+    let want = Generator::new(FastTarget::new(w.clone()), speculative::NoProposer)
+        .generate(&prompt, &plain_params)
+        .unwrap()
+        .tokens;
+    let vocab = FastTarget::new(w.clone()).vocab_size();
+    let p = TokenRecycling::new(vocab, RecyclingConfig::default()).unwrap();
+    // One proposer for both runs: the tree run starts from the table the chain run left.
+    let mut g = Generator::new(FastTarget::new(w.clone()), p);
+    for params in [chain.clone(), chain.with_tree_nodes(16)] {
+        let out = g.generate(&prompt, &params).unwrap();
+        let m = &out.metrics;
+        println!(
+            "recycling, tree nodes {}: {} calls, {} tree steps, {} of {} drafts accepted, table \
+             {} rows",
+            params.tree_nodes,
+            m.target_calls,
+            m.tree_steps,
+            m.accepted,
+            m.proposed,
+            g.proposer().filled_rows()
+        );
+        assert_eq!(out.tokens, want, "tree nodes {}", params.tree_nodes);
+        assert_eq!(g.target().seq_len(), prompt.len() + out.tokens.len() - 1);
+        assert!(m.proposed > 0);
+        if params.tree_nodes > 0 {
+            assert!(m.tree_steps > 0);
+        }
+    }
 }
