@@ -10,8 +10,10 @@
 //! - [`SuffixProposer`]: suffix-tree proposer over the sequence and a bounded corpus of earlier
 //!   generations (SuffixDecoding, Oliaro et al. 2024).
 //! - [`DraftModelProposer`]: a smaller model implementing [`crate::TargetModel`] samples the draft
-//!   (Leviathan et al. 2023; Chen et al. 2023).
-//! - [`HeadsProposer`]: MTP / Medusa heads on the target's last hidden state (Cai et al. 2024).
+//!   (Leviathan et al. 2023; Chen et al. 2023); with the draft model's tree support it grows
+//!   EAGLE-2 style trees ([`DraftTreeConfig`]).
+//! - [`HeadsProposer`]: MTP / Medusa heads on the target's last hidden state (Cai et al. 2024),
+//!   chains or Medusa trees.
 
 use crate::error::Result;
 use crate::sampling::SamplingConfig;
@@ -24,7 +26,7 @@ mod prompt_lookup;
 mod sampler;
 mod suffix;
 
-pub use draft_model::DraftModelProposer;
+pub use draft_model::{DraftModelProposer, DraftTreeConfig};
 pub use heads::{DraftHeads, HeadsInput, HeadsProposer};
 pub use prompt_lookup::{PromptLookup, PromptLookupConfig};
 pub use suffix::{SuffixConfig, SuffixProposer};
