@@ -5,6 +5,95 @@ use super::sampler::DraftSampler;
 use super::{Draft, ProposeRequest, Proposer};
 use crate::error::{Error, Result};
 use crate::model::TargetModel;
+use crate::tree::{DraftBlock, SiblingScheme};
+
+/// Shape of the token trees [`DraftModelProposer`] grows with [`Proposer::propose_tree`]
+/// (EAGLE-2, Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft
+/// Trees", section 4: expand the nodes of highest cumulative draft probability).
+///
+/// | field | default | range |
+/// |---|---|---|
+/// | `beam` | 4 | `1 ..= 64` |
+/// | `children` | 4 | `1 ..= 64` |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DraftTreeConfig {
+    /// Nodes expanded per depth (the beam width): the nodes of the newest depth with the highest
+    /// cumulative draft probability (the product of the draft probabilities along the node's
+    /// path), EOS nodes never. Each depth costs one tree forward of the draft model over the
+    /// beam and its ancestors (at most `beam * depth` nodes).
+    pub beam: usize,
+    /// Children per expanded node, at most (also capped by [`ProposeRequest::max_branch`]): the
+    /// top ids of the node's processed draft row (greedy requests) or draws without replacement
+    /// from it (sampling requests).
+    pub children: usize,
+}
+
+impl Default for DraftTreeConfig {
+    /// `beam` 4, `children` 4.
+    fn default() -> Self {
+        DraftTreeConfig {
+            beam: 4,
+            children: 4,
+        }
+    }
+}
+
+impl DraftTreeConfig {
+    /// Checks every field against the ranges in the table of [`DraftTreeConfig`]. `O(1)`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the first offending field.
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=64).contains(&self.beam) {
+            return Err(Error::config("beam", self.beam, "must be in 1..=64"));
+        }
+        if !(1..=64).contains(&self.children) {
+            return Err(Error::config(
+                "children",
+                self.children,
+                "must be in 1..=64",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A node of a draft tree being grown: token, parent row (0 = the root, `j + 1` = node `j`)
+/// and cumulative draft log-probability.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    token: u32,
+    parent: u32,
+    score: f64,
+}
+
+/// The tokens of the path from the root's child down to row `row` (0 = the root: empty).
+fn path_tokens(nodes: &[Node], row: usize, out: &mut Vec<u32>) {
+    out.clear();
+    let mut r = row;
+    while r > 0 {
+        let n = &nodes[r - 1];
+        out.push(n.token);
+        r = n.parent as usize;
+    }
+    out.reverse();
+}
+
+/// `true` when node `a` ranks before node `b`: higher score, ties to the lower index.
+fn ranks_before(nodes: &[Node], a: usize, b: usize) -> bool {
+    match nodes[a].score.total_cmp(&nodes[b].score) {
+        std::cmp::Ordering::Greater => true,
+        std::cmp::Ordering::Less => false,
+        std::cmp::Ordering::Equal => a < b,
+    }
+}
+
+/// Node indices sorted best first (score descending, ties to the lower index).
+fn ranked(nodes: &[Node], idx: impl Iterator<Item = usize>) -> Vec<usize> {
+    let mut v: Vec<usize> = idx.collect();
+    v.sort_by(|&a, &b| nodes[b].score.total_cmp(&nodes[a].score).then(a.cmp(&b)));
+    v
+}
 
 /// Wraps any [`TargetModel`] as a draft model.
 ///
@@ -37,6 +126,12 @@ use crate::model::TargetModel;
 /// drafts never depend on an earlier request: they equal a fresh proposer's drafts on the same
 /// context (for a model whose logits depend only on its sequence).
 ///
+/// # Trees
+///
+/// [`Proposer::propose_tree`] grows EAGLE-2 style token trees when the draft model offers tree
+/// support ([`TargetModel::tree`]), shaped by [`DraftTreeConfig`] (see the method's docs for
+/// the greedy and the sampled rules); one draft tree forward per depth after the first.
+///
 /// `DraftModelProposer<M>` is `Send` when `M` is `Send`, and `Sync` when `M` is `Sync`.
 #[derive(Debug)]
 pub struct DraftModelProposer<M> {
@@ -44,17 +139,35 @@ pub struct DraftModelProposer<M> {
     seen: Vec<u32>,
     sampler: DraftSampler,
     logits: Vec<f32>,
+    tree: DraftTreeConfig,
 }
 
 impl<M: TargetModel> DraftModelProposer<M> {
-    /// Wraps `model` (its sequence is reset at the start of each generation).
+    /// Wraps `model` (its sequence is reset at the start of each generation), with the default
+    /// [`DraftTreeConfig`].
     pub fn new(model: M) -> Self {
         DraftModelProposer {
             model,
             seen: Vec::new(),
             sampler: DraftSampler::default(),
             logits: Vec::new(),
+            tree: DraftTreeConfig::default(),
         }
+    }
+
+    /// Sets the shape of the trees of [`Proposer::propose_tree`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] as [`DraftTreeConfig::validate`].
+    pub fn with_tree_config(mut self, tree: DraftTreeConfig) -> Result<Self> {
+        tree.validate()?;
+        self.tree = tree;
+        Ok(self)
+    }
+
+    /// The shape of the trees of [`Proposer::propose_tree`].
+    pub fn tree_config(&self) -> DraftTreeConfig {
+        self.tree
     }
 
     /// The wrapped model.
@@ -82,6 +195,204 @@ impl<M: TargetModel> DraftModelProposer<M> {
         }
         self.logits.drain(..n - v);
         Ok(())
+    }
+
+    /// Brings the model's sequence to exactly `ctx` (`ctx` not empty): truncates to the longest
+    /// common prefix of what it has seen and `ctx` (at most `ctx.len() - 1`, so that at least
+    /// the last token is fed), then feeds the rest; the first proposal of a generation prefills
+    /// all but the last token. Leaves the row after `ctx.last()` in `self.logits`.
+    fn catch_up(&mut self, ctx: &[u32]) -> Result<()> {
+        // Roll back to the common prefix, keeping at least one token to feed. The whole seen
+        // sequence is compared (exact stale-state detection): a memcmp in the usual case where
+        // the context extends it.
+        let common = if self.model.seq_len() != self.seen.len() {
+            0
+        } else if ctx.get(..self.seen.len()) == Some(&self.seen[..]) {
+            self.seen.len()
+        } else {
+            self.seen
+                .iter()
+                .zip(ctx)
+                .take_while(|(a, b)| a == b)
+                .count()
+        }
+        .min(ctx.len() - 1);
+        self.model.truncate(common)?;
+        self.seen.truncate(common);
+        if common == 0 && ctx.len() > 1 {
+            // First proposal of a generation: the prompt's rows need no logits.
+            let head = &ctx[..ctx.len() - 1];
+            self.model.prefill(head)?;
+            self.seen.extend_from_slice(head);
+            self.feed(&ctx[ctx.len() - 1..])?;
+        } else {
+            self.feed(&ctx[common..])?;
+        }
+        Ok(())
+    }
+
+    /// Grows the tree of [`Proposer::propose_tree`] into `nodes` (depth by depth; greedy
+    /// requests: every candidate, re-ranked by the caller) and returns whether the model holds
+    /// an uncommitted tree forward. `max_depth >= 1`; the model holds `ctx` and `self.logits`
+    /// its root row.
+    fn grow_tree(
+        &mut self,
+        req: &ProposeRequest<'_>,
+        max_depth: usize,
+        cap: usize,
+        nodes: &mut Vec<Node>,
+    ) -> Result<bool> {
+        let ctx = req.context;
+        let cfg = req.config;
+        let vocab = self.model.vocab_size();
+        let greedy = cfg.is_greedy();
+        let width = self.tree.children.min(req.max_branch);
+        let root = ctx[ctx.len() - 1];
+        // The rows to expand (0 = the root, j + 1 = node j) and their draft logits, one row each.
+        let mut beam: Vec<usize> = vec![0];
+        let mut rows = std::mem::take(&mut self.logits);
+        let mut pending = false;
+        let (mut path, mut top, mut drawn) = (Vec::new(), Vec::new(), Vec::new());
+        // Candidate children: (cumulative log-probability, beam index, rank).
+        let mut slots: Vec<(f64, usize, usize)> = Vec::new();
+        let mut block_tokens: Vec<u32> = Vec::new();
+        let mut block_parents: Vec<u32> = Vec::new();
+        for depth in 0..max_depth {
+            let first_new = nodes.len();
+            slots.clear();
+            for (b, &row) in beam.iter().enumerate() {
+                path_tokens(nodes, row, &mut path);
+                self.sampler.goto(&path)?;
+                let base = if row == 0 { 0.0 } else { nodes[row - 1].score };
+                let logits = &rows[b * vocab..(b + 1) * vocab];
+                self.sampler.top(cfg, logits, depth, width, &mut top)?;
+                for (rank, &(t, lp)) in top.iter().enumerate() {
+                    let score = base + lp as f64;
+                    if greedy {
+                        // Point masses: every candidate becomes a node; the caller keeps the
+                        // best `max_nodes` (EAGLE-2's re-ranking).
+                        nodes.push(Node {
+                            token: t,
+                            parent: row as u32,
+                            score,
+                        });
+                    } else {
+                        slots.push((score, b, rank));
+                    }
+                }
+            }
+            if !greedy {
+                // Sampled siblings: how many children each beam node gets is decided here, from
+                // the rows' probabilities (known before any child is drawn): this depth's share
+                // of the remaining budget goes to the candidate slots of highest expected
+                // cumulative probability (parent's times the rank's probability). Nothing drawn
+                // below is ever pruned.
+                let left = req.max_nodes - nodes.len();
+                let quota = left.div_ceil(max_depth - depth);
+                slots.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+                let mut count = vec![0usize; beam.len()];
+                for &(_, b, _) in slots.iter().take(quota) {
+                    count[b] += 1;
+                }
+                for (b, &row) in beam.iter().enumerate() {
+                    if count[b] == 0 {
+                        continue;
+                    }
+                    path_tokens(nodes, row, &mut path);
+                    self.sampler.goto(&path)?;
+                    let base = if row == 0 { 0.0 } else { nodes[row - 1].score };
+                    let logits = &rows[b * vocab..(b + 1) * vocab];
+                    self.sampler.draw_without_replacement(
+                        cfg, req.seed, logits, depth, count[b], &mut drawn,
+                    )?;
+                    let q = self.sampler.last_q();
+                    for &t in &drawn {
+                        nodes.push(Node {
+                            token: t,
+                            parent: row as u32,
+                            score: base + (q[t as usize] as f64).ln(),
+                        });
+                    }
+                }
+            }
+            if depth + 1 == max_depth || nodes.len() == first_new {
+                break;
+            }
+            if !greedy && nodes.len() >= req.max_nodes {
+                break;
+            }
+            // The next beam: the best new nodes that do not end the sequence.
+            let mut next = ranked(nodes, first_new..nodes.len());
+            next.retain(|&j| !req.is_eos(nodes[j].token));
+            next.truncate(self.tree.beam);
+            if greedy && nodes.len() >= req.max_nodes {
+                // A child never ranks before its parent: once the best beam node is out of
+                // the best `max_nodes`, nothing deeper can enter them.
+                let all = ranked(nodes, 0..nodes.len());
+                let kth = all[req.max_nodes - 1];
+                next.retain(|&j| ranks_before(nodes, j, kth));
+            }
+            // Each beam node with its ancestors must fit one tree forward of the draft model.
+            let mut keep = vec![false; nodes.len()];
+            let mut used = 0;
+            let mut fits = Vec::with_capacity(next.len());
+            for &j in &next {
+                let mut extra = Vec::new();
+                let mut r = j + 1;
+                while r > 0 && !keep[r - 1] {
+                    extra.push(r - 1);
+                    r = nodes[r - 1].parent as usize;
+                }
+                if used + extra.len() <= cap {
+                    used += extra.len();
+                    for i in extra {
+                        keep[i] = true;
+                    }
+                    fits.push(j);
+                }
+            }
+            if fits.is_empty() {
+                break;
+            }
+            // One tree forward over the kept nodes (in node order: parents first).
+            let mut map = vec![0u32; nodes.len()];
+            block_tokens.clear();
+            block_parents.clear();
+            for (i, n) in nodes.iter().enumerate() {
+                if keep[i] {
+                    map[i] = block_tokens.len() as u32;
+                    block_tokens.push(n.token);
+                    let p = n.parent as usize;
+                    block_parents.push(if p == 0 { 0 } else { map[p - 1] + 1 });
+                }
+            }
+            let before = ctx.len() - 1;
+            self.model.truncate(before)?;
+            self.seen.truncate(before);
+            let Some(tree) = self.model.tree() else {
+                return Err(Error::TargetContract {
+                    what: "draft model tree() returned None after offering tree support",
+                });
+            };
+            let block = DraftBlock::tree(&block_tokens, &block_parents);
+            tree.forward_tree(root, &block, &mut self.logits)?;
+            pending = true;
+            if self.logits.len() != block.rows() * vocab {
+                return Err(Error::ShapeMismatch {
+                    what: "draft model tree logits ([n + 1, vocab])",
+                    expected: block.rows() * vocab,
+                    actual: self.logits.len(),
+                });
+            }
+            rows.clear();
+            for &j in &fits {
+                let r = map[j] as usize + 1;
+                rows.extend_from_slice(&self.logits[r * vocab..(r + 1) * vocab]);
+            }
+            beam.clear();
+            beam.extend(fits.iter().map(|&j| j + 1));
+        }
+        Ok(pending)
     }
 }
 
@@ -111,32 +422,7 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
         if k == 0 {
             return Ok(());
         }
-        // Roll back to the common prefix, keeping at least one token to feed. The whole seen
-        // sequence is compared (exact stale-state detection): a memcmp in the usual case where
-        // the context extends it.
-        let common = if self.model.seq_len() != self.seen.len() {
-            0
-        } else if ctx.get(..self.seen.len()) == Some(&self.seen[..]) {
-            self.seen.len()
-        } else {
-            self.seen
-                .iter()
-                .zip(ctx)
-                .take_while(|(a, b)| a == b)
-                .count()
-        }
-        .min(ctx.len() - 1);
-        self.model.truncate(common)?;
-        self.seen.truncate(common);
-        if common == 0 && ctx.len() > 1 {
-            // First proposal of a generation: the prompt's rows need no logits.
-            let head = &ctx[..ctx.len() - 1];
-            self.model.prefill(head)?;
-            self.seen.extend_from_slice(head);
-            self.feed(&ctx[ctx.len() - 1..])?;
-        } else {
-            self.feed(&ctx[common..])?;
-        }
+        self.catch_up(ctx)?;
 
         let cfg = req.config;
         self.sampler.begin(req, vocab)?;
@@ -153,6 +439,126 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
         Ok(())
     }
 
+    /// Grows a token tree with the draft model (EAGLE-2, Li et al. 2024, section 4), when the
+    /// draft model offers tree support ([`TargetModel::tree`]) and the node budget exceeds the
+    /// depth (`req.max_nodes > req.max_draft`, the convention of the shipped proposers); else
+    /// the chain of [`Proposer::propose`] with `max_draft = min(req.max_draft, req.max_nodes)`.
+    ///
+    /// Depth by depth, starting at the root (the context's last token): the beam (the
+    /// [`DraftTreeConfig::beam`] nodes of the newest depth with the highest cumulative draft
+    /// probability, never an EOS node) is expanded into up to `min(children, req.max_branch)`
+    /// children each, from the node's processed draft row (the request's configuration,
+    /// penalties and masks over the context plus the node's path, as the verifier processes
+    /// the target row). One tree forward of the draft model per depth computes the rows of the
+    /// beam ([`crate::TreeTarget::forward_tree`] over the beam and its ancestors, each node
+    /// attending to its ancestors only); depth is at most `req.max_draft` (and the context
+    /// room), the nodes of one forward at most the draft model's
+    /// [`crate::TreeTarget::max_tree_nodes`] (beam nodes that do not fit are not expanded).
+    ///
+    /// - **Greedy requests**: the children are the top ids of the row (point masses, no q,
+    ///   [`SiblingScheme::Deterministic`]; cumulative probability under the softmax at
+    ///   temperature 1 of the row after penalties, bias and masks). Every candidate is kept
+    ///   while growing, and the best `req.max_nodes` by cumulative probability are returned
+    ///   (EAGLE-2's re-ranking; ancestor-closed, since a node never ranks before its parent).
+    ///   Growth stops early once no beam node is among the best `req.max_nodes`. Any choice of
+    ///   deterministic candidates is exact.
+    /// - **Sampling requests**: the children of a node are drawn WITHOUT replacement from its
+    ///   processed row q ([`SiblingScheme::WithoutReplacement`], verified by recursive rejection
+    ///   sampling, Jeon et al. 2024), sibling `j` with the uniform of
+    ///   [`crate::rng::lane::sibling_draft`]`(j)` at the node's position; every node carries its
+    ///   group's q row (`q`: `[nodes, draft vocab]`). How many children each beam node gets is
+    ///   decided BEFORE they are drawn: each depth takes `ceil(left / depths left)` of the node
+    ///   budget, given to the candidate slots (node, rank) of highest expected cumulative
+    ///   probability (the node's times the rank's probability in its row). Drawn siblings are
+    ///   never pruned by their values, which would break the law the verifier relies on (see
+    ///   [`crate::verify`], "Trees", and `tests/model_trees.rs` for a negative control).
+    ///   Why the dynamic shape is still exact: the children of a node at depth `d` are drawn
+    ///   with the uniforms of position `context.len() + d`, which nothing else reads (the
+    ///   verifier uses other lanes); their number depends only on nodes of depth `<= d`, drawn
+    ///   with the uniforms of earlier positions. So when the verifier reaches a node, its
+    ///   children are, given everything the step decided before, a sample without replacement
+    ///   of its q of a size fixed in advance: the situation of the lemma in [`crate::verify`].
+    ///   Cousins (children of different nodes at one depth) share those uniforms; they are
+    ///   never on one path, and the verifier reads one group per depth.
+    ///
+    /// A tree whose every group has one node is returned as a chain (no `parents`, no
+    /// `schemes`: the same draws and law). No node is added below an EOS node. After the call
+    /// the draft model holds exactly the context (the last tree forward is committed with an
+    /// empty path), so the next step catches up as a chain proposal does.
+    ///
+    /// # Errors
+    /// As [`Proposer::propose`], plus those of the draft model's tree forward and commit, and
+    /// [`Error::ShapeMismatch`] when a tree forward's logits are not `[n + 1, vocab]`.
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        let tree_cap = self.model.tree().map(|t| t.max_tree_nodes());
+        let Some(tree_cap) = tree_cap.filter(|_| req.max_nodes > req.max_draft) else {
+            let chain = ProposeRequest {
+                max_draft: req.max_draft.min(req.max_nodes),
+                ..*req
+            };
+            return self.propose(&chain, draft);
+        };
+        draft.clear();
+        let ctx = req.context;
+        if req.max_draft == 0 || req.max_nodes == 0 || req.max_branch == 0 || ctx.is_empty() {
+            return Ok(());
+        }
+        let vocab = self.model.vocab_size();
+        let room = self.model.max_context().saturating_sub(ctx.len());
+        let max_depth = req.max_draft.min(room);
+        if max_depth == 0 {
+            return Ok(());
+        }
+        self.catch_up(ctx)?;
+        self.sampler.begin(req, vocab)?;
+        let mut nodes = Vec::new();
+        // A tree forward appends the root and its nodes after `ctx.len() - 1` tokens.
+        let cap = tree_cap.min(room);
+        let grown = self.grow_tree(req, max_depth, cap, &mut nodes);
+        let q = self.sampler.take_q();
+        let pending = grown?;
+        if pending {
+            // Keep the root only: the model holds exactly the context again.
+            let Some(tree) = self.model.tree() else {
+                return Err(Error::TargetContract {
+                    what: "draft model tree() returned None after offering tree support",
+                });
+            };
+            tree.commit_tree(&[])?;
+            self.seen.push(ctx[ctx.len() - 1]);
+        }
+        let greedy = req.config.is_greedy();
+        // Greedy: the best `max_nodes` candidates (ancestor-closed), in node order.
+        let keep: Vec<usize> = if greedy && nodes.len() > req.max_nodes {
+            let mut best = ranked(&nodes, 0..nodes.len());
+            best.truncate(req.max_nodes);
+            best.sort_unstable();
+            best
+        } else {
+            (0..nodes.len()).collect()
+        };
+        let mut map = vec![0u32; nodes.len()];
+        for (k, &i) in keep.iter().enumerate() {
+            let n = &nodes[i];
+            map[i] = k as u32;
+            draft.tokens.push(n.token);
+            let p = n.parent as usize;
+            draft.parents.push(if p == 0 { 0 } else { map[p - 1] + 1 });
+        }
+        if greedy {
+            draft.schemes = vec![SiblingScheme::Deterministic; draft.tokens.len()];
+        } else if !draft.tokens.is_empty() {
+            draft.q = Some(q);
+            draft.q_vocab = vocab;
+            draft.schemes = vec![SiblingScheme::WithoutReplacement; draft.tokens.len()];
+        }
+        if draft.block().is_chain() {
+            draft.parents.clear();
+            draft.schemes.clear();
+        }
+        Ok(())
+    }
+
     /// `"draft-model"`.
     fn name(&self) -> &'static str {
         "draft-model"
@@ -162,8 +568,8 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::SamplingConfig;
     use crate::test_util::{CallLog, ToyModel};
+    use crate::{RowKind, SamplingConfig};
 
     #[test]
     fn prompt_is_prefilled_once_and_drafts_match_full_forwards() {
@@ -288,5 +694,298 @@ mod tests {
         // One forward for the context's last token, one for the first draft; none after EOS.
         assert_eq!(p.model().forwards, vec![1, 1]);
         assert_eq!(p.name(), "draft-model");
+    }
+
+    // ---- token trees (propose_tree) ----
+
+    use crate::sampling::{History, RowProcessor, TokenCounts, TokenDist};
+    use crate::tree::TreeLimits;
+
+    fn tree_model(cap: usize) -> ToyModel {
+        ToyModel::markov(8, 2, 1.6, 5).with_tree(cap)
+    }
+
+    fn tree_req<'a>(
+        ctx: &'a [u32],
+        cfg: &'a SamplingConfig,
+        depth: usize,
+        nodes: usize,
+    ) -> ProposeRequest<'a> {
+        ProposeRequest {
+            max_nodes: nodes,
+            seed: 7,
+            ..ProposeRequest::new(ctx, cfg, depth)
+        }
+    }
+
+    fn node_path(d: &Draft, row: usize) -> Vec<u32> {
+        let mut p = Vec::new();
+        if row > 0 {
+            d.block().path_to(row - 1, &mut p);
+        }
+        p.iter().map(|&j| d.tokens[j as usize]).collect()
+    }
+
+    fn sampled() -> SamplingConfig {
+        SamplingConfig::builder()
+            .temperature(0.8)
+            .top_k(6)
+            .repetition_penalty(1.3)
+            .build()
+            .unwrap()
+    }
+
+    /// The processed row of `model` after `ctx` + `path`, as the verifier processes it.
+    fn processed(model: &ToyModel, cfg: &SamplingConfig, ctx: &[u32], path: &[u32]) -> TokenDist {
+        let mut seq = ctx.to_vec();
+        seq.extend_from_slice(path);
+        let counts = TokenCounts::from_context(&seq, ctx.len(), 8).unwrap();
+        let hist = History {
+            counts: Some(&counts),
+            prefix: &seq,
+            suppress: &[],
+        };
+        let mut d = TokenDist::default();
+        RowProcessor::new()
+            .distribution(cfg, &model.logits(&seq), &hist, RowKind::Draft, 0, &mut d)
+            .unwrap();
+        d
+    }
+
+    fn check_limits(d: &Draft, req: &ProposeRequest<'_>) {
+        let limits = TreeLimits {
+            vocab_size: 8,
+            max_nodes: req.max_nodes,
+            max_depth: req.max_draft,
+            max_branch: req.max_branch,
+            dense_q: d.q.is_some(),
+        };
+        assert_eq!(d.block().validate(&limits), Ok(()), "{d:?}");
+    }
+
+    #[test]
+    fn tree_config_is_validated() {
+        for (beam, children, field) in [(0, 4, "beam"), (65, 4, "beam"), (4, 0, "children")] {
+            let err = DraftModelProposer::new(ToyModel::c10())
+                .with_tree_config(DraftTreeConfig { beam, children })
+                .unwrap_err();
+            assert!(
+                matches!(err, Error::InvalidConfig { field: f, .. } if f == field),
+                "{err}"
+            );
+        }
+        let p = DraftModelProposer::new(ToyModel::c10());
+        assert_eq!(p.tree_config(), DraftTreeConfig::default());
+    }
+
+    #[test]
+    fn without_tree_support_or_budget_the_tree_is_the_chain() {
+        let ctx = [1u32, 2, 3];
+        for cfg in configs() {
+            // No tree support: the chain of min(depth, nodes).
+            for (depth, nodes) in [(3, 8), (4, 2)] {
+                let mut p = DraftModelProposer::new(ToyModel::c10());
+                let mut d = Draft::default();
+                p.propose_tree(&tree_req(&ctx, &cfg, depth, nodes), &mut d)
+                    .unwrap();
+                assert_eq!(d, fresh(&ctx, &cfg, depth.min(nodes)));
+            }
+            // Tree support but no budget beyond the depth: the chain.
+            let mut p = DraftModelProposer::new(tree_model(32));
+            let (mut a, mut b) = (Draft::default(), Draft::default());
+            p.propose_tree(&tree_req(&ctx, &cfg, 4, 4), &mut a).unwrap();
+            let mut q = DraftModelProposer::new(tree_model(32));
+            q.propose(&tree_req(&ctx, &cfg, 4, 4), &mut b).unwrap();
+            assert_eq!(a, b);
+            assert!(a.parents.is_empty());
+        }
+    }
+
+    #[test]
+    fn beam_one_child_one_is_exactly_the_chain() {
+        let ctx = [1u32, 2, 3, 1];
+        for cfg in [SamplingConfig::greedy(), sampled()] {
+            for seed in 0..20 {
+                let req = ProposeRequest {
+                    seed,
+                    ..tree_req(&ctx, &cfg, 4, 9)
+                };
+                let mut p = DraftModelProposer::new(tree_model(32))
+                    .with_tree_config(DraftTreeConfig {
+                        beam: 1,
+                        children: 1,
+                    })
+                    .unwrap();
+                let (mut a, mut b) = (Draft::default(), Draft::default());
+                p.propose_tree(&req, &mut a).unwrap();
+                DraftModelProposer::new(tree_model(32))
+                    .propose(&req, &mut b)
+                    .unwrap();
+                assert_eq!(a, b, "seed {seed}");
+                assert_eq!(a.len(), 4);
+            }
+        }
+    }
+
+    #[test]
+    fn greedy_tree_children_are_top_ids_reranked_to_the_budget() {
+        let ctx = [4u32, 0, 6, 2];
+        let cfg = SamplingConfig::greedy();
+        let reference = tree_model(32);
+        for (depth, nodes, branch) in [(4, 10, usize::MAX), (3, 12, 2), (5, 7, 3)] {
+            let req = ProposeRequest {
+                max_branch: branch,
+                ..tree_req(&ctx, &cfg, depth, nodes)
+            };
+            let mut p = DraftModelProposer::new(CallLog::new(tree_model(32)))
+                .with_tree_config(DraftTreeConfig {
+                    beam: 3,
+                    children: 3,
+                })
+                .unwrap();
+            let mut d = Draft::default();
+            p.propose_tree(&req, &mut d).unwrap();
+            check_limits(&d, &req);
+            assert_eq!(d.len(), nodes, "enough candidates to fill the budget");
+            assert!(d.q.is_none());
+            assert!(d.schemes.iter().all(|&s| s == SiblingScheme::Deterministic));
+            assert!(d.block().max_depth() >= 2);
+            let width = 3.min(branch);
+            for i in 0..d.len() {
+                let path = node_path(&d, d.block().parent_row(i));
+                let mut seq = ctx.to_vec();
+                seq.extend_from_slice(&path);
+                let l = reference.logits(&seq);
+                let mut ids: Vec<u32> = (0..8).collect();
+                ids.sort_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
+                assert!(ids[..width].contains(&d.tokens[i]), "node {i}");
+            }
+            // One tree forward per depth after the first at most, each within the beam's
+            // ancestors; the model holds exactly the context afterwards.
+            let log = p.model();
+            assert!(log.trees.len() < depth, "{} tree forwards", log.trees.len());
+            assert!(log.trees.iter().all(|(_, t, _)| t.len() <= 3 * depth));
+            assert!(log.trees.iter().all(|(root, _, _)| *root == 2));
+            assert_eq!(log.commits, vec![Vec::<u32>::new()]);
+            assert_eq!(log.inner.tokens(), &ctx);
+        }
+    }
+
+    #[test]
+    fn sampled_tree_draws_without_replacement_with_the_group_q() {
+        let ctx = [4u32, 0, 6, 2];
+        let cfg = sampled();
+        let reference = tree_model(32);
+        let mut shapes = std::collections::HashSet::new();
+        for seed in 0..40 {
+            let req = ProposeRequest {
+                seed,
+                ..tree_req(&ctx, &cfg, 3, 9)
+            };
+            let mut p = DraftModelProposer::new(tree_model(32))
+                .with_tree_config(DraftTreeConfig {
+                    beam: 2,
+                    children: 3,
+                })
+                .unwrap();
+            let mut d = Draft::default();
+            p.propose_tree(&req, &mut d).unwrap();
+            check_limits(&d, &req);
+            assert_eq!(d.len(), 9);
+            assert!(
+                d.schemes
+                    .iter()
+                    .all(|&s| s == SiblingScheme::WithoutReplacement)
+            );
+            let q = d.q.clone().unwrap();
+            assert_eq!((d.q_vocab, q.len()), (8, 9 * 8));
+            for i in 0..d.len() {
+                let path = node_path(&d, d.block().parent_row(i));
+                let want = processed(&reference, &cfg, &ctx, &path);
+                let row = &q[i * 8..(i + 1) * 8];
+                for v in 0..8u32 {
+                    assert!((row[v as usize] - want.prob(v)).abs() < 1e-6, "node {i}");
+                }
+                assert!(row[d.tokens[i] as usize] > 0.0);
+            }
+            // Same seed, same tree; the model holds the context.
+            let mut again = Draft::default();
+            DraftModelProposer::new(tree_model(32))
+                .with_tree_config(p.tree_config())
+                .unwrap()
+                .propose_tree(&req, &mut again)
+                .unwrap();
+            assert_eq!(d, again);
+            assert_eq!(p.model().tokens(), &ctx);
+            shapes.insert((d.tokens.clone(), d.parents.clone()));
+        }
+        assert!(
+            shapes.len() > 20,
+            "the trees are samples: {} distinct",
+            shapes.len()
+        );
+    }
+
+    #[test]
+    fn tree_nodes_never_follow_an_eos() {
+        let ctx = [4u32, 0, 6, 2];
+        for cfg in [SamplingConfig::greedy(), sampled()] {
+            for eos in 0..8u32 {
+                let eos_ids = [eos];
+                let req = ProposeRequest {
+                    eos: &eos_ids,
+                    ..tree_req(&ctx, &cfg, 4, 12)
+                };
+                let mut p = DraftModelProposer::new(tree_model(32));
+                let mut d = Draft::default();
+                p.propose_tree(&req, &mut d).unwrap();
+                for i in 0..d.len() {
+                    let r = d.block().parent_row(i);
+                    assert!(r == 0 || d.tokens[r - 1] != eos, "eos {eos}: {d:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn small_tree_capacity_bounds_every_draft_forward() {
+        let ctx = [4u32, 0, 6, 2];
+        for cfg in [SamplingConfig::greedy(), sampled()] {
+            let req = tree_req(&ctx, &cfg, 5, 16);
+            let mut p = DraftModelProposer::new(CallLog::new(tree_model(3)));
+            let mut d = Draft::default();
+            p.propose_tree(&req, &mut d).unwrap();
+            check_limits(&d, &req);
+            assert!(!p.model().trees.is_empty());
+            assert!(p.model().trees.iter().all(|(_, t, _)| t.len() <= 3));
+        }
+    }
+
+    #[test]
+    fn stale_state_after_a_tree_equals_a_fresh_proposer() {
+        let a: Vec<u32> = (0..30).map(|i| (i * 5 % 8) as u32).collect();
+        let mut b = a.clone();
+        b.extend([3, 1, 4]);
+        let c = a[..12].to_vec();
+        for cfg in [SamplingConfig::greedy(), sampled()] {
+            let mut p = DraftModelProposer::new(tree_model(32));
+            let mut d = Draft::default();
+            for ctx in [&a, &b, &c, &a] {
+                p.propose_tree(&tree_req(ctx, &cfg, 3, 8), &mut d).unwrap();
+                let mut f = Draft::default();
+                DraftModelProposer::new(tree_model(32))
+                    .propose_tree(&tree_req(ctx, &cfg, 3, 8), &mut f)
+                    .unwrap();
+                assert_eq!(d, f);
+                assert_eq!(p.model().tokens(), &ctx[..]);
+                // A chain proposal after a tree sees the same state as a fresh one.
+                p.propose(&tree_req(ctx, &cfg, 3, 3), &mut d).unwrap();
+                let mut f = Draft::default();
+                DraftModelProposer::new(tree_model(32))
+                    .propose(&tree_req(ctx, &cfg, 3, 3), &mut f)
+                    .unwrap();
+                assert_eq!(d, f);
+            }
+        }
     }
 }

@@ -3,9 +3,47 @@
 //! multi-token prediction, Gloeckle et al. 2024; DeepSeek-V3's MTP modules and EAGLE, Li et al.
 //! 2024, which also read the last token).
 
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
 use super::sampler::DraftSampler;
 use super::{Draft, ProposeRequest, Proposer};
 use crate::error::{Error, Result};
+use crate::tree::SiblingScheme;
+
+/// Default [`HeadsProposer::tree_top_k`].
+const DEFAULT_TREE_TOP_K: usize = 4;
+
+/// A candidate node of a heads tree: cumulative log-probability, parent row, token, depth.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    score: f64,
+    /// Order of creation: ties go to the earlier slot.
+    seq: usize,
+    parent: u32,
+    token: u32,
+    depth: usize,
+}
+
+impl PartialEq for Slot {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Slot {}
+impl PartialOrd for Slot {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Slot {
+    /// The max-heap's order: higher score first, then the earlier slot.
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.score
+            .total_cmp(&other.score)
+            .then(other.seq.cmp(&self.seq))
+    }
+}
 
 /// What [`DraftHeads::logits`] conditions on at one step.
 ///
@@ -96,16 +134,70 @@ pub struct HeadsProposer<H> {
     heads: H,
     sampler: DraftSampler,
     logits: Vec<f32>,
+    tree_top_k: usize,
 }
 
 impl<H: DraftHeads> HeadsProposer<H> {
-    /// Wraps `heads`.
+    /// Wraps `heads`, with [`HeadsProposer::tree_top_k`] 4.
     pub fn new(heads: H) -> Self {
         HeadsProposer {
             heads,
             sampler: DraftSampler::default(),
             logits: Vec::new(),
+            tree_top_k: DEFAULT_TREE_TOP_K,
         }
+    }
+
+    /// Sets how many candidates of each head a tree draft considers per node
+    /// ([`Proposer::propose_tree`]; also capped by [`ProposeRequest::max_branch`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming `tree_top_k` when it is not in `1..=64`.
+    pub fn with_tree_top_k(mut self, top_k: usize) -> Result<Self> {
+        if !(1..=64).contains(&top_k) {
+            return Err(Error::config("tree_top_k", top_k, "must be in 1..=64"));
+        }
+        self.tree_top_k = top_k;
+        Ok(self)
+    }
+
+    /// Candidates per head of a tree draft (default 4).
+    pub fn tree_top_k(&self) -> usize {
+        self.tree_top_k
+    }
+
+    /// The heads' logits for `req`: `Ok(None)` when the request gives no hidden state or an
+    /// empty context, or asks for no token; else the number of rows `n` written into
+    /// `self.logits` (`[n, vocab]`).
+    fn head_rows(&mut self, req: &ProposeRequest<'_>) -> Result<Option<usize>> {
+        let Some(hidden) = req.target_hidden else {
+            return Ok(None);
+        };
+        if hidden.len() != self.heads.hidden_size() {
+            return Err(Error::ShapeMismatch {
+                what: "target hidden state for heads",
+                expected: self.heads.hidden_size(),
+                actual: hidden.len(),
+            });
+        }
+        let Some(&last_token) = req.context.last() else {
+            return Ok(None);
+        };
+        let k = req.max_draft.min(self.heads.num_heads());
+        if k == 0 {
+            return Ok(None);
+        }
+        let vocab = self.heads.vocab_size();
+        let input = HeadsInput::new(hidden, last_token, req.context.len());
+        self.heads.logits(&input, k, &mut self.logits)?;
+        if self.logits.len() != k * vocab {
+            return Err(Error::ShapeMismatch {
+                what: "head logits ([n, vocab])",
+                expected: k * vocab,
+                actual: self.logits.len(),
+            });
+        }
+        Ok(Some(k))
     }
 
     /// The wrapped heads.
@@ -128,33 +220,10 @@ impl<H: DraftHeads> Proposer for HeadsProposer<H> {
     /// the request's configuration (for example [`Error::NoAllowedToken`]).
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
-        let Some(hidden) = req.target_hidden else {
+        let Some(k) = self.head_rows(req)? else {
             return Ok(());
         };
-        if hidden.len() != self.heads.hidden_size() {
-            return Err(Error::ShapeMismatch {
-                what: "target hidden state for heads",
-                expected: self.heads.hidden_size(),
-                actual: hidden.len(),
-            });
-        }
-        let Some(&last_token) = req.context.last() else {
-            return Ok(());
-        };
-        let k = req.max_draft.min(self.heads.num_heads());
-        if k == 0 {
-            return Ok(());
-        }
         let vocab = self.heads.vocab_size();
-        let input = HeadsInput::new(hidden, last_token, req.context.len());
-        self.heads.logits(&input, k, &mut self.logits)?;
-        if self.logits.len() != k * vocab {
-            return Err(Error::ShapeMismatch {
-                what: "head logits ([n, vocab])",
-                expected: k * vocab,
-                actual: self.logits.len(),
-            });
-        }
         let cfg = req.config;
         self.sampler.begin(req, vocab)?;
         for i in 0..k {
@@ -166,6 +235,101 @@ impl<H: DraftHeads> Proposer for HeadsProposer<H> {
             }
         }
         self.sampler.finish(cfg, vocab, draft);
+        Ok(())
+    }
+
+    /// A Medusa token tree (Cai et al. 2024, section 2.1.2, "tree attention"): the top
+    /// [`HeadsProposer::tree_top_k`] candidates of each head (capped by `req.max_branch`), the
+    /// candidate paths of their Cartesian product ranked by the product of their head
+    /// probabilities, and the best `req.max_nodes` nodes kept. Depth `d` uses head `d - 1`, so
+    /// the depth is at most `min(req.max_draft, num_heads)`. With `req.max_nodes <=
+    /// req.max_draft` (no budget to branch; the convention of the shipped proposers) it returns
+    /// the chain of [`Proposer::propose`] with `max_draft = req.max_nodes`.
+    ///
+    /// Built best first: a node enters when it is the best remaining candidate, and only then
+    /// are its children (head `depth`'s candidates) offered, so the tree is ancestor-closed and
+    /// in topological order; a node's children follow its parent's product order. Each head
+    /// row is processed along the node's own path (penalties, masks and EOS suppression over
+    /// the context plus the node's ancestors, as the verifier processes the target row), and
+    /// probabilities are those of the processed row (sampling requests) or of the softmax at
+    /// temperature 1 after penalties, bias and masks (greedy requests). No node is added below
+    /// an EOS node.
+    ///
+    /// The nodes are point masses ([`SiblingScheme::Deterministic`], no q), exact for any choice
+    /// of candidates, also under sampling. The heads' q is not used in trees: head `i`'s
+    /// distribution reads the target's hidden state at the root only and does not condition on
+    /// the drafted path, so the children of different nodes at one depth would share one q and
+    /// top-k candidates are not samples of it. Chains ([`Proposer::propose`]) still sample
+    /// with q. A tree whose every group has one node is returned as a chain (no `parents`).
+    ///
+    /// # Errors
+    /// As [`Proposer::propose`].
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        if req.max_nodes <= req.max_draft {
+            let chain = ProposeRequest {
+                max_draft: req.max_nodes,
+                ..*req
+            };
+            return self.propose(&chain, draft);
+        }
+        draft.clear();
+        if req.max_branch == 0 {
+            return Ok(());
+        }
+        let Some(depth_max) = self.head_rows(req)? else {
+            return Ok(());
+        };
+        let vocab = self.heads.vocab_size();
+        let cfg = req.config;
+        let width = self.tree_top_k.min(req.max_branch);
+        self.sampler.begin(req, vocab)?;
+        let mut heap = BinaryHeap::new();
+        let (mut top, mut path) = (Vec::new(), Vec::new());
+        let mut seq = 0usize;
+        // Offers the children of row `row` (0 = the root) at depth `depth + 1`.
+        let mut row = 0usize;
+        let mut depth = 0usize;
+        let mut base = 0.0f64;
+        while draft.tokens.len() < req.max_nodes {
+            if depth < depth_max {
+                path.clear();
+                if row > 0 {
+                    draft.block().path_to(row - 1, &mut path);
+                }
+                let tokens: Vec<u32> = path.iter().map(|&j| draft.tokens[j as usize]).collect();
+                self.sampler.goto(&tokens)?;
+                let logits = &self.logits[depth * vocab..(depth + 1) * vocab];
+                self.sampler.top(cfg, logits, depth, width, &mut top)?;
+                for &(token, lp) in &top {
+                    heap.push(Slot {
+                        score: base + lp as f64,
+                        seq,
+                        parent: row as u32,
+                        token,
+                        depth: depth + 1,
+                    });
+                    seq += 1;
+                }
+            }
+            let Some(best) = heap.pop() else {
+                break;
+            };
+            draft.tokens.push(best.token);
+            draft.parents.push(best.parent);
+            row = draft.tokens.len();
+            depth = if req.is_eos(best.token) {
+                // Nothing after an end: no children.
+                depth_max
+            } else {
+                best.depth
+            };
+            base = best.score;
+        }
+        draft.schemes = vec![SiblingScheme::Deterministic; draft.tokens.len()];
+        if draft.block().is_chain() {
+            draft.parents.clear();
+            draft.schemes.clear();
+        }
         Ok(())
     }
 
@@ -298,5 +462,126 @@ mod tests {
                 assert_eq!(d.q.as_ref().map(Vec::len), Some(2 * 8));
             }
         }
+    }
+
+    // ---- token trees (propose_tree) ----
+
+    fn tree_req<'a>(
+        ctx: &'a [u32],
+        cfg: &'a SamplingConfig,
+        hidden: &'a [f32],
+        depth: usize,
+        nodes: usize,
+    ) -> ProposeRequest<'a> {
+        ProposeRequest {
+            target_hidden: Some(hidden),
+            max_nodes: nodes,
+            ..ProposeRequest::new(ctx, cfg, depth)
+        }
+    }
+
+    fn propose_tree(p: &mut HeadsProposer<ToyHeads>, req: &ProposeRequest<'_>) -> Draft {
+        let mut d = Draft::default();
+        p.propose_tree(req, &mut d).unwrap();
+        d
+    }
+
+    #[test]
+    fn tree_top_k_is_validated() {
+        for k in [0, 65] {
+            assert!(matches!(
+                heads().with_tree_top_k(k),
+                Err(Error::InvalidConfig {
+                    field: "tree_top_k",
+                    ..
+                })
+            ));
+        }
+        assert_eq!(heads().tree_top_k(), 4);
+        assert_eq!(heads().with_tree_top_k(2).unwrap().tree_top_k(), 2);
+    }
+
+    #[test]
+    fn heads_tree_is_best_first_by_product_of_head_probabilities() {
+        // Chain from 2: 7, 6, 3, 2 (each head's top candidate, probability ~1); every other
+        // candidate has probability ~e^-10, ties broken by the lower id.
+        let hidden = one_hot(5);
+        let ctx = [4u32, 5, 2];
+        for cfg in [
+            SamplingConfig::greedy(),
+            SamplingConfig::builder().temperature(1.0).build().unwrap(),
+        ] {
+            let mut p = heads().with_tree_top_k(2).unwrap();
+            let d = propose_tree(&mut p, &tree_req(&ctx, &cfg, &hidden, 4, 7));
+            // With `c` the top candidate's -log-probability, a path's score is `-depth * c -
+            // 10 * (non-top candidates on it)`. The whole top-1 chain first, then the paths
+            // with one non-top candidate, shortest first (ties to the earlier candidate): the
+            // root's second (id 0), the second below node 0 (id 0), then head 1's top (6)
+            // below the root's second, which beats the second below node 1 (depth 3).
+            assert_eq!(d.tokens, [7, 6, 3, 2, 0, 0, 6]);
+            assert_eq!(d.parents, [0, 1, 2, 3, 0, 1, 5]);
+            assert!(d.q.is_none(), "heads trees are point masses");
+            assert!(d.schemes.iter().all(|&s| s == SiblingScheme::Deterministic));
+            let limits = crate::TreeLimits {
+                max_nodes: 7,
+                max_depth: 4,
+                max_branch: 2,
+                ..crate::TreeLimits::vocab(8)
+            };
+            assert_eq!(d.block().validate(&limits), Ok(()));
+            // One heads call per tree.
+            assert_eq!(p.heads().inputs.len(), 1);
+        }
+    }
+
+    #[test]
+    fn heads_tree_limits_depth_branching_and_eos() {
+        let hidden = one_hot(5);
+        let ctx = [4u32, 5, 2];
+        let cfg = SamplingConfig::greedy();
+        // Depth: at most the number of heads (4) and max_draft.
+        let d = propose_tree(&mut heads(), &tree_req(&ctx, &cfg, &hidden, 2, 20));
+        assert_eq!(d.block().max_depth(), 2);
+        assert_eq!(
+            d.len(),
+            4 + 4 * 4,
+            "top-4 of each of the 2 heads, every path"
+        );
+        let d = propose_tree(&mut heads(), &tree_req(&ctx, &cfg, &hidden, 9, 40));
+        assert_eq!(d.block().max_depth(), 4);
+        // Branching.
+        let req = ProposeRequest {
+            max_branch: 1,
+            ..tree_req(&ctx, &cfg, &hidden, 4, 10)
+        };
+        let d = propose_tree(&mut heads(), &req);
+        assert_eq!(d.tokens, [7, 6, 3, 2]);
+        assert!(
+            d.parents.is_empty(),
+            "a one-child tree is returned as a chain"
+        );
+        // EOS 6: nothing below any node carrying it.
+        let req = ProposeRequest {
+            eos: &[6],
+            ..tree_req(&ctx, &cfg, &hidden, 4, 30)
+        };
+        let d = propose_tree(&mut heads(), &req);
+        assert!(d.len() > 4);
+        for i in 0..d.len() {
+            let r = d.block().parent_row(i);
+            assert!(r == 0 || d.tokens[r - 1] != 6, "{d:?}");
+        }
+        // No budget beyond the depth: the chain.
+        let req = tree_req(&ctx, &cfg, &hidden, 3, 3);
+        assert_eq!(
+            propose_tree(&mut heads(), &req),
+            propose(&mut heads(), &req)
+        );
+        // No hidden state: nothing.
+        let req = ProposeRequest {
+            target_hidden: None,
+            ..tree_req(&ctx, &cfg, &hidden, 3, 8)
+        };
+        assert!(propose_tree(&mut heads(), &req).is_empty());
     }
 }

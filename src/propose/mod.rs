@@ -10,8 +10,10 @@
 //! - [`SuffixProposer`]: suffix-tree proposer over the sequence and a bounded corpus of earlier
 //!   generations (SuffixDecoding, Oliaro et al. 2024).
 //! - [`DraftModelProposer`]: a smaller model implementing [`crate::TargetModel`] samples the draft
-//!   (Leviathan et al. 2023; Chen et al. 2023).
-//! - [`HeadsProposer`]: MTP / Medusa heads on the target's last hidden state (Cai et al. 2024).
+//!   (Leviathan et al. 2023; Chen et al. 2023); with the draft model's tree support it grows
+//!   EAGLE-2 style trees ([`DraftTreeConfig`]).
+//! - [`HeadsProposer`]: MTP / Medusa heads on the target's last hidden state (Cai et al. 2024),
+//!   chains or Medusa trees.
 //! - [`MergedProposer`]: any set of proposers, their drafts merged into one prefix tree per step
 //!   and ranked by acceptance rates learned online (SpecInfer, Miao et al. 2024).
 //! - [`TokenRecycling`]: an adjacency table of the target's own top candidates from earlier
@@ -30,7 +32,7 @@ mod recycling;
 mod sampler;
 mod suffix;
 
-pub use draft_model::DraftModelProposer;
+pub use draft_model::{DraftModelProposer, DraftTreeConfig};
 pub use heads::{DraftHeads, HeadsInput, HeadsProposer};
 pub use merged::{DEFAULT_MERGE_DECAY, MAX_MERGED_PROPOSERS, MergedProposer};
 pub use prompt_lookup::{PromptLookup, PromptLookupConfig};

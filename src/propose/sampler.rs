@@ -3,7 +3,7 @@
 use super::{Draft, ProposeRequest};
 use crate::error::{Result, RowKind};
 use crate::rng::{Stream, lane};
-use crate::sampling::{BlockHistory, RowProcessor, SamplingConfig, TokenDist};
+use crate::sampling::{BlockHistory, RowProcessor, SamplingConfig, TokenDist, sample_weighted};
 
 /// Samples the drafts of one block, one row of draft logits at a time.
 ///
@@ -66,7 +66,7 @@ impl DraftSampler {
     /// [`crate::SiblingScheme::WithReplacement`] scheme), and a chain drawn this way equals
     /// [`DraftSampler::draw`]'s. Appends the node (token, parent row) to `draft`, whose
     /// `parents` must hold one entry per node, and records q as the node's row.
-    #[allow(dead_code)] // The tree drafts of sampling proposers come with the next issue.
+    #[allow(dead_code)] // Shipped sampling trees draw without replacement (below); kept for WR trees.
     pub(crate) fn draw_child(
         &mut self,
         cfg: &SamplingConfig,
@@ -92,6 +92,123 @@ impl DraftSampler {
         draft.tokens.push(t);
         draft.parents.push(parent_row as u32);
         Ok(t)
+    }
+
+    /// Moves the history to the row after `path` (the tokens of a node's path, the root's child
+    /// first; empty for the root's row), as the verifier processes that target row.
+    ///
+    /// # Errors
+    /// [`crate::Error::TokenOutOfVocab`] for a path token outside the vocabulary (penalties on).
+    pub(crate) fn goto(&mut self, path: &[u32]) -> Result<()> {
+        self.hist.goto(path)
+    }
+
+    /// The `n` best tokens of `logits` (`[vocab]`) processed with the current history (see
+    /// [`DraftSampler::goto`]), best first, with their natural log-probabilities: under the
+    /// processed distribution for a sampling configuration, under the softmax at temperature 1
+    /// of the row after penalties, bias and masks for a greedy one (whose processed row is a
+    /// point mass). Tokens of probability 0 are never listed. Ties go to the lower id.
+    ///
+    /// # Errors
+    /// [`crate::Error::NonFiniteLogits`] and [`crate::Error::NoAllowedToken`] (labelled as draft
+    /// row `depth`).
+    pub(crate) fn top(
+        &mut self,
+        cfg: &SamplingConfig,
+        logits: &[f32],
+        depth: usize,
+        n: usize,
+        out: &mut Vec<(u32, f32)>,
+    ) -> Result<()> {
+        out.clear();
+        let hist = self.hist.view();
+        if cfg.is_greedy() {
+            let first = self
+                .proc
+                .argmax(cfg, logits, &hist, RowKind::Draft, depth)?;
+            let (_, top) = self.proc.greedy_logprobs(cfg, logits, &hist, first, n)?;
+            out.extend(top.into_iter().filter(|&(_, lp)| lp.is_finite()));
+            return Ok(());
+        }
+        self.proc
+            .distribution(cfg, logits, &hist, RowKind::Draft, depth, &mut self.dist)?;
+        out.extend(
+            self.dist
+                .top_logprobs(n)
+                .into_iter()
+                .filter(|&(_, lp)| lp.is_finite()),
+        );
+        Ok(())
+    }
+
+    /// Draws `m` siblings WITHOUT replacement from `logits` (`[vocab]`) processed with the
+    /// current history (sampling configurations only; see [`DraftSampler::goto`]): sibling `j`
+    /// is drawn by inverse CDF in id order from q with siblings `0..j` removed and the rest
+    /// renormalised, with the uniform at `(context.len() + depth, lane::sibling_draft(j))`, so
+    /// that sibling 0 is the chain's draw at that depth. `m` is capped at q's support size
+    /// (decided before any draw). The drawn tokens are written to `out` (cleared first), and q
+    /// (`[vocab]`, the distribution of the first draw) is recorded once per sibling, the row
+    /// [`crate::SiblingScheme::WithoutReplacement`] requires of every node of the group
+    /// (recursive rejection sampling, Jeon et al. 2024).
+    ///
+    /// # Errors
+    /// [`crate::Error::NonFiniteLogits`] and [`crate::Error::NoAllowedToken`] (labelled as draft
+    /// row `depth`).
+    pub(crate) fn draw_without_replacement(
+        &mut self,
+        cfg: &SamplingConfig,
+        seed: u64,
+        logits: &[f32],
+        depth: usize,
+        m: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<()> {
+        out.clear();
+        let vocab = logits.len();
+        let hist = self.hist.view();
+        self.proc
+            .distribution(cfg, logits, &hist, RowKind::Draft, depth, &mut self.dist)?;
+        let m = m.min(self.dist.support_len());
+        let stream = Stream::new(seed);
+        let pos = (self.base + depth) as u64;
+        for j in 0..m {
+            let u = stream.uniform(pos, lane::sibling_draft(j));
+            let (ids, probs) = (self.dist.ids(), self.dist.probs());
+            let left = ids
+                .iter()
+                .copied()
+                .zip(probs.iter().map(|&p| p as f64))
+                .filter(|(t, _)| !out.contains(t));
+            let t = sample_weighted(left.clone(), u)
+                .or_else(|| left.map(|(t, _)| t).next())
+                .ok_or(crate::Error::NoAllowedToken {
+                    kind: RowKind::Draft,
+                    row: depth,
+                })?;
+            out.push(t);
+        }
+        for _ in 0..m {
+            let row = self.q.len();
+            self.q.resize(row + vocab, 0.0);
+            for (&id, &p) in self.dist.ids().iter().zip(self.dist.probs()) {
+                self.q[row + id as usize] = p;
+            }
+        }
+        Ok(())
+    }
+
+    /// The last recorded q row (`[vocab]`; empty when none was recorded).
+    pub(crate) fn last_q(&self) -> &[f32] {
+        let v = self.dist.vocab_size();
+        if v == 0 || self.q.len() < v {
+            return &[];
+        }
+        &self.q[self.q.len() - v..]
+    }
+
+    /// Takes the recorded q rows (`[nodes, vocab]`), leaving none.
+    pub(crate) fn take_q(&mut self) -> Vec<f32> {
+        std::mem::take(&mut self.q)
     }
 
     /// Processes `logits` with the current history and draws: the argmax (greedy) or a sample
@@ -247,6 +364,80 @@ mod tests {
                 }))
                 .unwrap();
             assert_eq!(with_q, with_logits, "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn draws_without_replacement_have_the_sequential_law() {
+        // Pairs (x_0, x_1) of 2 siblings over many seeds against the exact law
+        // q(a) q(b) / (1 - q(a)), a != b. Tolerance 0.006 on each cell frequency (about 6
+        // standard deviations at n = 60,000). Negative control: the with-replacement law
+        // q(a) q(b) differs from the same frequencies by more than 0.02 somewhere.
+        let cfg = SamplingConfig::builder().temperature(0.7).build().unwrap();
+        let ctx = [1u32, 2];
+        let req = ProposeRequest::new(&ctx, &cfg, 2);
+        let logits = draft_logits(&ctx, &[]);
+        let n = 60_000u64;
+        let mut counts = vec![0u64; V * V];
+        let mut s = DraftSampler::default();
+        let mut out = Vec::new();
+        for seed in 0..n {
+            s.begin(&req, V).unwrap();
+            s.goto(&[]).unwrap();
+            s.draw_without_replacement(&cfg, seed, &logits, 0, 2, &mut out)
+                .unwrap();
+            assert_eq!(out.len(), 2);
+            assert_eq!(s.take_q().len(), 2 * V, "one q row per sibling");
+            counts[out[0] as usize * V + out[1] as usize] += 1;
+        }
+        s.begin(&req, V).unwrap();
+        s.draw_without_replacement(&cfg, 0, &logits, 0, 1, &mut out)
+            .unwrap();
+        let q: Vec<f64> = s.take_q().iter().map(|&x| x as f64).collect();
+        let (mut wor, mut wr) = (0.0f64, 0.0f64);
+        for a in 0..V {
+            for b in 0..V {
+                let f = counts[a * V + b] as f64 / n as f64;
+                let exact = if a == b {
+                    0.0
+                } else {
+                    q[a] * q[b] / (1.0 - q[a])
+                };
+                wor = wor.max((f - exact).abs());
+                wr = wr.max((f - q[a] * q[b]).abs());
+            }
+        }
+        assert!(
+            wor < 0.006,
+            "max deviation from the law without replacement: {wor}"
+        );
+        assert!(
+            wr > 0.02,
+            "negative control: with replacement fits too well: {wr}"
+        );
+    }
+
+    #[test]
+    fn first_sibling_without_replacement_is_the_chain_draw() {
+        let cfg = SamplingConfig::builder().temperature(1.1).build().unwrap();
+        let ctx = [3u32, 0, 5];
+        let req = ProposeRequest::new(&ctx, &cfg, 1);
+        let logits = draft_logits(&ctx, &[]);
+        for seed in 0..100 {
+            let (mut a, mut b) = (DraftSampler::default(), DraftSampler::default());
+            let mut d = Draft::default();
+            a.begin(&req, V).unwrap();
+            a.draw(&cfg, seed, &logits, 0, &mut d).unwrap();
+            b.begin(&req, V).unwrap();
+            let mut out = Vec::new();
+            b.draw_without_replacement(&cfg, seed, &logits, 0, 3, &mut out)
+                .unwrap();
+            assert_eq!(out[0], d.tokens[0]);
+            assert_eq!(b.take_q()[..V], a.take_q()[..]);
+            let mut sorted = out.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            assert_eq!(sorted.len(), 3, "distinct siblings");
         }
     }
 }

@@ -1,13 +1,15 @@
 //! Token-tree speculative decoding on the real model (needs
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf`; run `scripts/fetch-model.sh` first): greedy output
-//! with tree drafts from both model-free proposers, from their merge, and from Token Recycling
-//! (chains and trees) equals plain greedy decoding token for token.
+//! with tree drafts from both model-free proposers, from their merge, from Token Recycling
+//! (chains and trees) and from a draft model growing EAGLE-2 style trees equals plain greedy
+//! decoding token for token.
 
 use std::sync::{Arc, OnceLock};
 
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
 use speculative::propose::{
-    MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig, SuffixProposer, TokenRecycling,
+    DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig,
+    SuffixProposer, TokenRecycling,
 };
 use speculative::{Proposer, TargetModel};
 use speculative_candle::{
@@ -180,4 +182,39 @@ fn recycling_gives_plain_greedy_output_on_the_real_model() {
             assert!(m.tree_steps > 0);
         }
     }
+}
+
+#[test]
+fn draft_model_trees_give_plain_greedy_output_on_the_real_model() {
+    // The model is its own draft (a tree-capable FastTarget): a short run that exercises the
+    // draft's tree forwards, its KV rollback and commit, and the target's tree verification.
+    let w = weights();
+    let prompt = chat(PROMPTS[2]);
+    let params = GenerationParams::greedy(30)
+        .with_draft(DraftLength::Fixed(4))
+        .with_tree_nodes(12)
+        .with_stop(StopConditions::eos(tokenizer().eos_id()));
+    let plain_params = GenerationParams {
+        draft: DraftLength::Off,
+        tree_nodes: 0,
+        ..params.clone()
+    };
+    let mut plain = Generator::new(FastTarget::new(w.clone()), speculative::NoProposer);
+    let want = plain.generate(&prompt, &plain_params).unwrap().tokens;
+    let draft = DraftModelProposer::new(FastTarget::new(w.clone()));
+    let mut g = Generator::new(FastTarget::new(w.clone()), draft);
+    let out = g.generate(&prompt, &params).unwrap();
+    let m = &out.metrics;
+    println!(
+        "draft-model trees: {} calls, {} tree steps ({:.1} nodes, depth {:.1}), mean accepted \
+         length {:.2}",
+        m.target_calls,
+        m.tree_steps,
+        m.mean_tree_nodes(),
+        m.mean_tree_depth(),
+        m.mean_accepted_length()
+    );
+    assert_eq!(out.tokens, want);
+    assert!(m.tree_steps > 0, "no tree was drafted");
+    assert_eq!(g.target().seq_len(), prompt.len() + out.tokens.len() - 1);
 }
