@@ -9,6 +9,11 @@
 //! cargo run --release -p spec-bench -- replay --workload docs/workloads/smollm2.jsonl \
 //!     --runs bench-out/runs.json --cost docs/cost-tables/cpu-smollm2-fast-q8.json \
 //!     --k 8 --nodes 8,16,32,64 --out replay-tree-out
+//! cargo run --release -p spec-bench -- warm-recycling --workload docs/workloads/warmup.jsonl \
+//!     --out recycling-table.bin
+//! cargo run --release -p spec-bench -- run --workload docs/workloads/agentic.jsonl --carry \
+//!     --proposers recycling,merged:prompt-lookup+suffix+recycling --k adaptive --tree-nodes 16 \
+//!     --recycling-table recycling-table.bin --out agentic-out
 //! ```
 
 use std::path::PathBuf;
@@ -26,7 +31,11 @@ use spec_bench::report::{
 use spec_bench::run::{ConfigSpec, DraftSpec, RunRecord, token_hash};
 use spec_bench::sim::{AcceptanceModel, CostTable, default_batches, simulate};
 use spec_bench::{BenchError, Result, workload};
-use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, SuffixProposer};
+use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
+use speculative::propose::{
+    DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig,
+    SuffixProposer, TokenRecycling,
+};
 use speculative::{NoProposer, Proposer, TargetModel};
 use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
 use speculative_candle::{
@@ -53,6 +62,35 @@ enum Cmd {
     /// bound what any proposer copying from the request's own context could accept (the copy
     /// oracle; see the `spec_bench::replay` docs).
     Replay(ReplayArgs),
+    /// Warm a token-recycling table: greedy generations over a workload of generic prompts with
+    /// a `recycling` proposer, whose table fills from every verified row; the table is written
+    /// to a file for `run --recycling-table`.
+    WarmRecycling(WarmArgs),
+}
+
+#[derive(Args)]
+struct WarmArgs {
+    /// JSONL workload of warm-up prompts (docs/workloads/warmup.jsonl: 200 generic prompts).
+    #[arg(long)]
+    workload: PathBuf,
+    /// Backend and model options, as for `run`.
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Successor candidates kept per token id (the table is vocab x top-k u32 ids).
+    #[arg(long, default_value_t = 8)]
+    top_k: usize,
+    /// Draft depth of the warm-up generations.
+    #[arg(long, default_value_t = 4)]
+    k: usize,
+    /// Node budget of the warm-up generations' tree drafts (every node's row teaches the table).
+    #[arg(long, default_value_t = 16)]
+    tree_nodes: usize,
+    /// Default maximum new tokens (a request's max_tokens wins).
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Output file of the table.
+    #[arg(long, default_value = "recycling-table.bin")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -121,7 +159,9 @@ struct RunArgs {
     /// Backend and model options.
     #[command(flatten)]
     model: ModelArgs,
-    /// Proposers: prompt-lookup, suffix, early-exit:N (first N layers as draft), same-model.
+    /// Proposers: prompt-lookup, suffix, recycling (token recycling), merged:A+B+... (one tree
+    /// merged from model-free proposers, e.g. merged:prompt-lookup+suffix+recycling),
+    /// early-exit:N (first N layers as draft), same-model.
     #[arg(long, value_delimiter = ',', default_value = "prompt-lookup,suffix")]
     proposers: Vec<String>,
     /// Draft lengths: integers and/or adaptive[:max]. With tree drafts, the tree depth.
@@ -158,6 +198,10 @@ struct RunArgs {
     /// Only the first N requests of the workload.
     #[arg(long)]
     limit: Option<usize>,
+    /// A token-recycling table warmed by `spec-bench warm-recycling`, loaded into every
+    /// `recycling` proposer (alone or merged) of the run; without it the tables start empty.
+    #[arg(long)]
+    recycling_table: Option<PathBuf>,
     /// Keep each configuration's proposer across the requests of a repetition (suffix corpus
     /// and token-recycling table carry over, as in a server; the baseline runs the same
     /// requests in the same order). Without it every run starts from a fresh proposer.
@@ -219,6 +263,7 @@ fn real_main() -> Result<()> {
         Cmd::Simulate(a) => sim(a),
         Cmd::CostTable(a) => cost_table(a),
         Cmd::Replay(a) => replay_cmd(a),
+        Cmd::WarmRecycling(a) => warm_recycling(a),
     }
 }
 
@@ -323,10 +368,14 @@ fn run(a: RunArgs) -> Result<()> {
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    let vocab = target.vocab_size();
+    // A warmed token-recycling table, loaded into every recycling proposer of the run.
+    let table = match &a.recycling_table {
+        Some(p) => Some(std::fs::read(p).map_err(io(p))?),
+        None => None,
+    };
     let mut factory = move |name: &str| -> Result<Box<dyn Proposer>> {
         Ok(match name {
-            "prompt-lookup" => Box::new(PromptLookup::new(1, 4)?),
-            "suffix" => Box::new(SuffixProposer::new(SuffixConfig::default())?),
             "same-model" => Box::new(DraftModelProposer::new(make_model(None)?)),
             "none" => Box::new(NoProposer),
             other => {
@@ -337,12 +386,7 @@ fn run(a: RunArgs) -> Result<()> {
                     })?;
                     Box::new(DraftModelProposer::new(make_model(Some(n))?))
                 } else {
-                    return Err(BenchError::Invalid {
-                        what: "proposer",
-                        reason: format!(
-                            "{other} (expected prompt-lookup, suffix, early-exit:N, same-model, none)"
-                        ),
-                    });
+                    model_free_proposer(other, vocab, table.as_deref())?
                 }
             }
         })
@@ -376,6 +420,41 @@ fn run(a: RunArgs) -> Result<()> {
     println!("{md}");
     println!("wrote {}", a.out.display());
     Ok(())
+}
+
+/// The model-free proposers of `run` by name: `prompt-lookup`, `suffix`, `recycling` (with the
+/// warmed `table` when given) and `merged:A+B+...` (a [`MergedProposer`] of those).
+fn model_free_proposer(
+    name: &str,
+    vocab: usize,
+    table: Option<&[u8]>,
+) -> Result<Box<dyn Proposer + Send>> {
+    Ok(match name {
+        "prompt-lookup" => Box::new(PromptLookup::new(1, 4)?),
+        "suffix" => Box::new(SuffixProposer::new(SuffixConfig::default())?),
+        "recycling" => {
+            let mut r = TokenRecycling::new(vocab, RecyclingConfig::default())?;
+            if let Some(mut bytes) = table {
+                r.read_from(&mut bytes)?;
+            }
+            Box::new(r)
+        }
+        other => {
+            let Some(list) = other.strip_prefix("merged:") else {
+                return Err(BenchError::Invalid {
+                    what: "proposer",
+                    reason: format!(
+                        "{other} (expected prompt-lookup, suffix, recycling, merged:A+B, early-exit:N, same-model, none)"
+                    ),
+                });
+            };
+            let subs = list
+                .split('+')
+                .map(|n| model_free_proposer(n, vocab, table))
+                .collect::<Result<Vec<_>>>()?;
+            Box::new(MergedProposer::new(subs)?)
+        }
+    })
 }
 
 /// Makes a model: `None` the full model, `Some(n)` an early exit after `n` layers.
@@ -510,6 +589,56 @@ fn replay_proposer(name: &str) -> Result<Box<dyn Proposer>> {
             Box::new(PromptLookup::new(lo, hi)?)
         }
     })
+}
+
+/// `spec-bench warm-recycling`: greedy generations (seed 0, deterministic) over the workload's
+/// prompts with a token-recycling proposer drafting trees, then the table to a file.
+fn warm_recycling(a: WarmArgs) -> Result<()> {
+    let requests = workload::load(&a.workload)?;
+    let path = a.model.model.clone().unwrap_or_else(default_model_path);
+    let (mut target, _) = load_backend(&a.model, &path)?;
+    let tok = GgufTokenizer::load(&path)?;
+    let mut table = TokenRecycling::new(
+        target.vocab_size(),
+        RecyclingConfig {
+            top_k: a.top_k,
+            ..RecyclingConfig::default()
+        },
+    )?;
+    let bar = ProgressBar::new(requests.len() as u64);
+    let start = std::time::Instant::now();
+    let mut generated = 0usize;
+    for r in &requests {
+        let text = tok.apply_chat_template(&[ChatMessage::user(r.prompt.clone())])?;
+        let prompt = tok.encode(&text)?;
+        let params = GenerationParams {
+            max_new_tokens: r.max_tokens.unwrap_or(a.max_tokens),
+            stop: StopConditions::default().with_eos(tok.eos_id()),
+            draft: DraftLength::Fixed(a.k),
+            tree_nodes: a.tree_nodes,
+            ..GenerationParams::greedy(a.max_tokens)
+        };
+        let mut g = Generator::new(&mut *target, &mut table);
+        let out = g
+            .generate(&prompt, &params)
+            .map_err(speculative::Error::from)?;
+        generated += out.tokens.len();
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let mut f = std::fs::File::create(&a.out).map_err(io(&a.out))?;
+    table.write_to(&mut f)?;
+    println!(
+        "warmed on {} prompts ({} generated tokens) in {:.1} s: {} of {} token ids have successors; table {} bytes; wrote {}",
+        requests.len(),
+        generated,
+        start.elapsed().as_secs_f64(),
+        table.filled_rows(),
+        table.vocab_size(),
+        table.table_bytes(),
+        a.out.display()
+    );
+    Ok(())
 }
 
 fn replay_cmd(a: ReplayArgs) -> Result<()> {
