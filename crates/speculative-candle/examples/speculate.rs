@@ -22,7 +22,10 @@ use clap::{Parser, ValueEnum};
 use speculative::decode::{
     AdaptiveConfig, DraftLength, Generation, GenerationParams, Generator, StopConditions,
 };
-use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, SuffixProposer};
+use speculative::propose::{
+    DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig,
+    SuffixProposer, TokenRecycling,
+};
 use speculative::{NoProposer, Proposer, SamplingConfig, TargetModel};
 use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
 use speculative_candle::{
@@ -40,6 +43,11 @@ enum ProposerKind {
     EarlyExit,
     /// The target itself as the draft model (every draft is accepted in greedy mode).
     SameModel,
+    /// Token Recycling: the target's own top candidates from earlier verify rows, drafted along
+    /// a tree template (load a warmed table with --recycling-table).
+    Recycling,
+    /// Prompt lookup, suffix and token recycling merged into one tree per step.
+    Merged,
     /// No speculation.
     None,
 }
@@ -91,6 +99,10 @@ struct Args {
     /// Proposer.
     #[arg(long, value_enum, default_value = "prompt-lookup")]
     proposer: ProposerKind,
+    /// A token-recycling table written by `spec-bench warm-recycling`, for `recycling` and
+    /// `merged` (default: an empty table, filled as the generation runs).
+    #[arg(long)]
+    recycling_table: Option<PathBuf>,
     /// Layers of the early-exit draft.
     #[arg(long, default_value_t = 8)]
     exit_layers: usize,
@@ -283,6 +295,12 @@ fn run() -> Result<(), DynError> {
             Box::new(DraftModelProposer::new(draft_for(Some(a.exit_layers))?))
         }
         ProposerKind::SameModel => Box::new(DraftModelProposer::new(draft_for(None)?)),
+        ProposerKind::Recycling => Box::new(recycling(target.vocab_size(), &a.recycling_table)?),
+        ProposerKind::Merged => Box::new(MergedProposer::new(vec![
+            Box::new(PromptLookup::new(1, 4)?),
+            Box::new(SuffixProposer::new(SuffixConfig::default())?),
+            Box::new(recycling(target.vocab_size(), &a.recycling_table)?),
+        ])?),
         ProposerKind::None => Box::new(NoProposer),
     };
     let mut target = target;
@@ -405,4 +423,13 @@ fn report(name: &str, g: &Generation) {
             per.join(", ")
         );
     }
+}
+
+/// A token-recycling proposer over `vocab` ids, with the table of `table` when given.
+fn recycling(vocab: usize, table: &Option<PathBuf>) -> Result<TokenRecycling, DynError> {
+    let mut r = TokenRecycling::new(vocab, RecyclingConfig::default())?;
+    if let Some(path) = table {
+        r.read_from(&mut std::fs::File::open(path)?)?;
+    }
+    Ok(r)
 }
