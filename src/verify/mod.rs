@@ -465,6 +465,10 @@ pub struct VerifyRequest<'a, L = f32, Q = f32> {
     /// How many best tokens of each target row to report in [`StepOutput::row_top`] (0, the
     /// default: none, and no extra work). With `n > 0` every target row is processed once more
     /// for its `n` best ids (see [`RowCandidates`]); the verification itself is unchanged.
+    /// Any `n` is valid: a row never lists more than its allowed tokens (`usize::MAX` lists
+    /// them all). Cost: per row, a scan of `[vocab]` plus a sort of `min(n, vocab)` ids, and
+    /// the row's path history (penalties and masks); a tree pays it for every node, rejected
+    /// ones included.
     pub row_top_k: usize,
 }
 
@@ -1008,7 +1012,8 @@ impl Verifier {
     ) -> Result<()> {
         rows_out.clear();
         let block = req.block();
-        let mut ids = Vec::with_capacity(req.row_top_k);
+        // A row lists at most `vocab` ids, whatever was asked (`usize::MAX`: all of them).
+        let mut ids = Vec::with_capacity(req.row_top_k.min(req.vocab_size));
         for r in 0..req.target_rows() {
             self.path_tokens.clear();
             if r > 0 {

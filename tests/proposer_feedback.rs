@@ -1,0 +1,348 @@
+//! The proposer feedback contract in the loop, for the proposers that learn from it
+//! (TokenRecycling, MergedProposer and its sub-proposers, draft-model trees): a wrapper checks at
+//! every call that `propose` sees the sequence told by `begin` + `observe`, that `observe`'s
+//! accepted tokens are a path of the proposer's own draft (0 without a proposal), and that
+//! `observe_rows`'s row 0 input is the root, with one input per row. Chains and trees, greedy
+//! and seeded sampling (point-mass drafts give plain decoding's tokens, C15), EOS stops with
+//! `min_tokens`. Also `row_top` asked for more ids than the vocabulary.
+
+use std::sync::{Arc, Mutex};
+
+use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
+use speculative::propose::{
+    DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig,
+    SuffixProposer, TokenRecycling,
+};
+use speculative::test_util::{RandomProposer, ToyModel};
+use speculative::{
+    Draft, NoProposer, ProposeRequest, Proposer, Result, SamplingConfig, VerifiedRows,
+};
+
+/// What a wrapped proposer saw, checked at each call.
+#[derive(Debug, Default)]
+struct Seen {
+    /// The context and draft of the pending proposal.
+    pending: Option<(Vec<u32>, Draft)>,
+    /// The sequence as told by begin + observe.
+    seq: Vec<u32>,
+    began: bool,
+    faults: Vec<String>,
+    rows_seen: usize,
+}
+
+/// Wraps a proposer and checks: observe's `emitted` follows the last context; `accepted` tokens
+/// are a path of the proposer's own draft; rows' inputs are the root and the draft's nodes.
+struct Check<P> {
+    inner: P,
+    seen: Arc<Mutex<Seen>>,
+}
+
+fn check<P: Proposer + Send + 'static>(inner: P) -> (Box<dyn Proposer + Send>, Arc<Mutex<Seen>>) {
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    (
+        Box::new(Check {
+            inner,
+            seen: seen.clone(),
+        }),
+        seen,
+    )
+}
+
+/// Tokens of the path to node `j` (inclusive).
+fn path_of(d: &Draft, j: usize) -> Vec<u32> {
+    let mut p = vec![d.tokens[j]];
+    let mut r = if d.parents.is_empty() {
+        j
+    } else {
+        d.parents[j] as usize
+    };
+    while r > 0 {
+        p.push(d.tokens[r - 1]);
+        r = if d.parents.is_empty() {
+            r - 1
+        } else {
+            d.parents[r - 1] as usize
+        };
+    }
+    p.reverse();
+    p
+}
+
+fn is_path(d: &Draft, tokens: &[u32]) -> bool {
+    tokens.is_empty() || (0..d.tokens.len()).any(|j| path_of(d, j) == tokens)
+}
+
+impl<P: Proposer> Proposer for Check<P> {
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        self.inner.propose(req, draft)?;
+        let mut s = self.seen.lock().unwrap();
+        if s.began && req.context != &s.seq[..] {
+            let m = format!(
+                "propose: context {:?} is not the sequence told {:?}",
+                req.context, s.seq
+            );
+            s.faults.push(m);
+        }
+        s.pending = Some((req.context.to_vec(), draft.clone()));
+        Ok(())
+    }
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        self.inner.propose_tree(req, draft)?;
+        let mut s = self.seen.lock().unwrap();
+        if s.began && req.context != &s.seq[..] {
+            let m = format!(
+                "propose_tree: context {:?} is not the sequence told {:?}",
+                req.context, s.seq
+            );
+            s.faults.push(m);
+        }
+        s.pending = Some((req.context.to_vec(), draft.clone()));
+        Ok(())
+    }
+    fn observe(&mut self, accepted: usize, emitted: &[u32]) -> Result<()> {
+        {
+            let mut s = self.seen.lock().unwrap();
+            let pending = s.pending.take();
+            if accepted > emitted.len() {
+                s.faults.push(format!(
+                    "observe: accepted {accepted} of emitted {emitted:?}"
+                ));
+            }
+            match pending {
+                Some((_, d)) => {
+                    if !is_path(&d, &emitted[..accepted.min(emitted.len())]) {
+                        s.faults.push(format!(
+                            "observe: accepted {accepted} but {emitted:?} does not start with a path of {d:?}"
+                        ));
+                    }
+                }
+                None => {
+                    if accepted != 0 {
+                        s.faults
+                            .push(format!("observe without a proposal: accepted {accepted}"));
+                    }
+                }
+            }
+            s.seq.extend_from_slice(emitted);
+        }
+        self.inner.observe(accepted, emitted)
+    }
+    fn row_candidates(&self) -> usize {
+        self.inner.row_candidates()
+    }
+    fn observe_rows(&mut self, rows: &VerifiedRows<'_>) -> Result<()> {
+        {
+            let mut s = self.seen.lock().unwrap();
+            s.rows_seen += 1;
+            let root = s.seq.last().copied();
+            if rows.inputs.first().copied() != root {
+                s.faults.push(format!(
+                    "observe_rows: row 0 input {:?}, root {:?}",
+                    rows.inputs.first(),
+                    root
+                ));
+            }
+            if rows.inputs.len() != rows.candidates.rows() {
+                s.faults.push(format!(
+                    "observe_rows: {} inputs, {} rows",
+                    rows.inputs.len(),
+                    rows.candidates.rows()
+                ));
+            }
+        }
+        self.inner.observe_rows(rows)
+    }
+    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+        {
+            let mut s = self.seen.lock().unwrap();
+            s.began = true;
+            s.seq = prompt.to_vec();
+            s.pending = None;
+        }
+        self.inner.begin(prompt)
+    }
+    fn finish(&mut self, sequence: &[u32]) {
+        self.inner.finish(sequence)
+    }
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+}
+
+const VOCAB: usize = 12;
+
+fn target() -> ToyModel {
+    ToyModel::markov(VOCAB, 2, 2.5, 11).with_tree(32)
+}
+
+fn recycling() -> TokenRecycling {
+    TokenRecycling::new(VOCAB, RecyclingConfig::default()).unwrap()
+}
+
+fn faults(seen: &[Arc<Mutex<Seen>>]) -> Vec<String> {
+    seen.iter()
+        .flat_map(|s| s.lock().unwrap().faults.clone())
+        .collect()
+}
+
+fn params(sampled: bool, seed: u64, nodes: usize) -> GenerationParams {
+    let p = if sampled {
+        let cfg = SamplingConfig::builder()
+            .temperature(0.9)
+            .repetition_penalty(1.2)
+            .build()
+            .unwrap();
+        GenerationParams::sampled(cfg, seed, 40)
+    } else {
+        GenerationParams::greedy(40)
+    };
+    p.with_draft(DraftLength::Fixed(4)).with_tree_nodes(nodes)
+}
+
+/// Plain decoding's tokens.
+fn plain(prompt: &[u32], p: &GenerationParams) -> Vec<u32> {
+    let p = p.clone().with_draft(DraftLength::Off).with_tree_nodes(0);
+    Generator::new(target(), NoProposer)
+        .generate(prompt, &p)
+        .unwrap()
+        .tokens
+}
+
+#[test]
+fn merged_subproposer_feedback_is_consistent() {
+    let prompts: [&[u32]; 3] = [
+        &[1, 2, 3, 1, 2, 3, 1, 2],
+        &[4, 5, 6, 7, 4, 5],
+        &[9, 9, 9, 9],
+    ];
+    for sampled in [false, true] {
+        for nodes in [0, 8, 16] {
+            for eos in [None, Some(3u32)] {
+                let (a, sa) = check(PromptLookup::new(1, 3).unwrap());
+                let (b, sb) = check(recycling());
+                let (c, sc) = check(DraftModelProposer::new(
+                    ToyModel::markov(VOCAB, 2, 2.0, 12).with_tree(32),
+                ));
+                let (d, sd) = check(RandomProposer::new(VOCAB, 3));
+                let (e, se) = check(SuffixProposer::new(SuffixConfig::default()).unwrap());
+                let merged = MergedProposer::new(vec![a, b, c, d, e]).unwrap();
+                let all = [sa, sb.clone(), sc, sd, se];
+                let mut g = Generator::new(target(), merged);
+                let mut tree_steps = 0;
+                for (i, prompt) in prompts.iter().enumerate() {
+                    let mut p = params(sampled, 7 + i as u64, nodes);
+                    if let Some(e) = eos {
+                        p = p.with_stop(StopConditions::eos(e)).with_min_tokens(2);
+                    }
+                    let out = g.generate(prompt, &p).unwrap();
+                    tree_steps += out.metrics.tree_steps;
+                    assert_eq!(
+                        out.tokens,
+                        plain(prompt, &p),
+                        "sampled {sampled} nodes {nodes} eos {eos:?}"
+                    );
+                }
+                let f = faults(&all);
+                assert!(
+                    f.is_empty(),
+                    "sampled {sampled} nodes {nodes} eos {eos:?}: {f:#?}"
+                );
+                assert!(sb.lock().unwrap().rows_seen > 0);
+                assert_eq!(tree_steps > 0, nodes > 0, "nodes {nodes}");
+            }
+        }
+    }
+}
+
+#[test]
+fn recycling_alone_in_the_loop() {
+    for sampled in [false, true] {
+        for nodes in [0, 4, 5, 16] {
+            let (r, s) = check(recycling());
+            let mut g = Generator::new(target(), r);
+            for prompt in [&[1u32, 2, 3][..], &[1, 2, 3, 1, 2]] {
+                let p = params(sampled, 5, nodes)
+                    .with_stop(StopConditions::eos(0))
+                    .with_min_tokens(3);
+                let out = g.generate(prompt, &p).unwrap();
+                assert_eq!(out.tokens, plain(prompt, &p));
+            }
+            let f = faults(&[s]);
+            assert!(f.is_empty(), "{f:#?}");
+        }
+    }
+}
+
+#[test]
+fn draft_model_trees_in_the_loop() {
+    for sampled in [false, true] {
+        for nodes in [0, 3, 8, 16] {
+            let (d, s) = check(DraftModelProposer::new(
+                ToyModel::markov(VOCAB, 2, 2.0, 12).with_tree(32),
+            ));
+            let mut g = Generator::new(target(), d);
+            for prompt in [&[1u32, 2, 3][..], &[1, 2, 3, 1, 2]] {
+                let p = params(sampled, 5, nodes)
+                    .with_stop(StopConditions::eos(0))
+                    .with_min_tokens(2);
+                let out = g.generate(prompt, &p);
+                let out = out.unwrap();
+                if !sampled {
+                    assert_eq!(out.tokens, plain(prompt, &p));
+                }
+            }
+            let f = faults(&[s]);
+            assert!(f.is_empty(), "{f:#?}");
+        }
+    }
+}
+
+/// `row_top(n)` with `n` above the vocabulary ("all of them") lists every allowed id of every
+/// row, best first; it must neither panic nor allocate for `n` ids.
+#[test]
+fn row_top_above_the_vocabulary_lists_every_allowed_id() {
+    use speculative::{Verifier, VerifyRequest};
+    let vocab = 4;
+    let logits = [
+        0.5,
+        2.0,
+        1.0,
+        f32::NEG_INFINITY, //
+        3.0,
+        0.0,
+        1.0,
+        2.0,
+    ];
+    let cfg = SamplingConfig::greedy();
+    let mut v = Verifier::new();
+    for n in [5, usize::MAX] {
+        let out = v
+            .verify(&VerifyRequest::new(&cfg, &logits, vocab, &[1]).row_top(n))
+            .unwrap();
+        assert_eq!(out.row_top.row(0), &[1, 2, 0]);
+        assert_eq!(out.row_top.row(1), &[0, 3, 2, 1]);
+    }
+}
+
+/// A proposer that asks for "every id" of each row (`usize::MAX`) gets them in the loop.
+#[test]
+fn proposer_asking_for_every_row_id_runs() {
+    struct All(Vec<usize>);
+    impl Proposer for All {
+        fn propose(&mut self, _req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+            draft.clear();
+            Ok(())
+        }
+        fn row_candidates(&self) -> usize {
+            usize::MAX
+        }
+        fn observe_rows(&mut self, rows: &VerifiedRows<'_>) -> Result<()> {
+            self.0.push(rows.candidates.row(0).len());
+            Ok(())
+        }
+    }
+    let mut g = Generator::new(target(), All(Vec::new()));
+    let out = g.generate(&[1, 2], &GenerationParams::greedy(3)).unwrap();
+    assert_eq!(out.tokens.len(), 3);
+    assert_eq!(g.proposer().0, vec![VOCAB; 3]);
+}
