@@ -346,3 +346,100 @@ fn proposer_asking_for_every_row_id_runs() {
     assert_eq!(out.tokens.len(), 3);
     assert_eq!(g.proposer().0, vec![VOCAB; 3]);
 }
+
+/// Randomised: merged (recycling, prompt lookup, draft model, random), recycling alone and draft
+/// model trees under small contexts, budgets, stop sequences, `min_tokens`, branching limits and
+/// adaptive draft lengths (k = 0 steps included), greedy and sampled, several requests per
+/// proposer: never an error, the feedback contract holds, and point-mass drafts give plain
+/// decoding's tokens.
+#[test]
+fn randomised_loop_configurations_keep_the_contract() {
+    use speculative::decode::AdaptiveConfig;
+    let mut state = 0x1234_5678_9abc_def0u64;
+    let mut rnd = |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let markov = ToyModel::markov(VOCAB, 2, 2.5, 11);
+    for case in 0..300 {
+        let max_ctx = 6 + rnd(30) as usize;
+        let m = markov.clone();
+        let f: speculative::test_util::LogitsFn = Arc::new(move |p: &[u32]| m.logits(p));
+        let tree_cap = rnd(20) as usize;
+        let make_target = || ToyModel::new(VOCAB, max_ctx, f.clone()).with_tree(tree_cap);
+        let which = rnd(3);
+        let mut seen = Vec::new();
+        let mut subs: Vec<Box<dyn Proposer + Send>> = Vec::new();
+        let mut push = |p: (Box<dyn Proposer + Send>, Arc<Mutex<Seen>>)| {
+            seen.push(p.1);
+            subs.push(p.0);
+        };
+        let draft_model = || {
+            DraftModelProposer::new(ToyModel::markov(VOCAB, 2, 2.0, 12).with_tree(1 + (case % 9)))
+        };
+        match which {
+            0 => {
+                push(check(recycling()));
+                push(check(PromptLookup::new(1, 3).unwrap()));
+                push(check(draft_model()));
+                push(check(RandomProposer::new(VOCAB, case as u64)));
+            }
+            1 => push(check(recycling())),
+            _ => push(check(draft_model())),
+        }
+        let dense = which == 2;
+        let proposer: Box<dyn Proposer + Send> = if which == 0 {
+            Box::new(MergedProposer::new(subs).unwrap())
+        } else {
+            subs.pop().unwrap()
+        };
+        let mut g = Generator::new(make_target(), proposer);
+        for req in 0..3 {
+            let sampled = rnd(2) == 1;
+            let mut p = params(sampled, rnd(1000), rnd(12) as usize);
+            p.max_new_tokens = 1 + rnd(20) as usize;
+            p.tree_branch = rnd(4) as usize;
+            p.draft = match rnd(3) {
+                0 => DraftLength::Fixed(rnd(6) as usize),
+                1 => DraftLength::Adaptive(AdaptiveConfig {
+                    max_draft: 1 + rnd(6) as usize,
+                    ..AdaptiveConfig::default()
+                }),
+                _ => DraftLength::Fixed(1 + rnd(3) as usize),
+            };
+            let mut stop = StopConditions::default();
+            if rnd(2) == 1 {
+                stop = stop.with_eos(rnd(VOCAB as u64) as u32);
+            }
+            if rnd(3) == 1 {
+                stop = stop
+                    .with_stop_sequence(vec![rnd(VOCAB as u64) as u32, rnd(VOCAB as u64) as u32]);
+            }
+            let min = (rnd(3) as usize).min(p.max_new_tokens);
+            p = p.with_stop(stop).with_min_tokens(min);
+            let plen = 1 + rnd(4) as usize;
+            let prompt: Vec<u32> = (0..plen).map(|_| rnd(VOCAB as u64) as u32).collect();
+            let out = g.generate(&prompt, &p);
+            let out = match out {
+                Ok(o) => o,
+                Err(e) => panic!("case {case} req {req} which {which}: {e:?} ({p:?})"),
+            };
+            if !(dense && sampled) {
+                let plain = Generator::new(make_target(), NoProposer)
+                    .generate(
+                        &prompt,
+                        &p.clone().with_draft(DraftLength::Off).with_tree_nodes(0),
+                    )
+                    .unwrap();
+                assert_eq!(
+                    out.tokens, plain.tokens,
+                    "case {case} req {req} which {which}"
+                );
+            }
+        }
+        let f = faults(&seen);
+        assert!(f.is_empty(), "case {case} which {which}: {f:#?}");
+    }
+}

@@ -360,6 +360,15 @@ pub enum TableFileError {
         /// The file's value.
         found: u64,
     },
+    /// The header's vocabulary size (0 or above `u32::MAX`) or `top_k` (0 or above
+    /// [`RecyclingConfig::MAX_TOP_K`]) is out of range ([`TokenRecycling::load`]).
+    #[error("invalid token-recycling table header: {field} {value}")]
+    InvalidHeader {
+        /// `"vocab"` or `"top_k"`.
+        field: &'static str,
+        /// The file's value.
+        value: u64,
+    },
     /// An entry is out of the vocabulary, repeats an earlier id of its row, or follows an empty
     /// entry.
     #[error("invalid entry {value} at row {row}, slot {slot}")]
@@ -606,7 +615,8 @@ impl TokenRecycling {
     ///
     /// # Errors
     /// [`Error::Proposer`] with a [`TableFileError`]: `BadMagic`, `UnsupportedVersion`,
-    /// `Mismatch`, `InvalidEntry`, or `Io` (the data ended early, or reading failed).
+    /// `InvalidHeader`, `Mismatch`, `InvalidEntry`, or `Io` (the data ended early, or reading
+    /// failed). To load a table whose `top_k` you do not know, use [`TokenRecycling::load`].
     pub fn read_from(&mut self, r: &mut impl Read) -> Result<()> {
         let table = self.read_table(r).map_err(Error::proposer)?;
         self.filled = table
@@ -617,57 +627,55 @@ impl TokenRecycling {
         Ok(())
     }
 
+    /// A proposer holding the table saved by [`TokenRecycling::write_to`], with the vocabulary
+    /// size and `top_k` read from the file (a table warmed with any `top_k`, without knowing it
+    /// in advance), drafting along `template`. Every entry is checked as by
+    /// [`TokenRecycling::read_from`]. Memory: `vocab * top_k * 4` bytes, grown as the entries
+    /// are read (a header that promises more than the data holds fails with `Io`, never with an
+    /// allocation of the promised size).
+    ///
+    /// The file does not say which model it was warmed on: compare
+    /// [`TokenRecycling::vocab_size`] with your target's (a table of another vocabulary drafts
+    /// ids your target does not have, which the loop rejects with
+    /// [`Error::InvalidProposal`]); a table of another model with the same vocabulary is valid
+    /// but drafts poorly until its rows are replaced.
+    ///
+    /// # Errors
+    /// [`Error::Proposer`] with a [`TableFileError`]: `BadMagic`, `UnsupportedVersion`,
+    /// `InvalidHeader` (vocab size 0 or above `u32::MAX`, `top_k` 0 or above
+    /// [`RecyclingConfig::MAX_TOP_K`]), `InvalidEntry`, or `Io`.
+    pub fn load(r: &mut impl Read, template: TreeTemplate) -> Result<Self> {
+        let (vocab, top_k) = read_header(r).map_err(Error::proposer)?;
+        let table = read_entries(r, vocab, top_k).map_err(Error::proposer)?;
+        let filled = table.chunks(top_k).filter(|row| row[0] != EMPTY).count();
+        Ok(TokenRecycling {
+            vocab,
+            top_k,
+            table,
+            filled,
+            template,
+            scaled: None,
+            slot_row: Vec::new(),
+        })
+    }
+
     fn read_table(&self, r: &mut impl Read) -> std::result::Result<Vec<u32>, TableFileError> {
-        let mut header = [0u8; 24];
-        r.read_exact(&mut header)?;
-        if header[..8] != MAGIC {
-            return Err(TableFileError::BadMagic);
-        }
-        let version = u32::from_le_bytes(header[8..12].try_into().unwrap());
-        if version != FORMAT_VERSION {
-            return Err(TableFileError::UnsupportedVersion(version));
-        }
-        let vocab = u64::from_le_bytes(header[12..20].try_into().unwrap());
-        if vocab != self.vocab as u64 {
+        let (vocab, top_k) = read_header(r)?;
+        if vocab != self.vocab {
             return Err(TableFileError::Mismatch {
                 field: "vocab",
                 expected: self.vocab as u64,
-                found: vocab,
+                found: vocab as u64,
             });
         }
-        let top_k = u32::from_le_bytes(header[20..24].try_into().unwrap());
-        if top_k as usize != self.top_k {
+        if top_k != self.top_k {
             return Err(TableFileError::Mismatch {
                 field: "top_k",
                 expected: self.top_k as u64,
                 found: top_k as u64,
             });
         }
-        let k = self.top_k;
-        let mut table = Vec::with_capacity(self.table.len());
-        let mut buf = vec![0u8; 4 * k];
-        for row in 0..self.vocab {
-            r.read_exact(&mut buf)?;
-            let start = table.len();
-            for slot in 0..k {
-                let v = u32::from_le_bytes(buf[4 * slot..4 * slot + 4].try_into().unwrap());
-                let prev = &table[start..];
-                let bad = if v == EMPTY {
-                    false
-                } else {
-                    v as usize >= self.vocab || prev.contains(&v) || prev.contains(&EMPTY)
-                };
-                if bad {
-                    return Err(TableFileError::InvalidEntry {
-                        row,
-                        slot,
-                        value: v,
-                    });
-                }
-                table.push(v);
-            }
-        }
-        Ok(table)
+        read_entries(r, vocab, top_k)
     }
 
     /// The template scaled to `key = (max_nodes, max_draft, branch)`, cached.
@@ -678,6 +686,68 @@ impl TokenRecycling {
         }
         &self.scaled.as_ref().expect("just set").1
     }
+}
+
+/// The header of a saved table: `(vocab, top_k)`, each checked against the ranges
+/// [`TokenRecycling::new`] accepts.
+fn read_header(r: &mut impl Read) -> std::result::Result<(usize, usize), TableFileError> {
+    let mut header = [0u8; 24];
+    r.read_exact(&mut header)?;
+    if header[..8] != MAGIC {
+        return Err(TableFileError::BadMagic);
+    }
+    let version = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+    if version != FORMAT_VERSION {
+        return Err(TableFileError::UnsupportedVersion(version));
+    }
+    let vocab = u64::from_le_bytes(header[12..20].try_into().expect("8 bytes"));
+    if vocab == 0 || vocab > u32::MAX as u64 {
+        return Err(TableFileError::InvalidHeader {
+            field: "vocab",
+            value: vocab,
+        });
+    }
+    let top_k = u32::from_le_bytes(header[20..24].try_into().expect("4 bytes"));
+    if top_k == 0 || top_k as usize > MAX_TOP_K {
+        return Err(TableFileError::InvalidHeader {
+            field: "top_k",
+            value: top_k as u64,
+        });
+    }
+    Ok((vocab as usize, top_k as usize))
+}
+
+/// The `vocab * k` entries of a saved table, each checked (see [`TokenRecycling::read_from`]).
+/// The table grows as rows arrive, so a short file fails before a large allocation.
+fn read_entries(
+    r: &mut impl Read,
+    vocab: usize,
+    k: usize,
+) -> std::result::Result<Vec<u32>, TableFileError> {
+    let mut table = Vec::new();
+    let mut buf = vec![0u8; 4 * k];
+    for row in 0..vocab {
+        r.read_exact(&mut buf)?;
+        let start = table.len();
+        for slot in 0..k {
+            let v = u32::from_le_bytes(buf[4 * slot..4 * slot + 4].try_into().expect("4 bytes"));
+            let prev = &table[start..];
+            let bad = if v == EMPTY {
+                false
+            } else {
+                v as usize >= vocab || prev.contains(&v) || prev.contains(&EMPTY)
+            };
+            if bad {
+                return Err(TableFileError::InvalidEntry {
+                    row,
+                    slot,
+                    value: v,
+                });
+            }
+            table.push(v);
+        }
+    }
+    Ok(table)
 }
 
 impl Proposer for TokenRecycling {
@@ -1206,5 +1276,57 @@ mod tests {
         });
         // Empty input.
         check(Vec::new(), |e| matches!(e, TableFileError::Io(_)));
+    }
+
+    #[test]
+    fn load_takes_vocab_and_top_k_from_the_file() {
+        let mut p = TokenRecycling::new(50, cfg(16)).unwrap();
+        observe(&mut p, &[0, 7], &[&[1, 2, 3], &[9]]);
+        let mut buf = Vec::new();
+        p.write_to(&mut buf).unwrap();
+        // `read_from` into the default top_k refuses the file...
+        let mut d = TokenRecycling::new(50, RecyclingConfig::default()).unwrap();
+        assert!(matches!(
+            file_error(d.read_from(&mut &buf[..]).unwrap_err()),
+            TableFileError::Mismatch { field: "top_k", .. }
+        ));
+        // ... `load` takes it as it is.
+        let template = TreeTemplate::from_widths(&[2, 2]).unwrap();
+        let q = TokenRecycling::load(&mut &buf[..], template.clone()).unwrap();
+        assert_eq!((q.vocab_size(), q.top_k()), (50, 16));
+        assert_eq!(q.table, p.table);
+        assert_eq!(q.filled_rows(), 2);
+        assert_eq!(q.template(), &template);
+        assert_eq!(q.row_candidates(), 16);
+        // Headers out of range, and a header promising more rows than the data holds.
+        let load =
+            |b: &[u8]| file_error(TokenRecycling::load(&mut &b[..], template.clone()).unwrap_err());
+        for (at, bytes, field) in [
+            (12, 0u64.to_le_bytes().to_vec(), "vocab"),
+            (12, (u32::MAX as u64 + 1).to_le_bytes().to_vec(), "vocab"),
+            (20, 0u32.to_le_bytes().to_vec(), "top_k"),
+            (20, 65u32.to_le_bytes().to_vec(), "top_k"),
+        ] {
+            let mut b = buf.clone();
+            b[at..at + bytes.len()].copy_from_slice(&bytes);
+            assert!(
+                matches!(load(&b), TableFileError::InvalidHeader { field: f, .. } if f == field),
+                "{field}"
+            );
+        }
+        let mut b = buf.clone();
+        b[12..20].copy_from_slice(&(u32::MAX as u64).to_le_bytes());
+        assert!(matches!(load(&b), TableFileError::Io(_)));
+        // An entry out of the file's own vocabulary.
+        let mut b = buf.clone();
+        b[24 + 4 * 3..24 + 4 * 4].copy_from_slice(&50u32.to_le_bytes());
+        assert!(matches!(
+            load(&b),
+            TableFileError::InvalidEntry {
+                row: 0,
+                slot: 3,
+                value: 50
+            }
+        ));
     }
 }

@@ -34,7 +34,7 @@ use spec_bench::{BenchError, Result, workload};
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
 use speculative::propose::{
     DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig,
-    SuffixProposer, TokenRecycling,
+    SuffixProposer, TokenRecycling, TreeTemplate,
 };
 use speculative::{NoProposer, Proposer, TargetModel};
 use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
@@ -432,13 +432,23 @@ fn model_free_proposer(
     Ok(match name {
         "prompt-lookup" => Box::new(PromptLookup::new(1, 4)?),
         "suffix" => Box::new(SuffixProposer::new(SuffixConfig::default())?),
-        "recycling" => {
-            let mut r = TokenRecycling::new(vocab, RecyclingConfig::default())?;
-            if let Some(mut bytes) = table {
-                r.read_from(&mut bytes)?;
+        "recycling" => match table {
+            // The table's own top_k (`warm-recycling --top-k`), its vocabulary the target's.
+            Some(mut bytes) => {
+                let r = TokenRecycling::load(&mut bytes, TreeTemplate::default())?;
+                if r.vocab_size() != vocab {
+                    return Err(BenchError::Invalid {
+                        what: "recycling table",
+                        reason: format!(
+                            "warmed for a vocabulary of {} ids, the target has {vocab}",
+                            r.vocab_size()
+                        ),
+                    });
+                }
+                Box::new(r)
             }
-            Box::new(r)
-        }
+            None => Box::new(TokenRecycling::new(vocab, RecyclingConfig::default())?),
+        },
         other => {
             let Some(list) = other.strip_prefix("merged:") else {
                 return Err(BenchError::Invalid {

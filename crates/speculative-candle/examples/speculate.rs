@@ -24,7 +24,7 @@ use speculative::decode::{
 };
 use speculative::propose::{
     DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig,
-    SuffixProposer, TokenRecycling,
+    SuffixProposer, TokenRecycling, TreeTemplate,
 };
 use speculative::{NoProposer, Proposer, SamplingConfig, TargetModel};
 use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
@@ -426,10 +426,20 @@ fn report(name: &str, g: &Generation) {
 }
 
 /// A token-recycling proposer over `vocab` ids, with the table of `table` when given.
+/// The table keeps the `top_k` it was warmed with; its vocabulary must be the target's.
 fn recycling(vocab: usize, table: &Option<PathBuf>) -> Result<TokenRecycling, DynError> {
-    let mut r = TokenRecycling::new(vocab, RecyclingConfig::default())?;
-    if let Some(path) = table {
-        r.read_from(&mut std::fs::File::open(path)?)?;
+    let Some(path) = table else {
+        return Ok(TokenRecycling::new(vocab, RecyclingConfig::default())?);
+    };
+    let mut file = std::io::BufReader::new(std::fs::File::open(path)?);
+    let r = TokenRecycling::load(&mut file, TreeTemplate::default())?;
+    if r.vocab_size() != vocab {
+        return Err(format!(
+            "{}: a table for {} token ids, the model has {vocab}",
+            path.display(),
+            r.vocab_size()
+        )
+        .into());
     }
     Ok(r)
 }
