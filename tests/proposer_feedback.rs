@@ -443,3 +443,108 @@ fn randomised_loop_configurations_keep_the_contract() {
         assert!(f.is_empty(), "case {case} which {which}: {f:#?}");
     }
 }
+
+/// Checks every row of `observe_rows` against the target's own ranking after the row's
+/// labelled input path (context + inputs along the parents), so that a row labelled with the
+/// wrong input (an off-by-one, a pruned node, a chain whose final draft ends the sequence and
+/// has no row) fails.
+struct RowsAgainstModel {
+    inner: TokenRecycling,
+    model: ToyModel,
+    ctx: Vec<u32>,
+    rows: usize,
+    faults: Vec<String>,
+}
+
+impl Proposer for RowsAgainstModel {
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        self.inner.propose(req, draft)
+    }
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        self.inner.propose_tree(req, draft)
+    }
+    fn row_candidates(&self) -> usize {
+        3
+    }
+    fn observe_rows(&mut self, rows: &VerifiedRows<'_>) -> Result<()> {
+        let n = rows.candidates.rows();
+        if !rows.parents.is_empty() && rows.parents.len() + 1 != n {
+            self.faults
+                .push(format!("{} parents for {n} rows", rows.parents.len()));
+        }
+        for r in 0..n {
+            let mut path = Vec::new();
+            let mut at = r;
+            while at > 0 {
+                path.push(rows.inputs[at]);
+                at = if rows.parents.is_empty() {
+                    at - 1
+                } else {
+                    rows.parents[at - 1] as usize
+                };
+            }
+            path.reverse();
+            let mut seq = self.ctx.clone();
+            seq.extend_from_slice(&path);
+            let logits = self.model.logits(&seq);
+            let mut ids: Vec<u32> = (0..VOCAB as u32).collect();
+            ids.sort_by(|&a, &b| {
+                logits[b as usize]
+                    .total_cmp(&logits[a as usize])
+                    .then(a.cmp(&b))
+            });
+            ids.truncate(3);
+            if rows.candidates.row(r) != &ids[..] {
+                self.faults.push(format!(
+                    "row {r} (input path {path:?}): {:?}, the model ranks {ids:?}",
+                    rows.candidates.row(r)
+                ));
+            }
+        }
+        self.rows += n;
+        self.inner.observe_rows(rows)
+    }
+    fn observe(&mut self, accepted: usize, emitted: &[u32]) -> Result<()> {
+        self.ctx.extend_from_slice(emitted);
+        self.inner.observe(accepted, emitted)
+    }
+    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+        self.ctx = prompt.to_vec();
+        self.inner.begin(prompt)
+    }
+}
+
+#[test]
+fn feedback_rows_are_labelled_with_their_inputs_under_stops() {
+    let model = ToyModel::markov(VOCAB, 2, 2.5, 11);
+    let mut total = 0;
+    for nodes in [0, 8, 16] {
+        for eos in 0..VOCAB as u32 {
+            let p = RowsAgainstModel {
+                inner: TokenRecycling::new(VOCAB, RecyclingConfig::default()).unwrap(),
+                model: model.clone(),
+                ctx: Vec::new(),
+                rows: 0,
+                faults: Vec::new(),
+            };
+            let mut g = Generator::new(target(), p);
+            for prompt in [&[1u32, 2, 3, 1, 2, 3][..], &[4, 5, 4, 5, 4]] {
+                let params = GenerationParams::greedy(30)
+                    .with_draft(DraftLength::Fixed(4))
+                    .with_tree_nodes(nodes)
+                    .with_stop(
+                        StopConditions::eos(eos).with_stop_sequence(vec![(eos + 1) % 12, 3]),
+                    );
+                g.generate(prompt, &params).unwrap();
+            }
+            let p = g.proposer();
+            assert!(
+                p.faults.is_empty(),
+                "nodes {nodes} eos {eos}: {:#?}",
+                p.faults
+            );
+            total += p.rows;
+        }
+    }
+    assert!(total > 0);
+}
