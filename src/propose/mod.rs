@@ -189,7 +189,8 @@ pub struct VerifiedRows<'a> {
     pub parents: &'a [u32],
     /// The best ids of each row, `rows` rows of up to [`Proposer::row_candidates`] ids.
     pub candidates: &'a RowCandidates,
-    /// Node indices of the accepted path, the root's child first (`[accepted]`).
+    /// Node indices of the accepted path, the root's child first (`[accepted]`; for a chain
+    /// `0..accepted`). Not cut by a stop: [`Proposer::observe`]'s `accepted` is.
     pub path: &'a [u32],
 }
 
@@ -256,7 +257,10 @@ pub trait Proposer {
 
     /// Told after verification: `accepted` of the proposed drafts were accepted and `emitted`
     /// (the accepted drafts plus the correction or bonus token, possibly cut by a stop) was
-    /// appended to the context. Proposers with state roll back or update here. The default does
+    /// appended to the context. So `emitted.len()` is `accepted + 1`, or `accepted` when an
+    /// accepted draft ended the generation (EOS, stop; no bonus token), and `accepted` is
+    /// already cut to the emitted tokens. A step without a proposal (`k = 0`: speculation off,
+    /// no room, or an adaptive choice) is observed too, with `accepted` 0. Proposers with state roll back or update here. The default does
     /// nothing.
     ///
     /// # Errors
@@ -267,9 +271,12 @@ pub trait Proposer {
     }
 
     /// How many best ids of each verified target row this proposer wants in
-    /// [`Proposer::observe_rows`] (0, the default: none). The loop asks the verifier for that
-    /// many ([`crate::VerifyRequest::row_top_k`]), which costs one more pass over each row; a
-    /// proposer that wants none costs nothing. Read once per step.
+    /// [`Proposer::observe_rows`] (0, the default: none; any larger value is valid, and a row
+    /// never lists more ids than its allowed tokens). The loop asks the verifier for that many
+    /// ([`crate::VerifyRequest::row_top_k`]), which costs one more pass over each row: a scan of
+    /// `[vocab]` logits with the row's penalties and masks, plus a sort of the `n` ids, for every
+    /// row of the step (a tree: the root and every node, rejected ones included). A proposer
+    /// that wants none costs nothing. Read once per step, before the verification.
     fn row_candidates(&self) -> usize {
         0
     }

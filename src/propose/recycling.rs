@@ -432,7 +432,8 @@ pub enum TableFileError {
 /// read only `req.context.last()` and the table, so a proposer used without the loop never
 /// serves a stale request's state in the sense of the [`Proposer`] docs: any table is a valid
 /// source of candidates for any request, and a table warmed on earlier requests (or loaded with
-/// [`TokenRecycling::read_from`]) is what makes the first steps of a new request draft well.
+/// [`TokenRecycling::read_from`] or [`TokenRecycling::load`]) is what makes the first steps of a
+/// new request draft well.
 /// Call [`TokenRecycling::clear`] when the target model or its tokenizer changes.
 ///
 /// ```

@@ -331,7 +331,11 @@ pub struct StepOutput {
     /// ([`crate::TreeTarget::commit_tree`]).
     pub path: Vec<u32>,
     /// The best tokens of every target row of the step, when the request asked for them
-    /// ([`VerifyRequest::row_top_k`]); empty otherwise.
+    /// ([`VerifyRequest::row_top_k`]); empty otherwise. Only [`Verifier::verify`] computes
+    /// them: batch verification ([`Verifier::verify_batch`], the GPU verifiers) has no
+    /// `row_top_k` and always leaves this empty; an engine that batches and feeds a proposer
+    /// such as [`crate::propose::TokenRecycling`] verifies that sequence with
+    /// [`Verifier::verify`] and [`VerifyRequest::row_top`].
     pub row_top: RowCandidates,
 }
 
