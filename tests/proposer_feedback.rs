@@ -548,3 +548,64 @@ fn feedback_rows_are_labelled_with_their_inputs_under_stops() {
     }
     assert!(total > 0);
 }
+
+/// Vocabulary mismatches between a proposer and the target are typed errors or harmless,
+/// never a panic: a recycling table for a smaller vocabulary learns nothing about the larger
+/// ids; one holding ids the target does not have is rejected by the loop; a draft model with a
+/// larger vocabulary fails the step with a typed error, as a chain and as a tree.
+#[test]
+fn vocabulary_mismatches_are_typed_errors_or_harmless() {
+    use speculative::Error;
+    let prompt = [1u32, 2, 3, 1, 2, 3];
+    for nodes in [0, 8] {
+        let p = params(false, 1, nodes);
+        // Smaller table: works and is exact.
+        let small = TokenRecycling::new(8, RecyclingConfig::default()).unwrap();
+        let mut g = Generator::new(target(), small);
+        assert_eq!(g.generate(&prompt, &p).unwrap().tokens, plain(&prompt, &p));
+        // A table with ids beyond the target's vocabulary (another model's file).
+        let mut big = TokenRecycling::new(20, RecyclingConfig::default()).unwrap();
+        for t in 0..20 {
+            big.set_successors(t, &[19, 18]);
+        }
+        let err = Generator::new(target(), big)
+            .generate(&prompt, &p)
+            .unwrap_err();
+        assert!(
+            matches!(err.error, Error::InvalidProposal { .. }),
+            "{err:?}"
+        );
+        // Inside a merge, the same error names the merge.
+        let mut big = TokenRecycling::new(20, RecyclingConfig::default()).unwrap();
+        big.set_successors(3, &[19]);
+        let merged = MergedProposer::new(vec![Box::new(big)]).unwrap();
+        let err = Generator::new(target(), merged)
+            .generate(&prompt, &p)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err.error,
+                Error::InvalidProposal {
+                    proposer: "merged",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        // A draft model of a larger vocabulary, greedy and sampled.
+        for sampled in [false, true] {
+            let d = DraftModelProposer::new(ToyModel::markov(16, 2, 2.0, 3).with_tree(16));
+            let p = params(sampled, 1, nodes);
+            match Generator::new(target(), d).generate(&prompt, &p) {
+                Ok(_) => {}
+                Err(e) => assert!(
+                    matches!(
+                        e.error,
+                        Error::InvalidProposal { .. } | Error::DraftVocabTooLarge { .. }
+                    ),
+                    "nodes {nodes} sampled {sampled}: {e:?}"
+                ),
+            }
+        }
+    }
+}
