@@ -198,8 +198,9 @@ struct RunArgs {
     /// Only the first N requests of the workload.
     #[arg(long)]
     limit: Option<usize>,
-    /// A token-recycling table warmed by `spec-bench warm-recycling`, loaded into every
-    /// `recycling` proposer (alone or merged) of the run; without it the tables start empty.
+    /// A token-recycling table warmed by `spec-bench warm-recycling` (any `--top-k`; its
+    /// vocabulary must be the model's), loaded into every `recycling` proposer (alone or merged)
+    /// of the run; without it the tables start empty (top-k 8).
     #[arg(long)]
     recycling_table: Option<PathBuf>,
     /// Keep each configuration's proposer across the requests of a repetition (suffix corpus
