@@ -609,3 +609,44 @@ fn vocabulary_mismatches_are_typed_errors_or_harmless() {
         }
     }
 }
+
+/// Heads trees (Medusa) and a merge of heads with recycling, in the loop with the hidden states
+/// of `OneHotHidden`: the contract holds and the tokens are plain decoding's (point masses).
+#[test]
+fn heads_trees_and_merged_heads_keep_the_contract() {
+    use speculative::propose::HeadsProposer;
+    use speculative::test_util::{HeadsConditioning, OneHotHidden, ToyHeads};
+    let next = |t: u32| (t * 5 + 3) % VOCAB as u32;
+    let model = ToyModel::deterministic(VOCAB, 4096, move |p: &[u32]| next(*p.last().unwrap()))
+        .with_tree(32);
+    for conditioning in [HeadsConditioning::LastToken, HeadsConditioning::HiddenOnly] {
+        for nodes in [0, 6, 16] {
+            for merged in [false, true] {
+                let heads = HeadsProposer::new(ToyHeads::new(VOCAB, 4, conditioning, next))
+                    .with_tree_top_k(3)
+                    .unwrap();
+                let (h, sh) = check(heads);
+                let (r, sr) = check(recycling());
+                let proposer: Box<dyn Proposer + Send> = if merged {
+                    Box::new(MergedProposer::new(vec![h, r]).unwrap())
+                } else {
+                    h
+                };
+                let mut g = Generator::new(OneHotHidden::new(model.clone()), proposer);
+                for prompt in [&[1u32, 2][..], &[7, 7, 7]] {
+                    let p = params(false, 1, nodes).with_stop(StopConditions::eos(4));
+                    let out = g.generate(prompt, &p).unwrap();
+                    let plain = Generator::new(model.clone(), NoProposer)
+                        .generate(prompt, &p.clone().with_draft(DraftLength::Off))
+                        .unwrap();
+                    assert_eq!(out.tokens, plain.tokens);
+                }
+                let f = faults(&[sh, sr]);
+                assert!(
+                    f.is_empty(),
+                    "{conditioning:?} nodes {nodes} merged {merged}: {f:#?}"
+                );
+            }
+        }
+    }
+}
