@@ -257,10 +257,13 @@ pub trait Proposer {
 
     /// Told after verification: `accepted` of the proposed drafts were accepted and `emitted`
     /// (the accepted drafts plus the correction or bonus token, possibly cut by a stop) was
-    /// appended to the context. So `emitted.len()` is `accepted + 1`, or `accepted` when an
-    /// accepted draft ended the generation (EOS, stop; no bonus token), and `accepted` is
-    /// already cut to the emitted tokens. A step without a proposal (`k = 0`: speculation off,
-    /// no room, or an adaptive choice) is observed too, with `accepted` 0. Proposers with state roll back or update here. The default does
+    /// appended to the context. From the loop, `emitted.len()` is `accepted + 1`, or
+    /// `accepted` when an accepted draft ended the generation (EOS, stop; no bonus token), and
+    /// `accepted` is already cut to the emitted tokens. A step without a proposal (`k = 0`:
+    /// speculation off, no room, or an adaptive choice) is observed too, with `accepted` 0.
+    /// Inside a [`MergedProposer`], `accepted` is this proposer's own count (the leading
+    /// emitted tokens that are a path of its own draft), so `emitted` may be longer than
+    /// `accepted + 1`: write `observe` for any `accepted <= emitted.len()`. Proposers with state roll back or update here. The default does
     /// nothing.
     ///
     /// # Errors
