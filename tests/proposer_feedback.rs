@@ -650,3 +650,40 @@ fn heads_trees_and_merged_heads_keep_the_contract() {
         }
     }
 }
+
+/// A table learned under one request's configuration drafts tokens that a later request bans
+/// (allowed set, banned set): the verifier rejects them (point masses) and the output is the
+/// later request's plain output, greedy and sampled, chains and trees.
+#[test]
+fn carried_table_with_tokens_a_later_request_bans() {
+    let prompt = [1u32, 2, 3, 1, 2, 3];
+    for nodes in [0, 8] {
+        for sampled in [false, true] {
+            let mut g = Generator::new(target(), recycling());
+            g.generate(&prompt, &params(sampled, 3, nodes)).unwrap();
+            assert!(g.proposer().filled_rows() > 0);
+            for cfg in [
+                SamplingConfig::builder()
+                    .temperature(if sampled { 0.8 } else { 0.0 })
+                    .allowed_tokens([0, 2, 5, 7])
+                    .build()
+                    .unwrap(),
+                SamplingConfig::builder()
+                    .temperature(if sampled { 0.8 } else { 0.0 })
+                    .banned_tokens(0..6)
+                    .build()
+                    .unwrap(),
+            ] {
+                let p = GenerationParams::sampled(cfg, 9, 30)
+                    .with_draft(DraftLength::Fixed(4))
+                    .with_tree_nodes(nodes);
+                let out = g.generate(&prompt, &p).unwrap();
+                assert_eq!(
+                    out.tokens,
+                    plain(&prompt, &p),
+                    "nodes {nodes} sampled {sampled}"
+                );
+            }
+        }
+    }
+}
