@@ -245,7 +245,10 @@ impl TreeTemplate {
         self.nodes.is_empty()
     }
 
-    /// Depth of node `i` (1 for a child of the root). Panics if `i >= len()`.
+    /// Depth of node `i` (1 for a child of the root).
+    ///
+    /// # Panics
+    /// If `i >= len()`.
     pub fn depth(&self, i: usize) -> usize {
         self.depth[i] as usize
     }
@@ -256,7 +259,10 @@ impl TreeTemplate {
     }
 
     /// Cost of node `i`: the sum of `rank + 1` along its path, `-log2` of the path's prior
-    /// acceptance (see the type docs). Strictly larger than its parent's. Panics if `i >= len()`.
+    /// acceptance (see the type docs). Strictly larger than its parent's.
+    ///
+    /// # Panics
+    /// If `i >= len()`.
     pub fn cost(&self, i: usize) -> u32 {
         self.cost[i]
     }
