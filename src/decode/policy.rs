@@ -59,17 +59,22 @@ impl Default for DraftLength {
 ///
 /// - Estimates: per depth `d >= 1` and sibling rank `r` (a node's index among its parent's
 ///   children in draft order; every node of a chain has rank 0), `a(d, r)`, the probability
-///   that the rank-`r` child of a node at depth `d - 1` is accepted given that node was reached
-///   (a Beta prior of mean `2^-(r + 1)` and weight 2, so rank 0 starts at 0.5 like a chain
-///   position, with the same decayed counts). Every child of a reached node (the root and each
+///   that the rank-`r` child of a node at depth `d - 1` is accepted given that node was reached,
+///   with the same decayed counts as chains; its Beta prior (weight 2) has the mean of rank `r`
+///   over all depths, itself under a prior of mean `2^-(r + 1)` (so rank 0 starts at 0.5 like a
+///   chain position). Every child of a reached node (the root and each
 ///   node of the accepted path) counts as tested, the one on the path as accepted; chain steps
 ///   teach rank 0. For ranks `r >= 1` the value is scaled by `f(r)`, the share of steps whose
 ///   requested shape held a rank-`r` node in which the proposer's draft held one (`(filled + 1)
 ///   / (offered + 1)`, decayed counts), so that ranks a proposer never fills (a chain proposer)
-///   stop counting.
-/// - Cost: `t(n)`, the forward time by rows fed (`nodes + 1`; one curve for chains and trees),
-///   piecewise linear between measured row counts, the least-squares line (clamped to stay
-///   monotone) outside them; `t_propose` per node.
+///   stop counting. The plan uses each estimate plus half its posterior standard deviation
+///   ([`AdaptiveState::tree_value`]), so that a rank or depth judged on a few steps is tried
+///   again (optimism in the face of uncertainty).
+/// - Cost: `t(n)`, the forward time by rows fed (`nodes + 1`; one curve for chains and trees):
+///   per measured row count the median of its last 7 forwards (a slow outlier on a shared
+///   machine does not count), shrunk toward the least-squares line through all measured row
+///   counts, linear between measured row counts and the line (kept monotone) outside them
+///   ([`AdaptiveState::tree_forward_cost`]); `t_propose` per node.
 /// - Choice (Sequoia, Chen et al. 2024, section 3; EAGLE-2, Li et al. 2024): the reach
 ///   probability of a node is the product of the values along its path; the best tree of `n`
 ///   nodes holds the `n` highest reach probabilities, built greedily from the root (add the
@@ -79,7 +84,10 @@ impl Default for DraftLength {
 ///   those n reach probabilities`, the policy picks the `n` in `0..=node budget` maximising
 ///   `E(n) / (t(n + 1) + n * t_propose)` and asks the proposer for `n` nodes with the depth and
 ///   largest branching of that tree. A chain is the case where every rank above 0 is worthless;
-///   `n = 0` is plain decoding, with the same probes and backoff as `k = 0`.
+///   `n = 0` is plain decoding, with the same probes and backoff as `k = 0`. While it
+///   speculates, every `probe_interval`-th step explores: it plans with each value raised to at
+///   least its rank's prior `2^-(r + 1)` (times `f(r)`), so that a depth or rank judged on a few
+///   unlucky steps is tried again.
 ///
 /// | field | default | valid range |
 /// |---|---|---|
@@ -98,7 +106,7 @@ pub struct AdaptiveConfig {
     /// Weight of a new timing in the moving averages, in `(0, 1]`.
     pub time_smoothing: f64,
     /// While `k = 0` wins, every this many steps probe with `k = probe_draft` (the initial
-    /// interval).
+    /// interval). With trees, also the interval of the exploring steps while speculating.
     pub probe_interval: usize,
     /// Longest interval between probes, in steps, reached by doubling after each probe that
     /// fails. Values below `probe_interval` act as `probe_interval` (a fixed interval).
@@ -201,6 +209,49 @@ pub struct AdaptiveState {
     last_shape: Option<TreeShape>,
     /// The request the next [`AdaptiveState::observe_draft`] belongs to.
     pending: Option<TreeShape>,
+    /// The last forward times by rows fed (index n), for the tree policy's cost curve.
+    row_samples: Vec<RowSamples>,
+    /// Speculative tree-policy steps since the last exploring one.
+    explore_run: usize,
+}
+
+/// The last [`RowSamples::CAP`] forward times of one row count (a ring).
+#[derive(Debug, Clone, Copy, Default)]
+struct RowSamples {
+    buf: [f64; RowSamples::CAP],
+    len: u8,
+    next: u8,
+    /// The step count ([`AdaptiveState`]'s `steps`) at the last sample.
+    last: usize,
+}
+
+impl RowSamples {
+    const CAP: usize = 7;
+    /// Per step since the last sample, the weight of a row count's samples is multiplied by
+    /// this (a half-life of about 34 steps).
+    const AGING: f64 = 0.98;
+
+    fn push(&mut self, x: f64, step: usize) {
+        self.last = step;
+        self.buf[self.next as usize] = x;
+        self.next = ((self.next as usize + 1) % Self::CAP) as u8;
+        self.len = (self.len as usize + 1).min(Self::CAP) as u8;
+    }
+
+    fn median(&self) -> Option<f64> {
+        let n = self.len as usize;
+        if n == 0 {
+            return None;
+        }
+        let mut v = self.buf;
+        let v = &mut v[..n];
+        v.sort_unstable_by(f64::total_cmp);
+        Some(if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            0.5 * (v[n / 2 - 1] + v[n / 2])
+        })
+    }
 }
 
 /// A frontier node of the greedy expansion.
@@ -281,27 +332,51 @@ impl AdaptiveState {
     }
 
     /// Estimated seconds of a target forward over `rows >= 1` rows (a tree of `rows - 1`
-    /// nodes, or a chain of `rows - 1` drafts), as the tree policy reads the cost curve: the
-    /// measured value, else linear between the nearest measured row counts below and above,
-    /// else [`AdaptiveState::forward_cost`]'s least-squares line, kept at or above the largest
-    /// measured cost below `rows` and at or below the smallest above. `None` before any
-    /// measurement.
+    /// nodes, or a chain of `rows - 1` drafts), as the tree policy reads the cost curve, robust
+    /// to the odd slow forward of a shared machine: per measured row count the median of its
+    /// last 7 forward times with weight `m = samples * 0.98^(steps since the last one)`, shrunk
+    /// toward the weighted least-squares line through all measured row counts as
+    /// `(m * median + line) / (m + 1)`; between measured row counts linear, outside them the
+    /// line, kept at or above the estimate of the nearest measured row count below and at or
+    /// below the nearest above. A row count the policy stopped choosing (plain decoding while
+    /// it speculates) thus drifts to what the fresh measurements say, so one slow sample cannot
+    /// hold a choice for good. `None` before any measurement.
     pub fn tree_forward_cost(&self, rows: usize) -> Option<f64> {
-        if let Some(c) = self.cost_at(rows) {
-            return Some(c);
+        let pts: Vec<(usize, f64, f64)> = self
+            .row_samples
+            .iter()
+            .enumerate()
+            .filter_map(|(n, r)| {
+                let age = self.steps.saturating_sub(r.last).min(100_000) as i32;
+                let w = r.len as f64 * RowSamples::AGING.powi(age);
+                r.median().map(|m| (n, m, w.max(1e-9)))
+            })
+            .collect();
+        if pts.is_empty() {
+            return None;
         }
-        let below = (0..rows.min(self.cost.len()))
-            .rev()
-            .find_map(|m| self.cost_at(m).map(|c| (m, c)));
-        let above = (rows + 1..self.cost.len()).find_map(|m| self.cost_at(m).map(|c| (m, c)));
-        match (below, above) {
-            (Some((a, ca)), Some((b, cb))) => {
-                Some(ca + (cb - ca) * (rows - a) as f64 / (b - a) as f64)
+        let w: f64 = pts.iter().map(|p| p.2).sum();
+        let mx = pts.iter().map(|p| p.2 * p.0 as f64).sum::<f64>() / w;
+        let my = pts.iter().map(|p| p.2 * p.1).sum::<f64>() / w;
+        let sxy: f64 = pts
+            .iter()
+            .map(|p| p.2 * (p.0 as f64 - mx) * (p.1 - my))
+            .sum();
+        let sxx: f64 = pts.iter().map(|p| p.2 * (p.0 as f64 - mx).powi(2)).sum();
+        let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+        let line = |n: usize| (my + slope * (n as f64 - mx)).max(1e-12);
+        let est = |&(n, m, c): &(usize, f64, f64)| (n, (c * m + line(n)) / (c + 1.0));
+        let below = pts.iter().rev().find(|p| p.0 <= rows).map(est);
+        let above = pts.iter().find(|p| p.0 >= rows).map(est);
+        Some(match (below, above) {
+            (Some((a, ca)), Some((b, cb))) if b > a => {
+                ca + (cb - ca) * (rows - a) as f64 / (b - a) as f64
             }
-            (Some((_, ca)), None) => self.forward_cost(rows).map(|c| c.max(ca)),
-            (None, Some((_, cb))) => self.forward_cost(rows).map(|c| c.min(cb)),
-            (None, None) => None,
-        }
+            (Some((_, ca)), Some(_)) => ca,
+            (Some((_, ca)), None) => line(rows).max(ca),
+            (None, Some((_, cb))) => line(rows).min(cb),
+            (None, None) => line(rows),
+        })
     }
 
     /// Expected tokens per step with `k` drafts: `1 + sum_{j=1..k} prod_{i<j} a_i`.
@@ -365,21 +440,42 @@ impl AdaptiveState {
     }
 
     /// Estimated probability that the rank-`rank` child of a node at depth `depth - 1` is
-    /// accepted given that node was reached (and the child was drafted): the posterior mean
-    /// of a Beta prior of mean `2^-(rank + 1)` and weight 2 with the decayed counts of every
-    /// step (see [`AdaptiveConfig`]). `depth` 0 (the root, always reached) gives 1.
+    /// accepted given that node was reached (and the child was drafted): the posterior mean of
+    /// the decayed counts of every step at this depth and rank under a Beta prior of weight 2
+    /// whose mean is the rank's estimate over all depths ([`AdaptiveState::rank_acceptance`]),
+    /// so that a depth seen on a few steps starts from what the other depths say about the
+    /// rank (Sequoia's acceptance vector by rank, Chen et al. 2024, section 3). `depth` 0 (the
+    /// root, always reached) gives 1.
     pub fn tree_acceptance(&self, depth: usize, rank: usize) -> f64 {
         if depth == 0 {
             return 1.0;
         }
+        let (a, s) = self.tree_counts(depth, rank);
+        (a + 2.0 * self.rank_acceptance(rank)) / (s + 2.0)
+    }
+
+    /// Estimated probability that a rank-`rank` child is accepted given its parent was reached,
+    /// over all depths: the decayed counts of every depth at this rank under a Beta prior of
+    /// mean `2^-(rank + 1)` and weight 2.
+    pub fn rank_acceptance(&self, rank: usize) -> f64 {
         let prior = 0.5f64.powi(rank.min(1100) as i32 + 1);
+        let (mut a, mut s) = (0.0, 0.0);
+        for (acc, seen) in self.tree_acc.iter().zip(&self.tree_seen) {
+            a += acc.get(rank).copied().unwrap_or(0.0);
+            s += seen.get(rank).copied().unwrap_or(0.0);
+        }
+        (a + 2.0 * prior) / (s + 2.0)
+    }
+
+    /// The decayed (accepted, tested) counts at `depth >= 1` and `rank`.
+    fn tree_counts(&self, depth: usize, rank: usize) -> (f64, f64) {
         let get = |v: &Vec<Vec<f64>>| {
             v.get(depth - 1)
                 .and_then(|r| r.get(rank))
                 .copied()
                 .unwrap_or(0.0)
         };
-        (get(&self.tree_acc) + 2.0 * prior) / (get(&self.tree_seen) + 2.0)
+        (get(&self.tree_acc), get(&self.tree_seen))
     }
 
     /// Estimated share of the steps asked for a tree with a rank-`rank` node in which the
@@ -393,10 +489,20 @@ impl AdaptiveState {
         (f + 1.0) / (o + 1.0)
     }
 
-    /// The value the tree policy gives a node at `depth` and `rank`:
-    /// [`AdaptiveState::tree_fill`] times [`AdaptiveState::tree_acceptance`].
+    /// The value the tree policy gives a node at `depth` and `rank`: [`AdaptiveState::tree_fill`]
+    /// times the optimistic acceptance `min(1, a + sd / 2)`, where `a` is
+    /// [`AdaptiveState::tree_acceptance`] and `sd` the standard deviation of its Beta posterior
+    /// (optimism in the face of uncertainty, as in UCB: a depth or sibling rank judged on a few
+    /// steps is tried again until its estimate is firm; once the decayed counts saturate, at
+    /// about `1 / (1 - decay)` tests, the bonus is at most 0.035 with the default decay).
     pub fn tree_value(&self, depth: usize, rank: usize) -> f64 {
-        self.tree_fill(rank) * self.tree_acceptance(depth, rank)
+        if depth == 0 {
+            return 1.0;
+        }
+        let a = self.tree_acceptance(depth, rank);
+        let seen = self.tree_counts(depth, rank).1;
+        let sd = (a * (1.0 - a) / (seen + 3.0)).sqrt();
+        self.tree_fill(rank) * (a + 0.5 * sd).min(1.0)
     }
 
     /// The best tree for the current estimates, greedily, with at most `limits.nodes` nodes,
@@ -406,6 +512,21 @@ impl AdaptiveState {
     /// first `n` nodes are the plan of a tree of `n` nodes; `1 + sum` of their reach is the
     /// expected number of tokens of a step over that tree.
     pub fn plan_tree(&self, limits: TreeShape) -> Vec<PlannedNode> {
+        self.plan(limits, false)
+    }
+
+    /// The value of a node for planning; an exploring plan gives each (depth, rank) at least
+    /// its rank's starting prior `2^-(rank + 1)` (times the rank's fill).
+    fn plan_value(&self, depth: usize, rank: usize, explore: bool) -> f64 {
+        let v = self.tree_value(depth, rank);
+        if explore {
+            v.max(self.tree_fill(rank) * 0.5f64.powi(rank.min(1100) as i32 + 1))
+        } else {
+            v
+        }
+    }
+
+    fn plan(&self, limits: TreeShape, explore: bool) -> Vec<PlannedNode> {
         let mut out = Vec::with_capacity(limits.nodes.min(1024));
         if limits.nodes == 0 || limits.depth == 0 || limits.branch == 0 {
             return out;
@@ -413,7 +534,7 @@ impl AdaptiveState {
         let mut heap = BinaryHeap::new();
         let mut seq = 0u64;
         heap.push(Candidate {
-            reach: self.tree_value(1, 0),
+            reach: self.plan_value(1, 0, explore),
             seq,
             depth: 1,
             rank: 0,
@@ -432,7 +553,7 @@ impl AdaptiveState {
             if c.rank + 1 < limits.branch {
                 seq += 1;
                 heap.push(Candidate {
-                    reach: c.parent_reach * self.tree_value(c.depth, c.rank + 1),
+                    reach: c.parent_reach * self.plan_value(c.depth, c.rank + 1, explore),
                     seq,
                     depth: c.depth,
                     rank: c.rank + 1,
@@ -443,7 +564,7 @@ impl AdaptiveState {
             if c.depth < limits.depth {
                 seq += 1;
                 heap.push(Candidate {
-                    reach: c.reach * self.tree_value(c.depth + 1, 0),
+                    reach: c.reach * self.plan_value(c.depth + 1, 0, explore),
                     seq,
                     depth: c.depth + 1,
                     rank: 0,
@@ -461,7 +582,7 @@ impl AdaptiveState {
     /// probabilities ([`AdaptiveState::plan_tree`]) for the `n` that maximises
     /// `E(n) / (t(n + 1) + n * t_propose)`. Returns its node count, depth and largest number
     /// of children; `nodes == 0` is a plain decoding step. The first step ever plans the whole
-    /// budget and the next a plain step (to measure both ends of the cost curve); while plain
+    /// budget and the next three are plain steps (to measure both ends of the cost curve); while plain
     /// decoding wins, every probe interval (doubling after each failed probe, as for chains)
     /// asks for the planned tree of `cfg.probe_draft` nodes.
     pub fn choose_tree(&mut self, cfg: &AdaptiveConfig, limits: TreeShape) -> TreeShape {
@@ -480,13 +601,34 @@ impl AdaptiveState {
         if plan.is_empty() {
             return TreeShape::default();
         }
-        // Warm-up: a forward over the whole budget, then a single-row forward.
+        // Warm-up: a forward over the whole budget, then three single-row forwards (a median).
         if self.steps == 0 && self.cost.iter().all(Option::is_none) {
             return shape_of(&plan);
         }
-        if self.cost_at(1).is_none() {
+        if self.row_samples.get(1).map_or(0, |r| r.len) < 3 {
             return TreeShape::default();
         }
+        let best = self.best_size(&plan);
+        if self.probe_now(cfg, best == 0) {
+            return shape_of(&plan[..cfg.probe_draft.min(plan.len())]);
+        }
+        if best == 0 {
+            return TreeShape::default();
+        }
+        // While speculating, every `probe_interval`-th step explores: it plans with every
+        // estimate raised to at least its rank's prior, so that a depth or sibling rank judged
+        // too early (a few unlucky steps) is tested again.
+        self.explore_run += 1;
+        if self.explore_run >= cfg.probe_interval {
+            self.explore_run = 0;
+            let plan = self.plan(limits, true);
+            return shape_of(&plan[..self.best_size(&plan)]);
+        }
+        shape_of(&plan[..best])
+    }
+
+    /// The `n` in `0..=plan.len()` that maximises `E(n) / (t(n + 1) + n * t_propose)`.
+    fn best_size(&self, plan: &[PlannedNode]) -> usize {
         let tp = self.propose_per_token.unwrap_or(0.0);
         let mut best = (0usize, f64::NEG_INFINITY);
         let mut e = 1.0;
@@ -500,10 +642,7 @@ impl AdaptiveState {
                 best = (n, rate);
             }
         }
-        if self.probe_now(cfg, best.0 == 0) {
-            return shape_of(&plan[..cfg.probe_draft.min(plan.len())]);
-        }
-        shape_of(&plan[..best.0])
+        best.0
     }
 
     /// The shape the last [`AdaptiveState::choose_tree`] returned (`None` before the first).
@@ -679,6 +818,10 @@ impl AdaptiveState {
             Some(c) => (1.0 - w) * c + w * forward_secs,
             None => forward_secs,
         });
+        if self.row_samples.len() <= n {
+            self.row_samples.resize(n + 1, RowSamples::default());
+        }
+        self.row_samples[n].push(forward_secs, self.steps);
         if k > 0 {
             let per = propose_secs / k as f64;
             self.propose_per_token = Some(match self.propose_per_token {
@@ -804,6 +947,12 @@ mod tests {
                 s.cost.resize(n + 1, None);
             }
             s.cost[n] = Some(0.025 * c);
+            if s.row_samples.len() <= n {
+                s.row_samples.resize(n + 1, RowSamples::default());
+            }
+            for _ in 0..RowSamples::CAP {
+                s.row_samples[n].push(0.025 * c, 100);
+            }
         }
         for d in 1..=16 {
             s.tree_acc
@@ -1008,8 +1157,15 @@ mod tests {
             2,
             "node 3 is a leaf: nothing tested at depth 3"
         );
-        assert!((s.tree_acceptance(1, 1) - (1.0 + 0.5) / 3.0).abs() < 1e-12);
-        assert!((s.tree_acceptance(1, 0) - 1.0 / 3.0).abs() < 1e-12);
+        // Rank 1 over all depths: 2 of 2 under a prior of mean 1/4; depth 1 under that.
+        assert!((s.rank_acceptance(1) - (2.0 + 0.5) / 4.0).abs() < 1e-12);
+        assert!((s.tree_acceptance(1, 1) - (1.0 + 2.0 * 0.625) / 3.0).abs() < 1e-12);
+        assert!((s.rank_acceptance(0) - 1.0 / 4.0).abs() < 1e-12);
+        assert!((s.tree_acceptance(1, 0) - 0.5 / 3.0).abs() < 1e-12);
+        assert!(
+            s.tree_value(1, 1) > s.tree_acceptance(1, 1),
+            "optimistic value"
+        );
         // Rank 1 was offered and filled, rank 2 offered and not.
         assert_eq!(s.tree_fill(1), 1.0);
         assert_eq!(s.tree_fill(2), 0.5);
@@ -1019,7 +1175,7 @@ mod tests {
         // A chain teaches both policies: two of three accepted.
         let chain = DraftBlock::chain(&tokens[..3]);
         s.observe_draft(&cfg, &chain, &[0, 1], 0.005, 0.0);
-        assert_eq!(s.seen, vec![1.0, 1.0, 1.0]);
+        assert_eq!(&s.seen[..3], &[1.0, 1.0, 1.0]);
         assert!((s.acceptance(2) - 1.0 / 3.0).abs() < 1e-12);
         assert_eq!(s.tree_seen[2], vec![1.0]);
         // A path that leaves the block is read up to its first wrong node.
