@@ -1096,7 +1096,7 @@ mod tests {
         let stream = crate::rng::Stream::new(7);
         for case in 0..40u64 {
             // Values per (depth, rank), non-increasing in rank.
-            let mut table = vec![[0.0f64; 4]; 6];
+            let mut table = [[0.0f64; 4]; 6];
             for (d, row) in table.iter_mut().enumerate() {
                 let mut left = 1.0;
                 for (r, x) in row.iter_mut().enumerate() {
