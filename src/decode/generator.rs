@@ -183,7 +183,8 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         &mut self.proposer
     }
 
-    /// The adaptive policy's current estimates (acceptance per position, forward cost by length).
+    /// The adaptive policy's current estimates (acceptance per position, and by depth and
+    /// sibling rank for trees; forward cost by rows; the last tree shape chosen).
     pub fn adaptive_state(&self) -> &AdaptiveState {
         &self.adaptive
     }
@@ -567,9 +568,9 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
     }
 
     /// Propose phase: asks the proposer for up to `k_req` drafts (a tree of at most `nodes`
-    /// nodes, depth `k_req` and `branch` children per node when `nodes > 0`), checks them, and cuts the draft at its first
-    /// end (EOS, stop sequence or stop string; case C11): a chain after the ending token, a tree
-    /// below every ending node.
+    /// nodes, depth `k_req` and `branch` children per node when `nodes > 0`), checks them, and
+    /// cuts the draft at its first end (EOS, stop sequence or stop string; case C11): a chain
+    /// after the ending token, a tree below every ending node.
     fn propose(
         &mut self,
         k_req: usize,

@@ -1230,6 +1230,34 @@ mod tests {
     }
 
     #[test]
+    fn the_tree_cost_curve_ignores_an_outlier_and_ages_stale_rows() {
+        let cfg = AdaptiveConfig::default();
+        let mut s = AdaptiveState::default();
+        // Rows 1: six forwards of 1 ms and one of 10 ms; rows 9: 1.5 ms.
+        for i in 0..7 {
+            let t = if i == 3 { 0.010 } else { 0.001 };
+            s.observe(&cfg, 0, 0, t, 0.0);
+            s.observe(&cfg, 8, 8, 0.0015, 0.0);
+        }
+        let t1 = s.tree_forward_cost(1).unwrap();
+        assert!((t1 - 0.001).abs() < 0.0001, "{t1}");
+        // The EMA of the chain policy keeps part of the outlier.
+        assert!(s.forward_cost(1).unwrap() > 0.0015);
+        let t5 = s.tree_forward_cost(5).unwrap();
+        assert!(t5 > t1 && t5 < s.tree_forward_cost(9).unwrap(), "{t5}");
+        // A slow sample of one row, then only speculative steps at 2 and 9 rows for a long
+        // while: the stale single-row cost drifts to the line through the fresh ones.
+        let mut s = AdaptiveState::default();
+        s.observe(&cfg, 0, 0, 0.005, 0.0);
+        for _ in 0..300 {
+            s.observe(&cfg, 1, 1, 0.0011, 0.0);
+            s.observe(&cfg, 8, 8, 0.0018, 0.0);
+        }
+        let t1 = s.tree_forward_cost(1).unwrap();
+        assert!(t1 < 0.0012, "{t1}");
+    }
+
+    #[test]
     fn validates() {
         assert!(
             AdaptiveConfig {
