@@ -186,7 +186,7 @@ pub struct PlannedNode {
 ///
 /// The default state has observed nothing: every position's acceptance estimate is the prior
 /// mean 0.5 and no forward cost is known, so the first step uses `max_draft` (with trees, the
-/// planned tree of the whole node budget).
+/// planned tree of `max_draft` nodes).
 #[derive(Debug, Clone, Default)]
 pub struct AdaptiveState {
     acc: Vec<f64>,
@@ -581,8 +581,9 @@ impl AdaptiveState {
     /// `cfg.max_draft`, and the branching limit), the tree of the `n` highest reach
     /// probabilities ([`AdaptiveState::plan_tree`]) for the `n` that maximises
     /// `E(n) / (t(n + 1) + n * t_propose)`. Returns its node count, depth and largest number
-    /// of children; `nodes == 0` is a plain decoding step. The first step ever plans the whole
-    /// budget and the next three are plain steps (to measure both ends of the cost curve); while plain
+    /// of children; `nodes == 0` is a plain decoding step. The first step ever plans a tree of
+    /// `depth` nodes and the next is a plain step (to measure two points of the cost curve, as
+    /// the chain policy does); while plain
     /// decoding wins, every probe interval (doubling after each failed probe, as for chains)
     /// asks for the planned tree of `cfg.probe_draft` nodes.
     pub fn choose_tree(&mut self, cfg: &AdaptiveConfig, limits: TreeShape) -> TreeShape {
@@ -601,11 +602,13 @@ impl AdaptiveState {
         if plan.is_empty() {
             return TreeShape::default();
         }
-        // Warm-up: a forward over the whole budget, then three single-row forwards (a median).
+        // Warm-up, as the chain policy's: a forward over the planned tree of `depth` nodes
+        // (a chain's worth of rows), then a single-row forward; larger trees are extrapolated
+        // until they are measured.
         if self.steps == 0 && self.cost.iter().all(Option::is_none) {
-            return shape_of(&plan);
+            return shape_of(&plan[..limits.depth.min(plan.len())]);
         }
-        if self.row_samples.get(1).map_or(0, |r| r.len) < 3 {
+        if self.cost_at(1).is_none() {
             return TreeShape::default();
         }
         let best = self.best_size(&plan);
@@ -1203,7 +1206,7 @@ mod tests {
         for step in 0..400 {
             let shape = s.choose_tree(&cfg, limits);
             if step == 0 {
-                assert_eq!(shape.nodes, 16, "warm-up over the whole budget");
+                assert_eq!(shape.nodes, cfg.max_draft, "warm-up: a chain's worth of nodes");
             }
             if step == 1 {
                 assert_eq!(shape.nodes, 0, "then a plain step");
