@@ -1206,7 +1206,10 @@ mod tests {
         for step in 0..400 {
             let shape = s.choose_tree(&cfg, limits);
             if step == 0 {
-                assert_eq!(shape.nodes, cfg.max_draft, "warm-up: a chain's worth of nodes");
+                assert_eq!(
+                    shape.nodes, cfg.max_draft,
+                    "warm-up: a chain's worth of nodes"
+                );
             }
             if step == 1 {
                 assert_eq!(shape.nodes, 0, "then a plain step");
