@@ -161,7 +161,8 @@ fn tree_nodes_zero_never_asks_for_a_tree() {
     assert_eq!(g.target().tree_calls, 0);
 }
 
-/// Random point-mass trees (distinct siblings) for a vocab-`v` model.
+/// Random point-mass trees (distinct siblings, at most `max_branch` per node) for a vocab-`v`
+/// model.
 struct RandomTree {
     vocab: u32,
     salt: u64,
@@ -199,7 +200,7 @@ impl Proposer for RandomTree {
                 .filter(|&j| draft.parents[j] as usize == r)
                 .map(|j| draft.tokens[j])
                 .collect();
-            if used.len() as u32 >= self.vocab {
+            if used.len() as u32 >= self.vocab || used.len() >= req.max_branch {
                 continue;
             }
             let mut t = b[1] % self.vocab;

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::metrics::Metrics;
 use super::params::GenerationParams;
-use super::policy::{AdaptiveState, DraftLength};
+use super::policy::{AdaptiveState, DraftLength, TreeShape};
 use super::stop::{Detokenizer, FinishReason, TextTracker};
 use crate::error::{Error, ProposalFault, Result};
 use crate::model::TargetModel;
@@ -183,7 +183,8 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         &mut self.proposer
     }
 
-    /// The adaptive policy's current estimates (acceptance per position, forward cost by length).
+    /// The adaptive policy's current estimates (acceptance per position, and by depth and
+    /// sibling rank for trees; forward cost by rows; the last tree shape chosen).
     pub fn adaptive_state(&self) -> &AdaptiveState {
         &self.adaptive
     }
@@ -389,13 +390,14 @@ pub struct Session<'g, T, P> {
 /// a chain ends the sequence, whether the draft is a tree (then `Generator::node_ends` says
 /// which nodes end it), its depth, and the time spent.
 struct Proposed {
-    /// The draft length (tree depth) the step asked for.
-    k_req: usize,
     k: usize,
     ends: bool,
     tree: bool,
     depth: usize,
     time: Duration,
+    /// The tree-shape policy chose the request (its observation goes to
+    /// [`AdaptiveState::observe_draft`]).
+    shaped: bool,
 }
 
 impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
@@ -525,21 +527,39 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         }
         // Accepted drafts plus the bonus token must fit the budget and the context.
         let cap = remaining.min(room) - 1;
-        let k_req = match &params.draft {
-            DraftLength::Off => 0,
-            DraftLength::Fixed(k) => (*k).min(cap),
-            DraftLength::Adaptive(a) => self.g.adaptive.choose(a, cap),
-        };
-        let suppress_rows = params.min_tokens.saturating_sub(generated);
         // Tree drafts: every node holds a KV slot until the commit, so the node budget is also
         // capped by the context room (the depth, like a chain's k, by `cap`).
-        let nodes = if params.tree_nodes > 0 && k_req > 0 {
+        let tree_room = if params.tree_nodes > 0 {
             let max = self.g.target.tree().map_or(0, |t| t.max_tree_nodes());
             params.tree_nodes.min(max).min(room)
         } else {
             0
         };
-        let proposed = self.propose(k_req, nodes, suppress_rows)?;
+        let user_branch = match params.tree_branch {
+            0 => usize::MAX,
+            b => b,
+        };
+        let (k_req, nodes, branch, shaped) = match &params.draft {
+            DraftLength::Off => (0, 0, user_branch, false),
+            DraftLength::Fixed(k) => {
+                let k = (*k).min(cap);
+                (k, if k > 0 { tree_room } else { 0 }, user_branch, false)
+            }
+            // The cost-aware tree-shape policy: node budget, depth and branching per step.
+            DraftLength::Adaptive(a) if tree_room > 0 => {
+                let limits = TreeShape {
+                    nodes: tree_room,
+                    depth: cap,
+                    branch: user_branch,
+                };
+                let s = self.g.adaptive.choose_tree(a, limits);
+                (s.depth, s.nodes, s.branch.clamp(1, user_branch), true)
+            }
+            DraftLength::Adaptive(a) => (self.g.adaptive.choose(a, cap), 0, user_branch, false),
+        };
+        let suppress_rows = params.min_tokens.saturating_sub(generated);
+        let mut proposed = self.propose(k_req, nodes, branch, suppress_rows)?;
+        proposed.shaped = shaped;
         let forward = self.forward(&proposed)?;
         let (out, verify) = self.verify(&proposed, suppress_rows)?;
         let kept = self.commit(&proposed, &out)?;
@@ -548,17 +568,19 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
     }
 
     /// Propose phase: asks the proposer for up to `k_req` drafts (a tree of at most `nodes`
-    /// nodes and depth `k_req` when `nodes > 0`), checks them, and cuts the draft at its first
-    /// end (EOS, stop sequence or stop string; case C11): a chain after the ending token, a tree
-    /// below every ending node.
-    fn propose(&mut self, k_req: usize, nodes: usize, suppress_rows: usize) -> Result<Proposed> {
+    /// nodes, depth `k_req` and `branch` children per node when `nodes > 0`), checks them, and
+    /// cuts the draft at its first end (EOS, stop sequence or stop string; case C11): a chain
+    /// after the ending token, a tree below every ending node.
+    fn propose(
+        &mut self,
+        k_req: usize,
+        nodes: usize,
+        branch: usize,
+        suppress_rows: usize,
+    ) -> Result<Proposed> {
         let t = Instant::now();
         let params = self.params;
         let g = &mut *self.g;
-        let branch = match params.tree_branch {
-            0 => usize::MAX,
-            b => b,
-        };
         g.draft.clear();
         if k_req > 0 {
             let req = ProposeRequest {
@@ -601,22 +623,22 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                 g.draft.schemes.clear();
                 let k = g.draft.len();
                 return Ok(Proposed {
-                    k_req,
                     k,
                     ends,
                     tree: false,
                     depth: k,
                     time: t.elapsed(),
+                    shaped: false,
                 });
             }
             let depth = g.draft.block().max_depth();
             return Ok(Proposed {
-                k_req,
                 k: g.draft.len(),
                 ends: false,
                 tree: true,
                 depth,
                 time: t.elapsed(),
+                shaped: false,
             });
         }
         let (k, ends) = self.draft_end()?;
@@ -626,12 +648,12 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             q.truncate(k * g.draft.q_vocab);
         }
         Ok(Proposed {
-            k_req,
             k,
             ends,
             tree: false,
             depth: k,
             time: t.elapsed(),
+            shaped: false,
         })
     }
 
@@ -970,13 +992,12 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         }
         if let DraftLength::Adaptive(a) = &params.draft {
             let propose_secs = (p.time + observe_time).as_secs_f64();
-            if p.tree {
-                // The depth the policy chose, and the cost of the whole tree forward.
-                g.adaptive.observe_tree(
+            if p.shaped {
+                // The tree policy learns by depth and sibling rank, and the cost by rows.
+                g.adaptive.observe_draft(
                     a,
-                    p.k_req,
-                    out.accepted,
-                    tested,
+                    &g.draft.block(),
+                    &out.path,
                     forward.as_secs_f64(),
                     propose_secs,
                 );

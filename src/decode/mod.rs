@@ -15,5 +15,5 @@ pub use crate::model::TargetModel;
 pub use generator::{Generation, GenerationError, Generator, Session, StepStats, StreamChunk};
 pub use metrics::Metrics;
 pub use params::GenerationParams;
-pub use policy::{AdaptiveConfig, AdaptiveState, DraftLength};
+pub use policy::{AdaptiveConfig, AdaptiveState, DraftLength, PlannedNode, TreeShape};
 pub use stop::{Detokenizer, FinishReason, StopConditions};

@@ -31,7 +31,9 @@ pub struct GenerationParams {
     /// Stop conditions (EOS ids, stop sequences, stop strings). Default: none.
     pub stop: StopConditions,
     /// Draft length policy for this request (per-request override or opt-out). With tree drafts
-    /// it sets the depth of the tree.
+    /// a fixed length sets the depth of the tree; [`DraftLength::Adaptive`] chooses each step's
+    /// node budget, depth and branching (the cost-aware tree-shape policy,
+    /// [`AdaptiveConfig`](super::AdaptiveConfig)).
     pub draft: DraftLength,
     /// Node budget of tree drafts; 0 (the default) verifies chains. With `n > 0`, a step whose
     /// target offers tree support ([`TargetModel::tree`](crate::TargetModel::tree)) asks the proposer for a token tree
@@ -42,9 +44,12 @@ pub struct GenerationParams {
     ///
     /// The shipped proposers branch only when `n` exceeds the draft length (with `n <= k` they
     /// return a chain of `n` tokens), so give `n` above the [`DraftLength`]'s `k`: for example
-    /// `Fixed(8)` with 16 or 32 nodes. With [`DraftLength::Adaptive`] the policy chooses the
-    /// depth from tree steps' acceptance by depth and forward cost, and turns speculation off
-    /// where trees do not pay.
+    /// `Fixed(8)` with 16 or 32 nodes. With [`DraftLength::Adaptive`] `n` is the largest node
+    /// budget: each step the policy asks for the tree (node count, depth, children per node,
+    /// within `n`, [`GenerationParams::tree_branch`], `max_draft`, the token budget and the
+    /// context room) that maximises expected tokens per second from acceptance by depth and
+    /// sibling rank and the measured forward cost by rows, a chain when siblings do not pay and
+    /// plain decoding when nothing does ([`AdaptiveState::choose_tree`](super::AdaptiveState::choose_tree)).
     pub tree_nodes: usize,
     /// Branching limit of tree drafts: at most this many children per node, the root included
     /// ([`ProposeRequest::max_branch`](crate::ProposeRequest::max_branch)); 0 (the default)

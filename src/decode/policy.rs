@@ -1,7 +1,17 @@
 //! Draft length policies: a fixed draft length `k`, or an adaptive `k` that maximises expected
-//! tokens per second.
+//! tokens per second; with token trees, an adaptive node budget and tree shape (the cost-aware
+//! tree-shape policy, [`AdaptiveState::choose_tree`]).
+//!
+//! Sources: the expected tokens per step of a chain, Leviathan et al. 2023, section 3.1; the
+//! optimal tree for acceptance by position and the choice of its size against the measured
+//! cost of a forward, Sequoia (Chen et al. 2024, section 3); the greedy expansion of the nodes
+//! with the highest reach probability, EAGLE-2 (Li et al. 2024, section 4).
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
 
 use crate::error::{Error, Result};
+use crate::tree::DraftBlock;
 
 /// How many draft tokens to ask for at each step (the draft length `k`).
 ///
@@ -43,12 +53,41 @@ impl Default for DraftLength {
 /// (a draft model rejected everywhere, whose catch-up over the skipped tokens is costly) costs
 /// a vanishing share of the time; the first step that speculates again resets the wait.
 ///
-/// **With token trees** ([`GenerationParams::tree_nodes`](crate::decode::GenerationParams::tree_nodes))
-/// `k` is the tree's depth: `a_i` is the probability that the accepted path reaches depth
-/// `i + 1` given it reached depth `i`, and `t(k + 1)` is the measured cost of the steps that
-/// chose depth `k` (tree forwards of up to the node budget, or chains when the proposer found a
-/// single path), so the same rule weighs the longer accepted paths of trees against their wider
-/// forwards, and turns speculation off where trees do not pay ([`AdaptiveState::observe_tree`]).
+/// **With token trees** ([`GenerationParams::tree_nodes`](crate::decode::GenerationParams::tree_nodes)
+/// above 0 and a target with tree support) the policy chooses each step's node budget and
+/// shape instead of `k` ([`AdaptiveState::choose_tree`]):
+///
+/// - Estimates: per depth `d >= 1` and sibling rank `r` (a node's index among its parent's
+///   children in draft order; every node of a chain has rank 0), `a(d, r)`, the probability
+///   that the rank-`r` child of a node at depth `d - 1` is accepted given that node was reached,
+///   with the same decayed counts as chains; its Beta prior (weight 2) has the mean of rank `r`
+///   over all depths, itself under a prior of mean `2^-(r + 1)` (so rank 0 starts at 0.5 like a
+///   chain position). Every child of a reached node (the root and each
+///   node of the accepted path) counts as tested, the one on the path as accepted; chain steps
+///   teach rank 0. For ranks `r >= 1` the value is scaled by `f(r)`, the share of steps whose
+///   requested shape held a rank-`r` node in which the proposer's draft held one (`(filled + 1)
+///   / (offered + 1)`, decayed counts), so that ranks a proposer never fills (a chain proposer)
+///   stop counting. The plan uses each estimate plus half its posterior standard deviation
+///   ([`AdaptiveState::tree_value`]), so that a rank or depth judged on a few steps is tried
+///   again (optimism in the face of uncertainty).
+/// - Cost: `t(n)`, the forward time by rows fed (`nodes + 1`; one curve for chains and trees):
+///   per measured row count the median of its last 7 forwards (a slow outlier on a shared
+///   machine does not count), shrunk toward the least-squares line through all measured row
+///   counts, linear between measured row counts and the line (kept monotone) outside them
+///   ([`AdaptiveState::tree_forward_cost`]); `t_propose` per node.
+/// - Choice (Sequoia, Chen et al. 2024, section 3; EAGLE-2, Li et al. 2024): the reach
+///   probability of a node is the product of the values along its path; the best tree of `n`
+///   nodes holds the `n` highest reach probabilities, built greedily from the root (add the
+///   frontier node with the highest reach probability; optimal when the values do not grow with
+///   rank, since reach probabilities never grow down a path), within the depth (`max_draft`, the
+///   token budget and context room) and branching (`tree_branch`) limits. With `E(n) = 1 + sum of
+///   those n reach probabilities`, the policy picks the `n` in `0..=node budget` maximising
+///   `E(n) / (t(n + 1) + n * t_propose)` and asks the proposer for `n` nodes with the depth and
+///   largest branching of that tree. A chain is the case where every rank above 0 is worthless;
+///   `n = 0` is plain decoding, with the same probes and backoff as `k = 0`. While it
+///   speculates, every `probe_interval`-th step explores: it plans with each value raised to at
+///   least its rank's prior `2^-(r + 1)` (times `f(r)`), so that a depth or rank judged on a few
+///   unlucky steps is tried again.
 ///
 /// | field | default | valid range |
 /// |---|---|---|
@@ -67,7 +106,7 @@ pub struct AdaptiveConfig {
     /// Weight of a new timing in the moving averages, in `(0, 1]`.
     pub time_smoothing: f64,
     /// While `k = 0` wins, every this many steps probe with `k = probe_draft` (the initial
-    /// interval).
+    /// interval). With trees, also the interval of the exploring steps while speculating.
     pub probe_interval: usize,
     /// Longest interval between probes, in steps, reached by doubling after each probe that
     /// fails. Values below `probe_interval` act as `probe_interval` (a fixed interval).
@@ -115,22 +154,147 @@ impl AdaptiveConfig {
     }
 }
 
+/// The shape of a token tree: node budget, depth and branching. [`AdaptiveState::choose_tree`]
+/// takes one as its limits and returns the chosen one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TreeShape {
+    /// Number of nodes (the node budget; 0 = plain decoding).
+    pub nodes: usize,
+    /// Depth of the deepest node: the most drafts one step can accept.
+    pub depth: usize,
+    /// Most children of one node, the root included (1 = a chain; as a limit, `usize::MAX`
+    /// for none).
+    pub branch: usize,
+}
+
+/// One node of the tree the policy plans ([`AdaptiveState::plan_tree`]), in the order the
+/// greedy expansion added it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlannedNode {
+    /// Depth (1 for a child of the root).
+    pub depth: usize,
+    /// Rank among its parent's children (0 = first).
+    pub rank: usize,
+    /// Index of the parent in the plan; `None` for a child of the root.
+    pub parent: Option<usize>,
+    /// Reach probability: the product of [`AdaptiveState::tree_value`] along the path.
+    pub reach: f64,
+}
+
 /// Online state of the adaptive policy for one generator (kept across generations, since the
 /// target's cost curve does not change between requests).
 ///
 /// The default state has observed nothing: every position's acceptance estimate is the prior
-/// mean 0.5 and no forward cost is known, so the first step uses `max_draft`.
+/// mean 0.5 and no forward cost is known, so the first step uses `max_draft` (with trees, the
+/// planned tree of `max_draft` nodes).
 #[derive(Debug, Clone, Default)]
 pub struct AdaptiveState {
     acc: Vec<f64>,
     seen: Vec<f64>,
-    /// EMA of forward seconds by number of tokens fed (index n).
+    /// EMA of forward seconds by number of tokens (rows) fed (index n).
     cost: Vec<Option<f64>>,
     propose_per_token: Option<f64>,
     zero_run: usize,
     /// Current interval between probes (0 before the first probe: `probe_interval`).
     wait: usize,
     steps: usize,
+    /// Decayed counts per `[depth - 1][rank]`: accepted, tested.
+    tree_acc: Vec<Vec<f64>>,
+    tree_seen: Vec<Vec<f64>>,
+    /// Decayed counts per rank `r >= 1` (index r): steps whose requested shape held a rank-r
+    /// node, and those whose draft held one.
+    offered: Vec<f64>,
+    filled: Vec<f64>,
+    /// The shape of the last [`AdaptiveState::choose_tree`].
+    last_shape: Option<TreeShape>,
+    /// The request the next [`AdaptiveState::observe_draft`] belongs to.
+    pending: Option<TreeShape>,
+    /// The last forward times by rows fed (index n), for the tree policy's cost curve.
+    row_samples: Vec<RowSamples>,
+    /// Speculative tree-policy steps since the last exploring one.
+    explore_run: usize,
+}
+
+/// The last [`RowSamples::CAP`] forward times of one row count (a ring).
+#[derive(Debug, Clone, Copy, Default)]
+struct RowSamples {
+    buf: [f64; RowSamples::CAP],
+    len: u8,
+    next: u8,
+    /// The step count ([`AdaptiveState`]'s `steps`) at the last sample.
+    last: usize,
+}
+
+impl RowSamples {
+    const CAP: usize = 7;
+    /// Per step since the last sample, the weight of a row count's samples is multiplied by
+    /// this (a half-life of about 34 steps).
+    const AGING: f64 = 0.98;
+
+    fn push(&mut self, x: f64, step: usize) {
+        self.last = step;
+        self.buf[self.next as usize] = x;
+        self.next = ((self.next as usize + 1) % Self::CAP) as u8;
+        self.len = (self.len as usize + 1).min(Self::CAP) as u8;
+    }
+
+    fn median(&self) -> Option<f64> {
+        let n = self.len as usize;
+        if n == 0 {
+            return None;
+        }
+        let mut v = self.buf;
+        let v = &mut v[..n];
+        v.sort_unstable_by(f64::total_cmp);
+        Some(if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            0.5 * (v[n / 2 - 1] + v[n / 2])
+        })
+    }
+}
+
+/// A frontier node of the greedy expansion.
+struct Candidate {
+    reach: f64,
+    seq: u64,
+    depth: usize,
+    rank: usize,
+    parent: Option<usize>,
+    parent_reach: f64,
+}
+
+impl PartialEq for Candidate {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Candidate {}
+
+impl PartialOrd for Candidate {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Candidate {
+    /// Higher reach first; ties to the candidate found first.
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.reach
+            .total_cmp(&other.reach)
+            .then_with(|| other.seq.cmp(&self.seq))
+    }
+}
+
+/// Decays a count pair and adds one observation.
+fn count(acc: &mut f64, seen: &mut f64, decay: f64, hit: bool) {
+    *acc *= decay;
+    *seen *= decay;
+    *seen += 1.0;
+    if hit {
+        *acc += 1.0;
+    }
 }
 
 impl AdaptiveState {
@@ -167,6 +331,54 @@ impl AdaptiveState {
         }
     }
 
+    /// Estimated seconds of a target forward over `rows >= 1` rows (a tree of `rows - 1`
+    /// nodes, or a chain of `rows - 1` drafts), as the tree policy reads the cost curve, robust
+    /// to the odd slow forward of a shared machine: per measured row count the median of its
+    /// last 7 forward times with weight `m = samples * 0.98^(steps since the last one)`, shrunk
+    /// toward the weighted least-squares line through all measured row counts as
+    /// `(m * median + line) / (m + 1)`; between measured row counts linear, outside them the
+    /// line, kept at or above the estimate of the nearest measured row count below and at or
+    /// below the nearest above. A row count the policy stopped choosing (plain decoding while
+    /// it speculates) thus drifts to what the fresh measurements say, so one slow sample cannot
+    /// hold a choice for good. `None` before any measurement.
+    pub fn tree_forward_cost(&self, rows: usize) -> Option<f64> {
+        let pts: Vec<(usize, f64, f64)> = self
+            .row_samples
+            .iter()
+            .enumerate()
+            .filter_map(|(n, r)| {
+                let age = self.steps.saturating_sub(r.last).min(100_000) as i32;
+                let w = r.len as f64 * RowSamples::AGING.powi(age);
+                r.median().map(|m| (n, m, w.max(1e-9)))
+            })
+            .collect();
+        if pts.is_empty() {
+            return None;
+        }
+        let w: f64 = pts.iter().map(|p| p.2).sum();
+        let mx = pts.iter().map(|p| p.2 * p.0 as f64).sum::<f64>() / w;
+        let my = pts.iter().map(|p| p.2 * p.1).sum::<f64>() / w;
+        let sxy: f64 = pts
+            .iter()
+            .map(|p| p.2 * (p.0 as f64 - mx) * (p.1 - my))
+            .sum();
+        let sxx: f64 = pts.iter().map(|p| p.2 * (p.0 as f64 - mx).powi(2)).sum();
+        let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+        let line = |n: usize| (my + slope * (n as f64 - mx)).max(1e-12);
+        let est = |&(n, m, c): &(usize, f64, f64)| (n, (c * m + line(n)) / (c + 1.0));
+        let below = pts.iter().rev().find(|p| p.0 <= rows).map(est);
+        let above = pts.iter().find(|p| p.0 >= rows).map(est);
+        Some(match (below, above) {
+            (Some((a, ca)), Some((b, cb))) if b > a => {
+                ca + (cb - ca) * (rows - a) as f64 / (b - a) as f64
+            }
+            (Some((_, ca)), Some(_)) => ca,
+            (Some((_, ca)), None) => line(rows).max(ca),
+            (None, Some((_, cb))) => line(rows).min(cb),
+            (None, None) => line(rows),
+        })
+    }
+
     /// Expected tokens per step with `k` drafts: `1 + sum_{j=1..k} prod_{i<j} a_i`.
     pub fn expected_tokens(&self, k: usize) -> f64 {
         let mut e = 1.0;
@@ -200,7 +412,16 @@ impl AdaptiveState {
                 best = (k, rate);
             }
         }
-        if best.0 == 0 {
+        if self.probe_now(cfg, best.0 == 0) {
+            return cfg.probe_draft.min(max_k);
+        }
+        best.0
+    }
+
+    /// The probe bookkeeping of both policies: `true` when this step, for which plain decoding
+    /// won (`plain`), is a probe; a step that speculates resets the wait.
+    fn probe_now(&mut self, cfg: &AdaptiveConfig, plain: bool) -> bool {
+        if plain {
             let wait = self.wait.max(cfg.probe_interval);
             if self.zero_run + 1 >= wait {
                 self.zero_run = 0;
@@ -208,14 +429,228 @@ impl AdaptiveState {
                 self.wait = wait
                     .saturating_mul(2)
                     .min(cfg.max_probe_interval.max(cfg.probe_interval));
-                return cfg.probe_draft.min(max_k);
+                return true;
             }
             self.zero_run += 1;
         } else {
             self.zero_run = 0;
             self.wait = cfg.probe_interval;
         }
+        false
+    }
+
+    /// Estimated probability that the rank-`rank` child of a node at depth `depth - 1` is
+    /// accepted given that node was reached (and the child was drafted): the posterior mean of
+    /// the decayed counts of every step at this depth and rank under a Beta prior of weight 2
+    /// whose mean is the rank's estimate over all depths ([`AdaptiveState::rank_acceptance`]),
+    /// so that a depth seen on a few steps starts from what the other depths say about the
+    /// rank (Sequoia's acceptance vector by rank, Chen et al. 2024, section 3). `depth` 0 (the
+    /// root, always reached) gives 1.
+    pub fn tree_acceptance(&self, depth: usize, rank: usize) -> f64 {
+        if depth == 0 {
+            return 1.0;
+        }
+        let (a, s) = self.tree_counts(depth, rank);
+        (a + 2.0 * self.rank_acceptance(rank)) / (s + 2.0)
+    }
+
+    /// Estimated probability that a rank-`rank` child is accepted given its parent was reached,
+    /// over all depths: the decayed counts of every depth at this rank under a Beta prior of
+    /// mean `2^-(rank + 1)` and weight 2.
+    pub fn rank_acceptance(&self, rank: usize) -> f64 {
+        let prior = 0.5f64.powi(rank.min(1100) as i32 + 1);
+        let (mut a, mut s) = (0.0, 0.0);
+        for (acc, seen) in self.tree_acc.iter().zip(&self.tree_seen) {
+            a += acc.get(rank).copied().unwrap_or(0.0);
+            s += seen.get(rank).copied().unwrap_or(0.0);
+        }
+        (a + 2.0 * prior) / (s + 2.0)
+    }
+
+    /// The decayed (accepted, tested) counts at `depth >= 1` and `rank`.
+    fn tree_counts(&self, depth: usize, rank: usize) -> (f64, f64) {
+        let get = |v: &Vec<Vec<f64>>| {
+            v.get(depth - 1)
+                .and_then(|r| r.get(rank))
+                .copied()
+                .unwrap_or(0.0)
+        };
+        (get(&self.tree_acc), get(&self.tree_seen))
+    }
+
+    /// Estimated share of the steps asked for a tree with a rank-`rank` node in which the
+    /// proposer drafted a node of that rank (1 for rank 0, whose absence is a short draft).
+    pub fn tree_fill(&self, rank: usize) -> f64 {
+        if rank == 0 {
+            return 1.0;
+        }
+        let o = self.offered.get(rank).copied().unwrap_or(0.0);
+        let f = self.filled.get(rank).copied().unwrap_or(0.0);
+        (f + 1.0) / (o + 1.0)
+    }
+
+    /// The value the tree policy gives a node at `depth` and `rank`: [`AdaptiveState::tree_fill`]
+    /// times the optimistic acceptance `min(1, a + sd / 2)`, where `a` is
+    /// [`AdaptiveState::tree_acceptance`] and `sd` the standard deviation of its Beta posterior
+    /// (optimism in the face of uncertainty, as in UCB: a depth or sibling rank judged on a few
+    /// steps is tried again until its estimate is firm; once the decayed counts saturate, at
+    /// about `1 / (1 - decay)` tests, the bonus is at most 0.035 with the default decay).
+    pub fn tree_value(&self, depth: usize, rank: usize) -> f64 {
+        if depth == 0 {
+            return 1.0;
+        }
+        let a = self.tree_acceptance(depth, rank);
+        let seen = self.tree_counts(depth, rank).1;
+        let sd = (a * (1.0 - a) / (seen + 3.0)).sqrt();
+        self.tree_fill(rank) * (a + 0.5 * sd).min(1.0)
+    }
+
+    /// The best tree for the current estimates, greedily, with at most `limits.nodes` nodes,
+    /// depth `limits.depth` and `limits.branch` children per node: repeatedly adds the frontier
+    /// node (the first child of a planned node, or the next sibling of one) with the highest
+    /// reach probability (EAGLE-2, Li et al. 2024; Sequoia, Chen et al. 2024, section 3). The
+    /// first `n` nodes are the plan of a tree of `n` nodes; `1 + sum` of their reach is the
+    /// expected number of tokens of a step over that tree.
+    pub fn plan_tree(&self, limits: TreeShape) -> Vec<PlannedNode> {
+        self.plan(limits, false)
+    }
+
+    /// The value of a node for planning; an exploring plan gives each (depth, rank) at least
+    /// its rank's starting prior `2^-(rank + 1)` (times the rank's fill).
+    fn plan_value(&self, depth: usize, rank: usize, explore: bool) -> f64 {
+        let v = self.tree_value(depth, rank);
+        if explore {
+            v.max(self.tree_fill(rank) * 0.5f64.powi(rank.min(1100) as i32 + 1))
+        } else {
+            v
+        }
+    }
+
+    fn plan(&self, limits: TreeShape, explore: bool) -> Vec<PlannedNode> {
+        let mut out = Vec::with_capacity(limits.nodes.min(1024));
+        if limits.nodes == 0 || limits.depth == 0 || limits.branch == 0 {
+            return out;
+        }
+        let mut heap = BinaryHeap::new();
+        let mut seq = 0u64;
+        heap.push(Candidate {
+            reach: self.plan_value(1, 0, explore),
+            seq,
+            depth: 1,
+            rank: 0,
+            parent: None,
+            parent_reach: 1.0,
+        });
+        while out.len() < limits.nodes {
+            let Some(c) = heap.pop() else { break };
+            let index = out.len();
+            out.push(PlannedNode {
+                depth: c.depth,
+                rank: c.rank,
+                parent: c.parent,
+                reach: c.reach,
+            });
+            if c.rank + 1 < limits.branch {
+                seq += 1;
+                heap.push(Candidate {
+                    reach: c.parent_reach * self.plan_value(c.depth, c.rank + 1, explore),
+                    seq,
+                    depth: c.depth,
+                    rank: c.rank + 1,
+                    parent: c.parent,
+                    parent_reach: c.parent_reach,
+                });
+            }
+            if c.depth < limits.depth {
+                seq += 1;
+                heap.push(Candidate {
+                    reach: c.reach * self.plan_value(c.depth + 1, 0, explore),
+                    seq,
+                    depth: c.depth + 1,
+                    rank: 0,
+                    parent: Some(index),
+                    parent_reach: c.reach,
+                });
+            }
+        }
+        out
+    }
+
+    /// The node budget and shape to ask for this step (the cost-aware tree-shape policy, see
+    /// [`AdaptiveConfig`]): within `limits` (the node budget, the depth, capped here by
+    /// `cfg.max_draft`, and the branching limit), the tree of the `n` highest reach
+    /// probabilities ([`AdaptiveState::plan_tree`]) for the `n` that maximises
+    /// `E(n) / (t(n + 1) + n * t_propose)`. Returns its node count, depth and largest number
+    /// of children; `nodes == 0` is a plain decoding step. The first step ever plans a tree of
+    /// `depth` nodes and the next is a plain step (to measure two points of the cost curve, as
+    /// the chain policy does); while plain
+    /// decoding wins, every probe interval (doubling after each failed probe, as for chains)
+    /// asks for the planned tree of `cfg.probe_draft` nodes.
+    pub fn choose_tree(&mut self, cfg: &AdaptiveConfig, limits: TreeShape) -> TreeShape {
+        let limits = TreeShape {
+            depth: limits.depth.min(cfg.max_draft),
+            ..limits
+        };
+        let shape = self.choose_tree_inner(cfg, limits);
+        self.last_shape = Some(shape);
+        self.pending = Some(shape);
+        shape
+    }
+
+    fn choose_tree_inner(&mut self, cfg: &AdaptiveConfig, limits: TreeShape) -> TreeShape {
+        let plan = self.plan_tree(limits);
+        if plan.is_empty() {
+            return TreeShape::default();
+        }
+        // Warm-up, as the chain policy's: a forward over the planned tree of `depth` nodes
+        // (a chain's worth of rows), then a single-row forward; larger trees are extrapolated
+        // until they are measured.
+        if self.steps == 0 && self.cost.iter().all(Option::is_none) {
+            return shape_of(&plan[..limits.depth.min(plan.len())]);
+        }
+        if self.cost_at(1).is_none() {
+            return TreeShape::default();
+        }
+        let best = self.best_size(&plan);
+        if self.probe_now(cfg, best == 0) {
+            return shape_of(&plan[..cfg.probe_draft.min(plan.len())]);
+        }
+        if best == 0 {
+            return TreeShape::default();
+        }
+        // While speculating, every `probe_interval`-th step explores: it plans with every
+        // estimate raised to at least its rank's prior, so that a depth or sibling rank judged
+        // too early (a few unlucky steps) is tested again.
+        self.explore_run += 1;
+        if self.explore_run >= cfg.probe_interval {
+            self.explore_run = 0;
+            let plan = self.plan(limits, true);
+            return shape_of(&plan[..self.best_size(&plan)]);
+        }
+        shape_of(&plan[..best])
+    }
+
+    /// The `n` in `0..=plan.len()` that maximises `E(n) / (t(n + 1) + n * t_propose)`.
+    fn best_size(&self, plan: &[PlannedNode]) -> usize {
+        let tp = self.propose_per_token.unwrap_or(0.0);
+        let mut best = (0usize, f64::NEG_INFINITY);
+        let mut e = 1.0;
+        for n in 0..=plan.len() {
+            if n > 0 {
+                e += plan[n - 1].reach;
+            }
+            let t = self.tree_forward_cost(n + 1).unwrap_or(f64::INFINITY) + n as f64 * tp;
+            let rate = e / t;
+            if rate > best.1 {
+                best = (n, rate);
+            }
+        }
         best.0
+    }
+
+    /// The shape the last [`AdaptiveState::choose_tree`] returned (`None` before the first).
+    pub fn last_tree_shape(&self) -> Option<TreeShape> {
+        self.last_shape
     }
 
     /// Starts a generation: the probe interval and the run of plain steps start over; the
@@ -223,6 +658,7 @@ impl AdaptiveState {
     pub fn begin_generation(&mut self) {
         self.zero_run = 0;
         self.wait = 0;
+        self.pending = None;
     }
 
     fn cost_at(&self, n: usize) -> Option<f64> {
@@ -230,7 +666,8 @@ impl AdaptiveState {
     }
 
     /// Records one step: `k` drafts verified, `accepted` accepted, forward over `k + 1` tokens
-    /// took `forward_secs`, proposing took `propose_secs`.
+    /// took `forward_secs`, proposing took `propose_secs`. Also teaches the tree policy's rank-0
+    /// estimates ([`AdaptiveState::tree_acceptance`]).
     pub fn observe(
         &mut self,
         cfg: &AdaptiveConfig,
@@ -242,6 +679,9 @@ impl AdaptiveState {
         // A chain tests every position up to the first rejection.
         let reached = (accepted + 1).min(k);
         self.record(cfg, k, accepted, reached, forward_secs, propose_secs);
+        for i in 0..reached {
+            self.tree_count(cfg, i + 1, 0, i < accepted);
+        }
     }
 
     /// Records one tree step chosen with depth `depth` (the `k` that [`AdaptiveState::choose`]
@@ -249,6 +689,10 @@ impl AdaptiveState {
     /// a node with children (the next depth was tested and rejected; a path that ends at a leaf
     /// tests nothing more), the tree forward took `forward_secs` (kept as the cost of depth
     /// `depth`), proposing took `propose_secs`.
+    ///
+    /// This is the depth-only record of the chain policy applied to trees; the generator now
+    /// records tree steps with [`AdaptiveState::observe_draft`] (by rows, depth and rank). Do
+    /// not mix the two on one state: this one files a tree's cost under `depth + 1` rows.
     pub fn observe_tree(
         &mut self,
         cfg: &AdaptiveConfig,
@@ -260,6 +704,102 @@ impl AdaptiveState {
     ) {
         let reached = (accepted + tested_next as usize).min(depth);
         self.record(cfg, depth, accepted, reached, forward_secs, propose_secs);
+    }
+
+    /// Records one step of any shape for the tree policy: the verified draft `block` (a chain
+    /// or a tree of `n` nodes, `n = 0` for a plain step), the node indices of its accepted path
+    /// `path` (`[accepted]`, the root's child first, as
+    /// [`StepOutput::path`](crate::verify::StepOutput::path)), the forward over its `n + 1`
+    /// rows took `forward_secs`, proposing took `propose_secs`.
+    ///
+    /// Every child of a reached node (the root and each node of the path) counts as tested at
+    /// its depth and sibling rank, the one on the path as accepted; the forward time is filed
+    /// under `n + 1` rows; the ranks the last [`AdaptiveState::choose_tree`] planned count as
+    /// offered, and as filled when the draft holds a node of that rank. A chain also teaches
+    /// the chain policy, exactly as [`AdaptiveState::observe`]. A path that does not follow the
+    /// block (not a child of the previous node) is read up to its first wrong node.
+    pub fn observe_draft(
+        &mut self,
+        cfg: &AdaptiveConfig,
+        block: &DraftBlock<'_>,
+        path: &[u32],
+        forward_secs: f64,
+        propose_secs: f64,
+    ) {
+        let n = block.len();
+        let requested = self.pending.take();
+        // The accepted path as far as it follows the block.
+        let mut accepted = 0;
+        let mut row = 0;
+        for &j in path {
+            let j = j as usize;
+            if j >= n || block.parent_row(j) != row {
+                break;
+            }
+            accepted += 1;
+            row = j + 1;
+        }
+        if block.is_chain() {
+            self.observe(cfg, n, accepted, forward_secs, propose_secs);
+        } else {
+            self.record(cfg, n, 0, 0, forward_secs, propose_secs);
+            let mut row = 0;
+            for depth in 1..=accepted + 1 {
+                let next = path
+                    .get(depth - 1)
+                    .map(|&j| j as usize)
+                    .filter(|_| depth <= accepted);
+                for (rank, c) in block.children(row).enumerate() {
+                    self.tree_count(cfg, depth, rank, Some(c) == next);
+                }
+                match next {
+                    Some(j) => row = j + 1,
+                    None => break,
+                }
+            }
+        }
+        if let Some(req) = requested
+            && n > 0
+            && req.branch > 1
+        {
+            // The largest sibling rank the draft holds.
+            let mut children = vec![0usize; n + 1];
+            let mut max_rank = 0;
+            for i in 0..n {
+                let r = block.parent_row(i).min(n);
+                max_rank = max_rank.max(children[r]);
+                children[r] += 1;
+            }
+            if self.offered.len() < req.branch {
+                self.offered.resize(req.branch, 0.0);
+                self.filled.resize(req.branch, 0.0);
+            }
+            for r in 1..req.branch {
+                count(
+                    &mut self.filled[r],
+                    &mut self.offered[r],
+                    cfg.decay,
+                    max_rank >= r,
+                );
+            }
+        }
+    }
+
+    /// One test of the rank-`rank` child at `depth` (>= 1).
+    fn tree_count(&mut self, cfg: &AdaptiveConfig, depth: usize, rank: usize, accepted: bool) {
+        if self.tree_acc.len() < depth {
+            self.tree_acc.resize(depth, Vec::new());
+            self.tree_seen.resize(depth, Vec::new());
+        }
+        let (a, s) = (
+            &mut self.tree_acc[depth - 1],
+            &mut self.tree_seen[depth - 1],
+        );
+        if a.len() <= rank {
+            a.resize(rank + 1, 0.0);
+            s.resize(rank + 1, 0.0);
+        }
+        count(&mut a[rank], &mut s[rank], cfg.decay, accepted);
     }
 
     fn record(
@@ -281,6 +821,10 @@ impl AdaptiveState {
             Some(c) => (1.0 - w) * c + w * forward_secs,
             None => forward_secs,
         });
+        if self.row_samples.len() <= n {
+            self.row_samples.resize(n + 1, RowSamples::default());
+        }
+        self.row_samples[n].push(forward_secs, self.steps);
         if k > 0 {
             let per = propose_secs / k as f64;
             self.propose_per_token = Some(match self.propose_per_token {
@@ -288,18 +832,22 @@ impl AdaptiveState {
                 None => per,
             });
         }
-        if self.acc.len() < k {
+        if self.acc.len() < k && reached > 0 {
             self.acc.resize(k, 0.0);
             self.seen.resize(k, 0.0);
         }
         for i in 0..reached {
-            self.acc[i] *= cfg.decay;
-            self.seen[i] *= cfg.decay;
-            self.seen[i] += 1.0;
-            if i < accepted {
-                self.acc[i] += 1.0;
-            }
+            count(&mut self.acc[i], &mut self.seen[i], cfg.decay, i < accepted);
         }
+    }
+}
+
+/// The shape of a planned tree (or of its first nodes).
+fn shape_of(plan: &[PlannedNode]) -> TreeShape {
+    TreeShape {
+        nodes: plan.len(),
+        depth: plan.iter().map(|p| p.depth).max().unwrap_or(0),
+        branch: plan.iter().map(|p| p.rank + 1).max().unwrap_or(0),
     }
 }
 
@@ -387,6 +935,332 @@ mod tests {
             .validate()
             .is_ok()
         );
+    }
+
+    /// A state that measured `curve` (rows, relative cost) in units of 25 ms and whose tree
+    /// estimates are `rate(depth, rank)` for depths `1..=16` and ranks `0..4` (from 1000
+    /// observations each, so the prior hardly counts).
+    fn synthetic(curve: &[(usize, f64)], rate: impl Fn(usize, usize) -> f64) -> AdaptiveState {
+        let mut s = AdaptiveState {
+            steps: 100,
+            ..Default::default()
+        };
+        for &(n, c) in curve {
+            if s.cost.len() <= n {
+                s.cost.resize(n + 1, None);
+            }
+            s.cost[n] = Some(0.025 * c);
+            if s.row_samples.len() <= n {
+                s.row_samples.resize(n + 1, RowSamples::default());
+            }
+            for _ in 0..RowSamples::CAP {
+                s.row_samples[n].push(0.025 * c, 100);
+            }
+        }
+        for d in 1..=16 {
+            s.tree_acc
+                .push((0..4).map(|r| 1000.0 * rate(d, r)).collect());
+            s.tree_seen.push(vec![1000.0; 4]);
+        }
+        s
+    }
+
+    /// The cost curve of SmolLM2-135M's fast forward measured for issue 12 (rows, cost relative
+    /// to one row).
+    const MEASURED: [(usize, f64); 5] = [(1, 1.0), (9, 1.5), (17, 2.5), (33, 4.9), (65, 9.3)];
+
+    fn tree_cfg() -> AdaptiveConfig {
+        AdaptiveConfig {
+            max_draft: 16,
+            ..Default::default()
+        }
+    }
+
+    const WIDE: TreeShape = TreeShape {
+        nodes: 64,
+        depth: 64,
+        branch: usize::MAX,
+    };
+
+    #[test]
+    fn the_tree_policy_picks_8_to_16_nodes_on_the_measured_curve() {
+        let cfg = tree_cfg();
+        // High acceptance: rank 0 is right 90% of the time, rank 1 catches a third of the rest.
+        let mut s = synthetic(&MEASURED, |_, r| [0.9, 0.03, 0.0, 0.0][r]);
+        let shape = s.choose_tree(&cfg, WIDE);
+        assert!((8..=16).contains(&shape.nodes), "{shape:?}");
+        assert_eq!(s.last_tree_shape(), Some(shape));
+        // More rank-1 acceptance makes it branch.
+        let mut s = synthetic(&MEASURED, |_, r| [0.6, 0.3, 0.05, 0.0][r]);
+        let shape = s.choose_tree(&cfg, WIDE);
+        assert!((4..=16).contains(&shape.nodes), "{shape:?}");
+        assert!(shape.branch >= 2, "{shape:?}");
+        // Whatever the acceptance, 64 nodes never pay on this curve.
+        for a in [0.5, 0.8, 0.95, 0.99, 1.0] {
+            let mut s = synthetic(&MEASURED, |_, r| if r == 0 { a } else { 0.0 });
+            let shape = s.choose_tree(&cfg, WIDE);
+            assert!(shape.nodes <= 16, "a = {a}: {shape:?}");
+        }
+        // A flat curve with everything accepted uses the whole budget.
+        let mut s = synthetic(
+            &[(1, 1.0), (65, 1.01)],
+            |_, r| if r == 0 { 1.0 } else { 0.0 },
+        );
+        let shape = s.choose_tree(&cfg, WIDE);
+        assert_eq!(shape.nodes, 16, "depth-limited chain: {shape:?}");
+        assert_eq!(shape.branch, 1);
+    }
+
+    #[test]
+    fn the_tree_policy_picks_a_chain_when_only_rank_0_is_accepted() {
+        let cfg = tree_cfg();
+        let mut s = synthetic(&MEASURED, |_, r| if r == 0 { 0.8 } else { 0.0 });
+        let shape = s.choose_tree(&cfg, WIDE);
+        assert_eq!(shape.branch, 1, "{shape:?}");
+        assert_eq!(shape.nodes, shape.depth);
+        assert!(shape.nodes >= 4, "{shape:?}");
+    }
+
+    #[test]
+    fn the_tree_policy_decodes_plainly_when_nothing_is_accepted_and_respects_limits() {
+        let cfg = tree_cfg();
+        let mut s = synthetic(&MEASURED, |_, _| 0.01);
+        assert_eq!(s.choose_tree(&cfg, WIDE).nodes, 0);
+        // Limits: nodes, depth (also max_draft), branching.
+        let mut s = synthetic(&[(1, 1.0), (65, 1.01)], |_, r| [0.99, 0.9, 0.9, 0.9][r]);
+        for (nodes, depth, branch) in [(5, 64, 64), (64, 3, 64), (64, 64, 2), (7, 2, 3), (1, 1, 1)]
+        {
+            let limits = TreeShape {
+                nodes,
+                depth,
+                branch,
+            };
+            let shape = s.choose_tree(&cfg, limits);
+            assert!(
+                shape.nodes <= nodes && shape.nodes > 0,
+                "{limits:?} {shape:?}"
+            );
+            assert!(
+                shape.depth <= depth.min(cfg.max_draft),
+                "{limits:?} {shape:?}"
+            );
+            assert!(shape.branch <= branch, "{limits:?} {shape:?}");
+        }
+        for limits in [
+            TreeShape { nodes: 0, ..WIDE },
+            TreeShape { depth: 0, ..WIDE },
+            TreeShape { branch: 0, ..WIDE },
+        ] {
+            assert_eq!(s.choose_tree(&cfg, limits), TreeShape::default());
+        }
+        let cfg0 = AdaptiveConfig {
+            max_draft: 0,
+            ..cfg
+        };
+        assert_eq!(s.choose_tree(&cfg0, WIDE), TreeShape::default());
+    }
+
+    /// The best value of a forest of `n` nodes below a node of reach `reach` at depth `d - 1`,
+    /// by exhaustive search over the ordered trees (children of rank `0..m`).
+    fn brute(
+        v: &dyn Fn(usize, usize) -> f64,
+        d: usize,
+        reach: f64,
+        n: usize,
+        lim: TreeShape,
+    ) -> f64 {
+        fn forest(
+            v: &dyn Fn(usize, usize) -> f64,
+            d: usize,
+            reach: f64,
+            rank: usize,
+            n: usize,
+            lim: TreeShape,
+        ) -> f64 {
+            if n == 0 || d > lim.depth || rank >= lim.branch {
+                return if n == 0 { 0.0 } else { f64::NEG_INFINITY };
+            }
+            // The rank-`rank` child takes `m` nodes (itself and its subtree), later siblings
+            // the rest (or none).
+            let r = reach * v(d, rank);
+            let mut best = f64::NEG_INFINITY;
+            for m in 1..=n {
+                let sub = forest(v, d + 1, r, 0, m - 1, lim);
+                let rest = forest(v, d, reach, rank + 1, n - m, lim);
+                best = best.max(r + sub + rest);
+            }
+            best
+        }
+        forest(v, d, reach, 0, n, lim)
+    }
+
+    #[test]
+    fn the_greedy_plan_is_the_best_tree_for_values_that_fall_with_rank() {
+        let stream = crate::rng::Stream::new(7);
+        for case in 0..40u64 {
+            // Values per (depth, rank), non-increasing in rank.
+            let mut table = [[0.0f64; 4]; 6];
+            for (d, row) in table.iter_mut().enumerate() {
+                let mut left = 1.0;
+                for (r, x) in row.iter_mut().enumerate() {
+                    let u = (stream.bits(case, (d * 4 + r) as u32)[0] >> 8) as f64 / 16_777_216.0;
+                    *x = left * u;
+                    left = *x;
+                }
+            }
+            let s = synthetic(
+                &[(1, 1.0)],
+                |d, r| if d <= 6 { table[d - 1][r] } else { 0.0 },
+            );
+            let v = |d: usize, r: usize| s.tree_value(d, r);
+            let lim = TreeShape {
+                nodes: 7,
+                depth: 1 + (case % 4) as usize,
+                branch: 1 + (case % 3) as usize,
+            };
+            let plan = s.plan_tree(lim);
+            let mut e = 0.0;
+            for n in 1..=plan.len() {
+                e += plan[n - 1].reach;
+                let best = brute(&v, 1, 1.0, n, lim);
+                assert!(
+                    (e - best).abs() < 1e-12,
+                    "case {case} n {n}: greedy {e} best {best}"
+                );
+            }
+            // Each planned node's reach is its parent's times its own value.
+            for p in &plan {
+                let parent = p.parent.map_or(1.0, |i| plan[i].reach);
+                assert!((p.reach - parent * v(p.depth, p.rank)).abs() < 1e-15);
+            }
+        }
+    }
+
+    #[test]
+    fn observe_draft_counts_every_child_of_a_reached_node() {
+        let cfg = AdaptiveConfig::default();
+        let mut s = AdaptiveState::default();
+        // Root children: nodes 0 (rank 0) and 1 (rank 1); node 1's children: 2 (rank 0) and
+        // 3 (rank 1); node 0's child 4 is never tested. Path: 1, 3.
+        let tokens = [10, 11, 12, 13, 14];
+        let parents = [0, 0, 2, 2, 1];
+        let block = DraftBlock::tree(&tokens, &parents);
+        s.pending = Some(TreeShape {
+            nodes: 5,
+            depth: 2,
+            branch: 3,
+        });
+        s.observe_draft(&cfg, &block, &[1, 3], 0.01, 0.001);
+        assert_eq!(s.tree_seen[0], vec![1.0, 1.0]);
+        assert_eq!(s.tree_acc[0], vec![0.0, 1.0]);
+        assert_eq!(s.tree_seen[1], vec![1.0, 1.0]);
+        assert_eq!(s.tree_acc[1], vec![0.0, 1.0]);
+        assert_eq!(
+            s.tree_seen.len(),
+            2,
+            "node 3 is a leaf: nothing tested at depth 3"
+        );
+        // Rank 1 over all depths: 2 of 2 under a prior of mean 1/4; depth 1 under that.
+        assert!((s.rank_acceptance(1) - (2.0 + 0.5) / 4.0).abs() < 1e-12);
+        assert!((s.tree_acceptance(1, 1) - (1.0 + 2.0 * 0.625) / 3.0).abs() < 1e-12);
+        assert!((s.rank_acceptance(0) - 1.0 / 4.0).abs() < 1e-12);
+        assert!((s.tree_acceptance(1, 0) - 0.5 / 3.0).abs() < 1e-12);
+        assert!(
+            s.tree_value(1, 1) > s.tree_acceptance(1, 1),
+            "optimistic value"
+        );
+        // Rank 1 was offered and filled, rank 2 offered and not.
+        assert_eq!(s.tree_fill(1), 1.0);
+        assert_eq!(s.tree_fill(2), 0.5);
+        assert_eq!(s.tree_forward_cost(6), Some(0.01));
+        // The chain policy learned nothing from a tree.
+        assert!(s.seen.iter().all(|&x| x == 0.0));
+        // A chain teaches both policies: two of three accepted.
+        let chain = DraftBlock::chain(&tokens[..3]);
+        s.observe_draft(&cfg, &chain, &[0, 1], 0.005, 0.0);
+        assert_eq!(&s.seen[..3], &[1.0, 1.0, 1.0]);
+        assert!((s.acceptance(2) - 1.0 / 3.0).abs() < 1e-12);
+        assert_eq!(s.tree_seen[2], vec![1.0]);
+        // A path that leaves the block is read up to its first wrong node.
+        s.observe_draft(&cfg, &block, &[0, 3], 0.01, 0.0);
+        // Node 0 was accepted, its child 4 tested (rank 0 at depth 2), node 1's children not.
+        assert_eq!(s.tree_seen[1][1], 1.0, "rank 1 at depth 2 was not tested");
+        let d = cfg.decay;
+        assert!((s.tree_seen[1][0] - ((1.0 * d + 1.0) * d + 1.0)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_tree_policy_warms_up_probes_and_backs_off() {
+        let cfg = AdaptiveConfig {
+            probe_interval: 4,
+            max_probe_interval: 32,
+            ..Default::default()
+        };
+        let mut s = AdaptiveState::default();
+        let limits = TreeShape {
+            nodes: 16,
+            depth: 100,
+            branch: 4,
+        };
+        let mut probes = Vec::new();
+        for step in 0..400 {
+            let shape = s.choose_tree(&cfg, limits);
+            if step == 0 {
+                assert_eq!(
+                    shape.nodes, cfg.max_draft,
+                    "warm-up: a chain's worth of nodes"
+                );
+            }
+            if step == 1 {
+                assert_eq!(shape.nodes, 0, "then a plain step");
+            }
+            if step > 1 && shape.nodes > 0 {
+                probes.push(step);
+                assert_eq!(shape.nodes, cfg.probe_draft, "{shape:?}");
+            }
+            // Every draft rejected, cost linear in rows: a chain of the shape's depth.
+            let tokens = vec![1u32; shape.depth];
+            s.observe_draft(
+                &cfg,
+                &DraftBlock::chain(&tokens),
+                &[],
+                0.01 * (shape.depth + 1) as f64,
+                0.0,
+            );
+        }
+        let gaps: Vec<usize> = probes.windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(&gaps[..3], &[8, 16, 32], "gaps {gaps:?}");
+        assert!(gaps[3..].iter().all(|&g| g == 32), "gaps {gaps:?}");
+        // The chain proposer never drafted a rank-1 node: rank 1 stopped counting.
+        assert!(s.tree_fill(1) < 0.2, "{}", s.tree_fill(1));
+    }
+
+    #[test]
+    fn the_tree_cost_curve_ignores_an_outlier_and_ages_stale_rows() {
+        let cfg = AdaptiveConfig::default();
+        let mut s = AdaptiveState::default();
+        // Rows 1: six forwards of 1 ms and one of 10 ms; rows 9: 1.5 ms.
+        for i in 0..7 {
+            let t = if i == 3 { 0.010 } else { 0.001 };
+            s.observe(&cfg, 0, 0, t, 0.0);
+            s.observe(&cfg, 8, 8, 0.0015, 0.0);
+        }
+        let t1 = s.tree_forward_cost(1).unwrap();
+        assert!((t1 - 0.001).abs() < 0.0001, "{t1}");
+        // The EMA of the chain policy keeps part of the outlier.
+        assert!(s.forward_cost(1).unwrap() > 0.0015);
+        let t5 = s.tree_forward_cost(5).unwrap();
+        assert!(t5 > t1 && t5 < s.tree_forward_cost(9).unwrap(), "{t5}");
+        // A slow sample of one row, then only speculative steps at 2 and 9 rows for a long
+        // while: the stale single-row cost drifts to the line through the fresh ones.
+        let mut s = AdaptiveState::default();
+        s.observe(&cfg, 0, 0, 0.005, 0.0);
+        for _ in 0..300 {
+            s.observe(&cfg, 1, 1, 0.0011, 0.0);
+            s.observe(&cfg, 8, 8, 0.0018, 0.0);
+        }
+        let t1 = s.tree_forward_cost(1).unwrap();
+        assert!(t1 < 0.0012, "{t1}");
     }
 
     #[test]
