@@ -15,6 +15,23 @@ $BIN run --workload docs/workloads/smollm2.jsonl --proposers prompt-lookup,suffi
 # Token trees (issue 11): trees of 16 nodes (depth k) next to chains of k = 4, 8, 16 and adaptive.
 $BIN run --workload docs/workloads/smollm2.jsonl --proposers prompt-lookup,suffix \
     --k 4,8,16,adaptive --tree-nodes 0,16 --reps 2 --warmup 1 --out "$OUT/tree"
+# Issue 12: warm a token-recycling table on 200 generic prompts (about 3 minutes), then token
+# recycling and the merged tree (prompt lookup + suffix + recycling) beside the best chain, with
+# the cost-aware tree policy (adaptive, node budget 16); a fixed large tree (64 nodes); and the
+# agentic workload with proposers carried across requests.
+$BIN warm-recycling --workload docs/workloads/warmup.jsonl --out "$OUT/recycling-table.bin"
+MERGED=merged:prompt-lookup+suffix+recycling
+$BIN run --workload docs/workloads/smollm2.jsonl --proposers suffix,recycling,$MERGED \
+    --k adaptive --tree-nodes 0,16 --reps 2 --warmup 1 --recycling-table "$OUT/recycling-table.bin" \
+    --out "$OUT/issue12"
+$BIN run --workload docs/workloads/smollm2.jsonl --proposers $MERGED --k 8 --tree-nodes 64 \
+    --reps 1 --warmup 1 --recycling-table "$OUT/recycling-table.bin" --out "$OUT/issue12-fixed64"
+$BIN run --workload docs/workloads/agentic.jsonl --carry --proposers suffix,$MERGED \
+    --k adaptive:16 --tree-nodes 0,16 --reps 2 --warmup 0 \
+    --recycling-table "$OUT/recycling-table.bin" --out "$OUT/agentic"
+$BIN replay --workload docs/workloads/smollm2.jsonl --runs "$OUT/issue12/runs.json" \
+    --cost docs/cost-tables/cpu-smollm2-fast-q8.json --proposers prompt-lookup,suffix --k 8 \
+    --nodes 8,16 --out "$OUT/issue12-replay"
 # Sampling (temperature 0.7, top-p 0.9) with the adaptive policy, every workload kind.
 $BIN run --workload docs/workloads/smollm2.jsonl --proposers prompt-lookup,suffix \
     --k adaptive --temperature 0.7 --top-p 0.9 --seeds 1 --reps 2 --warmup 1 --out "$OUT/sampled"
