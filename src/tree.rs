@@ -205,6 +205,18 @@ impl<'a> DraftBlock<'a> {
         out.reverse();
     }
 
+    /// The tokens that target row `row` follows within the block, written to `tokens` (cleared
+    /// first): empty for row 0 (the root's), else the tokens of the path to node `row - 1`, the
+    /// root's child first, the history a row of that node is processed with. `nodes` is
+    /// scratch for the node indices ([`DraftBlock::path_to`]). Panics if `row > n`.
+    pub fn row_path_tokens(&self, row: usize, nodes: &mut Vec<u32>, tokens: &mut Vec<u32>) {
+        tokens.clear();
+        if row > 0 {
+            self.path_to(row - 1, nodes);
+            tokens.extend(nodes.iter().map(|&j| self.tokens[j as usize]));
+        }
+    }
+
     /// Checks the block's structure against `limits`, without looking at any logits.
     ///
     /// # Errors
@@ -506,6 +518,11 @@ mod tests {
         let mut p = Vec::new();
         t.path_to(4, &mut p);
         assert_eq!(p, vec![2, 4]);
+        let mut toks = vec![99];
+        t.row_path_tokens(5, &mut p, &mut toks);
+        assert_eq!(toks, vec![t.tokens()[2], t.tokens()[4]]);
+        t.row_path_tokens(0, &mut p, &mut toks);
+        assert!(toks.is_empty());
         assert!(DraftBlock::tree(&TOKENS, &[0, 1, 2, 3, 4]).is_chain());
         assert_eq!(t.validate(&TreeLimits::vocab(15)), Ok(()));
     }

@@ -284,7 +284,7 @@ impl<H: DraftHeads> Proposer for HeadsProposer<H> {
         let width = self.tree_top_k.min(req.max_branch);
         self.sampler.begin(req, vocab)?;
         let mut heap = BinaryHeap::new();
-        let (mut top, mut path) = (Vec::new(), Vec::new());
+        let (mut top, mut path, mut path_tokens) = (Vec::new(), Vec::new(), Vec::new());
         let mut seq = 0usize;
         // Offers the children of row `row` (0 = the root) at depth `depth + 1`.
         let mut row = 0usize;
@@ -292,12 +292,10 @@ impl<H: DraftHeads> Proposer for HeadsProposer<H> {
         let mut base = 0.0f64;
         while draft.tokens.len() < req.max_nodes {
             if depth < depth_max {
-                path.clear();
-                if row > 0 {
-                    draft.block().path_to(row - 1, &mut path);
-                }
-                let tokens: Vec<u32> = path.iter().map(|&j| draft.tokens[j as usize]).collect();
-                self.sampler.goto(&tokens)?;
+                draft
+                    .block()
+                    .row_path_tokens(row, &mut path, &mut path_tokens);
+                self.sampler.goto(&path_tokens)?;
                 let logits = &self.logits[depth * vocab..(depth + 1) * vocab];
                 self.sampler.top(cfg, logits, depth, width, &mut top)?;
                 for &(token, lp) in &top {

@@ -76,11 +76,10 @@ impl DraftSampler {
         sibling: usize,
         draft: &mut Draft,
     ) -> Result<u32> {
-        let mut path = Vec::new();
-        if parent_row > 0 {
-            draft.block().path_to(parent_row - 1, &mut path);
-        }
-        let tokens: Vec<u32> = path.iter().map(|&j| draft.tokens[j as usize]).collect();
+        let (mut nodes, mut tokens) = (Vec::new(), Vec::new());
+        draft
+            .block()
+            .row_path_tokens(parent_row, &mut nodes, &mut tokens);
         self.hist.goto(&tokens)?;
         let t = self.sample(
             cfg,

@@ -1019,15 +1019,7 @@ impl Verifier {
         // A row lists at most `vocab` ids, whatever was asked (`usize::MAX`: all of them).
         let mut ids = Vec::with_capacity(req.row_top_k.min(req.vocab_size));
         for r in 0..req.target_rows() {
-            self.path_tokens.clear();
-            if r > 0 {
-                block.path_to(r - 1, &mut self.path_nodes);
-                self.path_tokens.extend(
-                    self.path_nodes
-                        .iter()
-                        .map(|&n| req.draft_tokens[n as usize]),
-                );
-            }
+            block.row_path_tokens(r, &mut self.path_nodes, &mut self.path_tokens);
             self.hist.goto(&self.path_tokens)?;
             let hist = self.hist.view();
             let logits = row(req.target_logits, req.vocab_size, r);
@@ -1073,15 +1065,7 @@ impl Verifier {
             let first = group_first(&block, i);
             if first == i {
                 let parent = block.parent_row(i);
-                self.path_tokens.clear();
-                if parent > 0 {
-                    block.path_to(parent - 1, &mut self.path_nodes);
-                    self.path_tokens.extend(
-                        self.path_nodes
-                            .iter()
-                            .map(|&n| req.draft_tokens[n as usize]),
-                    );
-                }
+                block.row_path_tokens(parent, &mut self.path_nodes, &mut self.path_tokens);
                 self.hist.goto(&self.path_tokens)?;
                 let row = row(logits, qv, i);
                 let hist = self.hist.view();
