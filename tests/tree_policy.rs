@@ -4,9 +4,12 @@
 //! budget, branching limit, token budget and context room respected at every step, and the
 //! output of plain greedy decoding and of plain seeded sampling (point-mass trees, case C15).
 //!
-//! The toy target sleeps `3 ms + 0.5 ms per row` in each forward, so the cost curve the policy
+//! The toy target sleeps `12 ms + 2 ms per row` in each forward, so the cost curve the policy
 //! measures is known up to the scheduler's jitter (c(2) about 1.14, c(9) about 2.1, c(17) about
-//! 3.3 relative to one row); every assertion on a choice keeps a wide margin against it.
+//! 3.3 relative to one row); every assertion on a choice keeps a wide margin against it. (At
+//! 3 ms + 0.5 ms the jitter of a loaded 2-core CI machine, about a millisecond, flipped the
+//! branching test: 2 of 4 runs failed beside two busy loops, 0 of 4 at these durations. The
+//! policy reads wall time; a clock the loop could be given would make these tests exact.)
 
 use std::time::Duration;
 
@@ -29,8 +32,8 @@ struct Timed<M> {
     cap: usize,
 }
 
-const BASE: Duration = Duration::from_micros(3000);
-const PER_ROW: Duration = Duration::from_micros(500);
+const BASE: Duration = Duration::from_micros(12000);
+const PER_ROW: Duration = Duration::from_micros(2000);
 
 impl<M: TargetModel> Timed<M> {
     fn new(mut inner: M) -> Self {
