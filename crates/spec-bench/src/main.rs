@@ -37,6 +37,7 @@ use speculative::propose::{
     SuffixProposer, TokenRecycling, TreeTemplate,
 };
 use speculative::{NoProposer, Proposer, TargetModel};
+use speculative_candle::fast::head::{DraftHead, DraftHeadWeights};
 use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
 use speculative_candle::{
     CandleTarget, ChatMessage, GgufTokenizer, LlamaWeights, LoadOptions, WeightFormat,
@@ -159,8 +160,9 @@ struct RunArgs {
     /// Backend and model options.
     #[command(flatten)]
     model: ModelArgs,
-    /// Proposers: prompt-lookup, suffix, recycling (token recycling), merged:A+B+... (one tree
-    /// merged from model-free proposers, e.g. merged:prompt-lookup+suffix+recycling),
+    /// Proposers: prompt-lookup, suffix, recycling (token recycling), draft-head (the EAGLE
+    /// head, --draft-head), merged:A+B+... (one tree merged from those, e.g.
+    /// merged:draft-head+prompt-lookup+suffix),
     /// early-exit:N (first N layers as draft), same-model.
     #[arg(long, value_delimiter = ',', default_value = "prompt-lookup,suffix")]
     proposers: Vec<String>,
@@ -203,6 +205,10 @@ struct RunArgs {
     /// of the run; without it the tables start empty (top-k 8).
     #[arg(long)]
     recycling_table: Option<PathBuf>,
+    /// The EAGLE draft head of the `draft-head` proposer (alone or merged; fast backend only;
+    /// default: the shipped head, `speculative_candle::default_head_path`).
+    #[arg(long)]
+    draft_head: Option<PathBuf>,
     /// Keep each configuration's proposer across the requests of a repetition (suffix corpus
     /// and token-recycling table carry over, as in a server; the baseline runs the same
     /// requests in the same order). Without it every run starts from a fresh proposer.
@@ -279,7 +285,7 @@ fn run(a: RunArgs) -> Result<()> {
     let requests = workload::load(&a.workload)?;
     let requests = &requests[..a.limit.unwrap_or(requests.len()).min(requests.len())];
     let path = a.model.model.clone().unwrap_or_else(default_model_path);
-    let (mut target, make_model) = load_backend(&a.model, &path)?;
+    let (mut target, make_model, fast_weights) = load_backend(&a.model, &path)?;
     let tok = GgufTokenizer::load(&path)?;
     let max_ctx = target.max_context();
     let prepared: Vec<PreparedRequest> = requests
@@ -375,6 +381,29 @@ fn run(a: RunArgs) -> Result<()> {
         Some(p) => Some(std::fs::read(p).map_err(io(p))?),
         None => None,
     };
+    // The draft head's weights, loaded on first use and shared by every `draft-head` proposer.
+    let head_path = a
+        .draft_head
+        .clone()
+        .unwrap_or_else(speculative_candle::default_head_path);
+    let head_weights = std::cell::OnceCell::new();
+    let target_weights = fast_weights.clone();
+    let head = move || -> Result<Box<dyn Proposer + Send>> {
+        let Some(tw) = &target_weights else {
+            return Err(bad_arg(
+                "proposer",
+                "draft-head needs the fast backend".to_string(),
+            ));
+        };
+        if head_weights.get().is_none() {
+            let hw = DraftHeadWeights::load(&head_path, tw.clone())?;
+            let _ = head_weights.set(hw);
+        }
+        let hw = head_weights.get().cloned().ok_or_else(|| {
+            bad_arg("proposer", "draft head weights not loaded".to_string())
+        })?;
+        Ok(Box::new(DraftModelProposer::new(DraftHead::new(hw))))
+    };
     let mut factory = move |name: &str| -> Result<Box<dyn Proposer>> {
         Ok(match name {
             "same-model" => Box::new(DraftModelProposer::new(make_model(None)?)),
@@ -387,7 +416,7 @@ fn run(a: RunArgs) -> Result<()> {
                     })?;
                     Box::new(DraftModelProposer::new(make_model(Some(n))?))
                 } else {
-                    model_free_proposer(other, vocab, table.as_deref())?
+                    named_proposer(other, vocab, table.as_deref(), &head)?
                 }
             }
         })
@@ -423,14 +452,17 @@ fn run(a: RunArgs) -> Result<()> {
     Ok(())
 }
 
-/// The model-free proposers of `run` by name: `prompt-lookup`, `suffix`, `recycling` (with the
-/// warmed `table` when given) and `merged:A+B+...` (a [`MergedProposer`] of those).
-fn model_free_proposer(
+/// The proposers of `run` that can be merged, by name: `prompt-lookup`, `suffix`, `recycling`
+/// (with the warmed `table` when given), `draft-head` (made by `head`) and `merged:A+B+...` (a
+/// [`MergedProposer`] of those).
+fn named_proposer(
     name: &str,
     vocab: usize,
     table: Option<&[u8]>,
+    head: &dyn Fn() -> Result<Box<dyn Proposer + Send>>,
 ) -> Result<Box<dyn Proposer + Send>> {
     Ok(match name {
+        "draft-head" => head()?,
         "prompt-lookup" => Box::new(PromptLookup::new(1, 4)?),
         "suffix" => Box::new(SuffixProposer::new(SuffixConfig::default())?),
         "recycling" => match table {
@@ -455,13 +487,13 @@ fn model_free_proposer(
                 return Err(BenchError::Invalid {
                     what: "proposer",
                     reason: format!(
-                        "{other} (expected prompt-lookup, suffix, recycling, merged:A+B, early-exit:N, same-model, none)"
+                        "{other} (expected prompt-lookup, suffix, recycling, draft-head, merged:A+B, early-exit:N, same-model, none)"
                     ),
                 });
             };
             let subs = list
                 .split('+')
-                .map(|n| model_free_proposer(n, vocab, table))
+                .map(|n| named_proposer(n, vocab, table, head))
                 .collect::<Result<Vec<_>>>()?;
             Box::new(MergedProposer::new(subs)?)
         }
@@ -475,10 +507,14 @@ fn bad_arg(what: &'static str, reason: String) -> BenchError {
     BenchError::Invalid { what, reason }
 }
 
-fn load_backend(
-    a: &ModelArgs,
-    path: &std::path::Path,
-) -> Result<(Box<dyn TargetModel>, ModelMaker)> {
+/// The target, a maker of draft models sharing its weights, and (fast backend) the weights.
+type Loaded = (
+    Box<dyn TargetModel>,
+    ModelMaker,
+    Option<std::sync::Arc<FastWeights>>,
+);
+
+fn load_backend(a: &ModelArgs, path: &std::path::Path) -> Result<Loaded> {
     match a.backend.as_str() {
         "fast" => {
             let format = match a.format.as_str() {
@@ -487,6 +523,7 @@ fn load_backend(
                 other => return Err(bad_arg("--format", format!("{other} (fast: q8 or f32)"))),
             };
             let w = FastWeights::load(path, format)?;
+            let fw = w.clone();
             let threads = a.threads;
             let target = Box::new(FastTarget::new(w.clone()).with_threads(threads));
             let make: ModelMaker = Box::new(move |layers| {
@@ -497,7 +534,7 @@ fn load_backend(
                     None => Box::new(FastTarget::new(w.clone()).with_threads(threads)),
                 })
             });
-            Ok((target, make))
+            Ok((target, make, Some(fw)))
         }
         "candle" => {
             let format = match a.format.as_str() {
@@ -519,7 +556,7 @@ fn load_backend(
                     None => Box::new(CandleTarget::new(w.clone())),
                 })
             });
-            Ok((target, make))
+            Ok((target, make, None))
         }
         other => Err(bad_arg(
             "--backend",
@@ -533,7 +570,7 @@ fn load_backend(
 /// way; attention over `B` separate prefixes is not modelled). Median of `reps`.
 fn cost_table(a: CostArgs) -> Result<()> {
     let path = a.model.model.clone().unwrap_or_else(default_model_path);
-    let (mut target, _) = load_backend(&a.model, &path)?;
+    let (mut target, _, _) = load_backend(&a.model, &path)?;
     let vocab = target.vocab_size() as u32;
     let prefix: Vec<u32> = (0..a.prefix as u32)
         .map(|i| (i * 37 + 11) % vocab)
@@ -607,7 +644,7 @@ fn replay_proposer(name: &str) -> Result<Box<dyn Proposer>> {
 fn warm_recycling(a: WarmArgs) -> Result<()> {
     let requests = workload::load(&a.workload)?;
     let path = a.model.model.clone().unwrap_or_else(default_model_path);
-    let (mut target, _) = load_backend(&a.model, &path)?;
+    let (mut target, _, _) = load_backend(&a.model, &path)?;
     let tok = GgufTokenizer::load(&path)?;
     let mut table = TokenRecycling::new(
         target.vocab_size(),

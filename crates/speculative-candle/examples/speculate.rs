@@ -27,10 +27,11 @@ use speculative::propose::{
     SuffixProposer, TokenRecycling, TreeTemplate,
 };
 use speculative::{NoProposer, Proposer, SamplingConfig, TargetModel};
+use speculative_candle::fast::head::{DraftHead, DraftHeadWeights};
 use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
 use speculative_candle::{
     CandleTarget, ChatMessage, GgufDetokenizer, GgufTokenizer, LlamaWeights, LoadOptions,
-    WeightFormat, default_model_path,
+    WeightFormat, default_head_path, default_model_path,
 };
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
@@ -48,6 +49,10 @@ enum ProposerKind {
     Recycling,
     /// Prompt lookup, suffix and token recycling merged into one tree per step.
     Merged,
+    /// The EAGLE draft head on the target's hidden states (--draft-head; fast backend).
+    DraftHead,
+    /// The draft head, prompt lookup and suffix merged into one tree per step.
+    HeadMerged,
     /// No speculation.
     None,
 }
@@ -106,6 +111,9 @@ struct Args {
     /// Layers of the early-exit draft.
     #[arg(long, default_value_t = 8)]
     exit_layers: usize,
+    /// Draft-head weights for --proposer draft-head / head-merged (default: the shipped head).
+    #[arg(long)]
+    draft_head: Option<PathBuf>,
     /// Draft length: an integer, or `adaptive` / `adaptive:MAX`. With --tree-nodes, the depth of
     /// the tree.
     #[arg(long, default_value = "4", value_parser = draft_length)]
@@ -160,6 +168,18 @@ type DynError = Box<dyn std::error::Error>;
 /// after `n` layers.
 type ModelMaker = Box<dyn Fn(Option<usize>) -> Result<Box<dyn TargetModel>, DynError>>;
 
+/// The draft-head proposer over the fast backend's weights.
+fn head_proposer(
+    a: &Args,
+    w: Option<&std::sync::Arc<FastWeights>>,
+) -> Result<DraftModelProposer<DraftHead>, DynError> {
+    let w = w.ok_or("--proposer draft-head needs --backend fast")?;
+    let path = a.draft_head.clone().unwrap_or_else(default_head_path);
+    let hw = DraftHeadWeights::load(&path, w.clone())
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(DraftModelProposer::new(DraftHead::new(hw)))
+}
+
 fn read_prompt(a: &Args) -> Result<String, DynError> {
     if let Some(p) = &a.prompt_file {
         return Ok(std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?);
@@ -202,6 +222,7 @@ fn run() -> Result<(), DynError> {
         return Err("the prompt is empty".into());
     }
     let t0 = Instant::now();
+    let mut fast_weights = None;
     let (target, draft_for): (Box<dyn TargetModel>, ModelMaker) = match a.backend {
         Backend::Fast => {
             let format = match a.format {
@@ -209,6 +230,7 @@ fn run() -> Result<(), DynError> {
                 Format::F32 => FastFormat::F32,
             };
             let w = FastWeights::load(&path, format)?;
+            fast_weights = Some(w.clone());
             let threads = a.threads;
             let w2 = w.clone();
             (
@@ -300,6 +322,12 @@ fn run() -> Result<(), DynError> {
             Box::new(PromptLookup::new(1, 4)?),
             Box::new(SuffixProposer::new(SuffixConfig::default())?),
             Box::new(recycling(target.vocab_size(), &a.recycling_table)?),
+        ])?),
+        ProposerKind::DraftHead => Box::new(head_proposer(&a, fast_weights.as_ref())?),
+        ProposerKind::HeadMerged => Box::new(MergedProposer::new(vec![
+            Box::new(head_proposer(&a, fast_weights.as_ref())?),
+            Box::new(PromptLookup::new(1, 4)?),
+            Box::new(SuffixProposer::new(SuffixConfig::default())?),
         ])?),
         ProposerKind::None => Box::new(NoProposer),
     };

@@ -78,6 +78,26 @@ pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const DEFAULT_MODEL_SHA256: &str =
     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 
+/// File name of the shipped EAGLE draft head for [`DEFAULT_MODEL_FILE`]
+/// ([`fast::head`]; trained by `scripts/train-draft-head.sh`).
+pub const DEFAULT_HEAD_FILE: &str = "smollm2-135m-instruct-eagle.safetensors";
+
+/// Environment variable that overrides [`default_head_path`].
+pub const HEAD_ENV: &str = "SPECULATIVE_DRAFT_HEAD";
+
+/// The shipped draft head: `$SPECULATIVE_DRAFT_HEAD` when set (and not empty), else
+/// `heads/smollm2-135m-instruct-eagle.safetensors` in this crate's directory (committed to the
+/// repository with its sha256 beside it, `*.safetensors.sha256`, and its training log,
+/// `*.json`).
+pub fn default_head_path() -> PathBuf {
+    match std::env::var_os(HEAD_ENV) {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("heads")
+            .join(DEFAULT_HEAD_FILE),
+    }
+}
+
 /// Environment variable that overrides [`default_model_path`].
 pub const MODEL_ENV: &str = "SPECULATIVE_MODEL";
 
@@ -120,4 +140,5 @@ pub fn use_single_thread_if_unset() -> usize {
 }
 
 pub mod fast;
+pub mod train;
 pub use fast::{FastFormat, FastTarget, FastWeights, KernelPath};

@@ -58,34 +58,47 @@ pub enum FastFormat {
 
 /// One weight matrix in either format.
 #[derive(Debug, Clone)]
-enum Matrix {
+pub(crate) enum Matrix {
     Q8(Q8Matrix),
     F32(F32Matrix),
 }
 
 impl Matrix {
-    fn from_f32(rows: usize, cols: usize, data: &[f32], format: FastFormat) -> Result<Self> {
+    pub(crate) fn from_f32(
+        rows: usize,
+        cols: usize,
+        data: &[f32],
+        format: FastFormat,
+    ) -> Result<Self> {
         Ok(match format {
             FastFormat::Q8 => Matrix::Q8(Q8Matrix::quantize(rows, cols, data)?),
             FastFormat::F32 => Matrix::F32(F32Matrix::new(rows, cols, data)?),
         })
     }
 
-    fn row(&self, j: usize, out: &mut [f32]) {
+    pub(crate) fn row(&self, j: usize, out: &mut [f32]) {
         match self {
             Matrix::Q8(m) => m.dequantize_row(j, out),
             Matrix::F32(m) => m.row(j, out),
         }
     }
 
-    fn memory_bytes(&self) -> usize {
+    pub(crate) fn memory_bytes(&self) -> usize {
         match self {
             Matrix::Q8(m) => m.memory_bytes(),
             Matrix::F32(m) => m.memory_bytes(),
         }
     }
 
-    fn matmul(&self, x: &[f32], out: &mut Vec<f32>, s: &mut Exec) -> Result<()> {
+    /// Input width.
+    pub(crate) fn cols(&self) -> usize {
+        match self {
+            Matrix::Q8(m) => m.cols(),
+            Matrix::F32(m) => m.cols(),
+        }
+    }
+
+    pub(crate) fn matmul(&self, x: &[f32], out: &mut Vec<f32>, s: &mut Exec) -> Result<()> {
         match self {
             Matrix::Q8(m) => {
                 s.act.quantize(x, m.cols())?;
@@ -98,41 +111,53 @@ impl Matrix {
 
 /// Kernel choice and reusable quantised-activation buffer.
 #[derive(Debug)]
-struct Exec {
-    path: KernelPath,
+pub(crate) struct Exec {
+    pub(crate) path: KernelPath,
     /// Whether the AVX-512 kernels of [`ops`] run (not with [`KernelPath::Scalar`]).
-    simd: bool,
-    threads: usize,
-    act: Q8Act,
+    pub(crate) simd: bool,
+    pub(crate) threads: usize,
+    pub(crate) act: Q8Act,
+}
+
+impl Exec {
+    /// The fastest kernel path of this CPU, one thread.
+    pub(crate) fn detect() -> Self {
+        Exec {
+            path: KernelPath::detect(),
+            simd: ops::simd_available(),
+            threads: 1,
+            act: Q8Act::default(),
+        }
+    }
 }
 
 #[derive(Debug)]
-struct Layer {
-    attn_norm: Vec<f32>,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Vec<f32>,
     /// Fused `[q; k; v]`, `[(heads + 2 kv_heads) d, h]`.
-    wqkv: Matrix,
-    wo: Matrix,
-    ffn_norm: Vec<f32>,
+    pub(crate) wqkv: Matrix,
+    pub(crate) wo: Matrix,
+    pub(crate) ffn_norm: Vec<f32>,
     /// Fused `[gate; up]`, `[2 ffn, h]`.
-    w_gate_up: Matrix,
-    w_down: Matrix,
+    pub(crate) w_gate_up: Matrix,
+    pub(crate) w_down: Matrix,
 }
 
 /// The weights of a llama GGUF model in a [`FastFormat`], shared (via [`Arc`]) by every
 /// [`FastTarget`] built from them.
 #[derive(Debug)]
 pub struct FastWeights {
-    config: LlamaConfig,
-    format: FastFormat,
+    pub(crate) config: LlamaConfig,
+    pub(crate) format: FastFormat,
     path: Option<PathBuf>,
-    layers: Vec<Layer>,
-    output_norm: Vec<f32>,
-    head: Matrix,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) output_norm: Vec<f32>,
+    pub(crate) head: Matrix,
     /// `None` when the embedding is tied to the head.
-    embed: Option<Matrix>,
+    pub(crate) embed: Option<Matrix>,
     /// `[context_length, head_dim / 2]`.
-    rope_cos: Vec<f32>,
-    rope_sin: Vec<f32>,
+    pub(crate) rope_cos: Vec<f32>,
+    pub(crate) rope_sin: Vec<f32>,
 }
 
 /// Sizes and seed of a random-weight model ([`FastWeights::random`]), for tests and benches.
@@ -464,7 +489,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// RMSNorm of each row of `x` (`[n, h]`, `h = w.len()`) into `out`:
 /// `x · w / sqrt(mean(x²) + eps)` with the sum of squares from [`dot`].
-fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
+pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
     let h = w.len();
     out.clear();
     for row in x.chunks_exact(h) {
@@ -474,9 +499,41 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
     }
 }
 
+/// Scratch buffers of [`ffn_residual`].
+pub(crate) struct FfnBufs<'a> {
+    pub(crate) a: &'a mut Vec<f32>,
+    pub(crate) gu: &'a mut Vec<f32>,
+    pub(crate) act: &'a mut Vec<f32>,
+    pub(crate) proj: &'a mut Vec<f32>,
+}
+
+/// The MLP half of a block on the rows of `x` (`[n, h]`), in place:
+/// `x += down(silu(gate(a)) * up(a))` with `a = rms_norm(x)`. Row-wise arithmetic only.
+pub(crate) fn ffn_residual(
+    layer: &Layer,
+    x: &mut [f32],
+    eps: f32,
+    b: &mut FfnBufs<'_>,
+    exec: &mut Exec,
+) -> Result<()> {
+    rms_norm(x, &layer.ffn_norm, eps, b.a);
+    layer.w_gate_up.matmul(b.a, b.gu, exec)?;
+    let f = layer.w_down.cols();
+    let n = b.a.len() / layer.ffn_norm.len().max(1);
+    b.act.clear();
+    b.act.resize(n * f, 0.0);
+    for (row, out) in b.gu.chunks_exact(2 * f).zip(b.act.chunks_exact_mut(f)) {
+        let (g, u) = row.split_at(f);
+        ops::silu_mul(g, u, out, exec.simd);
+    }
+    layer.w_down.matmul(b.act, b.proj, exec)?;
+    x.iter_mut().zip(b.proj.iter()).for_each(|(xv, pv)| *xv += pv);
+    Ok(())
+}
+
 /// Rotates adjacent pairs of one head vector `v` (`[d]`) by the angles of one position.
 #[inline]
-fn rope(v: &mut [f32], cos: &[f32], sin: &[f32]) {
+pub(crate) fn rope(v: &mut [f32], cos: &[f32], sin: &[f32]) {
     for ((pair, &c), &s) in v.chunks_exact_mut(2).zip(cos).zip(sin) {
         let (x0, x1) = (pair[0], pair[1]);
         pair[0] = x0 * c - x1 * s;
@@ -489,7 +546,7 @@ fn rope(v: &mut [f32], cos: &[f32], sin: &[f32]) {
 /// row `i` attends to positions `0 ..= p + i` ([`ops::attend`], whose arithmetic depends only
 /// on the row's own position).
 #[allow(clippy::too_many_arguments)]
-fn attention(
+pub(crate) fn attention(
     cache: &KvCache,
     qkv: &[f32],
     (n, p, nh, nkv, d, width): (usize, usize, usize, usize, usize, usize),
@@ -628,12 +685,7 @@ impl FastTarget {
         FastTarget {
             weights,
             n_layers,
-            exec: Exec {
-                path: KernelPath::detect(),
-                simd: ops::simd_available(),
-                threads: 1,
-                act: Q8Act::default(),
-            },
+            exec: Exec::detect(),
             cache: vec![cache; n_layers],
             seq_len: 0,
             hidden: Vec::new(),
@@ -924,17 +976,13 @@ impl FastTarget {
             }
             layer.wo.matmul(&o, &mut proj, &mut self.exec)?;
             x.iter_mut().zip(&proj).for_each(|(xv, pv)| *xv += pv);
-            rms_norm(&x, &layer.ffn_norm, eps, &mut a);
-            layer.w_gate_up.matmul(&a, &mut gu, &mut self.exec)?;
-            let f = cfg.ffn_size;
-            act.clear();
-            act.resize(n * f, 0.0);
-            for (row, a) in gu.chunks_exact(2 * f).zip(act.chunks_exact_mut(f)) {
-                let (g, u) = row.split_at(f);
-                ops::silu_mul(g, u, a, self.exec.simd);
-            }
-            layer.w_down.matmul(&act, &mut proj, &mut self.exec)?;
-            x.iter_mut().zip(&proj).for_each(|(xv, pv)| *xv += pv);
+            let mut bufs = FfnBufs {
+                a: &mut a,
+                gu: &mut gu,
+                act: &mut act,
+                proj: &mut proj,
+            };
+            ffn_residual(layer, &mut x, eps, &mut bufs, &mut self.exec)?;
         }
         rms_norm(&x, &w.output_norm, eps, &mut self.hidden);
         if let Some(logits) = logits {

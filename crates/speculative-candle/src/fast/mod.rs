@@ -37,10 +37,12 @@
 
 pub mod f32mat;
 pub mod forward;
+pub mod head;
 mod ops;
 mod pool;
 pub mod q8;
 
 pub use f32mat::F32Matrix;
 pub use forward::{DEFAULT_MAX_TREE_NODES, FastFormat, FastTarget, FastWeights, RandomSpec};
+pub use head::{DraftHead, DraftHeadConfig, DraftHeadWeights, HeadTensors};
 pub use q8::{KernelPath, Q8Act, Q8Matrix};
