@@ -126,6 +126,27 @@ fn ranked(nodes: &[Node], idx: impl Iterator<Item = usize>) -> Vec<usize> {
 /// drafts never depend on an earlier request: they equal a fresh proposer's drafts on the same
 /// context (for a model whose logits depend only on its sequence).
 ///
+/// # Feature-conditioned draft models
+///
+/// An EAGLE draft head (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+/// Uncertainty") reads, at each position, the token and the target's hidden state of the
+/// previous position. Such a model implements [`crate::TargetFeatures`] and offers it through
+/// [`TargetModel::target_features`]. When the request carries the target's rows
+/// ([`ProposeRequest::target_hidden_rows`], `[context.len() - 1, hidden_size]`, which the
+/// decoding loop passes for a target with [`crate::HiddenStates`]), each proposal first calls
+/// [`crate::TargetFeatures::set_target_hidden`] with the rows from the first position whose
+/// feature may have changed: the longest common prefix of the model's sequence and the context
+/// (so, in a generation, from the previous step's last context position: `kept` rows per
+/// step), capped by the positions whose held features it set itself. The model then holds the
+/// target's features of every context position but the last and drops its rows that read a
+/// later feature (the draft rows of the previous step, computed from its own features), and the
+/// catch-up recomputes the accepted tokens' rows from the target's features. Draft rows read
+/// the model's own predicted features. Checks: the rows' length must be
+/// `(context.len() - 1) * hidden_size` of the draft model (else [`Error::ShapeMismatch`]). A
+/// request without rows leaves the held features as they are (and no longer trusts them from
+/// the first changed position on). [`Proposer::begin`] leaves them too: the first proposal of
+/// a generation replaces them all (its common prefix is empty).
+///
 /// # Trees
 ///
 /// [`Proposer::propose_tree`] grows EAGLE-2 style token trees when the draft model offers tree
@@ -140,6 +161,9 @@ pub struct DraftModelProposer<M> {
     sampler: DraftSampler,
     logits: Vec<f32>,
     tree: DraftTreeConfig,
+    /// Leading positions of `seen` whose target features the model holds (feature-conditioned
+    /// models only): set to the context's feature rows at each proposal that has them.
+    features_valid: usize,
 }
 
 impl<M: TargetModel> DraftModelProposer<M> {
@@ -152,6 +176,7 @@ impl<M: TargetModel> DraftModelProposer<M> {
             sampler: DraftSampler::default(),
             logits: Vec::new(),
             tree: DraftTreeConfig::default(),
+            features_valid: 0,
         }
     }
 
@@ -227,6 +252,65 @@ impl<M: TargetModel> DraftModelProposer<M> {
             self.feed(&ctx[ctx.len() - 1..])?;
         } else {
             self.feed(&ctx[common..])?;
+        }
+        Ok(())
+    }
+
+    /// Feature-conditioned draft models ([`TargetModel::target_features`]): hands the model the
+    /// target's features of the context positions from the first one that may have changed,
+    /// before [`DraftModelProposer::catch_up`]. `start` is the longest common prefix of what the
+    /// model has seen and `ctx` (at most `ctx.len() - 1`), capped by the positions whose held
+    /// features are known to belong to `seen` and by the model's held length; the model drops
+    /// its rows after `start`, and `seen` follows it.
+    ///
+    /// Without rows (a target without hidden states) nothing is handed over; the held features
+    /// from the first changed position on are then no longer trusted.
+    fn sync_features(&mut self, ctx: &[u32], rows: Option<&[f32]>) -> Result<()> {
+        let consistent = self.model.seq_len() == self.seen.len();
+        let common = if consistent {
+            self.seen
+                .iter()
+                .zip(ctx)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(ctx.len().saturating_sub(1))
+        } else {
+            0
+        };
+        let Some(rows) = rows else {
+            self.features_valid = self.features_valid.min(common);
+            return Ok(());
+        };
+        let Some(tf) = self.model.target_features() else {
+            return Ok(());
+        };
+        let h = tf.hidden_size();
+        if h == 0 {
+            return Err(Error::TargetContract {
+                what: "draft model target_features().hidden_size() is 0",
+            });
+        }
+        let n = ctx.len().saturating_sub(1);
+        if rows.len() != n * h {
+            return Err(Error::ShapeMismatch {
+                what: "target_hidden_rows ([context.len() - 1, draft model hidden_size])",
+                expected: n * h,
+                actual: rows.len(),
+            });
+        }
+        let start = common
+            .min(self.features_valid)
+            .min(tf.target_hidden_len());
+        tf.set_target_hidden(start, &rows[start * h..])?;
+        self.features_valid = n;
+        // The model dropped its rows that read a feature at a position >= start; a model whose
+        // sequence is not what this proposer fed starts over (as `catch_up` would).
+        let len = self.model.seq_len();
+        if consistent && len <= self.seen.len() {
+            self.seen.truncate(len);
+        } else {
+            self.model.truncate(0)?;
+            self.seen.clear();
         }
         Ok(())
     }
@@ -400,6 +484,7 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
     fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
         self.model.truncate(0)?;
         self.seen.clear();
+        self.features_valid = 0;
         Ok(())
     }
 
@@ -407,8 +492,10 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
     /// draft ends at EOS); see [`DraftModelProposer`].
     ///
     /// # Errors
-    /// Errors of the model's `prefill`, `forward` and `truncate`; [`Error::ShapeMismatch`] when
-    /// the model returns logits that are not `[n, vocab]`; processing errors of the request's
+    /// Errors of the model's `prefill`, `forward`, `truncate` and `set_target_hidden`;
+    /// [`Error::ShapeMismatch`] when the model returns logits that are not `[n, vocab]` or
+    /// `req.target_hidden_rows` is not `[context.len() - 1, hidden_size]` for a
+    /// feature-conditioned model; processing errors of the request's
     /// configuration (for example [`Error::NoAllowedToken`]).
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
@@ -422,6 +509,7 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
         if k == 0 {
             return Ok(());
         }
+        self.sync_features(ctx, req.target_hidden_rows)?;
         self.catch_up(ctx)?;
 
         let cfg = req.config;
@@ -509,6 +597,7 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
         if max_depth == 0 {
             return Ok(());
         }
+        self.sync_features(ctx, req.target_hidden_rows)?;
         self.catch_up(ctx)?;
         self.sampler.begin(req, vocab)?;
         let mut nodes = Vec::new();
