@@ -672,7 +672,7 @@ impl ToyRnn {
     /// Pseudo-random parameters keyed by `seed`; `scale` scales the logits (larger: more
     /// peaked rows).
     pub fn new(vocab: usize, hidden: usize, scale: f32, seed: u64) -> Self {
-        let s = Stream::new(seed ^ 0x5EED_0F_4EA7);
+        let s = Stream::new(seed ^ 0x005E_ED0F_4EA7);
         let ra = 1.1 / (hidden as f32).sqrt();
         let rw = scale / (hidden as f32).sqrt();
         ToyRnn {
@@ -681,7 +681,9 @@ impl ToyRnn {
             a: (0..hidden * hidden)
                 .map(|i| ra * normal(&s, 1, i as u32))
                 .collect(),
-            e: (0..vocab * hidden).map(|i| normal(&s, 2, i as u32)).collect(),
+            e: (0..vocab * hidden)
+                .map(|i| normal(&s, 2, i as u32))
+                .collect(),
             w: (0..vocab * hidden)
                 .map(|i| rw * normal(&s, 3, i as u32))
                 .collect(),
@@ -692,7 +694,7 @@ impl ToyRnn {
     /// parameter group's own scale) added to every parameter: a draft that is often, not
     /// always, right.
     pub fn perturbed(&self, noise: f32, seed: u64) -> Self {
-        let s = Stream::new(seed ^ 0x0401_5E);
+        let s = Stream::new(seed ^ 0x0004_015E);
         let ra = 1.1 / (self.hidden as f32).sqrt();
         let bump = |v: &[f32], key: u64, r: f32| -> Vec<f32> {
             v.iter()
@@ -797,6 +799,10 @@ pub struct ToyFeatureDraft {
     pending: Option<(usize, Vec<u32>)>,
     /// `(start, rows)` of every [`TargetFeatures::set_target_hidden`] call, in order.
     pub feature_sets: Vec<(usize, usize)>,
+    /// Number of rows computed at position 0 by [`TargetModel::forward`] (or `prefill`): each is
+    /// a start from an empty sequence. (A tree forward over a one-token context also computes
+    /// its root at position 0; not counted.)
+    pub first_rows: usize,
 }
 
 impl ToyFeatureDraft {
@@ -813,6 +819,7 @@ impl ToyFeatureDraft {
             tree_nodes: 0,
             pending: None,
             feature_sets: Vec::new(),
+            first_rows: 0,
         }
     }
 
@@ -845,14 +852,23 @@ impl ToyFeatureDraft {
         if p == 0 {
             (FeatureSource::Start, vec![0.0; h])
         } else if p - 1 < self.held.len() / h {
-            (FeatureSource::Target, self.held[(p - 1) * h..p * h].to_vec())
+            (
+                FeatureSource::Target,
+                self.held[(p - 1) * h..p * h].to_vec(),
+            )
         } else {
             (FeatureSource::Own, self.own[(p - 1) * h..p * h].to_vec())
         }
     }
 
     /// Appends a row reading `feature` and writes its logits.
-    fn push_row(&mut self, token: u32, src: FeatureSource, feature: Vec<f32>, logits: &mut Vec<f32>) {
+    fn push_row(
+        &mut self,
+        token: u32,
+        src: FeatureSource,
+        feature: Vec<f32>,
+        logits: &mut Vec<f32>,
+    ) {
         let f = self.rnn.step(&feature, token);
         logits.extend(self.rnn.head(&f));
         self.tokens.push(token);
@@ -892,6 +908,7 @@ impl TargetModel for ToyFeatureDraft {
         }
         logits.clear();
         for &t in tokens {
+            self.first_rows += self.tokens.is_empty() as usize;
             let (src, feature) = self.feature_in(self.tokens.len());
             self.push_row(t, src, feature, logits);
         }
@@ -940,7 +957,7 @@ impl TargetFeatures for ToyFeatureDraft {
                 actual: held,
             });
         }
-        if rows.len() % h != 0 {
+        if !rows.len().is_multiple_of(h) {
             return Err(Error::ShapeMismatch {
                 what: "set_target_hidden rows ([n, hidden_size])",
                 expected: rows.len() / h * h,

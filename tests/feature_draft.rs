@@ -83,6 +83,8 @@ struct Checked {
     rows_set: usize,
     /// Set calls that were not the first of their generation.
     incremental: usize,
+    /// Generations in which the head proposed.
+    generations: usize,
 }
 
 impl Checked {
@@ -96,13 +98,16 @@ impl Checked {
             prev_len: None,
             rows_set: 0,
             incremental: 0,
+            generations: 0,
         }
     }
 
     fn check(&mut self, req: &ProposeRequest<'_>) {
         let ctx = req.context;
         let want = true_rows(&self.truth, ctx);
-        let rows = req.target_hidden_rows.expect("the target exposes hidden states");
+        let rows = req
+            .target_hidden_rows
+            .expect("the target exposes hidden states");
         assert_eq!(rows, &want[..], "target_hidden_rows at context {ctx:?}");
         match req.target_hidden {
             Some(last) => assert_eq!(last, &want[want.len() - H..]),
@@ -129,8 +134,16 @@ impl Checked {
                 assert_eq!(start, prev - 1, "context {prev} -> {}", ctx.len());
                 self.incremental += 1;
             }
-            None => assert_eq!(start, 0),
+            None => {
+                assert_eq!(start, 0);
+                self.generations += 1;
+            }
         }
+        // The model started from an empty sequence once per generation, never again.
+        assert_eq!(
+            m.first_rows, self.generations,
+            "restarts at context {ctx:?}"
+        );
         self.rows_set += n;
         self.prev_len = Some(ctx.len());
         self.checked += 1;
@@ -238,7 +251,11 @@ fn the_head_holds_the_targets_true_features_at_every_proposal() {
                 let c = g.proposer();
                 assert!(c.checked >= 10, "{} proposals checked", c.checked);
                 // Incremental hand-over: about one row per emitted token, not the context.
-                assert!(c.rows_set < 30 * prompts().len() + 40, "{} rows", c.rows_set);
+                assert!(
+                    c.rows_set < 30 * prompts().len() + 40,
+                    "{} rows",
+                    c.rows_set
+                );
                 total.0 += c.checked;
                 total.3 += c.incremental;
             }
@@ -319,8 +336,11 @@ fn rows_of_the_wrong_size_are_a_typed_error() {
         ..ProposeRequest::new(&ctx, &cfg, 3)
     };
     let err = p.propose(&req, &mut Draft::default()).unwrap_err();
-    assert!(matches!(err, Error::ShapeMismatch { expected, actual, .. }
-        if expected == 2 * H && actual == 2 * H - 1), "{err}");
+    assert!(
+        matches!(err, Error::ShapeMismatch { expected, actual, .. }
+        if expected == 2 * H && actual == 2 * H - 1),
+        "{err}"
+    );
     // A model of another hidden size.
     let other = ToyRnn::new(V, H + 1, 3.0, 1);
     let mut p = DraftModelProposer::new(ToyFeatureDraft::new(other, 1 << 16));
@@ -360,10 +380,13 @@ fn set_target_hidden_checks_its_input() {
 // ---------------------------------------------------------------------------------------------
 // The loop's rows
 
+/// `(context, target_hidden_rows, target_hidden)` of one proposal.
+type Seen = (Vec<u32>, Option<Vec<f32>>, Option<Vec<f32>>);
+
 /// Records `target_hidden_rows` and `target_hidden` of every proposal; proposes nothing.
 #[derive(Default)]
 struct Recorder {
-    seen: Vec<(Vec<u32>, Option<Vec<f32>>, Option<Vec<f32>>)>,
+    seen: Vec<Seen>,
 }
 
 impl Proposer for Recorder {
@@ -383,8 +406,11 @@ fn the_loop_passes_every_context_row_even_for_a_one_token_prompt() {
     let r = rnn(V, 5);
     let mut g = Generator::new(target(&r), Recorder::default());
     for prompt in [vec![4u32], vec![1, 2, 3, 4, 5]] {
-        g.generate(&prompt, &GenerationParams::greedy(6).with_draft(DraftLength::Fixed(2)))
-            .unwrap();
+        g.generate(
+            &prompt,
+            &GenerationParams::greedy(6).with_draft(DraftLength::Fixed(2)),
+        )
+        .unwrap();
     }
     let seen = &g.proposer().seen;
     // The last step of each generation has room for no draft (k = 0, no proposal).
@@ -406,9 +432,14 @@ fn without_complete_hidden_states_the_loop_passes_none() {
     let r = rnn(V, 5);
     // No hidden states at all.
     let r2 = r.clone();
-    let plain_target = ToyModel::new(V, 1 << 16, Arc::new(move |p: &[u32]| r2.head(&r2.hidden(p))));
+    let plain_target = ToyModel::new(
+        V,
+        1 << 16,
+        Arc::new(move |p: &[u32]| r2.head(&r2.hidden(p))),
+    );
     let mut g = Generator::new(plain_target, Recorder::default());
-    g.generate(&[1, 2, 3], &GenerationParams::greedy(4)).unwrap();
+    g.generate(&[1, 2, 3], &GenerationParams::greedy(4))
+        .unwrap();
     assert!(g.proposer().seen.iter().all(|(_, rows, _)| rows.is_none()));
     // Hidden states that change width after 6 positions: rows until then, None afterwards.
     let r3 = r.clone();
@@ -420,10 +451,15 @@ fn without_complete_hidden_states_the_loop_passes_none() {
         h
     });
     let r4 = r.clone();
-    let odd = ToyModel::new(V, 1 << 16, Arc::new(move |p: &[u32]| r4.head(&r4.hidden(p))))
-        .with_hidden(H, hf);
+    let odd = ToyModel::new(
+        V,
+        1 << 16,
+        Arc::new(move |p: &[u32]| r4.head(&r4.hidden(p))),
+    )
+    .with_hidden(H, hf);
     let mut g = Generator::new(odd, Recorder::default());
-    g.generate(&[1, 2, 3], &GenerationParams::greedy(8)).unwrap();
+    g.generate(&[1, 2, 3], &GenerationParams::greedy(8))
+        .unwrap();
     let seen = &g.proposer().seen;
     assert_eq!(seen.len(), 7);
     for (ctx, rows, _) in seen {
@@ -520,9 +556,15 @@ fn p_value<P: Proposer>(name: &str, proposer: P, nodes: usize) -> f64 {
          {accepted} accepted drafts",
         fit.p_value, fit.stat, fit.df, fit.impossible
     );
-    assert!(accepted > N as usize, "{name}: the head was hardly accepted");
+    assert!(
+        accepted > N as usize,
+        "{name}: the head was hardly accepted"
+    );
     if nodes > 0 {
-        assert!(tree_steps > N as usize / 2, "{name}: trees were not exercised");
+        assert!(
+            tree_steps > N as usize / 2,
+            "{name}: trees were not exercised"
+        );
     }
     fit.p_value
 }
@@ -541,7 +583,11 @@ fn stat_head(tree: bool) -> DraftModelProposer<ToyFeatureDraft> {
 #[test]
 fn the_head_is_lossless_under_sampling() {
     for (name, nodes) in [("chain", 0), ("tree", 8)] {
-        let p = p_value(&format!("feature head, {name}"), stat_head(nodes > 0), nodes);
+        let p = p_value(
+            &format!("feature head, {name}"),
+            stat_head(nodes > 0),
+            nodes,
+        );
         assert!(p >= ALPHA, "feature head, {name}: p = {p:.2e} < alpha");
     }
 }
@@ -581,5 +627,8 @@ fn negative_control_q_from_the_wrong_features_is_rejected() {
         WrongFeatureQ(stat_head(false)),
         0,
     );
-    assert!(p < ALPHA, "q from the wrong features was not detected: p = {p:.3}");
+    assert!(
+        p < ALPHA,
+        "q from the wrong features was not detected: p = {p:.3}"
+    );
 }

@@ -298,9 +298,7 @@ impl<M: TargetModel> DraftModelProposer<M> {
                 actual: rows.len(),
             });
         }
-        let start = common
-            .min(self.features_valid)
-            .min(tf.target_hidden_len());
+        let start = common.min(self.features_valid).min(tf.target_hidden_len());
         tf.set_target_hidden(start, &rows[start * h..])?;
         self.features_valid = n;
         // The model dropped its rows that read a feature at a position >= start; a model whose
@@ -1076,5 +1074,121 @@ mod tests {
                 assert_eq!(d, f);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod feature_tests {
+    //! Feature-conditioned draft models: what `DraftModelProposer` hands over, used directly.
+    use super::*;
+    use crate::SamplingConfig;
+    use crate::model::TargetFeatures;
+    use crate::test_util::{FeatureSource, ToyFeatureDraft, ToyRnn};
+
+    const H: usize = 4;
+
+    fn rnn() -> ToyRnn {
+        ToyRnn::new(9, H, 2.0, 3)
+    }
+
+    fn rows(r: &ToyRnn, ctx: &[u32]) -> Vec<f32> {
+        (0..ctx.len() - 1)
+            .flat_map(|p| r.hidden(&ctx[..=p]))
+            .collect()
+    }
+
+    fn propose(
+        p: &mut DraftModelProposer<ToyFeatureDraft>,
+        ctx: &[u32],
+        rows: Option<&[f32]>,
+    ) -> Draft {
+        let cfg = SamplingConfig::greedy();
+        let req = ProposeRequest {
+            target_hidden_rows: rows,
+            ..ProposeRequest::new(ctx, &cfg, 3)
+        };
+        let mut d = Draft::default();
+        p.propose(&req, &mut d).unwrap();
+        d
+    }
+
+    /// The held features and every context row's feature are the target's.
+    fn assert_true_features(p: &DraftModelProposer<ToyFeatureDraft>, r: &ToyRnn, ctx: &[u32]) {
+        let m = p.model();
+        assert_eq!(m.held(), &rows(r, ctx)[..]);
+        for q in 1..ctx.len() {
+            let (src, f) = m.row_feature(q).unwrap();
+            assert_eq!(src, FeatureSource::Target);
+            assert_eq!(f, &r.hidden(&ctx[..q])[..]);
+        }
+    }
+
+    #[test]
+    fn rows_are_handed_over_from_the_first_changed_position() {
+        let r = rnn();
+        let mut p = DraftModelProposer::new(ToyFeatureDraft::new(r.perturbed(0.3, 1), 256));
+        let a: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7, 8];
+        propose(&mut p, &a, Some(&rows(&r, &a)));
+        assert_eq!(p.model().feature_sets, vec![(0, 7)]);
+        assert_true_features(&p, &r, &a);
+        // Two more tokens: only the rows from the previous last position.
+        let mut b = a.clone();
+        b.extend([0, 4]);
+        propose(&mut p, &b, Some(&rows(&r, &b)));
+        assert_eq!(p.model().feature_sets[1], (7, 2));
+        assert_true_features(&p, &r, &b);
+        // A context that diverges at position 5: from there.
+        let mut c = b[..5].to_vec();
+        c.extend([8, 8, 8]);
+        propose(&mut p, &c, Some(&rows(&r, &c)));
+        assert_eq!(p.model().feature_sets[2], (5, 2));
+        assert_true_features(&p, &r, &c);
+        // A request without rows on a context diverging at 2 leaves the features, but the next
+        // request with rows replaces them from position 2 on.
+        let mut d = c[..2].to_vec();
+        d.extend([6, 6, 6, 6]);
+        propose(&mut p, &d, None);
+        assert_eq!(p.model().feature_sets.len(), 3);
+        d.push(1);
+        propose(&mut p, &d, Some(&rows(&r, &d)));
+        assert_eq!(p.model().feature_sets[3], (2, 4));
+        assert_true_features(&p, &r, &d);
+        // The drafts equal a fresh proposer's with the same rows.
+        let mut fresh = DraftModelProposer::new(ToyFeatureDraft::new(r.perturbed(0.3, 1), 256));
+        d.push(2);
+        assert_eq!(
+            propose(&mut p, &d, Some(&rows(&r, &d))),
+            propose(&mut fresh, &d, Some(&rows(&r, &d)))
+        );
+        // begin() keeps the held features (truncate does not drop them); the next proposal
+        // replaces them all.
+        p.begin(&d).unwrap();
+        assert_eq!(p.model().target_hidden_len(), d.len() - 1);
+        propose(&mut p, &d, Some(&rows(&r, &d)));
+        assert_eq!(p.model().feature_sets.last(), Some(&(0, d.len() - 1)));
+    }
+
+    #[test]
+    fn a_one_token_context_clears_the_features() {
+        let r = rnn();
+        let mut p = DraftModelProposer::new(ToyFeatureDraft::new(r.clone(), 256));
+        propose(&mut p, &[1, 2, 3], Some(&rows(&r, &[1, 2, 3])));
+        propose(&mut p, &[4], Some(&[]));
+        assert_eq!(p.model().target_hidden_len(), 0);
+        assert_eq!(p.model().feature_sets.last(), Some(&(0, 0)));
+        // With the target's own parameters and features, the greedy draft is the target's
+        // greedy continuation.
+        let ctx = [4u32, 0, 7];
+        let d = propose(&mut p, &ctx, Some(&rows(&r, &ctx)));
+        let mut seq = ctx.to_vec();
+        for &t in &d.tokens {
+            let l = r.head(&r.hidden(&seq));
+            let best = (0..9u32)
+                .max_by(|&a, &b| l[a as usize].total_cmp(&l[b as usize]).then(b.cmp(&a)))
+                .unwrap();
+            assert_eq!(t, best);
+            seq.push(t);
+        }
+        assert_eq!(d.tokens.len(), 3);
     }
 }
