@@ -206,8 +206,11 @@ pub trait HiddenStates {
     /// The final hidden states (after the last norm, before the output head) of the positions
     /// appended by the most recent [`TargetModel::forward`], [`TargetModel::prefill`] or
     /// [`TreeTarget::forward_tree`] call, shape `[n, hidden_size]` (every appended row, in the
-    /// order of the logits rows: the loop reads the row of the last accepted position). `None`
-    /// when nothing was run yet.
+    /// order of the logits rows). `None` when nothing was run yet. The loop reads them right
+    /// after each call (before [`TargetModel::truncate`] or [`TreeTarget::commit_tree`]): every
+    /// row of a prefill, and the rows of the committed positions of a step, which it keeps for
+    /// the generation ([`crate::ProposeRequest::target_hidden_rows`]); rows of another count
+    /// than the call appended end that buffer for the generation.
     fn last_hidden(&self) -> Option<&[f32]>;
 }
 

@@ -105,6 +105,12 @@ pub struct StepStats {
 /// the step is a plain decoding step. A draft that reaches an end (EOS, a stop sequence or a stop
 /// string) is cut there, and the target processes no row after it (case C11).
 ///
+/// With a target that offers [`crate::HiddenStates`], the loop keeps the target's final hidden
+/// states of every context position for the generation (`[context.len() - 1, hidden]` f32, a
+/// copy of `hidden` floats per emitted token; SmolLM2-135M: 2.3 KB per position) and hands them
+/// to the proposer as [`ProposeRequest::target_hidden_rows`] (feature-conditioned draft models,
+/// see [`crate::TargetFeatures`]).
+///
 /// `Generator<T, P>` is `Send` when `T` and `P` are.
 ///
 /// # Example
