@@ -84,6 +84,7 @@ fn propose(
         max_branch: usize::MAX,
         seed: 0,
         target_hidden: None,
+        target_hidden_rows: None,
         prompt_len: 0,
         eos: &[],
         suppress_eos_rows: 0,

@@ -77,8 +77,9 @@
 //! - [`tree`]: the draft block (a chain or a token tree) every layer reads.
 //! - [`verify`]: greedy and stochastic verification, the batch API, closed forms.
 //! - [`propose`]: the [`Proposer`] trait and the shipped proposers.
-//! - [`model`]: the engine-facing traits ([`TargetModel`], with the optional [`TreeTarget`] and
-//!   [`HiddenStates`] extensions), below `propose` and `decode`, which both drive models.
+//! - [`model`]: the engine-facing traits ([`TargetModel`], with the optional [`TreeTarget`],
+//!   [`HiddenStates`] and [`TargetFeatures`] extensions), below `propose` and `decode`, which
+//!   both drive models.
 //! - [`decode`]: the decoding loop.
 //! - [`rng`]: the counter-based random stream.
 //! - [`gpu`]: the same verification on a GPU, where the logits are.
@@ -132,7 +133,7 @@ pub mod tree;
 pub mod verify;
 
 pub use error::{Error, ProposalFault, Result, RowKind};
-pub use model::{HiddenStates, TargetModel, TreeTarget};
+pub use model::{HiddenStates, TargetFeatures, TargetModel, TreeTarget};
 pub use propose::{
     Draft, DraftModelProposer, MergedProposer, NoProposer, PromptLookup, PromptLookupConfig,
     ProposeRequest, Proposer, RecyclingConfig, SuffixConfig, SuffixProposer, TokenRecycling,

@@ -8,6 +8,9 @@
 //!   [`TargetModel::tree`]. Without it the loop verifies chains.
 //! - [`HiddenStates`]: the optional final hidden states of the last forward, read by heads
 //!   proposers (MTP / Medusa / EAGLE); offered through [`TargetModel::hidden_states`].
+//! - [`TargetFeatures`]: the optional input side of a feature-conditioned draft model (an EAGLE
+//!   head): it holds the target's hidden states of the committed positions; offered through
+//!   [`TargetModel::target_features`] and fed by [`crate::propose::DraftModelProposer`].
 //!
 //! This module sits below [`crate::propose`] and [`crate::decode`], which both drive models
 //! through it.
@@ -122,6 +125,15 @@ pub trait TargetModel {
     fn hidden_states(&self) -> Option<&dyn HiddenStates> {
         None
     }
+
+    /// The model's input of target hidden states, `None` (the default) when its rows do not
+    /// read the target's features. A feature-conditioned draft model (an EAGLE head) that
+    /// implements [`TargetFeatures`] returns `Some(self)`;
+    /// [`crate::propose::DraftModelProposer`] then feeds it the target's hidden states of the
+    /// context before each proposal.
+    fn target_features(&mut self) -> Option<&mut dyn TargetFeatures> {
+        None
+    }
 }
 
 impl<T: TargetModel + ?Sized> TargetModel for Box<T> {
@@ -148,6 +160,9 @@ impl<T: TargetModel + ?Sized> TargetModel for Box<T> {
     }
     fn hidden_states(&self) -> Option<&dyn HiddenStates> {
         (**self).hidden_states()
+    }
+    fn target_features(&mut self) -> Option<&mut dyn TargetFeatures> {
+        (**self).target_features()
     }
 }
 
@@ -176,6 +191,9 @@ impl<T: TargetModel + ?Sized> TargetModel for &mut T {
     fn hidden_states(&self) -> Option<&dyn HiddenStates> {
         (**self).hidden_states()
     }
+    fn target_features(&mut self) -> Option<&mut dyn TargetFeatures> {
+        (**self).target_features()
+    }
 }
 
 /// Final hidden states of a target's last forward: an optional extension of [`TargetModel`],
@@ -188,9 +206,62 @@ pub trait HiddenStates {
     /// The final hidden states (after the last norm, before the output head) of the positions
     /// appended by the most recent [`TargetModel::forward`], [`TargetModel::prefill`] or
     /// [`TreeTarget::forward_tree`] call, shape `[n, hidden_size]` (every appended row, in the
-    /// order of the logits rows: the loop reads the row of the last accepted position). `None`
-    /// when nothing was run yet.
+    /// order of the logits rows). `None` when nothing was run yet. The loop reads them right
+    /// after each call (before [`TargetModel::truncate`] or [`TreeTarget::commit_tree`]): every
+    /// row of a prefill, and the rows of the committed positions of a step, which it keeps for
+    /// the generation ([`crate::ProposeRequest::target_hidden_rows`]); rows of another count
+    /// than the call appended end that buffer for the generation.
     fn last_hidden(&self) -> Option<&[f32]>;
+}
+
+/// The target's hidden states held by a feature-conditioned draft model: an optional extension
+/// of [`TargetModel`] for a draft model, offered through [`TargetModel::target_features`].
+///
+/// An EAGLE draft head (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+/// Uncertainty", section 3) is a small causal transformer whose row at position `p` reads the
+/// token `x_p` and the **feature** of position `p - 1`. The feature of position `p` is the
+/// target's final hidden state (after the last norm, before the output head: the rows of
+/// [`HiddenStates::last_hidden`]) of the target row whose input was `context[p]`, `[hidden_size]`.
+/// For a draft position (no target row exists yet) the head reads its own predicted feature of
+/// the previous position instead. Position 0 has no previous feature (the model decides what
+/// its row reads there).
+///
+/// Features are keyed by absolute position. The model holds those of the leading
+/// [`TargetFeatures::target_hidden_len`] positions; a row at position `p` with
+/// `p - 1 < target_hidden_len()` reads the held feature, any later row reads the model's own.
+/// [`TargetModel::truncate`] does **not** drop held features: only
+/// [`TargetFeatures::set_target_hidden`] replaces them. [`crate::propose::DraftModelProposer`]
+/// calls it before each proposal with the features of the context but its last token, from the
+/// first position whose feature may have changed, so the model's rows of every context position
+/// read the target's features and its rows of draft positions its own.
+///
+/// The trait is object safe.
+pub trait TargetFeatures {
+    /// Width of one hidden state, in floats (`> 0`). Must equal the target's
+    /// [`HiddenStates::hidden_size`].
+    fn hidden_size(&self) -> usize;
+
+    /// Number of leading positions whose target hidden states the model holds.
+    fn target_hidden_len(&self) -> usize;
+
+    /// Replaces the held target hidden states of positions `>= start` by `rows`
+    /// (`[n, hidden_size]` row-major: positions `start .. start + n`; afterwards
+    /// [`TargetFeatures::target_hidden_len`] is `start + n`), and truncates the model's sequence
+    /// to at most `start + 1` positions: the rows of positions `> start` read a feature of a
+    /// position `>= start`, which may have changed, so they are dropped (as by
+    /// [`TargetModel::truncate`]). `n` may be 0 (drops the held features from `start` on).
+    ///
+    /// The caller guarantees that the features of positions `< start` are unchanged: they belong
+    /// to the same tokens as when they were set. An uncommitted tree forward
+    /// ([`TreeTarget::forward_tree`]) is ended by the truncation like by
+    /// [`TargetModel::truncate`].
+    ///
+    /// # Errors
+    /// [`crate::Error::ShapeMismatch`] when `start > target_hidden_len()` (`expected` is
+    /// `start`, `actual` the held length) or when `rows.len()` is not a multiple of
+    /// [`TargetFeatures::hidden_size`]; the held features and the sequence are then unchanged.
+    /// [`crate::Error::Model`] for engine failures.
+    fn set_target_hidden(&mut self, start: usize, rows: &[f32]) -> Result<()>;
 }
 
 /// Token-tree forward and commit: an optional extension of [`TargetModel`], offered through

@@ -7,13 +7,16 @@
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::model::{HiddenStates, TargetModel, TreeTarget};
+use crate::model::{HiddenStates, TargetFeatures, TargetModel, TreeTarget};
 use crate::propose::{Draft, DraftHeads, HeadsInput, ProposeRequest, Proposer};
 use crate::rng::Stream;
 use crate::tree::{DraftBlock, TreeLimits};
 
 /// The logits function of a toy model: prefix -> logits `[vocab]`.
 pub type LogitsFn = Arc<dyn Fn(&[u32]) -> Vec<f32> + Send + Sync>;
+
+/// The hidden-state function of a toy model: prefix -> final hidden state `[hidden_size]`.
+pub type HiddenFn = Arc<dyn Fn(&[u32]) -> Vec<f32> + Send + Sync>;
 
 /// A toy [`TargetModel`] whose logits at each position are `f(prefix)`, where `prefix` is every
 /// token up to and including the position's input token.
@@ -33,6 +36,10 @@ pub struct ToyModel {
     pending: Option<(usize, Vec<u32>)>,
     /// Number of [`TreeTarget::forward_tree`] calls so far.
     pub tree_calls: usize,
+    /// Hidden states ([`ToyModel::with_hidden`]): width and function of the prefix.
+    hidden: Option<(usize, HiddenFn)>,
+    /// The hidden states of the positions appended by the last forward, `[n, width]`.
+    last_hidden: Vec<f32>,
 }
 
 impl std::fmt::Debug for ToyModel {
@@ -57,7 +64,22 @@ impl ToyModel {
             tree_nodes: 0,
             pending: None,
             tree_calls: 0,
+            hidden: None,
+            last_hidden: Vec::new(),
         }
+    }
+
+    /// Offers hidden states ([`TargetModel::hidden_states`]) of width `size`: the hidden state
+    /// of a position is `hidden(prefix)` (`[size]`), `prefix` as for the logits. Every
+    /// `forward`, `prefill` and tree forward records the rows of the positions it appended.
+    pub fn with_hidden(mut self, size: usize, hidden: HiddenFn) -> Self {
+        self.hidden = Some((size, hidden));
+        self
+    }
+
+    /// The hidden state after `prefix` (`[hidden_size]`), `None` without hidden states.
+    pub fn hidden_of(&self, prefix: &[u32]) -> Option<Vec<f32>> {
+        self.hidden.as_ref().map(|(_, f)| f(prefix))
     }
 
     /// Offers tree support ([`TargetModel::tree`]) for blocks of up to `max_nodes` nodes: node
@@ -150,6 +172,7 @@ impl TargetModel for ToyModel {
         self.forward_calls += 1;
         self.forward_tokens += tokens.len();
         logits.clear();
+        self.last_hidden.clear();
         for &t in tokens {
             if t as usize >= self.vocab {
                 return Err(Error::TokenOutOfVocab {
@@ -160,6 +183,9 @@ impl TargetModel for ToyModel {
             }
             self.tokens.push(t);
             logits.extend((self.f)(&self.tokens));
+            if let Some((_, h)) = &self.hidden {
+                self.last_hidden.extend(h(&self.tokens));
+            }
         }
         Ok(())
     }
@@ -183,6 +209,18 @@ impl TargetModel for ToyModel {
         } else {
             Some(self)
         }
+    }
+    fn hidden_states(&self) -> Option<&dyn HiddenStates> {
+        self.hidden.as_ref().map(|_| self as &dyn HiddenStates)
+    }
+}
+
+impl HiddenStates for ToyModel {
+    fn hidden_size(&self) -> usize {
+        self.hidden.as_ref().map_or(0, |(n, _)| *n)
+    }
+    fn last_hidden(&self) -> Option<&[f32]> {
+        Some(&self.last_hidden)
     }
 }
 
@@ -211,15 +249,22 @@ impl TreeTarget for ToyModel {
         }
         self.tree_calls += 1;
         logits.clear();
+        self.last_hidden.clear();
         let mut prefix = self.tokens.clone();
         prefix.push(root);
         logits.extend((self.f)(&prefix));
+        if let Some((_, h)) = &self.hidden {
+            self.last_hidden.extend(h(&prefix));
+        }
         let mut path = Vec::new();
         for i in 0..block.len() {
             block.path_to(i, &mut path);
             prefix.truncate(base + 1);
             prefix.extend(path.iter().map(|&j| block.tokens()[j as usize]));
             logits.extend((self.f)(&prefix));
+            if let Some((_, h)) = &self.hidden {
+                self.last_hidden.extend(h(&prefix));
+            }
         }
         self.tokens.push(root);
         self.tokens.extend_from_slice(block.tokens());
@@ -309,6 +354,12 @@ impl<M: TargetModel> TargetModel for CallLog<M> {
         self.prefills.push(tokens.len());
         let mut scratch = Vec::new();
         self.inner.forward(tokens, &mut scratch)
+    }
+    fn hidden_states(&self) -> Option<&dyn HiddenStates> {
+        self.inner.hidden_states()
+    }
+    fn target_features(&mut self) -> Option<&mut dyn TargetFeatures> {
+        self.inner.target_features()
     }
     /// The inner model's tree support, logged.
     fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
@@ -589,5 +640,395 @@ impl DraftHeads for ToyHeads {
             logits.extend((0..v).map(|x| if x == t { 10.0 } else { 0.0 }));
         }
         Ok(())
+    }
+}
+
+/// A standard normal keyed by `(key, idx)` on `stream` (Box-Muller from two 24-bit uniforms).
+fn normal(stream: &Stream, key: u64, idx: u32) -> f32 {
+    let b = stream.bits(key, idx);
+    let u1 = ((b[0] >> 8) as f32 + 0.5) / 16_777_216.0;
+    let u2 = (b[1] >> 8) as f32 / 16_777_216.0;
+    (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+}
+
+/// A toy recurrent language model with a known final hidden state, for feature-conditioned draft
+/// models (EAGLE; Li et al. 2024): the hidden state of position `p` is
+/// `f_p = tanh(A f_{p-1} + E[x_p])` (`f_{-1} = 0`), the logits `W f_p`. A draft that knows
+/// `f_{p-1}` and `x_p` can compute the target's row at `p` exactly ([`ToyFeatureDraft`] with the
+/// same parameters), so feature plumbing errors show up as wrong drafts.
+#[derive(Debug, Clone)]
+pub struct ToyRnn {
+    vocab: usize,
+    hidden: usize,
+    /// `[hidden, hidden]` row-major.
+    a: Vec<f32>,
+    /// `[vocab, hidden]`: input embeddings.
+    e: Vec<f32>,
+    /// `[vocab, hidden]`: output head.
+    w: Vec<f32>,
+}
+
+impl ToyRnn {
+    /// Pseudo-random parameters keyed by `seed`; `scale` scales the logits (larger: more
+    /// peaked rows).
+    pub fn new(vocab: usize, hidden: usize, scale: f32, seed: u64) -> Self {
+        let s = Stream::new(seed ^ 0x005E_ED0F_4EA7);
+        let ra = 1.1 / (hidden as f32).sqrt();
+        let rw = scale / (hidden as f32).sqrt();
+        ToyRnn {
+            vocab,
+            hidden,
+            a: (0..hidden * hidden)
+                .map(|i| ra * normal(&s, 1, i as u32))
+                .collect(),
+            e: (0..vocab * hidden)
+                .map(|i| normal(&s, 2, i as u32))
+                .collect(),
+            w: (0..vocab * hidden)
+                .map(|i| rw * normal(&s, 3, i as u32))
+                .collect(),
+        }
+    }
+
+    /// The same model with independent normal noise of scale `noise` (relative to each
+    /// parameter group's own scale) added to every parameter: a draft that is often, not
+    /// always, right.
+    pub fn perturbed(&self, noise: f32, seed: u64) -> Self {
+        let s = Stream::new(seed ^ 0x0004_015E);
+        let ra = 1.1 / (self.hidden as f32).sqrt();
+        let bump = |v: &[f32], key: u64, r: f32| -> Vec<f32> {
+            v.iter()
+                .enumerate()
+                .map(|(i, &x)| x + noise * r * normal(&s, key, i as u32))
+                .collect()
+        };
+        let rw = self.w.iter().map(|x| x * x).sum::<f32>().sqrt() / (self.w.len() as f32).sqrt();
+        ToyRnn {
+            vocab: self.vocab,
+            hidden: self.hidden,
+            a: bump(&self.a, 4, ra),
+            e: bump(&self.e, 5, 1.0),
+            w: bump(&self.w, 6, rw),
+        }
+    }
+
+    /// Vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    /// Width of the hidden state.
+    pub fn hidden_size(&self) -> usize {
+        self.hidden
+    }
+
+    /// One recurrence step: `tanh(A prev + E[token])` (`prev`: `[hidden]`; tokens are taken mod
+    /// the vocabulary).
+    pub fn step(&self, prev: &[f32], token: u32) -> Vec<f32> {
+        let h = self.hidden;
+        let t = token as usize % self.vocab;
+        (0..h)
+            .map(|i| {
+                let mut x = self.e[t * h + i];
+                for (j, &p) in prev.iter().enumerate().take(h) {
+                    x += self.a[i * h + j] * p;
+                }
+                x.tanh()
+            })
+            .collect()
+    }
+
+    /// The hidden state after `prefix` (zeros for an empty prefix).
+    pub fn hidden(&self, prefix: &[u32]) -> Vec<f32> {
+        let mut f = vec![0.0; self.hidden];
+        for &t in prefix {
+            f = self.step(&f, t);
+        }
+        f
+    }
+
+    /// The logits `W feature` (`[vocab]`).
+    pub fn head(&self, feature: &[f32]) -> Vec<f32> {
+        let h = self.hidden;
+        (0..self.vocab)
+            .map(|v| (0..h).map(|i| self.w[v * h + i] * feature[i]).sum())
+            .collect()
+    }
+
+    /// The target: a [`ToyModel`] with logits `head(hidden(prefix))` and hidden states
+    /// `hidden(prefix)` ([`ToyModel::with_hidden`]); add tree support with
+    /// [`ToyModel::with_tree`].
+    pub fn target(&self, max_context: usize) -> ToyModel {
+        let (a, b) = (self.clone(), self.clone());
+        let f: LogitsFn = Arc::new(move |p: &[u32]| a.head(&a.hidden(p)));
+        let hf: HiddenFn = Arc::new(move |p: &[u32]| b.hidden(p));
+        ToyModel::new(self.vocab, max_context, f).with_hidden(self.hidden, hf)
+    }
+}
+
+/// Which feature a row of [`ToyFeatureDraft`] read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FeatureSource {
+    /// Position 0: no previous position (zeros).
+    Start,
+    /// The held target feature of the previous position.
+    Target,
+    /// The model's own predicted feature of the previous position (a draft row).
+    Own,
+}
+
+/// A feature-conditioned toy draft model (an EAGLE head on a [`ToyRnn`] target): its row at
+/// position `p` reads the token `x_p` and the feature of position `p - 1`, the held target
+/// feature ([`TargetFeatures`]) when `p - 1 < target_hidden_len()`, else its own predicted
+/// feature of `p - 1`; it predicts `f_p = rnn.step(feature, x_p)` and outputs `rnn.head(f_p)`.
+/// With the target's own [`ToyRnn`] and the true features its rows equal the target's.
+/// Records the feature each row of its sequence read and every `set_target_hidden` call.
+#[derive(Debug, Clone)]
+pub struct ToyFeatureDraft {
+    rnn: ToyRnn,
+    max_context: usize,
+    tokens: Vec<u32>,
+    /// `[seq_len, hidden]`: the feature each row read.
+    inputs: Vec<f32>,
+    sources: Vec<FeatureSource>,
+    /// `[seq_len, hidden]`: each row's predicted feature.
+    own: Vec<f32>,
+    /// `[target_hidden_len, hidden]`.
+    held: Vec<f32>,
+    tree_nodes: usize,
+    pending: Option<(usize, Vec<u32>)>,
+    /// `(start, rows)` of every [`TargetFeatures::set_target_hidden`] call, in order.
+    pub feature_sets: Vec<(usize, usize)>,
+    /// Number of rows computed at position 0 by [`TargetModel::forward`] (or `prefill`): each is
+    /// a start from an empty sequence. (A tree forward over a one-token context also computes
+    /// its root at position 0; not counted.)
+    pub first_rows: usize,
+}
+
+impl ToyFeatureDraft {
+    /// A draft model computing with `rnn`'s parameters.
+    pub fn new(rnn: ToyRnn, max_context: usize) -> Self {
+        ToyFeatureDraft {
+            rnn,
+            max_context,
+            tokens: Vec::new(),
+            inputs: Vec::new(),
+            sources: Vec::new(),
+            own: Vec::new(),
+            held: Vec::new(),
+            tree_nodes: 0,
+            pending: None,
+            feature_sets: Vec::new(),
+            first_rows: 0,
+        }
+    }
+
+    /// Offers tree support for blocks of up to `max_nodes` nodes (a node reads its parent's
+    /// predicted feature).
+    pub fn with_tree(mut self, max_nodes: usize) -> Self {
+        self.tree_nodes = max_nodes;
+        self
+    }
+
+    /// The tokens of the sequence.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The held target features, `[target_hidden_len, hidden]`.
+    pub fn held(&self) -> &[f32] {
+        &self.held
+    }
+
+    /// The feature the row at position `p` of the sequence read, and where it came from.
+    pub fn row_feature(&self, p: usize) -> Option<(FeatureSource, &[f32])> {
+        let h = self.rnn.hidden;
+        Some((*self.sources.get(p)?, self.inputs.get(p * h..(p + 1) * h)?))
+    }
+
+    /// The feature a new row at position `p` reads (`p <= seq_len`).
+    fn feature_in(&self, p: usize) -> (FeatureSource, Vec<f32>) {
+        let h = self.rnn.hidden;
+        if p == 0 {
+            (FeatureSource::Start, vec![0.0; h])
+        } else if p - 1 < self.held.len() / h {
+            (
+                FeatureSource::Target,
+                self.held[(p - 1) * h..p * h].to_vec(),
+            )
+        } else {
+            (FeatureSource::Own, self.own[(p - 1) * h..p * h].to_vec())
+        }
+    }
+
+    /// Appends a row reading `feature` and writes its logits.
+    fn push_row(
+        &mut self,
+        token: u32,
+        src: FeatureSource,
+        feature: Vec<f32>,
+        logits: &mut Vec<f32>,
+    ) {
+        let f = self.rnn.step(&feature, token);
+        logits.extend(self.rnn.head(&f));
+        self.tokens.push(token);
+        self.sources.push(src);
+        self.inputs.extend(feature);
+        self.own.extend(f);
+    }
+
+    fn check_token(&self, t: u32) -> Result<()> {
+        if t as usize >= self.rnn.vocab {
+            return Err(Error::TokenOutOfVocab {
+                what: "model input",
+                token: t,
+                vocab_size: self.rnn.vocab,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl TargetModel for ToyFeatureDraft {
+    fn vocab_size(&self) -> usize {
+        self.rnn.vocab
+    }
+    fn max_context(&self) -> usize {
+        self.max_context
+    }
+    fn seq_len(&self) -> usize {
+        self.tokens.len()
+    }
+    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        if self.tokens.len() + tokens.len() > self.max_context {
+            return Err(Error::model("context overflow"));
+        }
+        for &t in tokens {
+            self.check_token(t)?;
+        }
+        logits.clear();
+        for &t in tokens {
+            self.first_rows += self.tokens.is_empty() as usize;
+            let (src, feature) = self.feature_in(self.tokens.len());
+            self.push_row(t, src, feature, logits);
+        }
+        Ok(())
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.tokens.len() {
+            return Err(Error::model("truncate beyond the sequence"));
+        }
+        if len < self.tokens.len() {
+            self.pending = None;
+        }
+        let h = self.rnn.hidden;
+        self.tokens.truncate(len);
+        self.sources.truncate(len);
+        self.inputs.truncate(len * h);
+        self.own.truncate(len * h);
+        Ok(())
+    }
+    fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
+        if self.tree_nodes == 0 {
+            None
+        } else {
+            Some(self)
+        }
+    }
+    fn target_features(&mut self) -> Option<&mut dyn TargetFeatures> {
+        Some(self)
+    }
+}
+
+impl TargetFeatures for ToyFeatureDraft {
+    fn hidden_size(&self) -> usize {
+        self.rnn.hidden
+    }
+    fn target_hidden_len(&self) -> usize {
+        self.held.len() / self.rnn.hidden
+    }
+    fn set_target_hidden(&mut self, start: usize, rows: &[f32]) -> Result<()> {
+        let h = self.rnn.hidden;
+        let held = self.target_hidden_len();
+        if start > held {
+            return Err(Error::ShapeMismatch {
+                what: "target hidden states held before start (set_target_hidden)",
+                expected: start,
+                actual: held,
+            });
+        }
+        if !rows.len().is_multiple_of(h) {
+            return Err(Error::ShapeMismatch {
+                what: "set_target_hidden rows ([n, hidden_size])",
+                expected: rows.len() / h * h,
+                actual: rows.len(),
+            });
+        }
+        self.feature_sets.push((start, rows.len() / h));
+        self.held.truncate(start * h);
+        self.held.extend_from_slice(rows);
+        let keep = self.tokens.len().min(start + 1);
+        self.truncate(keep)
+    }
+}
+
+impl TreeTarget for ToyFeatureDraft {
+    fn max_tree_nodes(&self) -> usize {
+        self.tree_nodes
+    }
+    fn forward_tree(
+        &mut self,
+        root: u32,
+        block: &DraftBlock<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let limits = TreeLimits::target(self.rnn.vocab, self.tree_nodes);
+        block.validate(&limits).map_err(Error::InvalidTree)?;
+        self.check_token(root)?;
+        let base = self.tokens.len();
+        if base + block.rows() > self.max_context {
+            return Err(Error::model("context overflow in a tree forward"));
+        }
+        logits.clear();
+        let (src, feature) = self.feature_in(base);
+        self.push_row(root, src, feature, logits);
+        let h = self.rnn.hidden;
+        for i in 0..block.len() {
+            // Row r of the block sits at position base + r of the flat sequence.
+            let r = base + block.parent_row(i);
+            let feature = self.own[r * h..(r + 1) * h].to_vec();
+            self.push_row(block.tokens()[i], FeatureSource::Own, feature, logits);
+        }
+        let parents = (0..block.len())
+            .map(|i| block.parent_row(i) as u32)
+            .collect();
+        self.pending = Some((base, parents));
+        Ok(())
+    }
+    fn commit_tree(&mut self, path: &[u32]) -> Result<()> {
+        let Some((base, parents)) = self.pending.take() else {
+            return Err(Error::TargetContract {
+                what: "commit_tree without a pending tree forward",
+            });
+        };
+        let mut row = 0usize;
+        for &j in path {
+            if parents.get(j as usize).map(|&r| r as usize) != Some(row) {
+                self.pending = Some((base, parents));
+                return Err(Error::TargetContract {
+                    what: "commit_tree path is not a path of the block",
+                });
+            }
+            row = j as usize + 1;
+        }
+        let h = self.rnn.hidden;
+        for (d, &j) in path.iter().enumerate() {
+            let (from, to) = (base + 1 + j as usize, base + 1 + d);
+            self.tokens[to] = self.tokens[from];
+            self.sources[to] = self.sources[from];
+            self.inputs.copy_within(from * h..(from + 1) * h, to * h);
+            self.own.copy_within(from * h..(from + 1) * h, to * h);
+        }
+        self.truncate(base + 1 + path.len())
     }
 }

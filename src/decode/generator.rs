@@ -105,6 +105,12 @@ pub struct StepStats {
 /// the step is a plain decoding step. A draft that reaches an end (EOS, a stop sequence or a stop
 /// string) is cut there, and the target processes no row after it (case C11).
 ///
+/// With a target that offers [`crate::HiddenStates`], the loop keeps the target's final hidden
+/// states of every context position for the generation (`[context.len() - 1, hidden]` f32, a
+/// copy of `hidden` floats per emitted token; SmolLM2-135M: 2.3 KB per position) and hands them
+/// to the proposer as [`ProposeRequest::target_hidden_rows`] (feature-conditioned draft models,
+/// see [`crate::TargetFeatures`]).
+///
 /// `Generator<T, P>` is `Send` when `T` and `P` are.
 ///
 /// # Example
@@ -129,6 +135,14 @@ pub struct Generator<T, P> {
     logits: Vec<f32>,
     draft: Draft,
     hidden: Vec<f32>,
+    /// The target's final hidden states of every context position but the last
+    /// (`[context.len() - 1, hidden_width]`), while `hidden_rows_ok`.
+    hidden_rows: Vec<f32>,
+    /// `hidden_rows` is complete for the current generation (the target exposes hidden states
+    /// and every forward gave rows of the documented size).
+    hidden_rows_ok: bool,
+    /// Width of a row of `hidden_rows`.
+    hidden_width: usize,
     detokenizer: Option<Box<dyn Detokenizer>>,
     /// Per node of a tree draft: accepting it ends the generation.
     node_ends: Vec<bool>,
@@ -149,6 +163,9 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             logits: Vec::new(),
             draft: Draft::default(),
             hidden: Vec::new(),
+            hidden_rows: Vec::new(),
+            hidden_rows_ok: false,
+            hidden_width: 0,
             detokenizer: None,
             node_ends: Vec::new(),
             path: Vec::new(),
@@ -303,6 +320,9 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         params.validate(vocab, self.detokenizer.is_some())?;
         self.target.truncate(0)?;
         self.hidden.clear();
+        self.hidden_rows.clear();
+        self.hidden_width = self.target.hidden_states().map_or(0, |hs| hs.hidden_size());
+        self.hidden_rows_ok = self.hidden_width > 0;
         self.adaptive.begin_generation();
         let mut metrics = Metrics::default();
         if prompt.len() > 1 {
@@ -311,6 +331,8 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             metrics.prefill_time = t.elapsed();
             check_seq_len(&self.target, prompt.len() - 1, "seq_len after prefill")?;
             self.capture_hidden(prompt.len() - 2);
+            let n = prompt.len() - 1;
+            self.append_hidden_rows(0..n, n);
         }
         let t = Instant::now();
         self.proposer.begin(prompt)?;
@@ -351,6 +373,47 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             self.hidden.extend_from_slice(r);
         }
     }
+}
+
+impl<T: TargetModel, P> Generator<T, P> {
+    /// Appends rows `rows` (indices into the rows of the target's last forward, which appended
+    /// `appended` positions) to `hidden_rows`, the features of the positions just committed.
+    /// Missing hidden states, a row count other than `appended` or a changed width end the
+    /// buffer for the rest of the generation (proposers then get `None`); never panics.
+    fn append_hidden_rows(&mut self, rows: impl Iterator<Item = usize>, appended: usize) {
+        if !self.hidden_rows_ok {
+            return;
+        }
+        let h = self.hidden_width;
+        let all = self
+            .target
+            .hidden_states()
+            .filter(|hs| hs.hidden_size() == h)
+            .and_then(|hs| hs.last_hidden())
+            .filter(|all| Some(all.len()) == appended.checked_mul(h));
+        let Some(all) = all else {
+            self.hidden_rows_ok = false;
+            self.hidden_rows.clear();
+            return;
+        };
+        for r in rows {
+            match all.get(r * h..(r + 1) * h) {
+                Some(row) => self.hidden_rows.extend_from_slice(row),
+                None => {
+                    self.hidden_rows_ok = false;
+                    self.hidden_rows.clear();
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The hidden rows `rows` (of width `width`) of every position of a context of `len` tokens but
+/// the last, when complete (`ok`) and of that size.
+fn hidden_rows_for(rows: &[f32], ok: bool, width: usize, len: usize) -> Option<&[f32]> {
+    let want = len.checked_sub(1)?.checked_mul(width)?;
+    (ok && rows.len() == want).then_some(rows)
 }
 
 /// `Err(TargetContract)` unless the target holds `expected` positions.
@@ -491,6 +554,12 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                     l.truncate(len - self.prompt_len);
                 }
                 let _ = self.g.target.truncate(len - 1);
+                let rows = (len - 1) * self.g.hidden_width;
+                if self.g.hidden_rows.len() >= rows {
+                    self.g.hidden_rows.truncate(rows);
+                } else {
+                    self.g.hidden_rows_ok = false;
+                }
                 self.end(FinishReason::Error);
                 Err(e)
             }
@@ -583,6 +652,12 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         let g = &mut *self.g;
         g.draft.clear();
         if k_req > 0 {
+            let rows = hidden_rows_for(
+                &g.hidden_rows,
+                g.hidden_rows_ok,
+                g.hidden_width,
+                self.context.len(),
+            );
             let req = ProposeRequest {
                 context: &self.context,
                 config: &params.sampling,
@@ -591,6 +666,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                 max_branch: branch,
                 seed: params.seed,
                 target_hidden: (!g.hidden.is_empty()).then_some(&g.hidden[..]),
+                target_hidden_rows: rows,
                 prompt_len: self.prompt_len,
                 eos: &params.stop.eos,
                 suppress_eos_rows: suppress_rows,
@@ -908,6 +984,13 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                 0
             };
             g.capture_hidden(row);
+            // The features of the root and of the accepted path but its last token.
+            let rows = 1 + g.draft.len();
+            let path = &out.path[..kept - 1];
+            g.append_hidden_rows(
+                std::iter::once(0).chain(path.iter().map(|&j| j as usize + 1)),
+                rows,
+            );
             match g.target.tree() {
                 Some(tree) => tree.commit_tree(&out.path[..kept - 1])?,
                 None => {
@@ -918,6 +1001,10 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             }
             check_seq_len(&g.target, before + kept - 1, "seq_len after commit_tree")?;
         } else {
+            // The features of the root and the kept drafts but the last emitted token: rows
+            // `0..kept` of the forward (which appended `k + 1` rows, `k` when the final draft
+            // ends the sequence).
+            g.append_hidden_rows(0..kept, p.k + 1 - p.ends as usize);
             g.target.truncate(before + kept - 1)?;
             g.capture_hidden(kept - 1);
         }

@@ -126,6 +126,27 @@ fn ranked(nodes: &[Node], idx: impl Iterator<Item = usize>) -> Vec<usize> {
 /// drafts never depend on an earlier request: they equal a fresh proposer's drafts on the same
 /// context (for a model whose logits depend only on its sequence).
 ///
+/// # Feature-conditioned draft models
+///
+/// An EAGLE draft head (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+/// Uncertainty") reads, at each position, the token and the target's hidden state of the
+/// previous position. Such a model implements [`crate::TargetFeatures`] and offers it through
+/// [`TargetModel::target_features`]. When the request carries the target's rows
+/// ([`ProposeRequest::target_hidden_rows`], `[context.len() - 1, hidden_size]`, which the
+/// decoding loop passes for a target with [`crate::HiddenStates`]), each proposal first calls
+/// [`crate::TargetFeatures::set_target_hidden`] with the rows from the first position whose
+/// feature may have changed: the longest common prefix of the model's sequence and the context
+/// (so, in a generation, from the previous step's last context position: `kept` rows per
+/// step), capped by the positions whose held features it set itself. The model then holds the
+/// target's features of every context position but the last and drops its rows that read a
+/// later feature (the draft rows of the previous step, computed from its own features), and the
+/// catch-up recomputes the accepted tokens' rows from the target's features. Draft rows read
+/// the model's own predicted features. Checks: the rows' length must be
+/// `(context.len() - 1) * hidden_size` of the draft model (else [`Error::ShapeMismatch`]). A
+/// request without rows leaves the held features as they are (and no longer trusts them from
+/// the first changed position on). [`Proposer::begin`] leaves them too: the first proposal of
+/// a generation replaces them all (its common prefix is empty).
+///
 /// # Trees
 ///
 /// [`Proposer::propose_tree`] grows EAGLE-2 style token trees when the draft model offers tree
@@ -140,6 +161,9 @@ pub struct DraftModelProposer<M> {
     sampler: DraftSampler,
     logits: Vec<f32>,
     tree: DraftTreeConfig,
+    /// Leading positions of `seen` whose target features the model holds (feature-conditioned
+    /// models only): set to the context's feature rows at each proposal that has them.
+    features_valid: usize,
 }
 
 impl<M: TargetModel> DraftModelProposer<M> {
@@ -152,6 +176,7 @@ impl<M: TargetModel> DraftModelProposer<M> {
             sampler: DraftSampler::default(),
             logits: Vec::new(),
             tree: DraftTreeConfig::default(),
+            features_valid: 0,
         }
     }
 
@@ -227,6 +252,63 @@ impl<M: TargetModel> DraftModelProposer<M> {
             self.feed(&ctx[ctx.len() - 1..])?;
         } else {
             self.feed(&ctx[common..])?;
+        }
+        Ok(())
+    }
+
+    /// Feature-conditioned draft models ([`TargetModel::target_features`]): hands the model the
+    /// target's features of the context positions from the first one that may have changed,
+    /// before [`DraftModelProposer::catch_up`]. `start` is the longest common prefix of what the
+    /// model has seen and `ctx` (at most `ctx.len() - 1`), capped by the positions whose held
+    /// features are known to belong to `seen` and by the model's held length; the model drops
+    /// its rows after `start`, and `seen` follows it.
+    ///
+    /// Without rows (a target without hidden states) nothing is handed over; the held features
+    /// from the first changed position on are then no longer trusted.
+    fn sync_features(&mut self, ctx: &[u32], rows: Option<&[f32]>) -> Result<()> {
+        let consistent = self.model.seq_len() == self.seen.len();
+        let common = if consistent {
+            self.seen
+                .iter()
+                .zip(ctx)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(ctx.len().saturating_sub(1))
+        } else {
+            0
+        };
+        let Some(rows) = rows else {
+            self.features_valid = self.features_valid.min(common);
+            return Ok(());
+        };
+        let Some(tf) = self.model.target_features() else {
+            return Ok(());
+        };
+        let h = tf.hidden_size();
+        if h == 0 {
+            return Err(Error::TargetContract {
+                what: "draft model target_features().hidden_size() is 0",
+            });
+        }
+        let n = ctx.len().saturating_sub(1);
+        if rows.len() != n * h {
+            return Err(Error::ShapeMismatch {
+                what: "target_hidden_rows ([context.len() - 1, draft model hidden_size])",
+                expected: n * h,
+                actual: rows.len(),
+            });
+        }
+        let start = common.min(self.features_valid).min(tf.target_hidden_len());
+        tf.set_target_hidden(start, &rows[start * h..])?;
+        self.features_valid = n;
+        // The model dropped its rows that read a feature at a position >= start; a model whose
+        // sequence is not what this proposer fed starts over (as `catch_up` would).
+        let len = self.model.seq_len();
+        if consistent && len <= self.seen.len() {
+            self.seen.truncate(len);
+        } else {
+            self.model.truncate(0)?;
+            self.seen.clear();
         }
         Ok(())
     }
@@ -400,6 +482,7 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
     fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
         self.model.truncate(0)?;
         self.seen.clear();
+        self.features_valid = 0;
         Ok(())
     }
 
@@ -407,8 +490,10 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
     /// draft ends at EOS); see [`DraftModelProposer`].
     ///
     /// # Errors
-    /// Errors of the model's `prefill`, `forward` and `truncate`; [`Error::ShapeMismatch`] when
-    /// the model returns logits that are not `[n, vocab]`; processing errors of the request's
+    /// Errors of the model's `prefill`, `forward`, `truncate` and `set_target_hidden`;
+    /// [`Error::ShapeMismatch`] when the model returns logits that are not `[n, vocab]` or
+    /// `req.target_hidden_rows` is not `[context.len() - 1, hidden_size]` for a
+    /// feature-conditioned model; processing errors of the request's
     /// configuration (for example [`Error::NoAllowedToken`]).
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
@@ -422,6 +507,7 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
         if k == 0 {
             return Ok(());
         }
+        self.sync_features(ctx, req.target_hidden_rows)?;
         self.catch_up(ctx)?;
 
         let cfg = req.config;
@@ -509,6 +595,7 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
         if max_depth == 0 {
             return Ok(());
         }
+        self.sync_features(ctx, req.target_hidden_rows)?;
         self.catch_up(ctx)?;
         self.sampler.begin(req, vocab)?;
         let mut nodes = Vec::new();
@@ -987,5 +1074,121 @@ mod tests {
                 assert_eq!(d, f);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod feature_tests {
+    //! Feature-conditioned draft models: what `DraftModelProposer` hands over, used directly.
+    use super::*;
+    use crate::SamplingConfig;
+    use crate::model::TargetFeatures;
+    use crate::test_util::{FeatureSource, ToyFeatureDraft, ToyRnn};
+
+    const H: usize = 4;
+
+    fn rnn() -> ToyRnn {
+        ToyRnn::new(9, H, 2.0, 3)
+    }
+
+    fn rows(r: &ToyRnn, ctx: &[u32]) -> Vec<f32> {
+        (0..ctx.len() - 1)
+            .flat_map(|p| r.hidden(&ctx[..=p]))
+            .collect()
+    }
+
+    fn propose(
+        p: &mut DraftModelProposer<ToyFeatureDraft>,
+        ctx: &[u32],
+        rows: Option<&[f32]>,
+    ) -> Draft {
+        let cfg = SamplingConfig::greedy();
+        let req = ProposeRequest {
+            target_hidden_rows: rows,
+            ..ProposeRequest::new(ctx, &cfg, 3)
+        };
+        let mut d = Draft::default();
+        p.propose(&req, &mut d).unwrap();
+        d
+    }
+
+    /// The held features and every context row's feature are the target's.
+    fn assert_true_features(p: &DraftModelProposer<ToyFeatureDraft>, r: &ToyRnn, ctx: &[u32]) {
+        let m = p.model();
+        assert_eq!(m.held(), &rows(r, ctx)[..]);
+        for q in 1..ctx.len() {
+            let (src, f) = m.row_feature(q).unwrap();
+            assert_eq!(src, FeatureSource::Target);
+            assert_eq!(f, &r.hidden(&ctx[..q])[..]);
+        }
+    }
+
+    #[test]
+    fn rows_are_handed_over_from_the_first_changed_position() {
+        let r = rnn();
+        let mut p = DraftModelProposer::new(ToyFeatureDraft::new(r.perturbed(0.3, 1), 256));
+        let a: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7, 8];
+        propose(&mut p, &a, Some(&rows(&r, &a)));
+        assert_eq!(p.model().feature_sets, vec![(0, 7)]);
+        assert_true_features(&p, &r, &a);
+        // Two more tokens: only the rows from the previous last position.
+        let mut b = a.clone();
+        b.extend([0, 4]);
+        propose(&mut p, &b, Some(&rows(&r, &b)));
+        assert_eq!(p.model().feature_sets[1], (7, 2));
+        assert_true_features(&p, &r, &b);
+        // A context that diverges at position 5: from there.
+        let mut c = b[..5].to_vec();
+        c.extend([8, 8, 8]);
+        propose(&mut p, &c, Some(&rows(&r, &c)));
+        assert_eq!(p.model().feature_sets[2], (5, 2));
+        assert_true_features(&p, &r, &c);
+        // A request without rows on a context diverging at 2 leaves the features, but the next
+        // request with rows replaces them from position 2 on.
+        let mut d = c[..2].to_vec();
+        d.extend([6, 6, 6, 6]);
+        propose(&mut p, &d, None);
+        assert_eq!(p.model().feature_sets.len(), 3);
+        d.push(1);
+        propose(&mut p, &d, Some(&rows(&r, &d)));
+        assert_eq!(p.model().feature_sets[3], (2, 4));
+        assert_true_features(&p, &r, &d);
+        // The drafts equal a fresh proposer's with the same rows.
+        let mut fresh = DraftModelProposer::new(ToyFeatureDraft::new(r.perturbed(0.3, 1), 256));
+        d.push(2);
+        assert_eq!(
+            propose(&mut p, &d, Some(&rows(&r, &d))),
+            propose(&mut fresh, &d, Some(&rows(&r, &d)))
+        );
+        // begin() keeps the held features (truncate does not drop them); the next proposal
+        // replaces them all.
+        p.begin(&d).unwrap();
+        assert_eq!(p.model().target_hidden_len(), d.len() - 1);
+        propose(&mut p, &d, Some(&rows(&r, &d)));
+        assert_eq!(p.model().feature_sets.last(), Some(&(0, d.len() - 1)));
+    }
+
+    #[test]
+    fn a_one_token_context_clears_the_features() {
+        let r = rnn();
+        let mut p = DraftModelProposer::new(ToyFeatureDraft::new(r.clone(), 256));
+        propose(&mut p, &[1, 2, 3], Some(&rows(&r, &[1, 2, 3])));
+        propose(&mut p, &[4], Some(&[]));
+        assert_eq!(p.model().target_hidden_len(), 0);
+        assert_eq!(p.model().feature_sets.last(), Some(&(0, 0)));
+        // With the target's own parameters and features, the greedy draft is the target's
+        // greedy continuation.
+        let ctx = [4u32, 0, 7];
+        let d = propose(&mut p, &ctx, Some(&rows(&r, &ctx)));
+        let mut seq = ctx.to_vec();
+        for &t in &d.tokens {
+            let l = r.head(&r.hidden(&seq));
+            let best = (0..9u32)
+                .max_by(|&a, &b| l[a as usize].total_cmp(&l[b as usize]).then(b.cmp(&a)))
+                .unwrap();
+            assert_eq!(t, best);
+            seq.push(t);
+        }
+        assert_eq!(d.tokens.len(), 3);
     }
 }

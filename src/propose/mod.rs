@@ -66,6 +66,13 @@ pub struct ProposeRequest<'a> {
     /// that token; for the prompt's last token it may not be. [`HeadsProposer`] passes it to its
     /// heads together with `context.last()` (see [`HeadsInput`]).
     pub target_hidden: Option<&'a [f32]>,
+    /// The target's final hidden states of every context position but the last,
+    /// `[context.len() - 1, hidden_size]` row-major: row `p` from the target row whose input
+    /// was `context[p]` (the feature of position `p`, see [`crate::TargetFeatures`]); its last
+    /// row equals `target_hidden`. `None` when the target exposes no hidden states (or gave
+    /// rows of the wrong size). The loop passes `Some` with no rows for a one-token prompt.
+    /// [`DraftModelProposer`] feeds them to a feature-conditioned draft model (an EAGLE head).
+    pub target_hidden_rows: Option<&'a [f32]>,
     /// Number of leading `context` tokens that are the prompt (frequency and presence penalties
     /// count only the tokens after it; see [`crate::sampling::PenaltyScope`]).
     pub prompt_len: usize,
@@ -78,8 +85,9 @@ pub struct ProposeRequest<'a> {
 }
 
 impl<'a> ProposeRequest<'a> {
-    /// A request for at most `max_draft` tokens after `context` with seed 0, no hidden state,
-    /// no prompt split, no EOS and no suppression.
+    /// A request for at most `max_draft` tokens after `context` with seed 0, no hidden state
+    /// (`target_hidden` and `target_hidden_rows` `None`), no prompt split, no EOS and no
+    /// suppression.
     pub fn new(context: &'a [u32], config: &'a SamplingConfig, max_draft: usize) -> Self {
         ProposeRequest {
             context,
@@ -89,6 +97,7 @@ impl<'a> ProposeRequest<'a> {
             max_branch: usize::MAX,
             seed: 0,
             target_hidden: None,
+            target_hidden_rows: None,
             prompt_len: 0,
             eos: &[],
             suppress_eos_rows: 0,
