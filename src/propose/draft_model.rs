@@ -251,7 +251,13 @@ impl<M: TargetModel> DraftModelProposer<M> {
             self.seen.extend_from_slice(head);
             self.feed(&ctx[ctx.len() - 1..])?;
         } else {
-            self.feed(&ctx[common..])?;
+            // Only the last row's logits are read: the rows before it are prefilled.
+            let last = ctx.len() - 1;
+            if last > common {
+                self.model.prefill(&ctx[common..last])?;
+                self.seen.extend_from_slice(&ctx[common..last]);
+            }
+            self.feed(&ctx[last..])?;
         }
         Ok(())
     }
@@ -347,7 +353,11 @@ impl<M: TargetModel> DraftModelProposer<M> {
                 self.sampler.goto(&path)?;
                 let base = if row == 0 { 0.0 } else { nodes[row - 1].score };
                 let logits = &rows[b * vocab..(b + 1) * vocab];
-                self.sampler.top(cfg, logits, depth, width, &mut top)?;
+                match self.sampler.top(cfg, logits, depth, width, &mut top) {
+                    // A row without any allowed token gets no children.
+                    Err(Error::NoAllowedToken { .. }) => continue,
+                    r => r?,
+                }
                 for (rank, &(t, lp)) in top.iter().enumerate() {
                     let score = base + lp as f64;
                     if greedy {
@@ -513,7 +523,12 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
         let cfg = req.config;
         self.sampler.begin(req, vocab)?;
         for i in 0..k {
-            let t = self.sampler.draw(cfg, req.seed, &self.logits, i, draft)?;
+            // A draft row that masks, bans or a draft vocabulary subset (an EAGLE head's
+            // FR-Spec subset) leave without any token ends the draft there.
+            let t = match self.sampler.draw(cfg, req.seed, &self.logits, i, draft) {
+                Err(Error::NoAllowedToken { .. }) => break,
+                r => r?,
+            };
             // A draft ends at its own EOS: no draft row after it is computed or processed.
             if i + 1 < k && !req.is_eos(t) {
                 self.feed(&[t])?;

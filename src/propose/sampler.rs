@@ -253,6 +253,8 @@ impl DraftSampler {
     /// Moves the recorded q into `draft` (sampling requests only).
     pub(crate) fn finish(&mut self, cfg: &SamplingConfig, vocab: usize, draft: &mut Draft) {
         if !cfg.is_greedy() && !draft.tokens.is_empty() {
+            // A row recorded for a draw that found no token is not a draft's row.
+            self.q.truncate(draft.tokens.len() * vocab);
             draft.q = Some(std::mem::take(&mut self.q));
             draft.q_vocab = vocab;
         }

@@ -175,8 +175,8 @@ fn head_proposer(
 ) -> Result<DraftModelProposer<DraftHead>, DynError> {
     let w = w.ok_or("--proposer draft-head needs --backend fast")?;
     let path = a.draft_head.clone().unwrap_or_else(default_head_path);
-    let hw = DraftHeadWeights::load(&path, w.clone())
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let hw =
+        DraftHeadWeights::load(&path, w.clone()).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(DraftModelProposer::new(DraftHead::new(hw)))
 }
 

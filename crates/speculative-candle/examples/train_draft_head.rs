@@ -197,48 +197,51 @@ fn run() -> Result<(), DynError> {
                     gen_cfg.clone(),
                     bar.clone(),
                 );
-                handles.push(std::thread::spawn(move || -> Result<Vec<(usize, Sequence)>, String> {
-                    let mut target = FastTarget::new(w);
-                    let mut out = Vec::new();
-                    for i in (t..texts.len()).step_by(threads.max(1)) {
-                        let prompt_text = tok
-                            .apply_chat_template(&[ChatMessage::user(texts[i].clone())])
-                            .map_err(|e| e.to_string())?;
-                        let prompt = tok.encode(&prompt_text).map_err(|e| e.to_string())?;
-                        let gi = i + skip;
-                        let temp = cfg.temperatures[gi % cfg.temperatures.len()];
-                        let sampling = SamplingConfig::builder()
-                            .temperature(temp)
-                            .top_p(if temp == 0.0 { 1.0 } else { cfg.top_p })
-                            .build()
-                            .map_err(|e| e.to_string())?;
-                        let params = GenerationParams {
-                            sampling,
-                            seed: cfg.seed.wrapping_mul(1_000_003).wrapping_add(gi as u64),
-                            max_new_tokens: cfg.max_tokens,
-                            stop: StopConditions::eos(tok.eos_id()),
-                            draft: DraftLength::Off,
-                            ..Default::default()
-                        };
-                        let r = Generator::new(&mut target, NoProposer)
-                            .generate(&prompt, &params)
-                            .map_err(|e| e.to_string())?;
-                        let mut tokens = prompt.clone();
-                        tokens.extend_from_slice(&r.tokens);
-                        let f = record_features(&mut target, &tokens).map_err(|e| e.to_string())?;
-                        out.push((
-                            i,
-                            Sequence {
-                                prompt_len: prompt.len(),
-                                temperature: temp,
-                                features: f.iter().map(|&x| half::f16::from_f32(x)).collect(),
-                                tokens,
-                            },
-                        ));
-                        bar.inc(1);
-                    }
-                    Ok(out)
-                }));
+                handles.push(std::thread::spawn(
+                    move || -> Result<Vec<(usize, Sequence)>, String> {
+                        let mut target = FastTarget::new(w);
+                        let mut out = Vec::new();
+                        for i in (t..texts.len()).step_by(threads.max(1)) {
+                            let prompt_text = tok
+                                .apply_chat_template(&[ChatMessage::user(texts[i].clone())])
+                                .map_err(|e| e.to_string())?;
+                            let prompt = tok.encode(&prompt_text).map_err(|e| e.to_string())?;
+                            let gi = i + skip;
+                            let temp = cfg.temperatures[gi % cfg.temperatures.len()];
+                            let sampling = SamplingConfig::builder()
+                                .temperature(temp)
+                                .top_p(if temp == 0.0 { 1.0 } else { cfg.top_p })
+                                .build()
+                                .map_err(|e| e.to_string())?;
+                            let params = GenerationParams {
+                                sampling,
+                                seed: cfg.seed.wrapping_mul(1_000_003).wrapping_add(gi as u64),
+                                max_new_tokens: cfg.max_tokens,
+                                stop: StopConditions::eos(tok.eos_id()),
+                                draft: DraftLength::Off,
+                                ..Default::default()
+                            };
+                            let r = Generator::new(&mut target, NoProposer)
+                                .generate(&prompt, &params)
+                                .map_err(|e| e.to_string())?;
+                            let mut tokens = prompt.clone();
+                            tokens.extend_from_slice(&r.tokens);
+                            let f =
+                                record_features(&mut target, &tokens).map_err(|e| e.to_string())?;
+                            out.push((
+                                i,
+                                Sequence {
+                                    prompt_len: prompt.len(),
+                                    temperature: temp,
+                                    features: f.iter().map(|&x| half::f16::from_f32(x)).collect(),
+                                    tokens,
+                                },
+                            ));
+                            bar.inc(1);
+                        }
+                        Ok(out)
+                    },
+                ));
             }
             let mut all = Vec::new();
             for h in handles {
@@ -355,10 +358,16 @@ fn run() -> Result<(), DynError> {
             let train_secs = t0.elapsed().as_secs_f64();
             println!("{steps} steps in {train_secs:.1} s");
             let mut meta = BTreeMap::new();
-            meta.insert("target".into(), speculative_candle::DEFAULT_MODEL_FILE.into());
+            meta.insert(
+                "target".into(),
+                speculative_candle::DEFAULT_MODEL_FILE.into(),
+            );
             meta.insert("seed".into(), seed.to_string());
             meta.insert("steps".into(), steps.to_string());
-            meta.insert("train_answer_tokens".into(), train.answer_tokens().to_string());
+            meta.insert(
+                "train_answer_tokens".into(),
+                train.answer_tokens().to_string(),
+            );
             let tensors = trainer.export(meta)?;
             tensors.write(&out, true)?;
             let hw = DraftHeadWeights::load(&out, weights.clone())?;
@@ -366,8 +375,14 @@ fn run() -> Result<(), DynError> {
             let acc = evaluate(&mut head, &val, 5, 1)?;
             println!(
                 "validation (greedy answers, f16 weights, Q8 head): top-1 {:?}  top-3 {:?}  mean accepted (chain of 5) {:.3}",
-                acc.top1.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>(),
-                acc.top3.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>(),
+                acc.top1
+                    .iter()
+                    .map(|x| format!("{x:.3}"))
+                    .collect::<Vec<_>>(),
+                acc.top3
+                    .iter()
+                    .map(|x| format!("{x:.3}"))
+                    .collect::<Vec<_>>(),
                 acc.mean_accepted
             );
             println!("trained in {train_secs:.0} s; wrote {}", out.display());

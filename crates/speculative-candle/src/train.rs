@@ -13,9 +13,10 @@
 //!    f^_p E_S^T)`: feature regression plus cross-entropy against the target's own next-token
 //!    distribution over the subset `S` (EAGLE's loss, with soft labels as in its code).
 //!    Input features get Gaussian noise (EAGLE's robustness to its own feature errors), and
-//!    with [`TrainConfig::unroll`] `= 2` a second pass feeds the first pass's predictions as
-//!    the input features (the head then learns to read its own drafts, as in EAGLE-3's
-//!    training-time test).
+//!    with [`TrainConfig::unroll`] `= 2` a second pass feeds each row the first pass's
+//!    prediction of the previous position while it attends to the first pass's keys of the
+//!    earlier rows and its own second-pass key: the situation of the second draft token at
+//!    inference (EAGLE-3's training-time test, Li et al. 2025, section 3).
 //! 3. **Evaluation.** [`evaluate`] runs the shipped inference head ([`DraftHead`], the fast
 //!    Q8 path) along greedy validation answers: top-1 / top-3 accuracy per draft position and
 //!    the mean accepted length of a greedy chain.
@@ -162,12 +163,15 @@ impl Dataset {
         }
         let hidden = u(&mut r)? as usize;
         let n = u(&mut r)? as usize;
-        let mut seqs = Vec::with_capacity(n);
+        if hidden == 0 || hidden > 1 << 16 {
+            return Err(io_bad(path, "implausible feature width"));
+        }
+        let mut seqs = Vec::with_capacity(n.min(1 << 16));
         for _ in 0..n {
             let len = u(&mut r)? as usize;
             let prompt_len = u(&mut r)? as usize;
             let temperature = f32::from_bits(u(&mut r)?);
-            if prompt_len > len || len > 1 << 20 {
+            if prompt_len > len || len > 1 << 17 {
                 return Err(io_bad(path, "inconsistent sequence lengths"));
             }
             let mut tokens = Vec::with_capacity(len);
@@ -451,11 +455,7 @@ impl Trainer {
             wg,
             wu,
             wd,
-            out_norm: Var::from_tensor(&Tensor::from_vec(
-                target.output_norm.clone(),
-                h,
-                &dev,
-            )?)?,
+            out_norm: Var::from_tensor(&Tensor::from_vec(target.output_norm.clone(), h, &dev)?)?,
         };
         let vars: Vec<Var> = params.all().iter().map(|(_, v)| (*v).clone()).collect();
         let opt = AdamW::new(
@@ -519,7 +519,9 @@ impl Trainer {
     }
 
     /// The head on `[b, t, h]` input features and `[b, t, h]` embeddings: `[b, t, h]`
-    /// predicted features.
+    /// predicted features, and the pass's keys and values (`[b, nh, t, d]`, roped, repeated
+    /// over the query groups). With `prior` (an earlier pass's keys and values) the rows attend
+    /// to `cat(prior, own)` under `mask` (`[t, 2t]`); else to their own under `mask` (`[t, t]`).
     fn forward(
         &self,
         feat_in: &Tensor,
@@ -527,7 +529,8 @@ impl Trainer {
         cos: &Tensor,
         sin: &Tensor,
         mask: &Tensor,
-    ) -> candle_core::Result<Tensor> {
+        prior: Option<(&Tensor, &Tensor)>,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let p = &self.params;
         let (b, t, h) = feat_in.dims3()?;
         let (nh, nkv, d) = (self.cfg.n_heads, self.cfg.n_kv_heads, self.d);
@@ -560,10 +563,14 @@ impl Trainer {
             .unsqueeze(2)?
             .broadcast_as((b, nkv, g, t, d))?
             .reshape((b, nh, t, d))?;
-        let scores = q.matmul(&k.t()?.contiguous()?)?.broadcast_add(mask)?;
+        let (k_all, v_all) = match prior {
+            Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
+            None => (k.clone(), v.clone()),
+        };
+        let scores = q.matmul(&k_all.t()?.contiguous()?)?.broadcast_add(mask)?;
         let att = candle_nn::ops::softmax(&scores, D::Minus1)?;
         let o = att
-            .matmul(&v)?
+            .matmul(&v_all)?
             .transpose(1, 2)?
             .contiguous()?
             .reshape((b, t, nh * d))?;
@@ -573,7 +580,7 @@ impl Trainer {
         let up = a2.broadcast_matmul(&p.wu.t()?)?;
         let w = (v1 + (gate * up)?.broadcast_matmul(&p.wd.t()?)?)?;
         let _ = h;
-        rms_norm(&w, &p.out_norm, self.eps)
+        Ok((rms_norm(&w, &p.out_norm, self.eps)?, k, v))
     }
 
     /// Packs sequences `idx` into a batch (windows of at most `max_len` tokens, starting at
@@ -677,8 +684,37 @@ impl Trainer {
     /// One optimiser step on the sequences `idx` of `data`.
     ///
     /// # Errors
-    /// Candle errors.
+    /// [`CandleError::InvalidArgument`] for an empty `idx`, an index outside `data`, features
+    /// of another width or a sequence whose features do not match its tokens;
+    /// [`CandleError::TokenOutOfVocab`]; candle errors.
     pub fn step(&mut self, data: &Dataset, idx: &[usize]) -> Result<StepLoss> {
+        let vocab = self.target.config().vocab_size;
+        if idx.is_empty() || data.hidden != self.h {
+            return Err(CandleError::InvalidArgument(format!(
+                "a step needs sequences with features of width {} ({} given, width {})",
+                self.h,
+                idx.len(),
+                data.hidden
+            )));
+        }
+        for &i in idx {
+            let s = data.seqs.get(i).ok_or_else(|| {
+                CandleError::InvalidArgument(format!("sequence {i} is not in the dataset"))
+            })?;
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(CandleError::TokenOutOfVocab {
+                    token: t,
+                    vocab_size: vocab,
+                });
+            }
+            if s.features.len() != s.tokens.len() * self.h || s.tokens.is_empty() {
+                return Err(CandleError::InvalidArgument(format!(
+                    "sequence {i}: {} features for {} tokens",
+                    s.features.len(),
+                    s.tokens.len()
+                )));
+            }
+        }
         let dev = Device::Cpu;
         let bt = self.batch(data, idx);
         let (b, t, h) = (bt.b, bt.t, self.h);
@@ -708,7 +744,7 @@ impl Trainer {
         let target_logits = target.broadcast_matmul(&self.head_rows.t()?)?;
         let target_p = candle_nn::ops::softmax(&target_logits, D::Minus1)?.detach();
         let target_arg = target_logits.argmax(D::Minus1)?;
-        let pred = self.forward(&feat_in, &emb, &cos, &sin, &causal)?;
+        let (pred, k1, v1) = self.forward(&feat_in, &emb, &cos, &sin, &causal, None)?;
         let (mut total, reg, ce, acc) =
             self.losses(&pred, &target, &target_p, &target_arg, &mask, count)?;
         if self.cfg.unroll == 2 {
@@ -720,7 +756,19 @@ impl Trainer {
                 ],
                 1,
             )?;
-            let pred2 = self.forward(&shifted, &emb, &cos, &sin, &causal)?;
+            // As at inference, where only the drafted row reads a prediction: row p attends
+            // to the first pass's keys of rows 0 .. p - 1 (built from target features) and to
+            // its own second-pass key (EAGLE-3's training-time test, Li et al. 2025).
+            let mut m2 = vec![f32::NEG_INFINITY; t * 2 * t];
+            for i in 0..t {
+                for j in 0..i {
+                    m2[i * 2 * t + j] = 0.0;
+                }
+                m2[i * 2 * t + t + i] = 0.0;
+            }
+            let m2 = Tensor::from_vec(m2, (t, 2 * t), &dev)?;
+            let (pk, pv) = (k1.detach(), v1.detach());
+            let (pred2, _, _) = self.forward(&shifted, &emb, &cos, &sin, &m2, Some((&pk, &pv)))?;
             let (t2, _, _, _) =
                 self.losses(&pred2, &target, &target_p, &target_arg, &mask, count)?;
             total = (total + t2)?;
@@ -766,8 +814,17 @@ impl Trainer {
 
     /// Draws the next batch's sequence indices from `pool` (a shuffled cycle through it,
     /// reshuffled each pass), packing sequences until [`TrainConfig::batch_tokens`].
-    pub fn next_batch(&mut self, data: &Dataset, pool: &mut Vec<usize>, cursor: &mut usize) -> Vec<usize> {
+    pub fn next_batch(
+        &mut self,
+        data: &Dataset,
+        pool: &mut [usize],
+        cursor: &mut usize,
+    ) -> Vec<usize> {
         let mut out = Vec::new();
+        if pool.is_empty() {
+            return out;
+        }
+        *cursor %= pool.len();
         let mut tokens = 0;
         let mut longest = 0;
         loop {
@@ -800,7 +857,10 @@ impl Trainer {
     ///
     /// # Errors
     /// Candle errors.
-    pub fn export(&self, metadata: std::collections::BTreeMap<String, String>) -> Result<HeadTensors> {
+    pub fn export(
+        &self,
+        metadata: std::collections::BTreeMap<String, String>,
+    ) -> Result<HeadTensors> {
         let mut t = HeadTensors {
             vocab_ids: self.vocab_ids.clone(),
             metadata,
@@ -839,17 +899,31 @@ pub struct Accuracy {
     pub top1: Vec<f64>,
     /// Top-3 accuracy per draft position.
     pub top3: Vec<f64>,
-    /// Mean accepted length of a greedy chain of `depth` drafts (leading top-1 hits).
+    /// Mean accepted length of a greedy chain of `depth` drafts (leading top-1 hits), over the
+    /// positions with `depth` answer tokens after them.
     pub mean_accepted: f64,
 }
 
-/// Evaluates `head` along the greedy answers of `data` (sequences with temperature 0): at
-/// every answer position, `depth` drafts with the true tokens fed (module docs).
+/// Evaluates `head` along the greedy answers of `data` (sequences with temperature 0; none:
+/// all counts 0): at every `stride`-th answer position, `depth` drafts with the true tokens
+/// fed and the head's own predicted features for every drafted position (module docs); the
+/// features are the dataset's f16 values.
 ///
 /// # Errors
-/// Errors of the head's forward.
-pub fn evaluate(head: &mut DraftHead, data: &Dataset, depth: usize, stride: usize) -> Result<Accuracy> {
+/// [`CandleError::InvalidArgument`] for `depth == 0` or features of another width than the
+/// head's; errors of the head's forward.
+pub fn evaluate(
+    head: &mut DraftHead,
+    data: &Dataset,
+    depth: usize,
+    stride: usize,
+) -> Result<Accuracy> {
     let h = data.hidden;
+    if depth == 0 || h != head.weights().config().hidden_size {
+        return Err(CandleError::InvalidArgument(format!(
+            "evaluate needs depth >= 1 ({depth}) and features of the head's width ({h})"
+        )));
+    }
     let mut hits1 = vec![0usize; depth];
     let mut hits3 = vec![0usize; depth];
     let mut count = vec![0usize; depth];
@@ -903,8 +977,10 @@ pub fn evaluate(head: &mut DraftHead, data: &Dataset, depth: usize, stride: usiz
                     hits3[k] += 1;
                 }
             }
-            acc_sum += accepted;
-            acc_n += 1;
+            if n == depth {
+                acc_sum += accepted;
+                acc_n += 1;
+            }
             p += stride.max(1);
         }
     }
@@ -920,4 +996,144 @@ pub fn evaluate(head: &mut DraftHead, data: &Dataset, depth: usize, stride: usiz
         count,
         mean_accepted: acc_sum as f64 / acc_n.max(1) as f64,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fast::head::DraftHeadWeights;
+    use crate::fast::{FastFormat, RandomSpec};
+    use speculative::{TargetFeatures, TargetModel};
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    /// The training forward (candle) and the shipped inference head (`DraftHead`) compute the
+    /// same function: first pass against a chain forward with every target feature held,
+    /// second pass against a row that reads the head's own prediction. 4 query heads on 2
+    /// key-value heads, so a wrong grouping order shows.
+    #[test]
+    fn training_forward_equals_the_inference_head() {
+        let w = FastWeights::random(&RandomSpec::default(), FastFormat::F32).unwrap();
+        let (h, t) = (96, 12);
+        let cfg = TrainConfig {
+            n_heads: 4,
+            n_kv_heads: 2,
+            ffn_size: 40,
+            ..TrainConfig::default()
+        };
+        let ids: Vec<u32> = (0..301).step_by(2).collect();
+        let tr = Trainer::new(cfg, w.clone(), ids).unwrap();
+        // Weights away from their initial scale: a few random steps' worth of change.
+        let mut rng = SplitMix::new(5);
+        for (_, v) in tr.params.all() {
+            let n = v.as_tensor().elem_count();
+            let noise: Vec<f32> = (0..n).map(|_| 0.2 * rng.normal() as f32).collect();
+            let z = Tensor::from_vec(noise, v.as_tensor().shape(), &Device::Cpu).unwrap();
+            v.set(&(v.as_tensor() + z).unwrap()).unwrap();
+        }
+        let tokens: Vec<u32> = (0..t as u32).map(|i| (i * 37 + 5) % 301).collect();
+        let feats: Vec<f32> = (0..t * h).map(|_| rng.normal() as f32).collect();
+        let mut shifted = vec![0f32; t * h];
+        shifted[h..].copy_from_slice(&feats[..(t - 1) * h]);
+        let dev = Device::Cpu;
+        let feat_in = Tensor::from_vec(shifted, (1, t, h), &dev).unwrap();
+        let emb = Tensor::from_vec(tr.embeddings(&tokens), (1, t, h), &dev).unwrap();
+        let mut causal = vec![0f32; t * t];
+        for i in 0..t {
+            for j in i + 1..t {
+                causal[i * t + j] = f32::NEG_INFINITY;
+            }
+        }
+        let causal = Tensor::from_vec(causal, (t, t), &dev).unwrap();
+        let (cos, sin) = tr.cos_sin(t).unwrap();
+        let (pred, k1, v1) = tr
+            .forward(&feat_in, &emb, &cos, &sin, &causal, None)
+            .unwrap();
+        let pred: Vec<f32> = pred.flatten_all().unwrap().to_vec1().unwrap();
+
+        let hw =
+            DraftHeadWeights::from_tensors(&tr.export(Default::default()).unwrap(), w).unwrap();
+        let mut head = DraftHead::new(hw.clone());
+        head.set_target_hidden(0, &feats[..(t - 1) * h]).unwrap();
+        let mut logits = Vec::new();
+        head.forward(&tokens, &mut logits).unwrap();
+        let d1 = max_diff(head.last_predicted(), &pred);
+        assert!(d1 < 1e-4, "first pass differs by {d1}");
+
+        // Second pass: row p reads the first pass's prediction of p - 1.
+        let mut m2 = vec![f32::NEG_INFINITY; t * 2 * t];
+        for i in 0..t {
+            for j in 0..i {
+                m2[i * 2 * t + j] = 0.0;
+            }
+            m2[i * 2 * t + t + i] = 0.0;
+        }
+        let m2 = Tensor::from_vec(m2, (t, 2 * t), &dev).unwrap();
+        let mut s2 = vec![0f32; t * h];
+        s2[h..].copy_from_slice(&pred[..(t - 1) * h]);
+        let s2 = Tensor::from_vec(s2, (1, t, h), &dev).unwrap();
+        let (pred2, _, _) = tr
+            .forward(&s2, &emb, &cos, &sin, &m2, Some((&k1, &v1)))
+            .unwrap();
+        let pred2: Vec<f32> = pred2.flatten_all().unwrap().to_vec1().unwrap();
+        for p in [1, 5, t - 1] {
+            // Target features of 0 .. p - 2 held: row p - 1 reads f_{p-2}, row p the head's
+            // own prediction of p - 1.
+            let mut m = DraftHead::new(hw.clone());
+            m.set_target_hidden(0, &feats[..(p - 1) * h]).unwrap();
+            m.forward(&tokens[..=p], &mut logits).unwrap();
+            let got = &m.last_predicted()[p * h..(p + 1) * h];
+            let d2 = max_diff(got, &pred2[p * h..(p + 1) * h]);
+            assert!(d2 < 1e-4, "second pass at {p} differs by {d2}");
+        }
+    }
+
+    #[test]
+    fn bad_training_input_is_a_typed_error() {
+        let w = FastWeights::random(&RandomSpec::default(), FastFormat::F32).unwrap();
+        let mut tr = Trainer::new(TrainConfig::default(), w, vec![1, 2, 3]).unwrap();
+        let empty = Dataset {
+            hidden: 96,
+            seqs: Vec::new(),
+        };
+        assert!(tr.next_batch(&empty, &mut [], &mut 0).is_empty());
+        assert!(tr.step(&empty, &[]).is_err());
+        let wrong = Dataset {
+            hidden: 8,
+            seqs: vec![Sequence {
+                tokens: vec![1, 2],
+                prompt_len: 1,
+                temperature: 0.0,
+                features: vec![half::f16::ZERO; 16],
+            }],
+        };
+        assert!(tr.step(&wrong, &[0]).is_err());
+        let oov = Dataset {
+            hidden: 96,
+            seqs: vec![Sequence {
+                tokens: vec![1, 999],
+                prompt_len: 1,
+                temperature: 0.0,
+                features: vec![half::f16::ZERO; 192],
+            }],
+        };
+        assert!(tr.step(&oov, &[0]).is_err());
+        assert!(
+            Trainer::new(
+                TrainConfig {
+                    unroll: 3,
+                    ..TrainConfig::default()
+                },
+                FastWeights::random(&RandomSpec::default(), FastFormat::F32).unwrap(),
+                vec![1]
+            )
+            .is_err()
+        );
+    }
 }

@@ -11,7 +11,7 @@ use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditio
 use speculative::propose::{
     DraftModelProposer, MergedProposer, PromptLookup, SuffixConfig, SuffixProposer,
 };
-use speculative::{DraftBlock, HiddenStates, Proposer, TargetFeatures, TargetModel, TreeTarget};
+use speculative::{DraftBlock, HiddenStates, Proposer, TargetFeatures, TargetModel};
 use speculative_candle::fast::head::{DraftHead, DraftHeadWeights, HEAD_TENSORS, HeadTensors};
 use speculative_candle::train::{
     Dataset, SplitMix, TrainConfig, Trainer, feature_rms, record_features,
@@ -123,7 +123,11 @@ fn head_forward_is_batch_invariant_with_target_and_predicted_features() {
         assert!(got == all, "chunked forward differs");
     }
     // Outside the subset: -inf; inside: finite.
-    assert!(all[..vocab][2000..40_000].iter().all(|&x| x == f32::NEG_INFINITY));
+    assert!(
+        all[..vocab][2000..40_000]
+            .iter()
+            .all(|&x| x == f32::NEG_INFINITY)
+    );
     assert!(all[..vocab][..2000].iter().all(|x| x.is_finite()));
 }
 
@@ -172,7 +176,7 @@ fn head_tree_rows_equal_chain_rows_of_their_paths() {
         );
     }
     // Commit a path: the next forward equals the chain's.
-    m.tree().unwrap().commit_tree(&[1, 3, 4]).unwrap();
+    m.tree().unwrap().commit_tree(&[0, 2, 4]).unwrap();
     assert_eq!(m.seq_len(), n + 3);
     let mut a = Vec::new();
     m.forward(&[99], &mut a).unwrap();
@@ -180,7 +184,7 @@ fn head_tree_rows_equal_chain_rows_of_their_paths() {
     c.set_target_hidden(0, &feats[..(n - 1) * h]).unwrap();
     c.prefill(ctx).unwrap();
     let mut b = Vec::new();
-    c.forward(&[root, 12, 14, 15, 99], &mut b).unwrap();
+    c.forward(&[root, 11, 13, 15, 99], &mut b).unwrap();
     assert!(a[..] == b[4 * vocab..], "after commit_tree");
 }
 
@@ -221,7 +225,8 @@ fn head_file_round_trip_and_bad_files() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("h.safetensors");
     let mut t = HeadTensors::default();
-    t.tensors.insert("fc.bias".into(), (vec![3], vec![1.0, -2.5, 0.333]));
+    t.tensors
+        .insert("fc.bias".into(), (vec![3], vec![1.0, -2.5, 0.333]));
     t.vocab_ids = vec![5, 7];
     t.metadata = BTreeMap::from([("seed".to_string(), "9".to_string())]);
     t.write(&path, true).unwrap();
@@ -249,13 +254,17 @@ fn shipped_head_matches_its_checksum_and_loads() {
     assert_eq!(sum, want.split_whitespace().next().unwrap());
     assert!(bytes.len() <= 16 << 20, "{} bytes", bytes.len());
     let hw = DraftHeadWeights::load(&path, weights()).unwrap();
+    assert_eq!(hw.config().hidden_size, 576);
+    assert!(hw.vocab_ids().len() >= 1024);
+    // Every tensor is stored in f16.
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     for name in HEAD_TENSORS {
-        assert!(
-            !name.is_empty() && hw.config().hidden_size == 576,
+        assert_eq!(
+            st.tensor(name).unwrap().dtype(),
+            safetensors::Dtype::F16,
             "{name}"
         );
     }
-    assert!(hw.vocab_ids().len() >= 1024);
 }
 
 /// The training script's settings on a small, fixed dataset: the first losses are those
@@ -364,7 +373,11 @@ fn greedy_output_with_the_head_equals_plain_greedy() {
                     .with_draft(DraftLength::Fixed(6))
                     .with_tree_nodes(16),
             ),
-            ("adaptive", base.clone().with_draft(DraftLength::Adaptive(Default::default()))),
+            (
+                "adaptive",
+                base.clone()
+                    .with_draft(DraftLength::Adaptive(Default::default())),
+            ),
         ];
         for (name, params) in configs {
             let mut t = FastTarget::new(w.clone());

@@ -527,7 +527,9 @@ pub(crate) fn ffn_residual(
         ops::silu_mul(g, u, out, exec.simd);
     }
     layer.w_down.matmul(b.act, b.proj, exec)?;
-    x.iter_mut().zip(b.proj.iter()).for_each(|(xv, pv)| *xv += pv);
+    x.iter_mut()
+        .zip(b.proj.iter())
+        .for_each(|(xv, pv)| *xv += pv);
     Ok(())
 }
 

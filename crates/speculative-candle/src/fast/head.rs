@@ -52,8 +52,7 @@ use std::sync::Arc;
 use speculative::{DraftBlock, TreeLimits};
 
 use super::forward::{
-    Exec, FastWeights, FfnBufs, Layer, Matrix, attention, ffn_residual, rms_norm,
-    rope,
+    Exec, FastWeights, FfnBufs, Layer, Matrix, attention, ffn_residual, rms_norm, rope,
 };
 use super::ops::{self, KvCache};
 use crate::error::{CandleError, Result};
@@ -178,11 +177,20 @@ impl HeadTensors {
     ///
     /// # Errors
     /// [`CandleError::Io`] when the file cannot be written; [`CandleError::InvalidArgument`]
-    /// when a tensor's values do not match its shape.
+    /// when a tensor's values do not match its shape or a value is not finite (in f16 with
+    /// `half`).
     pub fn write(&self, path: impl AsRef<Path>, half: bool) -> Result<()> {
         use safetensors::tensor::{Dtype, TensorView};
         let mut bufs: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
         for (name, (shape, v)) in &self.tensors {
+            if v.iter()
+                .any(|x| !x.is_finite() || (half && x.abs() > 65504.0))
+            {
+                return Err(CandleError::InvalidArgument(format!(
+                    "tensor `{name}` has a value that is not finite{}",
+                    if half { " in f16" } else { "" }
+                )));
+            }
             if v.len() != shape.iter().product::<usize>() {
                 return Err(CandleError::InvalidArgument(format!(
                     "tensor `{name}`: {} values for shape {shape:?}",
@@ -200,7 +208,11 @@ impl HeadTensors {
             };
             bufs.push((name.clone(), dtype, shape.clone(), bytes));
         }
-        let ids: Vec<u8> = self.vocab_ids.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let ids: Vec<u8> = self
+            .vocab_ids
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
         bufs.push((
             "vocab_ids".into(),
             Dtype::U32,
@@ -409,10 +421,17 @@ impl DraftHeadWeights {
     /// Bytes of the head's own matrices in memory (the subset's output rows included).
     pub fn memory_bytes(&self) -> usize {
         let l = &self.layer;
-        [&self.fc, &l.wqkv, &l.wo, &l.w_gate_up, &l.w_down, &self.head]
-            .iter()
-            .map(|m| m.memory_bytes())
-            .sum()
+        [
+            &self.fc,
+            &l.wqkv,
+            &l.wo,
+            &l.w_gate_up,
+            &l.w_down,
+            &self.head,
+        ]
+        .iter()
+        .map(|m| m.memory_bytes())
+        .sum()
     }
 }
 
@@ -420,8 +439,6 @@ impl DraftHeadWeights {
 #[derive(Debug, Clone)]
 struct HeadPending {
     tree: PendingTree,
-    /// Parent row of each row (the root's is itself), `[n + 1]`.
-    parent: Vec<u32>,
     /// Roped key then value of every row, `[n + 1, 2 nkv d]`.
     kv: Vec<f32>,
     /// Predicted feature of every row, `[n + 1, h]`.
@@ -847,7 +864,6 @@ impl DraftHead {
         self.seq_len = base + 1 + block.len();
         self.pending = Some(HeadPending {
             tree: PendingTree::new(base, block, &rows),
-            parent,
             kv,
             pred,
         });
@@ -859,7 +875,6 @@ impl DraftHead {
         let h = self.h();
         let kvd = self.w.config.n_kv_heads * self.w.config.head_dim;
         let base = t.tree.base;
-        let _ = &t.parent;
         self.pred.truncate((base + 1) * h);
         for (k, &node) in path.iter().enumerate() {
             let r = node as usize + 1;
@@ -966,9 +981,9 @@ impl speculative::TargetModel for DraftHead {
         }
     }
 
-    /*FEAT fn target_features(&mut self) -> Option<&mut dyn speculative::TargetFeatures> {
+    fn target_features(&mut self) -> Option<&mut dyn speculative::TargetFeatures> {
         Some(self)
-    } FEAT*/
+    }
 }
 
 impl speculative::TreeTarget for DraftHead {
@@ -1018,7 +1033,7 @@ impl speculative::TreeTarget for DraftHead {
     }
 }
 
-/*FEAT impl speculative::TargetFeatures for DraftHead {
+impl speculative::TargetFeatures for DraftHead {
     fn hidden_size(&self) -> usize {
         self.h()
     }
@@ -1027,10 +1042,28 @@ impl speculative::TreeTarget for DraftHead {
         self.feats.len() / self.h()
     }
 
+    /// # Errors
+    /// [`speculative::Error::ShapeMismatch`] when `start` exceeds the features held or `rows`
+    /// is not a whole number of `[h]` rows (nothing changes then).
     fn set_target_hidden(&mut self, start: usize, rows: &[f32]) -> speculative::Result<()> {
+        let (h, held) = (self.h(), self.feats.len() / self.h());
+        if start > held {
+            return Err(speculative::Error::ShapeMismatch {
+                what: "target features start (at most the positions held)",
+                expected: held,
+                actual: start,
+            });
+        }
+        if !rows.len().is_multiple_of(h) {
+            return Err(speculative::Error::ShapeMismatch {
+                what: "target feature rows ([n, hidden])",
+                expected: rows.len().next_multiple_of(h),
+                actual: rows.len(),
+            });
+        }
         Ok(self.set_features(start, rows)?)
     }
-} FEAT*/
+}
 
 /// The most frequent ids of `counts` (`[vocab]`, occurrences), at most `n`, most frequent
 /// first (ties by id), for a head's `vocab_ids` (FR-Spec, Zhao et al. 2025, section 3).
