@@ -399,9 +399,10 @@ fn run(a: RunArgs) -> Result<()> {
             let hw = DraftHeadWeights::load(&head_path, tw.clone())?;
             let _ = head_weights.set(hw);
         }
-        let hw = head_weights.get().cloned().ok_or_else(|| {
-            bad_arg("proposer", "draft head weights not loaded".to_string())
-        })?;
+        let hw = head_weights
+            .get()
+            .cloned()
+            .ok_or_else(|| bad_arg("proposer", "draft head weights not loaded".to_string()))?;
         Ok(Box::new(DraftModelProposer::new(DraftHead::new(hw))))
     };
     let mut factory = move |name: &str| -> Result<Box<dyn Proposer>> {
