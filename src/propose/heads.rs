@@ -68,6 +68,14 @@ pub struct HeadsInput<'a> {
     /// Absolute position of the first drafted token: the context length. Head `j` drafts the
     /// token at position `position + j`.
     pub position: usize,
+    /// The target's final hidden states of every context position but the last,
+    /// `[position - 1, hidden_size]` ([`ProposeRequest::target_hidden_rows`]), for heads that
+    /// attend over the context (MTP modules, EAGLE-style layers); `None` when the target does
+    /// not expose them. Its last row is `hidden`. (A head that drafts autoregressively with
+    /// its own KV cache is better driven as a draft model through
+    /// [`crate::TargetFeatures`] and [`crate::DraftModelProposer`]; see the candle adapter's
+    /// EAGLE head.)
+    pub hidden_rows: Option<&'a [f32]>,
 }
 
 impl<'a> HeadsInput<'a> {
@@ -78,6 +86,7 @@ impl<'a> HeadsInput<'a> {
             hidden,
             last_token,
             position,
+            hidden_rows: None,
         }
     }
 }
@@ -188,7 +197,10 @@ impl<H: DraftHeads> HeadsProposer<H> {
             return Ok(None);
         }
         let vocab = self.heads.vocab_size();
-        let input = HeadsInput::new(hidden, last_token, req.context.len());
+        let input = HeadsInput {
+            hidden_rows: req.target_hidden_rows,
+            ..HeadsInput::new(hidden, last_token, req.context.len())
+        };
         self.heads.logits(&input, k, &mut self.logits)?;
         if self.logits.len() != k * vocab {
             return Err(Error::ShapeMismatch {

@@ -340,7 +340,15 @@ fn run() -> Result<(), DynError> {
                 acc_n += 1;
                 if (step + 1) % 25 == 0 || step + 1 == steps {
                     let m = acc_n as f64;
-                    bar.println(format!(
+                    // indicatif drops println while the bar is hidden (no terminal).
+                    let say = |line: String| {
+                        if bar.is_hidden() {
+                            eprintln!("{line}");
+                        } else {
+                            bar.println(line);
+                        }
+                    };
+                    say(format!(
                         "step {:4}  loss {:.4}  ce {:.3}  top-1 (train, pass 1) {:.3}  lr {:.2e}  {:.0} s",
                         step + 1,
                         acc_loss / m,
