@@ -103,6 +103,9 @@ enum Cmd {
         val_every: usize,
         #[arg(long, default_value_t = 5)]
         depth: usize,
+        /// Only the first N validation sequences.
+        #[arg(long)]
+        limit: Option<usize>,
     },
 }
 
@@ -421,9 +424,11 @@ fn run() -> Result<(), DynError> {
             head,
             val_every,
             depth,
+            limit,
         } => {
             let data = read_all(&data)?;
-            let (_, val_idx) = split(&data, val_every);
+            let (_, mut val_idx) = split(&data, val_every);
+            val_idx.truncate(limit.unwrap_or(usize::MAX));
             let val = subset_of(&data, &val_idx);
             let hw = DraftHeadWeights::load(&head, weights.clone())?;
             let mut h = DraftHead::new(hw);

@@ -414,7 +414,7 @@ impl Trainer {
         let (h, d) = (tc.hidden_size, tc.head_dim);
         if cfg.n_heads == 0
             || cfg.n_kv_heads == 0
-            || cfg.n_heads % cfg.n_kv_heads != 0
+            || !cfg.n_heads.is_multiple_of(cfg.n_kv_heads)
             || cfg.ffn_size == 0
             || !(1..=2).contains(&cfg.unroll)
             || vocab_ids.is_empty()

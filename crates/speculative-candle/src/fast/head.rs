@@ -305,7 +305,7 @@ impl HeadTensors {
     }
 }
 
-/// A draft head's weights in a [`FastFormat`], bound to the target's [`FastWeights`] (whose
+/// A draft head's weights in a [`FastFormat`](super::FastFormat), bound to the target's [`FastWeights`] (whose
 /// embedding, output head rows and RoPE tables it uses), shared through an [`Arc`] by every
 /// [`DraftHead`].
 #[derive(Debug)]
