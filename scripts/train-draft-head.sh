@@ -6,14 +6,14 @@
 #
 #   scripts/train-draft-head.sh [WORKDIR]      (default WORKDIR: target/draft-head)
 #
-# Environment: PROMPTS (default 1000), MAX_TOKENS (160), STEPS (see below), THREADS (2).
+# Environment: PROMPTS (default 1600), MAX_TOKENS (160), STEPS (see below), THREADS (2).
 # Measured on the 2-core machine: see crates/speculative-candle/heads/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${1:-target/draft-head}
-PROMPTS=${PROMPTS:-1000}
+PROMPTS=${PROMPTS:-1600}
 MAX_TOKENS=${MAX_TOKENS:-160}
-STEPS=${STEPS:-420}
+STEPS=${STEPS:-900}
 THREADS=${THREADS:-2}
 SEED=${SEED:-19}
 HEADS=crates/speculative-candle/heads
@@ -25,7 +25,7 @@ cargo build --release -p speculative-candle --example train_draft_head
 BIN=target/release/examples/train_draft_head
 start=$(date +%s)
 
-# 1. Prompts of our own writing (1600 written, the first $PROMPTS answered).
+# 1. Prompts of our own writing (1600 written; the first $PROMPTS answered).
 python3 scripts/make-train-prompts.py "$WORK/prompts.jsonl" 1600
 
 # 2. The target answers them (greedy, greedy, T=0.7, T=1.0 in turn; top-p 0.95) and its final

@@ -929,6 +929,38 @@ mod tests {
         }
     }
 
+    /// A draft row without any allowed token (a mask that allows nothing after the first
+    /// drafted token, as an EAGLE head's vocabulary subset can leave) ends that branch: the
+    /// tree keeps the first depth, the chain its first token, and nothing fails.
+    #[test]
+    fn rows_without_an_allowed_token_end_the_draft_there() {
+        let ctx = [4u32, 0, 6, 2];
+        let mask = |prefix: &[u32], logits: &mut [f32]| {
+            if prefix.len() > 4 {
+                logits.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+            }
+        };
+        for temperature in [0.0, 1.0] {
+            let cfg = SamplingConfig::builder()
+                .temperature(temperature)
+                .mask(std::sync::Arc::new(mask))
+                .build()
+                .unwrap();
+            let mut p = DraftModelProposer::new(tree_model(32));
+            let mut d = Draft::default();
+            p.propose_tree(&tree_req(&ctx, &cfg, 4, 8), &mut d).unwrap();
+            assert!(!d.is_empty());
+            assert_eq!(d.block().max_depth(), 1, "temperature {temperature}");
+            let mut c = Draft::default();
+            p.propose(&ProposeRequest::new(&ctx, &cfg, 4), &mut c)
+                .unwrap();
+            assert_eq!(c.len(), 1, "temperature {temperature}");
+            if temperature > 0.0 {
+                assert_eq!(c.q.as_ref().map(Vec::len), Some(c.q_vocab));
+            }
+        }
+    }
+
     #[test]
     fn greedy_tree_children_are_top_ids_reranked_to_the_budget() {
         let ctx = [4u32, 0, 6, 2];
