@@ -51,3 +51,14 @@ $BIN replay --workload docs/workloads/smollm2.jsonl --runs "$OUT/greedy/runs.jso
     --cost docs/cost-tables/cpu-smollm2-fast-q8.json --k 4,8 --nodes 8,16,32,64 --out "$OUT/replay-tree"
 $BIN replay --workload docs/workloads/smollm2.jsonl --runs "$OUT/greedy/runs.json" \
     --cost docs/cost-tables/gpu-roofline-8b.json --k 4,8 --nodes 8,16,32,64 --out "$OUT/replay-tree-gpu"
+# The trained EAGLE draft head (issue 19): cost against a target step, then greedy and sampled runs.
+cargo bench -p speculative-candle --bench draft_head
+$BIN run --workload docs/workloads/smollm2.jsonl \
+    --proposers draft-head,merged:draft-head+prompt-lookup+suffix,merged:prompt-lookup+suffix,suffix \
+    --k adaptive --tree-nodes 0,16 --reps 1 --warmup 1 --out "$OUT/issue19"
+$BIN run --workload docs/workloads/chat.jsonl \
+    --proposers draft-head,merged:draft-head+prompt-lookup+suffix,merged:prompt-lookup+suffix \
+    --k adaptive --tree-nodes 0,16 --reps 1 --warmup 1 --out "$OUT/issue19-chat"
+$BIN run --workload docs/workloads/chat.jsonl --proposers draft-head,merged:prompt-lookup+suffix \
+    --k adaptive --tree-nodes 0,16 --temperature 0.7 --top-p 0.9 --seeds 1,2 --reps 1 --warmup 1 \
+    --out "$OUT/issue19-sampled"
