@@ -499,6 +499,40 @@ pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
     }
 }
 
+/// Validates `tokens` appended after `seq_len` positions of a model of `cfg` (the forward of
+/// [`FastTarget`] and of the draft head): no tree pending, non-empty, in the vocabulary,
+/// fitting the context.
+pub(crate) fn check_append(
+    cfg: &LlamaConfig,
+    pending: bool,
+    seq_len: usize,
+    tokens: &[u32],
+) -> Result<()> {
+    let n = tokens.len();
+    if pending {
+        return Err(tree::pending_error());
+    }
+    if n == 0 {
+        return Err(CandleError::InvalidArgument(
+            "forward needs at least one token".into(),
+        ));
+    }
+    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        return Err(CandleError::TokenOutOfVocab {
+            token: t,
+            vocab_size: cfg.vocab_size,
+        });
+    }
+    if seq_len + n > cfg.context_length {
+        return Err(CandleError::ContextOverflow {
+            seq_len,
+            added: n,
+            max_context: cfg.context_length,
+        });
+    }
+    Ok(())
+}
+
 /// Scratch buffers of [`ffn_residual`].
 pub(crate) struct FfnBufs<'a> {
     pub(crate) a: &'a mut Vec<f32>,
@@ -787,30 +821,12 @@ impl FastTarget {
     /// Validates a forward's tokens: no tree pending, non-empty, in the vocabulary, fitting the
     /// context.
     fn check(&self, tokens: &[u32]) -> Result<()> {
-        let cfg = &self.weights.config;
-        let n = tokens.len();
-        if self.pending.is_some() {
-            return Err(tree::pending_error());
-        }
-        if n == 0 {
-            return Err(CandleError::InvalidArgument(
-                "forward needs at least one token".into(),
-            ));
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            return Err(CandleError::TokenOutOfVocab {
-                token: t,
-                vocab_size: cfg.vocab_size,
-            });
-        }
-        if self.seq_len + n > cfg.context_length {
-            return Err(CandleError::ContextOverflow {
-                seq_len: self.seq_len,
-                added: n,
-                max_context: cfg.context_length,
-            });
-        }
-        Ok(())
+        check_append(
+            &self.weights.config,
+            self.pending.is_some(),
+            self.seq_len,
+            tokens,
+        )
     }
 
     /// Appends `tokens` (`n` of them) and writes their `[n, vocab]` logits into `logits`

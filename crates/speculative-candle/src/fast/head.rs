@@ -52,7 +52,8 @@ use std::sync::Arc;
 use speculative::{DraftBlock, TreeLimits};
 
 use super::forward::{
-    Exec, FastWeights, FfnBufs, Layer, Matrix, attention, ffn_residual, rms_norm, rope,
+    Exec, FastWeights, FfnBufs, Layer, Matrix, attention, check_append, ffn_residual, rms_norm,
+    rope,
 };
 use super::ops::{self, KvCache};
 use crate::error::{CandleError, Result};
@@ -531,29 +532,12 @@ impl DraftHead {
     }
 
     fn check(&self, tokens: &[u32]) -> Result<()> {
-        let tc = &self.w.target.config;
-        if self.pending.is_some() {
-            return Err(crate::tree::pending_error());
-        }
-        if tokens.is_empty() {
-            return Err(CandleError::InvalidArgument(
-                "forward needs at least one token".into(),
-            ));
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= tc.vocab_size) {
-            return Err(CandleError::TokenOutOfVocab {
-                token: t,
-                vocab_size: tc.vocab_size,
-            });
-        }
-        if self.seq_len + tokens.len() > tc.context_length {
-            return Err(CandleError::ContextOverflow {
-                seq_len: self.seq_len,
-                added: tokens.len(),
-                max_context: tc.context_length,
-            });
-        }
-        Ok(())
+        check_append(
+            &self.w.target.config,
+            self.pending.is_some(),
+            self.seq_len,
+            tokens,
+        )
     }
 
     /// The input feature of a row at position `p` whose previous position has no row in the
