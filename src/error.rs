@@ -229,6 +229,17 @@ pub enum Error {
         /// The unsupported form.
         what: &'static str,
     },
+    /// A [`crate::BatchTarget`] slot is out of range, or listed twice in one
+    /// [`crate::BatchTarget::forward_batch`] call.
+    #[error("invalid slot {slot} ({reason}; the target has {max_slots} slots)")]
+    InvalidSlot {
+        /// The slot given.
+        slot: usize,
+        /// The target's [`crate::BatchTarget::max_slots`].
+        max_slots: usize,
+        /// What is wrong.
+        reason: &'static str,
+    },
 }
 
 /// What is wrong with a proposer's draft ([`Error::InvalidProposal`]).

@@ -133,7 +133,9 @@ pub mod tree;
 pub mod verify;
 
 pub use error::{Error, ProposalFault, Result, RowKind};
-pub use model::{HiddenStates, TargetFeatures, TargetModel, TreeTarget};
+pub use model::{
+    BatchTarget, HiddenStates, PerSlot, SlotChunk, SlotInput, TargetFeatures, TargetModel, TreeTarget,
+};
 pub use propose::{
     Draft, DraftModelProposer, MergedProposer, NoProposer, PromptLookup, PromptLookupConfig,
     ProposeRequest, Proposer, RecyclingConfig, SuffixConfig, SuffixProposer, TokenRecycling,

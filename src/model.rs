@@ -315,3 +315,378 @@ pub trait TreeTarget {
     /// of its block; [`crate::Error::Model`] for engine failures.
     fn commit_tree(&mut self, path: &[u32]) -> Result<()>;
 }
+
+/// What one slot appends in a [`BatchTarget::forward_batch`] call.
+#[derive(Debug, Clone, Copy)]
+pub enum SlotInput<'a> {
+    /// Append these tokens (`n >= 1`) without writing logits: a prompt prefill chunk. The KV
+    /// cache afterwards equals the one [`SlotInput::Chain`] with the same tokens leaves.
+    Prefill(&'a [u32]),
+    /// Append these tokens (`n >= 1`) and write their `[n, vocab]` logits: row `i` follows
+    /// `tokens[i]` (a verify chain `[last, d_1 .. d_k]`, or the last chunk of a prefill).
+    Chain(&'a [u32]),
+    /// Append `root` and the nodes of a valid token tree (as [`TreeTarget::forward_tree`]:
+    /// each node attends to the slot's committed context and its ancestors, at the rotary
+    /// position of its depth) and write `[nodes + 1, vocab]` logits, root row first. The tree is
+    /// pending until [`BatchTarget::commit_tree`] or [`BatchTarget::truncate`] of that slot.
+    /// Only for targets with [`BatchTarget::max_tree_nodes`] `> 0`.
+    Tree {
+        /// The slot's last committed token (row 0).
+        root: u32,
+        /// The nodes (rows `1 ..= block.len()`).
+        block: DraftBlock<'a>,
+    },
+}
+
+impl SlotInput<'_> {
+    /// Rows this input appends: `n` tokens for a chain or prefill, `nodes + 1` for a tree.
+    pub fn rows(&self) -> usize {
+        match self {
+            SlotInput::Prefill(t) | SlotInput::Chain(t) => t.len(),
+            SlotInput::Tree { block, .. } => block.rows(),
+        }
+    }
+
+    /// Rows of logits this input writes: 0 for a prefill, [`SlotInput::rows`] otherwise.
+    pub fn logit_rows(&self) -> usize {
+        match self {
+            SlotInput::Prefill(_) => 0,
+            _ => self.rows(),
+        }
+    }
+}
+
+/// One slot's part of a [`BatchTarget::forward_batch`] call.
+#[derive(Debug, Clone, Copy)]
+pub struct SlotChunk<'a> {
+    /// The slot (`0 .. max_slots()`).
+    pub slot: usize,
+    /// What it appends.
+    pub input: SlotInput<'a>,
+}
+
+/// A causal language model that runs several sequences in one forward (continuous batching).
+///
+/// Sequences live in *slots* `0 .. max_slots()`, each with its own KV cache that starts empty
+/// and can be rolled back per slot. One [`BatchTarget::forward_batch`] call appends a chunk to
+/// each listed slot: prompt prefill chunks (no logits), verify chains and token trees mixed
+/// freely, so an engine reads each weight once for every row of the batch. The logits come
+/// back in one buffer: the chunks' logit rows in call order ([`SlotInput::logit_rows`] each,
+/// prefill chunks none), `[sum of logit rows, vocab]` row-major.
+///
+/// Call order in the batch loop ([`crate::decode::BatchGenerator`]): a slot is taken for a
+/// request with `truncate(slot, 0)`, receives its prompt but the last token in prefill chunks,
+/// then one chain or tree per step, followed by `truncate(slot, len)` (chains) or
+/// `commit_tree(slot, path)` (trees) to drop rejected drafts; `release(slot)` when the request
+/// ends. A batch never lists a slot twice.
+///
+/// Engines that run one sequence at a time get this trait from [`PerSlot`], which holds one
+/// [`TargetModel`] per slot and runs the chunks one after the other.
+///
+/// The trait is object safe (`Box<dyn BatchTarget + Send>`).
+///
+/// # Contract (what the batch loop checks and relies on)
+/// - The logits of a slot's rows must not depend on which other slots share the call (batch
+///   invariance): then every request's greedy output equals its output alone, which the loop
+///   guarantees only given the logits it receives.
+/// - On error the call changes no slot (or the loop cannot recover: it ends every request in
+///   the batch with that error).
+pub trait BatchTarget {
+    /// Number of logits per position (the output head's width), in tokens.
+    fn vocab_size(&self) -> usize;
+
+    /// Maximum tokens one slot can hold (prompt + generated).
+    fn max_context(&self) -> usize;
+
+    /// Number of slots (the most sequences held at once).
+    fn max_slots(&self) -> usize;
+
+    /// The most rows ([`SlotInput::rows`] summed) one [`BatchTarget::forward_batch`] call
+    /// takes, in tokens.
+    fn max_batch_tokens(&self) -> usize;
+
+    /// The most nodes of one slot's tree ([`SlotInput::Tree`]); 0 (the default) when the
+    /// engine verifies chains only.
+    fn max_tree_nodes(&self) -> usize {
+        0
+    }
+
+    /// Tokens held by `slot` (its KV cache length; a pending tree counts its root and nodes).
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidSlot`] for `slot >= max_slots()`.
+    fn seq_len(&self, slot: usize) -> Result<usize>;
+
+    /// Appends every chunk to its slot in one forward and writes the logits (cleared first) of
+    /// the chunks that ask for them, in call order (see the trait docs).
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidSlot`] for a slot out of range or listed twice; engine failures,
+    /// a context overflow or more than [`BatchTarget::max_batch_tokens`] rows as
+    /// [`crate::Error::Model`]; [`crate::Error::InvalidTree`] for a malformed tree.
+    fn forward_batch(&mut self, chunks: &[SlotChunk<'_>], logits: &mut Vec<f32>) -> Result<()>;
+
+    /// Drops every position of `slot` at index `>= len` (KV-cache rollback; a pending tree is
+    /// dropped when `len <= ` its root's position + 1).
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidSlot`]; [`crate::Error::Model`] when `len > seq_len(slot)`.
+    fn truncate(&mut self, slot: usize, len: usize) -> Result<()>;
+
+    /// Keeps the root and the nodes `path` of `slot`'s pending tree (node indices, each the
+    /// child of the one before, the first a child of the root) and drops the other nodes, as
+    /// [`TreeTarget::commit_tree`]; the slot then holds its context, the root and the path,
+    /// compacted to contiguous positions.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidSlot`]; [`crate::Error::TargetContract`] when no tree is pending
+    /// or the engine has no tree support (the default).
+    fn commit_tree(&mut self, slot: usize, path: &[u32]) -> Result<()> {
+        let _ = (slot, path);
+        Err(crate::Error::TargetContract {
+            what: "commit_tree called on a BatchTarget without tree support",
+        })
+    }
+
+    /// Ends `slot`'s sequence and frees what it holds (its KV cache may be kept for reuse but
+    /// `seq_len(slot)` is 0 afterwards).
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidSlot`].
+    fn release(&mut self, slot: usize) -> Result<()>;
+}
+
+impl<T: BatchTarget + ?Sized> BatchTarget for Box<T> {
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        (**self).max_context()
+    }
+    fn max_slots(&self) -> usize {
+        (**self).max_slots()
+    }
+    fn max_batch_tokens(&self) -> usize {
+        (**self).max_batch_tokens()
+    }
+    fn max_tree_nodes(&self) -> usize {
+        (**self).max_tree_nodes()
+    }
+    fn seq_len(&self, slot: usize) -> Result<usize> {
+        (**self).seq_len(slot)
+    }
+    fn forward_batch(&mut self, chunks: &[SlotChunk<'_>], logits: &mut Vec<f32>) -> Result<()> {
+        (**self).forward_batch(chunks, logits)
+    }
+    fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
+        (**self).truncate(slot, len)
+    }
+    fn commit_tree(&mut self, slot: usize, path: &[u32]) -> Result<()> {
+        (**self).commit_tree(slot, path)
+    }
+    fn release(&mut self, slot: usize) -> Result<()> {
+        (**self).release(slot)
+    }
+}
+
+/// Checks that every chunk's slot is below `max_slots` and listed once (for implementations of
+/// [`BatchTarget::forward_batch`]).
+///
+/// # Errors
+/// [`crate::Error::InvalidSlot`].
+pub fn check_slots(chunks: &[SlotChunk<'_>], max_slots: usize) -> Result<()> {
+    for (i, c) in chunks.iter().enumerate() {
+        if c.slot >= max_slots {
+            return Err(crate::Error::InvalidSlot {
+                slot: c.slot,
+                max_slots,
+                reason: "out of range",
+            });
+        }
+        if chunks[..i].iter().any(|o| o.slot == c.slot) {
+            return Err(crate::Error::InvalidSlot {
+                slot: c.slot,
+                max_slots,
+                reason: "listed twice in one batch",
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A [`BatchTarget`] over single-sequence engines: one [`TargetModel`] per slot, the chunks of a
+/// batch run one after the other (prefill chunks through [`TargetModel::prefill`], chains
+/// through [`TargetModel::forward`], trees through [`TreeTarget::forward_tree`] when every
+/// slot's model offers them). Any engine with the simple trait can thus use the batch loop; it
+/// gains no batching speed (each slot's forward reads the weights again), and its logits are
+/// batch-invariant by construction.
+///
+/// Memory: whatever the `n` models hold (for models sharing weights, `n` KV caches).
+///
+/// # Example
+/// ```
+/// use speculative::{BatchTarget, PerSlot, SlotChunk, SlotInput};
+/// use speculative::test_util::ToyModel;
+///
+/// let mut batch = PerSlot::new((0..2).map(|_| ToyModel::c10()).collect()).unwrap();
+/// let mut logits = Vec::new();
+/// batch
+///     .forward_batch(
+///         &[
+///             SlotChunk { slot: 0, input: SlotInput::Prefill(&[1, 2, 3]) },
+///             SlotChunk { slot: 1, input: SlotInput::Chain(&[4, 5]) },
+///         ],
+///         &mut logits,
+///     )
+///     .unwrap();
+/// assert_eq!(logits.len(), 2 * batch.vocab_size());
+/// assert_eq!(batch.seq_len(0).unwrap(), 3);
+/// ```
+#[derive(Debug)]
+pub struct PerSlot<T> {
+    models: Vec<T>,
+    rows: Vec<f32>,
+    /// The smallest [`TreeTarget::max_tree_nodes`] over the models (0: chains only).
+    tree_nodes: usize,
+}
+
+impl<T: TargetModel> PerSlot<T> {
+    /// One slot per model. The models must share the vocabulary size and context length.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidConfig`] for an empty list or models of different vocabulary size
+    /// or context length.
+    pub fn new(mut models: Vec<T>) -> Result<Self> {
+        let Some(first) = models.first() else {
+            return Err(crate::Error::InvalidConfig {
+                field: "models",
+                value: "0".into(),
+                reason: "need at least one model (one per slot)",
+            });
+        };
+        let (v, c) = (first.vocab_size(), first.max_context());
+        if models
+            .iter()
+            .any(|m| m.vocab_size() != v || m.max_context() != c)
+        {
+            return Err(crate::Error::InvalidConfig {
+                field: "models",
+                value: format!("{} models", models.len()),
+                reason: "every slot's model must have the same vocab_size and max_context",
+            });
+        }
+        let tree_nodes = models
+            .iter_mut()
+            .map(|m| m.tree().map_or(0, |t| t.max_tree_nodes()))
+            .min()
+            .unwrap_or(0);
+        Ok(PerSlot {
+            models,
+            rows: Vec::new(),
+            tree_nodes,
+        })
+    }
+
+    /// The model of `slot`.
+    pub fn model(&self, slot: usize) -> Option<&T> {
+        self.models.get(slot)
+    }
+
+    /// Gives the models back.
+    pub fn into_models(self) -> Vec<T> {
+        self.models
+    }
+
+    fn slot_mut(&mut self, slot: usize) -> Result<&mut T> {
+        let n = self.models.len();
+        self.models.get_mut(slot).ok_or(crate::Error::InvalidSlot {
+            slot,
+            max_slots: n,
+            reason: "out of range",
+        })
+    }
+}
+
+impl<T: TargetModel> BatchTarget for PerSlot<T> {
+    fn vocab_size(&self) -> usize {
+        self.models[0].vocab_size()
+    }
+
+    fn max_context(&self) -> usize {
+        self.models[0].max_context()
+    }
+
+    fn max_slots(&self) -> usize {
+        self.models.len()
+    }
+
+    /// No limit of its own: each chunk is one call of its slot's model.
+    fn max_batch_tokens(&self) -> usize {
+        usize::MAX
+    }
+
+    /// The smallest tree capacity over the slots' models (0 when one has no tree support),
+    /// read at construction.
+    fn max_tree_nodes(&self) -> usize {
+        self.tree_nodes
+    }
+
+    fn seq_len(&self, slot: usize) -> Result<usize> {
+        self.models
+            .get(slot)
+            .map(|m| m.seq_len())
+            .ok_or(crate::Error::InvalidSlot {
+                slot,
+                max_slots: self.models.len(),
+                reason: "out of range",
+            })
+    }
+
+    /// Runs the chunks in order. On an error in chunk `i`, chunks before `i` stay appended
+    /// (each model rolls back only its own failed call); the loop then truncates every listed
+    /// slot back.
+    fn forward_batch(&mut self, chunks: &[SlotChunk<'_>], logits: &mut Vec<f32>) -> Result<()> {
+        check_slots(chunks, self.models.len())?;
+        logits.clear();
+        let mut rows = std::mem::take(&mut self.rows);
+        let mut out = Ok(());
+        for c in chunks {
+            let m = &mut self.models[c.slot];
+            let r = match c.input {
+                SlotInput::Prefill(t) => m.prefill(t),
+                SlotInput::Chain(t) => m.forward(t, &mut rows).map(|()| logits.extend(&rows)),
+                SlotInput::Tree { root, block } => match m.tree() {
+                    Some(tree) => tree
+                        .forward_tree(root, &block, &mut rows)
+                        .map(|()| logits.extend(&rows)),
+                    None => Err(crate::Error::TargetContract {
+                        what: "a tree chunk for a slot whose model has no tree support",
+                    }),
+                },
+            };
+            if let Err(e) = r {
+                out = Err(e);
+                break;
+            }
+        }
+        self.rows = rows;
+        out
+    }
+
+    fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
+        self.slot_mut(slot)?.truncate(len)
+    }
+
+    fn commit_tree(&mut self, slot: usize, path: &[u32]) -> Result<()> {
+        match self.slot_mut(slot)?.tree() {
+            Some(t) => t.commit_tree(path),
+            None => Err(crate::Error::TargetContract {
+                what: "commit_tree for a slot whose model has no tree support",
+            }),
+        }
+    }
+
+    fn release(&mut self, slot: usize) -> Result<()> {
+        self.slot_mut(slot)?.truncate(0)
+    }
+}
