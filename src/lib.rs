@@ -134,7 +134,8 @@ pub mod verify;
 
 pub use error::{Error, ProposalFault, Result, RowKind};
 pub use model::{
-    BatchTarget, HiddenStates, PerSlot, SlotChunk, SlotInput, TargetFeatures, TargetModel, TreeTarget,
+    BatchTarget, HiddenStates, PerSlot, SlotChunk, SlotInput, TargetFeatures, TargetModel,
+    TreeTarget,
 };
 pub use propose::{
     Draft, DraftModelProposer, MergedProposer, NoProposer, PromptLookup, PromptLookupConfig,

@@ -579,6 +579,8 @@ fn run_batch(v: &mut Verifier, seqs: &[&Seq], mode: Mode) -> Vec<Result<StepOutp
             suppress: &[],
             suppress_rows: 0,
             draft_probs: None,
+            final_draft_ends: false,
+            row_top_k: 0,
         })
         .collect();
     let draft_probs = match mode {

@@ -390,6 +390,8 @@ impl Owned {
                 suppress: &self.suppress[b].0,
                 suppress_rows: self.suppress[b].1,
                 draft_probs: None,
+                final_draft_ends: false,
+                row_top_k: 0,
             })
             .collect()
     }
@@ -1028,6 +1030,8 @@ fn stat_fit(gpu: &mut dyn BatchVerifier, n: usize, k: usize, q_pass: u8) -> Fit 
                 suppress: &[],
                 suppress_rows: 0,
                 draft_probs: None,
+                final_draft_ends: false,
+                row_top_k: 0,
             })
             .collect();
         let batch = VerifyBatch {

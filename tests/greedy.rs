@@ -476,6 +476,8 @@ fn greedy_batches_match_reference() {
                 suppress: &[],
                 suppress_rows: 0,
                 draft_probs: None,
+                final_draft_ends: false,
+                row_top_k: 0,
             })
             .collect();
         let out = Verifier::new()

@@ -42,6 +42,15 @@ impl<M: TargetModel> Timed<M> {
     }
 }
 
+/// Held by every test that times the `Timed` target: cargo runs a binary's tests in parallel
+/// threads, and on a 2-core machine the other tests' loops delay the sleeps enough to change
+/// the policy's cost curve. One timed test at a time keeps the measured costs near the script.
+static TIMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn timed_lock() -> std::sync::MutexGuard<'static, ()> {
+    TIMED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn sleep_rows(rows: usize) {
     std::thread::sleep(BASE + PER_ROW * rows as u32);
 }
@@ -239,6 +248,7 @@ fn every_draft_rejected_gives_plain_decoding_with_backed_off_probes() {
         Box::new(WrongProposer::new(7, c10_next)),
         Box::new(Siblings::new(0.0, 0.0, 3)),
     ];
+    let _timed = timed_lock();
     for proposer in proposers {
         let mut g = Generator::new(Timed::new(ToyModel::c10().with_tree(32)), proposer);
         let mut s = g.session(&[1, 2], &params).unwrap();
@@ -275,6 +285,7 @@ fn run(proposer: Siblings, tree_nodes: usize, n: usize, skip: usize) -> (Vec<Ask
     let params = GenerationParams::greedy(n)
         .with_draft(adaptive())
         .with_tree_nodes(tree_nodes);
+    let _timed = timed_lock();
     let mut g = Generator::new(Timed::new(ToyModel::c10().with_tree(64)), proposer);
     let prompt = [3, 1, 4];
     let out = g.generate(&prompt, &params).unwrap();

@@ -206,6 +206,16 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         &self.adaptive
     }
 
+    /// The sibling schemes of the current draft (empty: the draft form's default).
+    pub(crate) fn draft_schemes(&self) -> &[crate::SiblingScheme] {
+        &self.draft.schemes
+    }
+
+    /// The adaptive policy's state, mutably (the batch loop's probe schedule).
+    pub(crate) fn adaptive_mut(&mut self) -> &mut AdaptiveState {
+        &mut self.adaptive
+    }
+
     /// Gives back the target and the proposer.
     pub fn into_parts(self) -> (T, P) {
         (self.target, self.proposer)
@@ -298,6 +308,18 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         prompt: &[u32],
         params: &'g GenerationParams,
     ) -> Result<Session<'g, T, P>> {
+        self.start(prompt, params, true)
+    }
+
+    /// [`Generator::session`], with the prompt prefill left to the caller when `prefill` is
+    /// `false` (the batch loop prefills slots in chunks): the target must then hold
+    /// `prompt[..n - 1]` before the first step.
+    pub(crate) fn start<'g>(
+        &'g mut self,
+        prompt: &[u32],
+        params: &'g GenerationParams,
+        prefill: bool,
+    ) -> Result<Session<'g, T, P>> {
         let start = Instant::now();
         if prompt.is_empty() {
             return Err(Error::EmptyPrompt);
@@ -325,7 +347,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         self.hidden_rows_ok = self.hidden_width > 0;
         self.adaptive.begin_generation();
         let mut metrics = Metrics::default();
-        if prompt.len() > 1 {
+        if prefill && prompt.len() > 1 {
             let t = Instant::now();
             self.target.prefill(&prompt[..prompt.len() - 1])?;
             metrics.prefill_time = t.elapsed();
@@ -449,18 +471,188 @@ pub struct Session<'g, T, P> {
     start: Instant,
 }
 
+/// A [`Session`]'s own state without its borrows of the generator and the parameters, so that
+/// the batch loop can keep many generations and resume each for one phase at a time.
+pub(crate) struct Parked {
+    context: Vec<u32>,
+    prompt_len: usize,
+    metrics: Metrics,
+    logprobs: Option<Vec<TokenLogprob>>,
+    suppressed: Vec<u32>,
+    text: TextTracker,
+    last: LastStep,
+    finish: Option<FinishReason>,
+    cancelled: bool,
+    start: Instant,
+}
+
+impl Parked {
+    /// Whether the generation has ended.
+    pub(crate) fn finished(&self) -> bool {
+        self.finish.is_some()
+    }
+
+    /// The most drafts a step may verify now ([`draft_cap`]).
+    pub(crate) fn draft_cap(&self, params: &GenerationParams, max_context: usize) -> usize {
+        draft_cap(self.context.len(), self.prompt_len, params, max_context)
+    }
+
+    /// The verify request of the planned step `p` of this parked session of `g` (its target
+    /// logits left empty: the batch loop passes them in the [`crate::VerifyBatch`]).
+    pub(crate) fn verify_request<'s, T: TargetModel, P: Proposer>(
+        &'s self,
+        g: &'s Generator<T, P>,
+        params: &'s GenerationParams,
+        p: &Proposed,
+    ) -> VerifyRequest<'s> {
+        let v = SeqView {
+            context: &self.context,
+            prompt_len: self.prompt_len,
+            suppressed: &self.suppressed,
+        };
+        build_request(g, params, v, p, &[])
+    }
+
+    /// The rows the planned step `p` of this parked session of `g` appends: the chain
+    /// `[last, d_1 .. d_rows-1]` (written into `feed`), or the root and the draft tree.
+    pub(crate) fn feed<'s, T, P>(
+        &'s self,
+        g: &'s Generator<T, P>,
+        p: &Proposed,
+        feed: &'s mut Vec<u32>,
+    ) -> crate::SlotInput<'s> {
+        let last = self.context.last().copied().unwrap_or(0);
+        if p.tree {
+            return crate::SlotInput::Tree {
+                root: last,
+                block: g.draft.block(),
+            };
+        }
+        feed.clear();
+        feed.push(last);
+        feed.extend_from_slice(&g.draft.tokens[..p.rows() - 1]);
+        crate::SlotInput::Chain(feed)
+    }
+}
+
+/// The most drafts a step may verify with `len` context tokens of which `prompt_len` are the
+/// prompt: accepted drafts plus the bonus token must fit the token budget and the context; 0
+/// once either is used up.
+fn draft_cap(
+    len: usize,
+    prompt_len: usize,
+    params: &GenerationParams,
+    max_context: usize,
+) -> usize {
+    let remaining = params.max_new_tokens.saturating_sub(len - prompt_len);
+    let room = max_context.saturating_sub(len);
+    remaining.min(room).saturating_sub(1)
+}
+
+/// The parts of a session a verify request reads.
+struct SeqView<'s> {
+    context: &'s [u32],
+    prompt_len: usize,
+    suppressed: &'s [u32],
+}
+
+/// The verify request of a proposed step (shared by [`Session`] and the batch loop).
+fn build_request<'s, T: TargetModel, P: Proposer>(
+    g: &'s Generator<T, P>,
+    params: &'s GenerationParams,
+    v: SeqView<'s>,
+    p: &Proposed,
+    target_logits: &'s [f32],
+) -> VerifyRequest<'s> {
+    let draft_probs = match &g.draft.q {
+        None => DraftProbs::PointMass,
+        Some(q) => DraftProbs::Probs {
+            probs: q,
+            vocab: g.draft.q_vocab,
+        },
+    };
+    VerifyRequest {
+        config: &params.sampling,
+        target_logits,
+        vocab_size: g.target.vocab_size(),
+        draft_tokens: &g.draft.tokens,
+        draft_probs,
+        context: v.context,
+        seed: params.seed,
+        position: Some(v.context.len() as u64),
+        prompt_len: v.prompt_len,
+        suppress: v.suppressed,
+        suppress_rows: p.suppress_rows,
+        final_draft_ends: p.ends,
+        parents: p.tree.then_some(&g.draft.parents[..]),
+        schemes: (p.tree && !g.draft.schemes.is_empty()).then_some(&g.draft.schemes[..]),
+        ends: if p.tree { &g.node_ends } else { &[] },
+        row_top_k: g.proposer.row_candidates(),
+    }
+}
+
+impl<'g, T, P> Session<'g, T, P> {
+    /// Takes the session's own state out, releasing its borrows.
+    pub(crate) fn park(self) -> Parked {
+        Parked {
+            context: self.context,
+            prompt_len: self.prompt_len,
+            metrics: self.metrics,
+            logprobs: self.logprobs,
+            suppressed: self.suppressed,
+            text: self.text,
+            last: self.last,
+            finish: self.finish,
+            cancelled: self.cancelled,
+            start: self.start,
+        }
+    }
+
+    /// A session over `g` and `params` with the state `p` parked by [`Session::park`] (of a
+    /// session of the same generator and parameters).
+    pub(crate) fn resume(
+        g: &'g mut Generator<T, P>,
+        params: &'g GenerationParams,
+        p: Parked,
+    ) -> Self {
+        Session {
+            g,
+            params,
+            context: p.context,
+            prompt_len: p.prompt_len,
+            metrics: p.metrics,
+            logprobs: p.logprobs,
+            suppressed: p.suppressed,
+            text: p.text,
+            last: p.last,
+            finish: p.finish,
+            cancelled: p.cancelled,
+            start: p.start,
+        }
+    }
+}
+
 /// What the draft phase produced: draft length (nodes, for a tree), whether the final draft of
 /// a chain ends the sequence, whether the draft is a tree (then `Generator::node_ends` says
 /// which nodes end it), its depth, and the time spent.
-struct Proposed {
-    k: usize,
-    ends: bool,
-    tree: bool,
+pub(crate) struct Proposed {
+    pub(crate) k: usize,
+    pub(crate) ends: bool,
+    pub(crate) tree: bool,
     depth: usize,
     time: Duration,
     /// The tree-shape policy chose the request (its observation goes to
     /// [`AdaptiveState::observe_draft`]).
     shaped: bool,
+    /// Leading rows (depths) at which the EOS ids are banned (`min_tokens`).
+    suppress_rows: usize,
+}
+
+impl Proposed {
+    /// Target rows of the step: `k + 1`, `k` when the final draft of a chain ends the sequence.
+    pub(crate) fn rows(&self) -> usize {
+        self.k + 1 - self.ends as usize
+    }
 }
 
 impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
@@ -544,31 +736,74 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             }
             Ok(false) => Ok(None),
             Err(e) => {
-                // Forget the failed step's tokens (they were never streamed), and leave the
-                // target holding exactly the emitted tokens but the last (the loop's
-                // invariant), whatever the failing call left behind. Best effort: the next
-                // generation starts with truncate(0) anyway.
-                self.context.truncate(len);
-                self.text.reset(text);
-                if let Some(l) = self.logprobs.as_mut() {
-                    l.truncate(len - self.prompt_len);
-                }
-                let _ = self.g.target.truncate(len - 1);
-                let rows = (len - 1) * self.g.hidden_width;
-                if self.g.hidden_rows.len() >= rows {
-                    self.g.hidden_rows.truncate(rows);
-                } else {
-                    self.g.hidden_rows_ok = false;
-                }
-                self.end(FinishReason::Error);
+                self.fail((len, text));
                 Err(e)
             }
         }
     }
 
+    /// Where a step starts: the context length and the text mark, for [`Session::fail`].
+    pub(crate) fn mark(&self) -> (usize, super::stop::TextMark) {
+        (self.context.len(), self.text.mark())
+    }
+
+    /// Ends the session after a failed step that started at `mark` ([`Session::mark`]):
+    /// forgets the step's tokens (they were never streamed), and leaves the target holding
+    /// exactly the emitted tokens but the last (the loop's invariant), whatever the failing
+    /// call left behind. Best effort: the next generation starts with truncate(0) anyway.
+    pub(crate) fn fail(&mut self, (len, text): (usize, super::stop::TextMark)) {
+        self.context.truncate(len);
+        self.text.reset(text);
+        if let Some(l) = self.logprobs.as_mut() {
+            l.truncate(len - self.prompt_len);
+        }
+        let _ = self.g.target.truncate(len - 1);
+        let rows = (len - 1) * self.g.hidden_width;
+        if self.g.hidden_rows.len() >= rows {
+            self.g.hidden_rows.truncate(rows);
+        } else {
+            self.g.hidden_rows_ok = false;
+        }
+        self.end(FinishReason::Error);
+    }
+
     /// The step's phases: budget, propose, forward, verify, commit, observe. `Ok(false)` when
     /// the generation ended before doing anything.
     fn step_inner(&mut self) -> Result<bool> {
+        let Some(proposed) = self.plan(None)? else {
+            return Ok(false);
+        };
+        let forward = self.forward(&proposed)?;
+        let (out, verify) = self.verify(&proposed)?;
+        self.finish_step(&proposed, out, forward, verify)?;
+        Ok(true)
+    }
+
+    /// The commit and observe phases of a verified step.
+    pub(crate) fn finish_step(
+        &mut self,
+        p: &Proposed,
+        out: StepOutput,
+        forward: Duration,
+        verify: Duration,
+    ) -> Result<()> {
+        let kept = self.commit(p, &out)?;
+        self.observe(p, out, kept, forward, verify)
+    }
+
+    /// The most drafts a step may verify now (accepted drafts plus the bonus token must fit
+    /// the token budget and the context); 0 once the budget or the context is used up.
+    /// `true` once [`Session::cancel`] was called.
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.cancelled
+    }
+
+    /// Budget and propose phases: ends the session on cancellation, a used-up budget or a full
+    /// context (`Ok(None)`), else chooses the draft length (or tree shape) and proposes.
+    /// `k_override` replaces the adaptive policy's choice of an
+    /// [`DraftLength::Adaptive`] request by a chain of that length (capped; the batch loop's
+    /// goodput policy); fixed and disabled drafts ignore it.
+    pub(crate) fn plan(&mut self, k_override: Option<usize>) -> Result<Option<Proposed>> {
         let cancelled_flag = self
             .params
             .cancel
@@ -576,7 +811,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             .is_some_and(|c| c.load(Ordering::Relaxed));
         if self.cancelled || cancelled_flag {
             self.end(FinishReason::Cancelled);
-            return Ok(false);
+            return Ok(None);
         }
         let params = self.params;
         let generated = self.context.len() - self.prompt_len;
@@ -588,11 +823,11 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             .saturating_sub(self.context.len());
         if remaining == 0 {
             self.end(FinishReason::MaxTokens);
-            return Ok(false);
+            return Ok(None);
         }
         if room == 0 {
             self.end(FinishReason::ContextFull);
-            return Ok(false);
+            return Ok(None);
         }
         // Accepted drafts plus the bonus token must fit the budget and the context.
         let cap = remaining.min(room) - 1;
@@ -610,6 +845,9 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         };
         let (k_req, nodes, branch, shaped) = match &params.draft {
             DraftLength::Off => (0, 0, user_branch, false),
+            DraftLength::Adaptive(_) if k_override.is_some() => {
+                (k_override.unwrap_or(0).min(cap), 0, user_branch, false)
+            }
             DraftLength::Fixed(k) => {
                 let k = (*k).min(cap);
                 (k, if k > 0 { tree_room } else { 0 }, user_branch, false)
@@ -629,11 +867,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         let suppress_rows = params.min_tokens.saturating_sub(generated);
         let mut proposed = self.propose(k_req, nodes, branch, suppress_rows)?;
         proposed.shaped = shaped;
-        let forward = self.forward(&proposed)?;
-        let (out, verify) = self.verify(&proposed, suppress_rows)?;
-        let kept = self.commit(&proposed, &out)?;
-        self.observe(&proposed, out, kept, forward, verify)?;
-        Ok(true)
+        Ok(Some(proposed))
     }
 
     /// Propose phase: asks the proposer for up to `k_req` drafts (a tree of at most `nodes`
@@ -705,6 +939,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                     depth: k,
                     time: t.elapsed(),
                     shaped: false,
+                    suppress_rows,
                 });
             }
             let depth = g.draft.block().max_depth();
@@ -715,6 +950,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                 depth,
                 time: t.elapsed(),
                 shaped: false,
+                suppress_rows,
             });
         }
         let (k, ends) = self.draft_end()?;
@@ -730,6 +966,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             depth: k,
             time: t.elapsed(),
             shaped: false,
+            suppress_rows,
         })
     }
 
@@ -912,38 +1149,26 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
     }
 
     /// Verify phase: the logits of the forward against the draft (a chain or a tree).
-    fn verify(&mut self, p: &Proposed, suppress_rows: usize) -> Result<(StepOutput, Duration)> {
-        let params = self.params;
-        let g = &mut *self.g;
-        let vocab = g.target.vocab_size();
+    fn verify(&mut self, p: &Proposed) -> Result<(StepOutput, Duration)> {
         let t = Instant::now();
-        let draft_probs = match &g.draft.q {
-            None => DraftProbs::PointMass,
-            Some(q) => DraftProbs::Probs {
-                probs: q,
-                vocab: g.draft.q_vocab,
-            },
-        };
-        let req = VerifyRequest {
-            config: &params.sampling,
-            target_logits: &g.logits,
-            vocab_size: vocab,
-            draft_tokens: &g.draft.tokens,
-            draft_probs,
+        let mut verifier = std::mem::take(&mut self.g.verifier);
+        let out = verifier.verify(&self.verify_request(p, &self.g.logits));
+        self.g.verifier = verifier;
+        Ok((out?, t.elapsed()))
+    }
+
+    /// The verify request of a proposed step over `target_logits` (`[rows, vocab]`).
+    pub(crate) fn verify_request<'s>(
+        &'s self,
+        p: &Proposed,
+        target_logits: &'s [f32],
+    ) -> VerifyRequest<'s> {
+        let v = SeqView {
             context: &self.context,
-            seed: params.seed,
-            position: Some(self.context.len() as u64),
             prompt_len: self.prompt_len,
-            suppress: &self.suppressed,
-            suppress_rows,
-            final_draft_ends: p.ends,
-            parents: p.tree.then_some(&g.draft.parents[..]),
-            schemes: (p.tree && !g.draft.schemes.is_empty()).then_some(&g.draft.schemes[..]),
-            ends: if p.tree { &g.node_ends } else { &[] },
-            row_top_k: g.proposer.row_candidates(),
+            suppressed: &self.suppressed,
         };
-        let out = g.verifier.verify(&req)?;
-        Ok((out, t.elapsed()))
+        build_request(self.g, self.params, v, p, target_logits)
     }
 
     /// Commit phase: appends the emitted tokens up to the first stop and keeps the target's KV

@@ -217,7 +217,7 @@ pub struct AdaptiveState {
 
 /// The last [`RowSamples::CAP`] forward times of one row count (a ring).
 #[derive(Debug, Clone, Copy, Default)]
-struct RowSamples {
+pub(crate) struct RowSamples {
     buf: [f64; RowSamples::CAP],
     len: u8,
     next: u8,
@@ -231,14 +231,14 @@ impl RowSamples {
     /// this (a half-life of about 34 steps).
     const AGING: f64 = 0.98;
 
-    fn push(&mut self, x: f64, step: usize) {
+    pub(crate) fn push(&mut self, x: f64, step: usize) {
         self.last = step;
         self.buf[self.next as usize] = x;
         self.next = ((self.next as usize + 1) % Self::CAP) as u8;
         self.len = (self.len as usize + 1).min(Self::CAP) as u8;
     }
 
-    fn median(&self) -> Option<f64> {
+    pub(crate) fn median(&self) -> Option<f64> {
         let n = self.len as usize;
         if n == 0 {
             return None;
@@ -252,6 +252,45 @@ impl RowSamples {
             0.5 * (v[n / 2 - 1] + v[n / 2])
         })
     }
+}
+
+/// The robust cost curve of [`AdaptiveState::tree_forward_cost`] over per-row-count samples
+/// (`samples[n]`: the times of forwards of `n` rows), `steps` being the current step count.
+pub(crate) fn robust_cost(samples: &[RowSamples], steps: usize, rows: usize) -> Option<f64> {
+    let pts: Vec<(usize, f64, f64)> = samples
+        .iter()
+        .enumerate()
+        .filter_map(|(n, r)| {
+            let age = steps.saturating_sub(r.last).min(100_000) as i32;
+            let w = r.len as f64 * RowSamples::AGING.powi(age);
+            r.median().map(|m| (n, m, w.max(1e-9)))
+        })
+        .collect();
+    if pts.is_empty() {
+        return None;
+    }
+    let w: f64 = pts.iter().map(|p| p.2).sum();
+    let mx = pts.iter().map(|p| p.2 * p.0 as f64).sum::<f64>() / w;
+    let my = pts.iter().map(|p| p.2 * p.1).sum::<f64>() / w;
+    let sxy: f64 = pts
+        .iter()
+        .map(|p| p.2 * (p.0 as f64 - mx) * (p.1 - my))
+        .sum();
+    let sxx: f64 = pts.iter().map(|p| p.2 * (p.0 as f64 - mx).powi(2)).sum();
+    let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+    let line = |n: usize| (my + slope * (n as f64 - mx)).max(1e-12);
+    let est = |&(n, m, c): &(usize, f64, f64)| (n, (c * m + line(n)) / (c + 1.0));
+    let below = pts.iter().rev().find(|p| p.0 <= rows).map(est);
+    let above = pts.iter().find(|p| p.0 >= rows).map(est);
+    Some(match (below, above) {
+        (Some((a, ca)), Some((b, cb))) if b > a => {
+            ca + (cb - ca) * (rows - a) as f64 / (b - a) as f64
+        }
+        (Some((_, ca)), Some(_)) => ca,
+        (Some((_, ca)), None) => line(rows).max(ca),
+        (None, Some((_, cb))) => line(rows).min(cb),
+        (None, None) => line(rows),
+    })
 }
 
 /// A frontier node of the greedy expansion.
@@ -342,41 +381,7 @@ impl AdaptiveState {
     /// it speculates) thus drifts to what the fresh measurements say, so one slow sample cannot
     /// hold a choice for good. `None` before any measurement.
     pub fn tree_forward_cost(&self, rows: usize) -> Option<f64> {
-        let pts: Vec<(usize, f64, f64)> = self
-            .row_samples
-            .iter()
-            .enumerate()
-            .filter_map(|(n, r)| {
-                let age = self.steps.saturating_sub(r.last).min(100_000) as i32;
-                let w = r.len as f64 * RowSamples::AGING.powi(age);
-                r.median().map(|m| (n, m, w.max(1e-9)))
-            })
-            .collect();
-        if pts.is_empty() {
-            return None;
-        }
-        let w: f64 = pts.iter().map(|p| p.2).sum();
-        let mx = pts.iter().map(|p| p.2 * p.0 as f64).sum::<f64>() / w;
-        let my = pts.iter().map(|p| p.2 * p.1).sum::<f64>() / w;
-        let sxy: f64 = pts
-            .iter()
-            .map(|p| p.2 * (p.0 as f64 - mx) * (p.1 - my))
-            .sum();
-        let sxx: f64 = pts.iter().map(|p| p.2 * (p.0 as f64 - mx).powi(2)).sum();
-        let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
-        let line = |n: usize| (my + slope * (n as f64 - mx)).max(1e-12);
-        let est = |&(n, m, c): &(usize, f64, f64)| (n, (c * m + line(n)) / (c + 1.0));
-        let below = pts.iter().rev().find(|p| p.0 <= rows).map(est);
-        let above = pts.iter().find(|p| p.0 >= rows).map(est);
-        Some(match (below, above) {
-            (Some((a, ca)), Some((b, cb))) if b > a => {
-                ca + (cb - ca) * (rows - a) as f64 / (b - a) as f64
-            }
-            (Some((_, ca)), Some(_)) => ca,
-            (Some((_, ca)), None) => line(rows).max(ca),
-            (None, Some((_, cb))) => line(rows).min(cb),
-            (None, None) => line(rows),
-        })
+        robust_cost(&self.row_samples, self.steps, rows)
     }
 
     /// Expected tokens per step with `k` drafts: `1 + sum_{j=1..k} prod_{i<j} a_i`.
@@ -420,7 +425,7 @@ impl AdaptiveState {
 
     /// The probe bookkeeping of both policies: `true` when this step, for which plain decoding
     /// won (`plain`), is a probe; a step that speculates resets the wait.
-    fn probe_now(&mut self, cfg: &AdaptiveConfig, plain: bool) -> bool {
+    pub(crate) fn probe_now(&mut self, cfg: &AdaptiveConfig, plain: bool) -> bool {
         if plain {
             let wait = self.wait.max(cfg.probe_interval);
             if self.zero_run + 1 >= wait {

@@ -144,6 +144,16 @@ pub(crate) fn check_batch(batch: &DeviceBatch<'_>) -> Result<usize> {
         batch.schemes,
         batch.ends,
     )?;
+    if batch
+        .sequences
+        .iter()
+        .any(|s| s.final_draft_ends || s.row_top_k > 0)
+    {
+        return Err(Error::Unsupported {
+            backend: "gpu",
+            what: "SequenceParams::final_draft_ends or row_top_k (stop-cut chains and row candidates); the CPU Verifier verifies them",
+        });
+    }
     if !chains_only(batch) {
         return Err(Error::Unsupported {
             backend: "gpu",

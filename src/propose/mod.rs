@@ -37,7 +37,7 @@ pub use heads::{DraftHeads, HeadsInput, HeadsProposer};
 pub use merged::{DEFAULT_MERGE_DECAY, MAX_MERGED_PROPOSERS, MergedProposer};
 pub use prompt_lookup::{PromptLookup, PromptLookupConfig};
 pub use recycling::{RecyclingConfig, TableFileError, TemplateNode, TokenRecycling, TreeTemplate};
-pub use suffix::{SuffixConfig, SuffixProposer};
+pub use suffix::{SharedCorpus, SuffixConfig, SuffixProposer};
 
 /// What a proposer is asked for at one step.
 #[derive(Debug, Clone, Copy)]

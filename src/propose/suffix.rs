@@ -628,6 +628,96 @@ pub struct SuffixProposer {
     tree_frontier: BinaryHeap<Frontier>,
     /// Scratch of [`Proposer::propose_tree`]: `(parent row, token) -> node` of the draft.
     tree_edges: EdgeMap,
+    /// The corpus shared with other proposers, and the serial of the next generation of its
+    /// log this proposer has not added yet.
+    shared: Option<(SharedCorpus, u64)>,
+}
+
+/// A suffix corpus shared by several [`SuffixProposer`]s, for example the proposers of the
+/// concurrent requests of a [`crate::decode::BatchGenerator`]: every generation one of them
+/// finishes is published to the shared log, and every proposer adds the generations published
+/// by the others to its own corpus at its next [`Proposer::begin`] (SuffixDecoding's global
+/// tree, Oliaro et al. 2025, section 3). Opt in with [`SuffixProposer::with_shared_corpus`].
+///
+/// The log holds at most `max_tokens` tokens (the oldest generations are dropped first; a
+/// proposer that had not read them yet skips them). Each proposer still keeps its own trie of
+/// the corpus (memory per proposer as documented on [`SuffixProposer`]); the log adds one copy
+/// of the published tokens. Cloning the handle shares the same log. Drafts are point masses,
+/// so what the corpus holds never changes the output distribution, only the speed.
+#[derive(Debug, Clone)]
+pub struct SharedCorpus {
+    log: std::sync::Arc<std::sync::Mutex<SharedLog>>,
+}
+
+#[derive(Debug)]
+struct SharedLog {
+    /// `(serial, tokens)`, oldest first.
+    generations: VecDeque<(u64, Vec<u32>)>,
+    next: u64,
+    tokens: usize,
+    max_tokens: usize,
+}
+
+impl SharedCorpus {
+    /// An empty shared corpus holding at most `max_tokens` tokens of published generations.
+    pub fn new(max_tokens: usize) -> Self {
+        SharedCorpus {
+            log: std::sync::Arc::new(std::sync::Mutex::new(SharedLog {
+                generations: VecDeque::new(),
+                next: 0,
+                tokens: 0,
+                max_tokens,
+            })),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SharedLog> {
+        self.log.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Generations published so far (including those dropped from the log).
+    pub fn published(&self) -> u64 {
+        self.lock().next
+    }
+
+    /// Tokens the log holds now (`<= max_tokens`).
+    pub fn tokens(&self) -> usize {
+        self.lock().tokens
+    }
+
+    /// Publishes a generation; returns its serial. An empty one is not published.
+    fn publish(&self, generation: &[u32]) -> Option<u64> {
+        if generation.is_empty() {
+            return None;
+        }
+        let mut log = self.lock();
+        let serial = log.next;
+        log.next += 1;
+        if generation.len() > log.max_tokens {
+            return Some(serial);
+        }
+        log.tokens += generation.len();
+        log.generations.push_back((serial, generation.to_vec()));
+        while log.tokens > log.max_tokens {
+            match log.generations.pop_front() {
+                Some((_, g)) => log.tokens -= g.len(),
+                None => break,
+            }
+        }
+        Some(serial)
+    }
+
+    /// Calls `f` with every generation of serial `>= from` still in the log; returns the serial
+    /// to read from next time.
+    fn read_since(&self, from: u64, mut f: impl FnMut(&[u32])) -> u64 {
+        let log = self.lock();
+        for (serial, g) in &log.generations {
+            if *serial >= from {
+                f(g);
+            }
+        }
+        log.next
+    }
 }
 
 impl SuffixProposer {
@@ -649,7 +739,26 @@ impl SuffixProposer {
             corpus_draft: Vec::new(),
             tree_frontier: BinaryHeap::new(),
             tree_edges: EdgeMap::default(),
+            shared: None,
         })
+    }
+
+    /// Shares the corpus through `shared` ([`SharedCorpus`]): finished generations are
+    /// published there, and the generations the other proposers published are added to this
+    /// proposer's corpus at each [`Proposer::begin`] (and now, for those already there).
+    pub fn with_shared_corpus(mut self, shared: &SharedCorpus) -> Self {
+        self.shared = Some((shared.clone(), 0));
+        self.pull_shared();
+        self
+    }
+
+    /// Adds the shared log's generations not yet added to the corpus.
+    fn pull_shared(&mut self) {
+        let Some((shared, from)) = self.shared.take() else {
+            return;
+        };
+        let next = shared.read_since(from, |g| self.add_to_corpus(g));
+        self.shared = Some((shared, next));
     }
 
     /// The validated configuration. `O(1)`.
@@ -1009,6 +1118,7 @@ impl Proposer for SuffixProposer {
     /// # Errors
     /// As [`SuffixProposer::propose`](Proposer::propose).
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+        self.pull_shared();
         self.reset();
         self.sync(prompt)?;
         self.prompt_len = Some(prompt.len());
@@ -1030,6 +1140,16 @@ impl Proposer for SuffixProposer {
             part = &sequence[p..];
         }
         self.add_to_corpus(part);
+        if self.shared.is_some() {
+            // Read the others' generations first, then skip our own in the log.
+            self.pull_shared();
+            if let Some((shared, next)) = self.shared.as_mut()
+                && let Some(serial) = shared.publish(part)
+                && *next == serial
+            {
+                *next = serial + 1;
+            }
+        }
         self.reset();
     }
 
@@ -1044,6 +1164,44 @@ mod tests {
     use super::*;
     use crate::sampling::SamplingConfig;
     use proptest::prelude::*;
+
+    #[test]
+    fn shared_corpus_reaches_the_other_proposers_once() {
+        let shared = SharedCorpus::new(1000);
+        let cfg = SuffixConfig {
+            corpus_outputs_only: false,
+            ..SuffixConfig::default()
+        };
+        let mut a = SuffixProposer::new(cfg.clone())
+            .unwrap()
+            .with_shared_corpus(&shared);
+        let mut b = SuffixProposer::new(cfg.clone())
+            .unwrap()
+            .with_shared_corpus(&shared);
+        a.begin(&[1, 2, 3]).unwrap();
+        a.finish(&[1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(shared.published(), 1);
+        assert_eq!(a.corpus_generations(), 1, "its own, once");
+        assert_eq!(b.corpus_generations(), 0);
+        b.begin(&[9, 4, 5]).unwrap();
+        assert_eq!(b.corpus_generations(), 1);
+        assert_eq!(propose(&mut b, &[9, 4, 5], 2), [6, 7]);
+        b.finish(&[9, 4, 5, 6]);
+        a.begin(&[8]).unwrap();
+        assert_eq!(a.corpus_generations(), 2);
+        assert_eq!(b.corpus_generations(), 2);
+        // A late joiner reads what the log still holds.
+        let c = SuffixProposer::new(cfg)
+            .unwrap()
+            .with_shared_corpus(&shared);
+        assert_eq!(c.corpus_generations(), 2);
+        // The log is bounded.
+        let small = SharedCorpus::new(5);
+        assert_eq!(small.publish(&[1, 2, 3]), Some(0));
+        assert_eq!(small.publish(&[4, 5, 6]), Some(1));
+        assert_eq!(small.tokens(), 3);
+        assert_eq!(small.publish(&[]), None);
+    }
 
     fn propose(p: &mut SuffixProposer, context: &[u32], k: usize) -> Vec<u32> {
         let config = SamplingConfig::greedy();

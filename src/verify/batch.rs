@@ -36,6 +36,13 @@ pub struct SequenceParams<'a, Q = f32> {
     /// rows of the batch-level form. This lets one batch mix deterministic proposers (prompt
     /// lookup: point masses) and sampling draft models (dense q) without one-hot q rows.
     pub draft_probs: Option<DraftQ<'a, Q>>,
+    /// The sequence's final draft ends it (a chain cut at EOS or a stop), so its target rows
+    /// are `[k_b, vocab]`: no row past the end is processed (case C11;
+    /// [`VerifyRequest::final_draft_ends`]). Default `false`.
+    pub final_draft_ends: bool,
+    /// Best ids per target row to report for the sequence's proposer
+    /// ([`VerifyRequest::row_top_k`]); default 0 (none computed).
+    pub row_top_k: usize,
 }
 
 impl<'a, Q: Logit> SequenceParams<'a, Q> {
@@ -51,7 +58,23 @@ impl<'a, Q: Logit> SequenceParams<'a, Q> {
             suppress: &[],
             suppress_rows: 0,
             draft_probs: None,
+            final_draft_ends: false,
+            row_top_k: 0,
         }
+    }
+
+    /// Marks the sequence's final draft as ending it ([`SequenceParams::final_draft_ends`]):
+    /// its target rows are then `[k_b, vocab]`.
+    pub fn final_draft_ends(mut self, ends: bool) -> Self {
+        self.final_draft_ends = ends;
+        self
+    }
+
+    /// Asks for the best `k` ids of each of the sequence's target rows
+    /// ([`SequenceParams::row_top_k`]).
+    pub fn row_top_k(mut self, k: usize) -> Self {
+        self.row_top_k = k;
+        self
     }
 
     /// Gives the sequence its own draft form ([`SequenceParams::draft_probs`]): point masses,
@@ -95,6 +118,8 @@ impl<'a, Q: Logit> SequenceParams<'a, Q> {
 /// (`[sum_b (k_b + 1), vocab_size]` row-major), and its q rows (if any) are
 /// `draft_offsets[b]..draft_offsets[b + 1]` of the `[sum_b k_b, draft_vocab]` array in
 /// `draft_probs`, unless the sequence brings its own form ([`SequenceParams::draft_probs`]).
+/// A sequence whose final draft ends it ([`SequenceParams::final_draft_ends`]) has one row
+/// less (`k_b` rows), and the rows of the sequences after it move up by one.
 ///
 /// Trees: [`VerifyBatch::parents`], [`VerifyBatch::schemes`] and [`VerifyBatch::ends`] are
 /// aligned with `draft_tokens` (`[sum_b k_b]`, or absent / empty for none), and sequence `b`'s
@@ -216,7 +241,12 @@ impl Verifier {
             batch.schemes,
             batch.ends,
         )?;
-        let rows = batch.draft_tokens.len() + n;
+        let cut = batch
+            .sequences
+            .iter()
+            .filter(|s| s.final_draft_ends)
+            .count();
+        let rows = (batch.draft_tokens.len() + n).saturating_sub(cut);
         let expected = rows.saturating_mul(v);
         if batch.target_logits.len() != expected {
             return Err(Error::ShapeMismatch {
@@ -226,9 +256,14 @@ impl Verifier {
             });
         }
         let mut out = Vec::with_capacity(n);
+        let mut row = 0;
         for b in 0..n {
             let (lo, hi) = (off[b], off[b + 1]);
-            let target = &batch.target_logits[(lo + b) * v..(hi + b + 1) * v];
+            // A sequence ending at its final draft of none has no row at all; it is verified
+            // (and rejected) alone.
+            let own = (hi - lo + 1).saturating_sub(batch.sequences[b].final_draft_ends as usize);
+            let target = &batch.target_logits[row * v..(row + own) * v];
+            row += own;
             let req = sequence_request(
                 batch.sequences,
                 batch.draft_tokens,
@@ -271,11 +306,11 @@ pub(crate) fn sequence_request<'a, L, Q: Copy>(
         prompt_len: s.prompt_len,
         suppress: s.suppress,
         suppress_rows: s.suppress_rows,
-        final_draft_ends: false,
+        final_draft_ends: s.final_draft_ends,
         parents: None,
         schemes: None,
         ends: &[],
-        row_top_k: 0,
+        row_top_k: s.row_top_k,
     }
 }
 

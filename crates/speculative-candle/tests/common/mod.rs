@@ -51,3 +51,22 @@ pub fn argmax(row: &[f32]) -> usize {
     }
     best
 }
+
+/// The real model's fast Q8 weights (loaded once per test binary).
+pub fn fast_weights() -> Arc<speculative_candle::FastWeights> {
+    static W: OnceLock<Arc<speculative_candle::FastWeights>> = OnceLock::new();
+    W.get_or_init(|| {
+        speculative_candle::FastWeights::load(model_path(), speculative_candle::FastFormat::Q8)
+            .unwrap_or_else(|e| panic!("loading the model failed: {e}"))
+    })
+    .clone()
+}
+
+/// `question` as a user turn in the model's chat template, tokenized.
+pub fn chat(question: &str) -> Vec<u32> {
+    let tok = tokenizer();
+    let text = tok
+        .apply_chat_template(&[speculative_candle::ChatMessage::user(question)])
+        .unwrap();
+    tok.encode(&text).unwrap()
+}
