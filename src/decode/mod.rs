@@ -4,6 +4,14 @@
 //! [`crate::model`]) and [`crate::Proposer`]: propose, one target forward over
 //! `[last token, d_1 .. d_k]` (or over a token tree, [`GenerationParams::tree_nodes`]), verify,
 //! commit (truncate, or keep the accepted path of a tree), observe.
+//!
+//! [`BatchGenerator`] runs many generations at once over a [`crate::BatchTarget`] (continuous
+//! batching): each step is one batched forward over every active sequence's rows (chunked
+//! prompt prefill, verify chains, token trees) and one [`crate::Verifier::verify_batch`]; each
+//! request has its own proposer, parameters, stream and result, and gets the same output it
+//! would get from a [`Generator`] alone. The draft lengths of adaptive requests are chosen for
+//! the whole batch by the goodput policy ([`goodput`]). Engines that run one sequence at a time
+//! use it through [`crate::PerSlot`].
 
 mod batch;
 mod generator;
