@@ -4,8 +4,12 @@
 //! training script's first losses from a fixed seed, and greedy speculative output with the
 //! head (chains and EAGLE-2 trees, alone and merged) equal to plain greedy output.
 
+mod common;
+
+use common::{chat, fast_weights, tokenizer};
+
 use std::collections::BTreeMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
 use speculative::propose::{
@@ -16,41 +20,11 @@ use speculative_candle::fast::head::{DraftHead, DraftHeadWeights, HEAD_TENSORS, 
 use speculative_candle::train::{
     Dataset, SplitMix, TrainConfig, Trainer, feature_rms, record_features,
 };
-use speculative_candle::{
-    ChatMessage, FastFormat, FastTarget, FastWeights, GgufTokenizer, default_head_path,
-    default_model_path,
-};
-
-fn weights() -> Arc<FastWeights> {
-    static W: OnceLock<Arc<FastWeights>> = OnceLock::new();
-    W.get_or_init(|| {
-        let p = default_model_path();
-        assert!(
-            p.is_file(),
-            "model file {} is missing: run `scripts/fetch-model.sh`",
-            p.display()
-        );
-        FastWeights::load(p, FastFormat::Q8).expect("loading the model")
-    })
-    .clone()
-}
-
-fn tokenizer() -> &'static GgufTokenizer {
-    static TOK: OnceLock<GgufTokenizer> = OnceLock::new();
-    TOK.get_or_init(|| GgufTokenizer::load(default_model_path()).expect("loading the tokenizer"))
-}
-
-fn chat(question: &str) -> Vec<u32> {
-    let tok = tokenizer();
-    let text = tok
-        .apply_chat_template(&[ChatMessage::user(question)])
-        .unwrap();
-    tok.encode(&text).unwrap()
-}
+use speculative_candle::{FastTarget, default_head_path};
 
 /// A head with random weights (std 0.05) over the 2,000 lowest ids plus some high ones.
 fn random_head(seed: u64) -> Arc<DraftHeadWeights> {
-    let w = weights();
+    let w = fast_weights();
     let c = w.config();
     let (h, d) = (c.hidden_size, c.head_dim);
     let (nh, nkv, f) = (4, 2, 256);
@@ -89,7 +63,7 @@ fn random_head(seed: u64) -> Arc<DraftHeadWeights> {
 }
 
 fn features_of(tokens: &[u32]) -> Vec<f32> {
-    let mut t = FastTarget::new(weights());
+    let mut t = FastTarget::new(fast_weights());
     record_features(&mut t, tokens).unwrap()
 }
 
@@ -236,7 +210,7 @@ fn head_file_round_trip_and_bad_files() {
     let v = &r.tensors["fc.bias"].1;
     assert!((v[2] - 0.333).abs() < 1e-3 && v[1] == -2.5);
     // Missing tensors: a typed error, not a panic.
-    assert!(DraftHeadWeights::from_tensors(&r, weights()).is_err());
+    assert!(DraftHeadWeights::from_tensors(&r, fast_weights()).is_err());
     std::fs::write(dir.join("bad.safetensors"), b"not a file").unwrap();
     assert!(HeadTensors::read(dir.join("bad.safetensors")).is_err());
     assert!(HeadTensors::read(dir.join("missing.safetensors")).is_err());
@@ -253,7 +227,7 @@ fn shipped_head_matches_its_checksum_and_loads() {
     let want = std::fs::read_to_string(path.with_extension("safetensors.sha256")).unwrap();
     assert_eq!(sum, want.split_whitespace().next().unwrap());
     assert!(bytes.len() <= 16 << 20, "{} bytes", bytes.len());
-    let hw = DraftHeadWeights::load(&path, weights()).unwrap();
+    let hw = DraftHeadWeights::load(&path, fast_weights()).unwrap();
     assert_eq!(hw.config().hidden_size, 576);
     assert!(hw.vocab_ids().len() >= 1024);
     // Every tensor is stored in f16.
@@ -271,7 +245,7 @@ fn shipped_head_matches_its_checksum_and_loads() {
 /// recorded in `heads/ci-losses.json` (regenerate with `SPECULATIVE_RECORD_LOSSES=1`).
 #[test]
 fn training_first_steps_reproduce_the_committed_losses() {
-    let w = weights();
+    let w = fast_weights();
     let mut target = FastTarget::new(w.clone());
     let prompts = [
         "Tell me about the sea.",
@@ -349,13 +323,13 @@ const PROMPTS: [&str; 3] = [
 ];
 
 fn head_proposer() -> DraftModelProposer<DraftHead> {
-    let hw = DraftHeadWeights::load(default_head_path(), weights()).expect("shipped head");
+    let hw = DraftHeadWeights::load(default_head_path(), fast_weights()).expect("shipped head");
     DraftModelProposer::new(DraftHead::new(hw))
 }
 
 #[test]
 fn greedy_output_with_the_head_equals_plain_greedy() {
-    let w = weights();
+    let w = fast_weights();
     let eos = tokenizer().eos_id();
     let base = GenerationParams::greedy(64).with_stop(StopConditions::eos(eos));
     let mut accepted = 0;

@@ -4,7 +4,9 @@
 //! (chains and trees) and from a draft model growing EAGLE-2 style trees equals plain greedy
 //! decoding token for token.
 
-use std::sync::{Arc, OnceLock};
+mod common;
+
+use common::{chat, fast_weights, tokenizer};
 
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
 use speculative::propose::{
@@ -12,36 +14,7 @@ use speculative::propose::{
     SuffixProposer, TokenRecycling,
 };
 use speculative::{Proposer, TargetModel};
-use speculative_candle::{
-    ChatMessage, FastFormat, FastTarget, FastWeights, GgufTokenizer, default_model_path,
-};
-
-fn weights() -> Arc<FastWeights> {
-    static W: OnceLock<Arc<FastWeights>> = OnceLock::new();
-    W.get_or_init(|| {
-        let p = default_model_path();
-        assert!(
-            p.is_file(),
-            "model file {} is missing: run `scripts/fetch-model.sh`",
-            p.display()
-        );
-        FastWeights::load(p, FastFormat::Q8).expect("loading the model")
-    })
-    .clone()
-}
-
-fn tokenizer() -> &'static GgufTokenizer {
-    static TOK: OnceLock<GgufTokenizer> = OnceLock::new();
-    TOK.get_or_init(|| GgufTokenizer::load(default_model_path()).expect("loading the tokenizer"))
-}
-
-fn chat(question: &str) -> Vec<u32> {
-    let tok = tokenizer();
-    let text = tok
-        .apply_chat_template(&[ChatMessage::user(question)])
-        .unwrap();
-    tok.encode(&text).unwrap()
-}
+use speculative_candle::FastTarget;
 
 const PROMPTS: [&str; 3] = [
     "Rewrite this sentence in the passive voice: The committee approved the budget, the \
@@ -53,7 +26,7 @@ const PROMPTS: [&str; 3] = [
 
 #[test]
 fn tree_drafts_give_plain_greedy_output_on_the_real_model() {
-    let w = weights();
+    let w = fast_weights();
     let eos = tokenizer().eos_id();
     let params = GenerationParams::greedy(64)
         .with_draft(DraftLength::Fixed(8))
@@ -108,7 +81,7 @@ fn tree_drafts_give_plain_greedy_output_on_the_real_model() {
 #[test]
 fn a_merged_tree_gives_plain_greedy_output_on_the_real_model() {
     // Prompt lookup + suffix merged into one tree per step (MergedProposer), one prompt.
-    let w = weights();
+    let w = fast_weights();
     let eos = tokenizer().eos_id();
     let params = GenerationParams::greedy(40)
         .with_draft(DraftLength::Fixed(6))
@@ -144,7 +117,7 @@ fn a_merged_tree_gives_plain_greedy_output_on_the_real_model() {
 
 #[test]
 fn recycling_gives_plain_greedy_output_on_the_real_model() {
-    let w = weights();
+    let w = fast_weights();
     let eos = tokenizer().eos_id();
     let prompt = chat(PROMPTS[0]);
     let chain = GenerationParams::greedy(40)
@@ -188,7 +161,7 @@ fn recycling_gives_plain_greedy_output_on_the_real_model() {
 fn draft_model_trees_give_plain_greedy_output_on_the_real_model() {
     // The model is its own draft (a tree-capable FastTarget): a short run that exercises the
     // draft's tree forwards, its KV rollback and commit, and the target's tree verification.
-    let w = weights();
+    let w = fast_weights();
     let prompt = chat(PROMPTS[2]);
     let params = GenerationParams::greedy(30)
         .with_draft(DraftLength::Fixed(4))
