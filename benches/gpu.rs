@@ -228,6 +228,8 @@ fn bench(c: &mut Criterion) {
                     suppress: &[],
                     suppress_rows: 0,
                     draft_probs: None,
+                    final_draft_ends: false,
+                    row_top_k: 0,
                 })
                 .collect();
             let batch = DeviceBatch {

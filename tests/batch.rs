@@ -71,9 +71,10 @@ fn cases(sampled: bool) -> Vec<Case> {
             3 => params.with_draft(DraftLength::Fixed(3)).with_tree_nodes(8),
             _ => params.with_draft(DraftLength::Fixed(6)),
         };
-        if i == 7 {
+        if matches!(i, 3 | 5 | 7 | 9) {
+            // Drafts cut at an EOS (chains: one row less) next to trees in one verify_batch.
             params = params.with_stop(StopConditions {
-                eos: vec![5],
+                eos: vec![(i % 4) as u32 + 4],
                 ..StopConditions::default()
             });
         }
@@ -407,10 +408,13 @@ fn one_forward_per_step_and_stats_add_up() {
     while !b.is_idle() {
         let s = b.step().unwrap();
         assert!(s.rows <= 40 || s.sequences == 1, "{s:?}");
+        // Each sequence feeds its last token and its drafts, but a chain cut at an end has no
+        // row after its final draft.
         assert!(
-            s.prefill_rows + s.sequences + s.draft_rows == s.rows,
+            s.rows <= s.prefill_rows + s.sequences + s.draft_rows,
             "{s:?}"
         );
+        assert!(s.rows >= s.prefill_rows + s.draft_rows, "{s:?}");
         steps += 1;
         rows += s.rows;
         emitted += s.emitted;

@@ -156,7 +156,9 @@ pub struct BatchStepStats {
     pub rows: usize,
     /// Of which prompt prefill rows.
     pub prefill_rows: usize,
-    /// Of which draft rows (chain drafts and tree nodes).
+    /// Draft tokens verified (chain drafts and tree nodes): each sequence's rows are its
+    /// drafts plus one, minus one for a chain cut at an end (EOS or a stop) after its final
+    /// draft.
     pub draft_rows: usize,
     /// Tokens emitted by all sequences.
     pub emitted: usize,
@@ -178,7 +180,7 @@ pub struct BatchMetrics {
     pub rows: u64,
     /// Prompt prefill rows.
     pub prefill_rows: u64,
-    /// Draft rows.
+    /// Draft tokens verified.
     pub draft_rows: u64,
     /// Tokens emitted.
     pub emitted: u64,
