@@ -27,7 +27,7 @@ pub const DEFAULT_MAX_BATCH_TOKENS: usize = 1024;
 /// (chains: position `seq_len + i`; trees: tree attention at `seq_len + depth`, exactly as
 /// [`FastTarget`](super::FastTarget) does, with the tree pending until
 /// [`BatchTarget::commit_tree`] or [`BatchTarget::truncate`] of the slot). The output head runs
-/// only over the rows of chunks that want logits (not prefill chunks). [`FastTarget`] is the
+/// only over the rows of chunks that want logits (not prefill chunks). [`FastTarget`](super::FastTarget) is the
 /// one-sequence case of the same row pipeline.
 ///
 /// # Batch invariance
