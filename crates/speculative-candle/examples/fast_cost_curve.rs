@@ -181,7 +181,7 @@ fn batch_table(
     bs.extend(args.batch_sizes.iter().copied().filter(|&b| b > 1));
     let max_b = bs.iter().copied().max().unwrap_or(1);
     let k1 = args.batch_k + 1;
-    let mut m = FastBatch::new(w, max_b)?.with_max_batch_tokens(max_b * k1.max(1));
+    let mut m = FastBatch::new(w, max_b)?.with_max_batch_tokens((max_b * k1).max(prefix.len()));
     // Every slot holds the prefix (its own copy, in one prefill call per slot).
     for slot in 0..max_b {
         m.forward_batch(
