@@ -13,6 +13,17 @@
 //! `--stat min` reports the fastest run instead of the median (less sensitive to other jobs on
 //! a shared machine) and `--ms` adds the absolute times.
 //!
+//! `--batch` measures the multi-sequence forward ([`FastBatch`], fast Q8, one thread) instead:
+//! `B` slots, each holding `--prefix` tokens, run together in one
+//! [`BatchTarget::forward_batch`] call of `B x 1` rows (a plain batched decoding step) and of
+//! `B x (k + 1)` rows (a batched verify of `k = --batch-k` drafts), for `B` in
+//! `--batch-sizes` (default 1, 2, 4, 8, 16); it reports the ms per call and the ratio to one
+//! row of one sequence (`B = 1`, 1 row):
+//!
+//! ```text
+//! RAYON_NUM_THREADS=1 cargo run --release -p speculative-candle --example fast_cost_curve -- --batch
+//! ```
+//!
 //! Measured with that command (median of 11; 2-core AMD EPYC with AVX-512 VNNI, shared with
 //! other jobs, load average 1.3-1.5 during the runs), three runs, SmolLM2-135M:
 //!
@@ -32,10 +43,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use speculative::TargetModel;
+use speculative::{BatchTarget, SlotChunk, SlotInput, TargetModel};
 use speculative_candle::{
-    CandleTarget, FastFormat, FastTarget, FastWeights, GgufTokenizer, KernelPath, LlamaWeights,
-    LoadOptions, WeightFormat, default_model_path,
+    CandleTarget, FastBatch, FastFormat, FastTarget, FastWeights, GgufTokenizer, KernelPath,
+    LlamaWeights, LoadOptions, WeightFormat, default_model_path,
 };
 
 #[derive(Parser, Debug)]
@@ -71,6 +82,15 @@ struct Args {
     /// Statistic over the runs: `median` (default) or `min` (less sensitive to other load).
     #[arg(long, default_value = "median")]
     stat: String,
+    /// Measure the multi-sequence forward (`FastBatch`) instead of the single-sequence paths.
+    #[arg(long)]
+    batch: bool,
+    /// Numbers of sequences per batched call (with `--batch`), comma separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 4, 8, 16])]
+    batch_sizes: Vec<usize>,
+    /// Draft length k of the batched verify rows (`k + 1` rows per sequence; with `--batch`).
+    #[arg(long, default_value_t = 4)]
+    batch_k: usize,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -111,6 +131,84 @@ fn curve<T: TargetModel>(
     Ok(out)
 }
 
+/// ms of one `forward_batch` over slots `0 .. b`, each appending `new[..rows]` after its
+/// prefix, for every `b` in `bs` (`stat` over `runs` timed calls after one warm-up; every slot
+/// truncated back to its prefix after each call).
+fn batch_curve(
+    m: &mut FastBatch,
+    bs: &[usize],
+    new: &[u32],
+    rows: usize,
+    runs: usize,
+    stat: fn(Vec<f64>) -> f64,
+) -> Result<Vec<f64>, Box<dyn std::error::Error>> {
+    let mut logits = Vec::new();
+    let mut out = Vec::new();
+    for &b in bs {
+        let lens: Vec<usize> = (0..b).map(|s| m.seq_len(s)).collect::<Result<_, _>>()?;
+        let chunks: Vec<SlotChunk<'_>> = (0..b)
+            .map(|slot| SlotChunk {
+                slot,
+                input: SlotInput::Chain(&new[..rows]),
+            })
+            .collect();
+        let mut t = Vec::with_capacity(runs);
+        for i in 0..=runs {
+            let s = Instant::now();
+            m.forward_batch(&chunks, &mut logits)?;
+            if i > 0 {
+                t.push(s.elapsed().as_secs_f64() * 1e3);
+            }
+            for (slot, &len) in lens.iter().enumerate() {
+                m.truncate(slot, len)?;
+            }
+        }
+        out.push(stat(t));
+    }
+    Ok(out)
+}
+
+/// The `--batch` table: `B x 1` and `B x (k + 1)` rows per call.
+fn batch_table(
+    args: &Args,
+    path: &std::path::Path,
+    prefix: &[u32],
+    new: &[u32],
+    stat: fn(Vec<f64>) -> f64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let w = FastWeights::load(path, FastFormat::Q8)?;
+    let mut bs = vec![1];
+    bs.extend(args.batch_sizes.iter().copied().filter(|&b| b > 1));
+    let max_b = bs.iter().copied().max().unwrap_or(1);
+    let k1 = args.batch_k + 1;
+    let mut m = FastBatch::new(w, max_b)?.with_max_batch_tokens((max_b * k1).max(prefix.len()));
+    // Every slot holds the prefix (its own copy, in one prefill call per slot).
+    for slot in 0..max_b {
+        m.forward_batch(
+            &[SlotChunk {
+                slot,
+                input: SlotInput::Prefill(prefix),
+            }],
+            &mut Vec::new(),
+        )?;
+    }
+    let one = batch_curve(&mut m, &bs, new, 1, args.runs, stat)?;
+    let verify = batch_curve(&mut m, &bs, new, k1, args.runs, stat)?;
+    println!("| sequences B | rows | ms per call | ratio to 1 row |");
+    println!("|---|---|---|---|");
+    for (i, &b) in bs.iter().enumerate() {
+        println!("| {b} | {b} x 1 | {:.2} | {:.2} |", one[i], one[i] / one[0]);
+    }
+    for (i, &b) in bs.iter().enumerate() {
+        println!(
+            "| {b} | {b} x {k1} | {:.2} | {:.2} |",
+            verify[i],
+            verify[i] / one[0]
+        );
+    }
+    Ok(())
+}
+
 fn row(name: &str, ns: &[usize], ms: &[f64], abs: bool) {
     let mut s = format!("| {name} | {:.2} |", ms[0]);
     for (i, _) in ns.iter().enumerate().skip(1) {
@@ -137,7 +235,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 keeper earned about 50 pounds a year; storms cut them off for weeks at a time. ";
     let mut ns = vec![1];
     ns.extend(args.ns.iter().copied().filter(|&n| n > 1));
-    let max_n = ns.iter().copied().max().unwrap_or(1);
+    let max_n = ns.iter().copied().max().unwrap_or(1).max(args.batch_k + 1);
     let mut tokens = Vec::new();
     while tokens.len() < args.prefix + max_n {
         tokens.extend(tok.encode(text)?);
@@ -151,6 +249,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.runs,
         KernelPath::detect()
     );
+    if args.batch {
+        return batch_table(&args, &path, prefix, new, stat);
+    }
     let mut head = String::from("| path | 1-token ms |");
     for n in &ns[1..] {
         head.push_str(&format!(" c({n}) |"));

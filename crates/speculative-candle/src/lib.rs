@@ -141,4 +141,4 @@ pub fn use_single_thread_if_unset() -> usize {
 
 pub mod fast;
 pub mod train;
-pub use fast::{FastFormat, FastTarget, FastWeights, KernelPath};
+pub use fast::{FastBatch, FastFormat, FastTarget, FastWeights, KernelPath};

@@ -129,6 +129,32 @@ impl Exec {
             act: Q8Act::default(),
         }
     }
+
+    /// The same settings with a fresh activation buffer.
+    pub(crate) fn fork(&self) -> Self {
+        Exec {
+            path: self.path,
+            simd: self.simd,
+            threads: self.threads,
+            act: Q8Act::default(),
+        }
+    }
+
+    /// Chooses the int8 kernel path (the AVX-512 ops of [`ops`] run unless `path` is
+    /// [`KernelPath::Scalar`]).
+    ///
+    /// # Errors
+    /// [`CandleError::InvalidArgument`] when this CPU cannot run `path`.
+    pub(crate) fn set_kernel(&mut self, path: KernelPath) -> Result<()> {
+        if !path.is_available() {
+            return Err(CandleError::InvalidArgument(format!(
+                "kernel path {path:?} is not available on this CPU"
+            )));
+        }
+        self.path = path;
+        self.simd = path != KernelPath::Scalar && ops::simd_available();
+        Ok(())
+    }
 }
 
 #[derive(Debug)]
@@ -673,17 +699,11 @@ pub struct FastTarget {
     weights: Arc<FastWeights>,
     n_layers: usize,
     exec: Exec,
-    /// Per layer (positions `>= seq_len` are stale).
-    cache: Vec<KvCache>,
-    seq_len: usize,
+    /// The KV cache, length and pending tree of the sequence.
+    seq: SeqState,
     hidden: Vec<f32>,
     /// Most nodes of one tree forward (0: no tree support).
     max_tree_nodes: usize,
-    /// The uncommitted tree forward, if any.
-    pending: Option<PendingTree>,
-    /// Per layer, the roped keys and values of the last tree forward's rows,
-    /// `[n + 1][2 kv_heads d]` (key then value).
-    tree_kv: Vec<Vec<f32>>,
 }
 
 impl FastTarget {
@@ -717,17 +737,14 @@ impl FastTarget {
     }
 
     fn with_layers(weights: Arc<FastWeights>, n_layers: usize) -> Self {
-        let cache = KvCache::new(weights.config.n_kv_heads, weights.config.head_dim);
+        let seq = SeqState::new(&weights.config, n_layers);
         FastTarget {
             weights,
             n_layers,
             exec: Exec::detect(),
-            cache: vec![cache; n_layers],
-            seq_len: 0,
+            seq,
             hidden: Vec::new(),
             max_tree_nodes: DEFAULT_MAX_TREE_NODES,
-            pending: None,
-            tree_kv: vec![Vec::new(); n_layers],
         }
     }
 
@@ -747,13 +764,7 @@ impl FastTarget {
     /// # Errors
     /// [`CandleError::InvalidArgument`] when this CPU cannot run `path`.
     pub fn with_kernel(mut self, path: KernelPath) -> Result<Self> {
-        if !path.is_available() {
-            return Err(CandleError::InvalidArgument(format!(
-                "kernel path {path:?} is not available on this CPU"
-            )));
-        }
-        self.exec.path = path;
-        self.exec.simd = path != KernelPath::Scalar && ops::simd_available();
+        self.exec.set_kernel(path)?;
         Ok(self)
     }
 
@@ -787,18 +798,10 @@ impl FastTarget {
         FastTarget {
             weights: Arc::clone(&self.weights),
             n_layers: self.n_layers,
-            exec: Exec {
-                path: self.exec.path,
-                simd: self.exec.simd,
-                threads: self.exec.threads,
-                act: Q8Act::default(),
-            },
-            cache: self.cache.clone(),
-            seq_len: self.seq_len,
+            exec: self.exec.fork(),
+            seq: self.seq.clone(),
             hidden: self.hidden.clone(),
             max_tree_nodes: self.max_tree_nodes,
-            pending: self.pending.clone(),
-            tree_kv: self.tree_kv.clone(),
         }
     }
 
@@ -806,27 +809,7 @@ impl FastTarget {
     /// `[seq_len, kv_heads d]` (keys after RoPE). For tests that compare caches.
     #[doc(hidden)]
     pub fn kv_snapshot(&self) -> Vec<(Vec<f32>, Vec<f32>)> {
-        self.cache[..self.n_layers]
-            .iter()
-            .map(|c| {
-                let (mut k, mut v) = (Vec::new(), Vec::new());
-                for pos in 0..self.seq_len {
-                    c.read(pos, &mut k, &mut v);
-                }
-                (k, v)
-            })
-            .collect()
-    }
-
-    /// Validates a forward's tokens: no tree pending, non-empty, in the vocabulary, fitting the
-    /// context.
-    fn check(&self, tokens: &[u32]) -> Result<()> {
-        check_append(
-            &self.weights.config,
-            self.pending.is_some(),
-            self.seq_len,
-            tokens,
-        )
+        self.seq.kv_snapshot()
     }
 
     /// Appends `tokens` (`n` of them) and writes their `[n, vocab]` logits into `logits`
@@ -838,14 +821,8 @@ impl FastTarget {
     /// committed, [`CandleError::TokenOutOfVocab`], [`CandleError::ContextOverflow`] when
     /// `seq_len + n > context_length`.
     pub fn forward_logits(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
-        self.check(tokens)?;
-        let saved = self.seq_len;
-        let out = self.run(tokens, None, Some(logits));
-        if out.is_err() {
-            // Cache entries past `seq_len` are never read.
-            self.seq_len = saved;
-        }
-        out
+        self.seq.check(&self.weights.config, tokens)?;
+        self.run(tokens, None, Some(logits))
     }
 
     /// Appends `tokens` like [`FastTarget::forward_logits`] but skips the output head: no
@@ -856,13 +833,8 @@ impl FastTarget {
     /// # Errors
     /// As [`FastTarget::forward_logits`].
     pub fn prefill_tokens(&mut self, tokens: &[u32]) -> Result<()> {
-        self.check(tokens)?;
-        let saved = self.seq_len;
-        let out = self.run(tokens, None, None);
-        if out.is_err() {
-            self.seq_len = saved;
-        }
-        out
+        self.seq.check(&self.weights.config, tokens)?;
+        self.run(tokens, None, None)
     }
 
     /// Appends the root and the nodes of a valid `block` (module docs of [`FastTarget`],
@@ -874,140 +846,37 @@ impl FastTarget {
         block: &DraftBlock<'_>,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
-        let mut tokens = Vec::with_capacity(block.rows());
-        tokens.push(root);
-        tokens.extend_from_slice(block.tokens());
-        self.check(&tokens)?;
+        let tokens = tree_tokens(root, block);
+        self.seq.check(&self.weights.config, &tokens)?;
         let rows = Rows::of(block);
-        let cfg = &self.weights.config;
-        let kv2 = 2 * cfg.n_kv_heads * cfg.head_dim;
-        for s in &mut self.tree_kv[..self.n_layers] {
-            s.clear();
-            s.resize(tokens.len() * kv2, 0.0);
-        }
-        let saved = self.seq_len;
-        if let Err(e) = self.run(&tokens, Some(&rows), Some(logits)) {
-            self.seq_len = saved;
-            return Err(e);
-        }
-        self.pending = Some(PendingTree::new(saved, block, &rows));
-        Ok(())
+        self.run(&tokens, Some((&rows, block)), Some(logits))
     }
 
-    /// Keeps the root and the nodes `path` (already checked to be a path of `t`'s block) and
-    /// drops the other nodes: copies the kept rows' keys and values to slots `base + 1 ..`
-    /// where they are not there already.
-    fn commit_rows(&mut self, t: &PendingTree, path: &[u32]) {
-        let cfg = &self.weights.config;
-        let kvd = cfg.n_kv_heads * cfg.head_dim;
-        for (k, &node) in path.iter().enumerate() {
-            let row = node as usize + 1;
-            if t.in_place(k, row) {
-                continue;
-            }
-            for (cache, kv) in self.cache[..self.n_layers].iter_mut().zip(&self.tree_kv) {
-                let kv = &kv[row * 2 * kvd..(row + 1) * 2 * kvd];
-                cache.write(t.base + 1 + k, &kv[..kvd], &kv[kvd..]);
-            }
-        }
-        self.seq_len = t.base + 1 + path.len();
-    }
-
-    /// Runs the rows `tokens` at positions `seq_len + depth` (`depth = i` without `layout`),
-    /// writing the logits when asked; `layout` selects tree attention and keeps every row's
-    /// keys and values in `tree_kv`.
+    /// The one-segment case of [`run_rows`]: appends `tokens` (a tree when `tree` is set),
+    /// writing the logits when asked. Validation is the caller's.
     fn run(
         &mut self,
         tokens: &[u32],
-        layout: Option<&Rows>,
+        tree: Option<(&Rows, &DraftBlock<'_>)>,
         logits: Option<&mut Vec<f32>>,
     ) -> Result<()> {
         let w = Arc::clone(&self.weights);
-        let cfg = &w.config;
-        let n = tokens.len();
-        let p = self.seq_len;
-        let (h, nh, nkv, d) = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
-        let (kvd, half) = (nkv * d, d / 2);
-        let eps = cfg.rms_eps as f32;
-        let scale = (1.0 / (d as f64).sqrt()) as f32;
-        for c in &mut self.cache[..self.n_layers] {
-            c.reserve(p + n, p);
-        }
-
-        let embed = w.embed.as_ref().unwrap_or(&w.head);
-        let mut x = vec![0f32; n * h];
-        for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
-            embed.row(t as usize, row);
-        }
-        let (mut a, mut qkv, mut o, mut proj, mut gu, mut act) = (
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-        );
-        let mut scores = Vec::new();
-        for (li, layer) in w.layers[..self.n_layers].iter().enumerate() {
-            rms_norm(&x, &layer.attn_norm, eps, &mut a);
-            layer.wqkv.matmul(&a, &mut qkv, &mut self.exec)?;
-            let width = (nh + 2 * nkv) * d;
-            let cache = &mut self.cache[li];
-            for (i, row) in qkv.chunks_exact_mut(width).enumerate() {
-                let pos = p + layout.map_or(i, |t| t.depth[i] as usize);
-                let cos = &w.rope_cos[pos * half..(pos + 1) * half];
-                let sin = &w.rope_sin[pos * half..(pos + 1) * half];
-                let (q, kv) = row.split_at_mut(nh * d);
-                for head in q.chunks_exact_mut(d) {
-                    rope(head, cos, sin);
-                    head.iter_mut().for_each(|v| *v *= scale);
-                }
-                let (k, v) = kv.split_at_mut(kvd);
-                for head in k.chunks_exact_mut(d) {
-                    rope(head, cos, sin);
-                }
-                if layout.is_some() {
-                    self.tree_kv[li][i * 2 * kvd..(i + 1) * 2 * kvd].copy_from_slice(kv);
-                } else {
-                    cache.write(p + i, k, v);
-                }
-            }
-            let simd = self.exec.simd;
-            match layout {
-                None => attention(
-                    cache,
-                    &qkv,
-                    (n, p, nh, nkv, d, width),
-                    &mut o,
-                    &mut scores,
-                    simd,
-                ),
-                Some(rows) => tree_attention(
-                    cache,
-                    &qkv,
-                    rows,
-                    (p, nh, nkv, d, width),
-                    &mut o,
-                    &mut scores,
-                    simd,
-                ),
-            }
-            layer.wo.matmul(&o, &mut proj, &mut self.exec)?;
-            x.iter_mut().zip(&proj).for_each(|(xv, pv)| *xv += pv);
-            let mut bufs = FfnBufs {
-                a: &mut a,
-                gu: &mut gu,
-                act: &mut act,
-                proj: &mut proj,
-            };
-            ffn_residual(layer, &mut x, eps, &mut bufs, &mut self.exec)?;
-        }
-        rms_norm(&x, &w.output_norm, eps, &mut self.hidden);
-        if let Some(logits) = logits {
-            w.head.matmul(&self.hidden, logits, &mut self.exec)?;
-        }
-        self.seq_len = p + n;
-        Ok(())
+        let wants = logits.is_some();
+        let mut unused = Vec::new();
+        let mut segs = [Segment {
+            seq: &mut self.seq,
+            tokens,
+            tree,
+            logits: wants,
+        }];
+        run_rows(
+            &w,
+            self.n_layers,
+            &mut self.exec,
+            &mut segs,
+            &mut self.hidden,
+            logits.unwrap_or(&mut unused),
+        )
     }
 
     /// Drops every position at index `>= len`. With a tree forward not committed (`seq_len`
@@ -1021,6 +890,115 @@ impl FastTarget {
     /// when `len` cuts into an uncommitted tree whose first nodes are not a chain (the
     /// sequence is then unchanged).
     pub fn truncate_to(&mut self, len: usize) -> Result<()> {
+        self.seq.truncate_to(&self.weights.config, len)
+    }
+}
+
+/// The tokens of a tree forward's rows: `root`, then the block's nodes.
+pub(crate) fn tree_tokens(root: u32, block: &DraftBlock<'_>) -> Vec<u32> {
+    let mut tokens = Vec::with_capacity(block.rows());
+    tokens.push(root);
+    tokens.extend_from_slice(block.tokens());
+    tokens
+}
+
+/// The state of one sequence of [`FastTarget`] or one slot of
+/// [`FastBatch`](super::FastBatch): its KV cache, length and uncommitted tree forward.
+#[derive(Debug, Clone)]
+pub(crate) struct SeqState {
+    /// Per layer (positions `>= seq_len` are stale and never read).
+    pub(crate) cache: Vec<KvCache>,
+    pub(crate) seq_len: usize,
+    /// The uncommitted tree forward, if any.
+    pub(crate) pending: Option<PendingTree>,
+    /// Per layer, the roped keys and values of the last tree forward's rows,
+    /// `[n + 1][2 kv_heads d]` (key then value).
+    pub(crate) tree_kv: Vec<Vec<f32>>,
+}
+
+impl SeqState {
+    /// An empty sequence of a model of `cfg` running `n_layers` blocks (nothing allocated).
+    pub(crate) fn new(cfg: &LlamaConfig, n_layers: usize) -> Self {
+        let cache = KvCache::new(cfg.n_kv_heads, cfg.head_dim);
+        SeqState {
+            cache: vec![cache; n_layers],
+            seq_len: 0,
+            pending: None,
+            tree_kv: vec![Vec::new(); n_layers],
+        }
+    }
+
+    /// Validates a forward's tokens: no tree pending, non-empty, in the vocabulary, fitting the
+    /// context.
+    pub(crate) fn check(&self, cfg: &LlamaConfig, tokens: &[u32]) -> Result<()> {
+        check_append(cfg, self.pending.is_some(), self.seq_len, tokens)
+    }
+
+    /// Bytes held by the KV cache and the kept-aside tree rows (capacity).
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.cache.iter().map(KvCache::memory_bytes).sum::<usize>()
+            + self
+                .tree_kv
+                .iter()
+                .map(|v| v.capacity() * std::mem::size_of::<f32>())
+                .sum::<usize>()
+    }
+
+    /// See [`FastTarget::kv_snapshot`].
+    pub(crate) fn kv_snapshot(&self) -> Vec<(Vec<f32>, Vec<f32>)> {
+        self.cache
+            .iter()
+            .map(|c| {
+                let (mut k, mut v) = (Vec::new(), Vec::new());
+                for pos in 0..self.seq_len {
+                    c.read(pos, &mut k, &mut v);
+                }
+                (k, v)
+            })
+            .collect()
+    }
+
+    /// Keeps the root and the nodes `path` (already checked to be a path of `t`'s block) and
+    /// drops the other nodes: copies the kept rows' keys and values to slots `base + 1 ..`
+    /// where they are not there already.
+    fn commit_rows(&mut self, cfg: &LlamaConfig, t: &PendingTree, path: &[u32]) {
+        let kvd = cfg.n_kv_heads * cfg.head_dim;
+        for (k, &node) in path.iter().enumerate() {
+            let row = node as usize + 1;
+            if t.in_place(k, row) {
+                continue;
+            }
+            for (cache, kv) in self.cache.iter_mut().zip(&self.tree_kv) {
+                let kv = &kv[row * 2 * kvd..(row + 1) * 2 * kvd];
+                cache.write(t.base + 1 + k, &kv[..kvd], &kv[kvd..]);
+            }
+        }
+        self.seq_len = t.base + 1 + path.len();
+    }
+
+    /// [`speculative::TreeTarget::commit_tree`] of this sequence.
+    pub(crate) fn commit_tree(
+        &mut self,
+        cfg: &LlamaConfig,
+        path: &[u32],
+    ) -> speculative::Result<()> {
+        let Some(t) = self.pending.take() else {
+            return Err(speculative::Error::TargetContract {
+                what: "commit_tree without a pending tree forward",
+            });
+        };
+        if !t.is_path(path) {
+            self.pending = Some(t);
+            return Err(speculative::Error::TargetContract {
+                what: "commit_tree path is not a path of the pending tree block",
+            });
+        }
+        self.commit_rows(cfg, &t, path);
+        Ok(())
+    }
+
+    /// See [`FastTarget::truncate_to`].
+    pub(crate) fn truncate_to(&mut self, cfg: &LlamaConfig, len: usize) -> Result<()> {
         if len > self.seq_len {
             return Err(CandleError::TruncateBeyondEnd {
                 len,
@@ -1031,7 +1009,7 @@ impl FastTarget {
             match t.truncation(len) {
                 Ok(None) => {}
                 Ok(Some(path)) => {
-                    self.commit_rows(&t, &path);
+                    self.commit_rows(cfg, &t, &path);
                     return Ok(());
                 }
                 Err(e) => {
@@ -1045,6 +1023,173 @@ impl FastTarget {
     }
 }
 
+/// One sequence's rows in a call of [`run_rows`].
+pub(crate) struct Segment<'a> {
+    /// The sequence the rows are appended to.
+    pub(crate) seq: &'a mut SeqState,
+    /// The rows' tokens (`[n]`; a tree's root first).
+    pub(crate) tokens: &'a [u32],
+    /// A tree forward's layout and block (tree attention, pending afterwards); `None` for a
+    /// chain or prefill.
+    pub(crate) tree: Option<(&'a Rows, &'a DraftBlock<'a>)>,
+    /// Whether the rows' logits are computed.
+    pub(crate) logits: bool,
+}
+
+/// The row pipeline of [`FastTarget`] and [`FastBatch`](super::FastBatch): one forward over
+/// the rows of every segment (their tokens, validated by the caller, concatenated in segment
+/// order). Embedding, norms, every matmul and the MLP run over all rows at once (each weight
+/// block read once per call); RoPE, the KV-cache writes and attention run per segment against
+/// that segment's own cache at its own positions (`seq_len + i` for a chain, `seq_len + depth`
+/// for a tree, with [`tree_attention`] and the rows kept aside in `tree_kv`). Every row's
+/// arithmetic depends only on its own token, position and sequence, never on the other rows
+/// or segments (module docs), so a segment's logits are the same bits alone or in any batch.
+///
+/// Writes the `[rows, hidden]` final hidden states of all rows into `hidden` and, when some
+/// segment asks, the logits of the rows of those segments in segment order
+/// (`[sum of their rows, vocab]`) into `logits` (left untouched when none asks). On success
+/// each segment's `seq_len` grows by its rows (a tree becomes pending); on error no segment's
+/// `seq_len` or pending tree changes (cache entries past `seq_len` are never read).
+pub(crate) fn run_rows(
+    w: &FastWeights,
+    n_layers: usize,
+    exec: &mut Exec,
+    segs: &mut [Segment<'_>],
+    hidden: &mut Vec<f32>,
+    logits: &mut Vec<f32>,
+) -> Result<()> {
+    let cfg = &w.config;
+    let (h, nh, nkv, d) = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+    let (kvd, half) = (nkv * d, d / 2);
+    let width = (nh + 2 * nkv) * d;
+    let eps = cfg.rms_eps as f32;
+    let scale = (1.0 / (d as f64).sqrt()) as f32;
+    let total: usize = segs.iter().map(|s| s.tokens.len()).sum();
+    for s in segs.iter_mut() {
+        let (p, n) = (s.seq.seq_len, s.tokens.len());
+        for c in &mut s.seq.cache[..n_layers] {
+            c.reserve_within(p + n, p, cfg.context_length);
+        }
+        if s.tree.is_some() {
+            for kv in &mut s.seq.tree_kv[..n_layers] {
+                kv.clear();
+                kv.resize(n * 2 * kvd, 0.0);
+            }
+        }
+    }
+
+    let embed = w.embed.as_ref().unwrap_or(&w.head);
+    let mut x = vec![0f32; total * h];
+    let all_tokens = segs.iter().flat_map(|s| s.tokens.iter());
+    for (row, &t) in x.chunks_exact_mut(h).zip(all_tokens) {
+        embed.row(t as usize, row);
+    }
+    let (mut a, mut qkv, mut o, mut proj, mut gu, mut act) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
+    let (mut seg_o, mut scores) = (Vec::new(), Vec::new());
+    let simd = exec.simd;
+    // One segment writes its attention output straight into the call's buffer.
+    let single = segs.len() == 1;
+    for (li, layer) in w.layers[..n_layers].iter().enumerate() {
+        rms_norm(&x, &layer.attn_norm, eps, &mut a);
+        layer.wqkv.matmul(&a, &mut qkv, exec)?;
+        o.clear();
+        let mut r0 = 0;
+        for s in segs.iter_mut() {
+            let (p, n) = (s.seq.seq_len, s.tokens.len());
+            let rows = s.tree.map(|(rows, _)| rows);
+            let seg_qkv = &mut qkv[r0 * width..(r0 + n) * width];
+            let cache = &mut s.seq.cache[li];
+            for (i, row) in seg_qkv.chunks_exact_mut(width).enumerate() {
+                let pos = p + rows.map_or(i, |t| t.depth[i] as usize);
+                let cos = &w.rope_cos[pos * half..(pos + 1) * half];
+                let sin = &w.rope_sin[pos * half..(pos + 1) * half];
+                let (q, kv) = row.split_at_mut(nh * d);
+                for head in q.chunks_exact_mut(d) {
+                    rope(head, cos, sin);
+                    head.iter_mut().for_each(|v| *v *= scale);
+                }
+                let (k, v) = kv.split_at_mut(kvd);
+                for head in k.chunks_exact_mut(d) {
+                    rope(head, cos, sin);
+                }
+                if rows.is_some() {
+                    s.seq.tree_kv[li][i * 2 * kvd..(i + 1) * 2 * kvd].copy_from_slice(kv);
+                } else {
+                    cache.write(p + i, k, v);
+                }
+            }
+            let out = if single { &mut o } else { &mut seg_o };
+            match rows {
+                None => attention(
+                    cache,
+                    seg_qkv,
+                    (n, p, nh, nkv, d, width),
+                    out,
+                    &mut scores,
+                    simd,
+                ),
+                Some(rows) => tree_attention(
+                    cache,
+                    seg_qkv,
+                    rows,
+                    (p, nh, nkv, d, width),
+                    out,
+                    &mut scores,
+                    simd,
+                ),
+            }
+            if !single {
+                o.extend_from_slice(&seg_o);
+            }
+            r0 += n;
+        }
+        layer.wo.matmul(&o, &mut proj, exec)?;
+        x.iter_mut().zip(&proj).for_each(|(xv, pv)| *xv += pv);
+        let mut bufs = FfnBufs {
+            a: &mut a,
+            gu: &mut gu,
+            act: &mut act,
+            proj: &mut proj,
+        };
+        ffn_residual(layer, &mut x, eps, &mut bufs, exec)?;
+    }
+    rms_norm(&x, &w.output_norm, eps, hidden);
+    let wanted: usize = segs
+        .iter()
+        .filter(|s| s.logits)
+        .map(|s| s.tokens.len())
+        .sum();
+    if wanted == total && total > 0 {
+        w.head.matmul(hidden, logits, exec)?;
+    } else if wanted > 0 {
+        // Only the rows that need logits go through the head (the head is row-wise).
+        let mut rows = Vec::with_capacity(wanted * h);
+        let mut r0 = 0;
+        for s in segs.iter() {
+            let n = s.tokens.len();
+            if s.logits {
+                rows.extend_from_slice(&hidden[r0 * h..(r0 + n) * h]);
+            }
+            r0 += n;
+        }
+        w.head.matmul(&rows, logits, exec)?;
+    }
+    for s in segs.iter_mut() {
+        if let Some((rows, block)) = s.tree {
+            s.seq.pending = Some(PendingTree::new(s.seq.seq_len, block, rows));
+        }
+        s.seq.seq_len += s.tokens.len();
+    }
+    Ok(())
+}
+
 impl speculative::TargetModel for FastTarget {
     fn vocab_size(&self) -> usize {
         self.weights.config.vocab_size
@@ -1055,7 +1200,7 @@ impl speculative::TargetModel for FastTarget {
     }
 
     fn seq_len(&self) -> usize {
-        self.seq_len
+        self.seq.seq_len
     }
 
     fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> speculative::Result<()> {
@@ -1114,19 +1259,7 @@ impl speculative::TreeTarget for FastTarget {
     }
 
     fn commit_tree(&mut self, path: &[u32]) -> speculative::Result<()> {
-        let Some(t) = self.pending.take() else {
-            return Err(speculative::Error::TargetContract {
-                what: "commit_tree without a pending tree forward",
-            });
-        };
-        if !t.is_path(path) {
-            self.pending = Some(t);
-            return Err(speculative::Error::TargetContract {
-                what: "commit_tree path is not a path of the pending tree block",
-            });
-        }
-        self.commit_rows(&t, path);
-        Ok(())
+        self.seq.commit_tree(&self.weights.config, path)
     }
 }
 

@@ -109,16 +109,29 @@ impl KvCache {
 
     /// Makes room for `len` positions (keeps the first `keep`).
     pub(crate) fn reserve(&mut self, len: usize, keep: usize) {
+        self.reserve_within(len, keep, usize::MAX);
+    }
+
+    /// Makes room for `len` positions (keeps the first `keep`), growing the capacity
+    /// geometrically but never past `limit` positions rounded up to [`LANES`] (nor 64) unless
+    /// `len` needs more.
+    pub(crate) fn reserve_within(&mut self, len: usize, keep: usize, limit: usize) {
         if len <= self.cap {
             return;
         }
-        let cap = len.next_multiple_of(LANES).max(2 * self.cap).max(64);
+        let need = len.next_multiple_of(LANES);
+        let cap = need
+            .max(2 * self.cap)
+            .max(64)
+            .min(limit.saturating_add(LANES - 1) / LANES * LANES)
+            .max(need);
         let rows = self.nkv * self.d;
         let mut kt = vec![0f32; rows * cap];
         for r in 0..rows {
             kt[r * cap..r * cap + keep].copy_from_slice(&self.kt[r * self.cap..][..keep]);
         }
         self.kt = kt;
+        self.v.reserve_exact(cap * rows - self.v.len());
         self.v.resize(cap * rows, 0.0);
         self.cap = cap;
     }
@@ -130,6 +143,11 @@ impl KvCache {
             self.kt[r * self.cap + pos] = kv;
         }
         self.v[pos * rows..(pos + 1) * rows].copy_from_slice(&v[..rows]);
+    }
+
+    /// Bytes held by the keys and values (the capacity, not only the positions in use).
+    pub(crate) fn memory_bytes(&self) -> usize {
+        (self.kt.capacity() + self.v.capacity()) * std::mem::size_of::<f32>()
     }
 
     /// Appends the key and value vectors (`[nkv][d]` each) of position `pos < cap` to `k` and
