@@ -15,7 +15,7 @@ use speculative::propose::{
     MergedProposer, PromptLookup, SharedCorpus, SuffixConfig, SuffixProposer,
 };
 use speculative::{BatchTarget, PerSlot, Proposer, SamplingConfig};
-use speculative_candle::FastTarget;
+use speculative_candle::{FastBatch, FastTarget};
 
 use common::{chat, fast_weights, tokenizer};
 
@@ -160,15 +160,28 @@ fn batched_greedy_equals_each_request_alone_on_the_real_model() {
             assert_eq!(g.finish, w.finish, "request {i}");
         }
     }
+    // The multi-sequence forward: one forward per step over every slot's rows.
+    for (slots, join) in [(3, 2), (6, 7)] {
+        let fast = FastBatch::new(fast_weights(), slots).unwrap();
+        let got = batched(fast, &reqs, join, false);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.tokens, w.tokens, "FastBatch: request {i}, {slots} slots");
+            assert_eq!(g.finish, w.finish, "FastBatch: request {i}");
+        }
+    }
 }
 
 #[test]
 fn batched_sampling_equals_each_request_alone_for_its_seed() {
     let reqs = requests(true);
     let want: Vec<Generation> = reqs.iter().map(alone).collect();
-    let got = batched(per_slot(3), &reqs, 2, false);
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        // Point-mass drafts: the tokens of a seed do not depend on the draft lengths (C15).
-        assert_eq!(g.tokens, w.tokens, "sampled request {i}");
+    for got in [
+        batched(per_slot(3), &reqs, 2, false),
+        batched(FastBatch::new(fast_weights(), 4).unwrap(), &reqs, 1, true),
+    ] {
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            // Point-mass drafts: the tokens of a seed do not depend on the draft lengths (C15).
+            assert_eq!(g.tokens, w.tokens, "sampled request {i}");
+        }
     }
 }
