@@ -13,11 +13,14 @@
 
 #![deny(missing_docs)]
 
+#[doc(hidden)]
+pub mod batch_stub;
 pub mod error;
 pub mod matrix;
 pub mod replay;
 pub mod report;
 pub mod run;
+pub mod serve;
 pub mod sim;
 pub mod stats;
 pub mod workload;

@@ -67,6 +67,62 @@ enum Cmd {
     /// a `recycling` proposer, whose table fills from every verified row; the table is written
     /// to a file for `run --recycling-table`.
     WarmRecycling(WarmArgs),
+    /// Serve many requests at once through continuous batching: plain batched decoding
+    /// against speculative modes (fixed k, goodput policy), closed loop at several concurrencies
+    /// and open loop at Poisson arrival rates; throughput, TTFT, TPOT, ITL, peak RSS, and the
+    /// simulator's predicted throughput from the run's measured cost table.
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// JSONL workload (conversation turns are served as single prompts).
+    #[arg(long)]
+    workload: PathBuf,
+    /// Only requests of these kinds (default: all).
+    #[arg(long, value_delimiter = ',')]
+    kinds: Vec<String>,
+    /// Backend and model options (fast backend only).
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Proposer of the speculative modes, as in `run` (one fresh proposer per request).
+    #[arg(long, default_value = "merged:prompt-lookup+suffix")]
+    proposer: String,
+    /// Modes, run in this order: plain, fixed:K, goodput[:MAX].
+    #[arg(long, value_delimiter = ',', default_value = "plain,fixed:4,goodput:8")]
+    modes: Vec<String>,
+    /// Closed-loop concurrencies (requests kept in flight).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    concurrency: Vec<usize>,
+    /// Open-loop Poisson arrival rates, requests per second (default: none).
+    #[arg(long, value_delimiter = ',')]
+    rate: Vec<f64>,
+    /// Seed of the open-loop arrival times.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Requests per load (the workload's prompts repeated in order; default: the workload's
+    /// count, at least twice the largest concurrency).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Default maximum new tokens (a request's max_tokens wins).
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Cap on every request's max_tokens (for short smoke runs).
+    #[arg(long)]
+    max_tokens_cap: Option<usize>,
+    /// Sequence slots of the batch target (default: the largest concurrency; open-loop
+    /// requests beyond it wait in the generator's queue).
+    #[arg(long)]
+    slots: Option<usize>,
+    /// Rows of one batched forward at most (default: BatchConfig::default()).
+    #[arg(long)]
+    max_batch_tokens: Option<usize>,
+    /// Prompt rows a request prefills per step (default: BatchConfig::default()).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
+    /// Output directory for serve.json, records.json, serve.md, cost tables and plots.
+    #[arg(long, default_value = "serve-out")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -271,6 +327,7 @@ fn real_main() -> Result<()> {
         Cmd::CostTable(a) => cost_table(a),
         Cmd::Replay(a) => replay_cmd(a),
         Cmd::WarmRecycling(a) => warm_recycling(a),
+        Cmd::Serve(a) => serve(a),
     }
 }
 
@@ -848,6 +905,175 @@ fn replay_cmd(a: ReplayArgs) -> Result<()> {
     )
     .map_err(io(&p))?;
     println!("{md}{trees}");
+    Ok(())
+}
+
+/// `spec-bench serve`: every mode at every load, one process, the same weights.
+fn serve(a: ServeArgs) -> Result<()> {
+    use spec_bench::batch_stub::{BatchConfig, BatchGenerator, BatchRequest};
+    use spec_bench::serve::{
+        Cell, Load, ServeMode, ServeReport, ServeRequest, batch_table, cost_table_from_steps,
+        drive, mark_mismatches, peak_rss_kib, plots, prediction_markdown, predictions,
+        repeat_requests, reset_peak_rss, summarize,
+    };
+    use speculative::{BatchTarget, PerSlot};
+
+    let modes = a
+        .modes
+        .iter()
+        .map(|m| ServeMode::parse(m))
+        .collect::<Result<Vec<_>>>()?;
+    if a.concurrency.contains(&0) {
+        return Err(bad_arg("--concurrency", "must be at least 1".into()));
+    }
+    if a.model.backend != "fast" {
+        return Err(bad_arg(
+            "--backend",
+            format!("{} (serve runs the fast backend)", a.model.backend),
+        ));
+    }
+    let format = match a.model.format.as_str() {
+        "q8" | "q8_0" => FastFormat::Q8,
+        "f32" => FastFormat::F32,
+        other => return Err(bad_arg("--format", format!("{other} (fast: q8 or f32)"))),
+    };
+    let path = a.model.model.clone().unwrap_or_else(default_model_path);
+    let weights = FastWeights::load(&path, format)?;
+    let tok = GgufTokenizer::load(&path)?;
+    let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
+    let slots = a.slots.unwrap_or(max_c).max(1);
+    let threads = a.model.threads;
+    // Until the multi-sequence fast forward lands: one FastTarget per slot sharing the weights
+    // (same logits, no batching speed).
+    let models = (0..slots)
+        .map(|_| FastTarget::new(weights.clone()).with_threads(threads))
+        .collect();
+    let mut target: Box<dyn BatchTarget + Send> = Box::new(PerSlot::new(models)?);
+    let max_ctx = target.max_context();
+    let defaults = BatchConfig::default();
+    let config = BatchConfig {
+        max_batch_tokens: a.max_batch_tokens.unwrap_or(defaults.max_batch_tokens),
+        prefill_chunk: a.prefill_chunk.unwrap_or(defaults.prefill_chunk),
+        ..defaults
+    };
+    let requests = workload::load(&a.workload)?;
+    let base: Vec<ServeRequest> = requests
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| a.kinds.is_empty() || a.kinds.contains(&r.kind))
+        .map(|(i, r)| {
+            let text = tok.apply_chat_template(&[ChatMessage::user(r.prompt.clone())])?;
+            let mut prompt = tok.encode(&text)?;
+            prompt.truncate(max_ctx / 2);
+            let max_tokens = r.max_tokens.unwrap_or(a.max_tokens);
+            Ok(ServeRequest {
+                index: 0,
+                source: i,
+                kind: r.kind.clone(),
+                prompt,
+                max_tokens: a.max_tokens_cap.map_or(max_tokens, |c| max_tokens.min(c)),
+            })
+        })
+        .collect::<Result<_>>()?;
+    if base.is_empty() {
+        return Err(bad_arg("--kinds", "no request of these kinds".into()));
+    }
+    let n = a.requests.unwrap_or(base.len().max(2 * max_c));
+    let load_requests = repeat_requests(&base, n);
+    let vocab = target.vocab_size();
+    let no_head = || -> Result<Box<dyn Proposer + Send>> {
+        Err(bad_arg("--proposer", "draft-head is not served yet".into()))
+    };
+    named_proposer(&a.proposer, vocab, None, &no_head)?;
+    let eos = [tok.eos_id()];
+    let mut loads: Vec<Load> = a.concurrency.iter().map(|&c| Load::Closed(c)).collect();
+    loads.extend(a.rate.iter().map(|&rate| Load::Open { rate, seed: a.seed }));
+    let mut cells = Vec::new();
+    for &mode in &modes {
+        for load in &loads {
+            let mut make = |r: &ServeRequest| -> Result<BatchRequest> {
+                let proposer: Box<dyn Proposer + Send> = if mode.speculative() {
+                    named_proposer(&a.proposer, vocab, None, &no_head)?
+                } else {
+                    Box::new(NoProposer)
+                };
+                Ok(BatchRequest::new(
+                    r.prompt.clone(),
+                    mode.params(r.max_tokens, &eos),
+                    proposer,
+                ))
+            };
+            let mut generator = BatchGenerator::with_config(target, config.clone())?;
+            reset_peak_rss();
+            let run = drive(&mut generator, &load_requests, load, &mut make);
+            target = generator.into_target();
+            let run = run?;
+            let summary = summarize(mode, *load, &run, peak_rss_kib());
+            eprintln!(
+                "{} {}: {:.1} tok/s, TTFT p99 {:.0} ms, ITL p99 {:.1} ms, mean acc. len {:.2}",
+                mode.label(),
+                load.label(),
+                summary.tokens_per_s,
+                summary.ttft_p99_s * 1e3,
+                summary.itl_p99_s * 1e3,
+                summary.mean_accepted_length
+            );
+            cells.push(Cell { summary, run });
+        }
+    }
+    let mismatches = mark_mismatches(&mut cells);
+    let source = format!(
+        "spec-bench serve: workload {} (kinds {}), {} requests per load, model {} (fast {}, {} thread(s)), {} slots, proposer {}",
+        a.workload.display(),
+        if a.kinds.is_empty() {
+            "all".to_string()
+        } else {
+            a.kinds.join("+")
+        },
+        n,
+        path.display(),
+        a.model.format,
+        threads,
+        slots,
+        a.proposer
+    );
+    let steps: Vec<_> = cells
+        .iter()
+        .flat_map(|c| c.run.steps.iter().copied())
+        .collect();
+    let cost_rows = cost_table_from_steps(
+        &steps,
+        &format!("median batched-forward time per row count over every step of `{source}`"),
+    )?;
+    let preds = predictions(&cells, &cost_rows, config.prefill_chunk);
+    let report = ServeReport {
+        source: source.clone(),
+        cells: cells.iter().map(|c| c.summary.clone()).collect(),
+        cost_rows: cost_rows.clone(),
+        predictions: preds.clone(),
+        mismatches,
+    };
+    std::fs::create_dir_all(&a.out).map_err(io(&a.out))?;
+    write_json(&a.out.join("serve.json"), &report)?;
+    write_json(&a.out.join("records.json"), &cells)?;
+    write_json(&a.out.join("cost-rows.json"), &cost_rows)?;
+    let mut bs: Vec<usize> = a.concurrency.clone();
+    bs.sort_unstable();
+    bs.dedup();
+    write_json(
+        &a.out.join("cost-table.json"),
+        &batch_table(&cost_rows, &bs, &[1, 2, 3, 5, 9])?,
+    )?;
+    plots(&a.out, &report.cells)?;
+    let md = format!(
+        "{source}\n\n{}\nGreedy outputs differing between loads: {mismatches}.\n\n## Simulated against measured (closed loop)\n\n{}",
+        spec_bench::serve::markdown(&report.cells),
+        prediction_markdown(&preds)
+    );
+    let p = a.out.join("serve.md");
+    std::fs::write(&p, &md).map_err(io(&p))?;
+    println!("{md}");
+    println!("wrote {}", a.out.display());
     Ok(())
 }
 

@@ -1,0 +1,213 @@
+//! The serving driver on a toy batch target (`PerSlot` over `ToyModel`): the closed loop keeps
+//! exactly C requests in flight and completes every request, the open loop completes every
+//! request, greedy outputs agree across modes and loads, and the report survives a JSON round
+//! trip. No timing assertions.
+
+use spec_bench::batch_stub::{BatchConfig, BatchGenerator, BatchRequest};
+use spec_bench::serve::{
+    Cell, Load, ServeMode, ServeReport, ServeRequest, cost_table_from_steps, drive,
+    mark_mismatches, markdown, plots, prediction_markdown, predictions, repeat_requests, summarize,
+};
+use speculative::propose::PromptLookup;
+use speculative::test_util::ToyModel;
+use speculative::{NoProposer, PerSlot, Proposer};
+
+/// `ToyModel::c10`: next token = (sum(prefix) * 31 + len(prefix)) mod 7, so greedy outputs
+/// depend on the whole prefix.
+const VOCAB: usize = 7;
+
+fn target(slots: usize) -> PerSlot<ToyModel> {
+    PerSlot::new((0..slots).map(|_| ToyModel::c10()).collect()).unwrap()
+}
+
+/// Requests of different prompt and output lengths.
+fn requests(n: usize) -> Vec<ServeRequest> {
+    let base: Vec<ServeRequest> = (0..5)
+        .map(|i| ServeRequest {
+            index: 0,
+            source: i,
+            kind: if i % 2 == 0 { "a".into() } else { "b".into() },
+            prompt: (0..(6 + 7 * i))
+                .map(|j| ((j * 5 + i) % VOCAB) as u32)
+                .collect(),
+            max_tokens: 3 + 4 * i,
+        })
+        .collect();
+    repeat_requests(&base, n)
+}
+
+fn make(mode: ServeMode) -> impl FnMut(&ServeRequest) -> spec_bench::Result<BatchRequest> {
+    move |r: &ServeRequest| {
+        let p: Box<dyn Proposer + Send> = if mode.speculative() {
+            Box::new(PromptLookup::new(1, 3)?)
+        } else {
+            Box::new(NoProposer)
+        };
+        // No EOS: every request runs to its max_tokens.
+        Ok(BatchRequest::new(
+            r.prompt.clone(),
+            mode.params(r.max_tokens, &[]),
+            p,
+        ))
+    }
+}
+
+fn cell(mode: ServeMode, load: Load, slots: usize, reqs: &[ServeRequest]) -> Cell {
+    let mut g = BatchGenerator::with_config(target(slots), BatchConfig::default()).unwrap();
+    let run = drive(&mut g, reqs, &load, &mut make(mode)).unwrap();
+    Cell {
+        summary: summarize(mode, load, &run, None),
+        run,
+    }
+}
+
+#[test]
+fn repeat_cycles_the_workload() {
+    let r = requests(12);
+    assert_eq!(r.len(), 12);
+    assert!(
+        r.iter()
+            .enumerate()
+            .all(|(i, x)| x.index == i && x.source == i % 5)
+    );
+    assert_eq!(r[7].prompt, r[2].prompt);
+    assert!(repeat_requests(&[], 3).is_empty());
+}
+
+#[test]
+fn closed_loop_keeps_exactly_c_in_flight_and_completes_every_request() {
+    let reqs = requests(13);
+    for c in [1, 2, 3, 4, 8] {
+        let cell = cell(ServeMode::Plain, Load::Closed(c), 8, &reqs);
+        let run = &cell.run;
+        assert!(!run.steps.is_empty());
+        for s in &run.steps {
+            assert_eq!(s.in_flight, c.min(s.unfinished), "C={c}: {s:?}");
+            assert!(s.sequences <= c);
+        }
+        // The first step sees all 13 unfinished; the count only goes down.
+        assert_eq!(run.steps[0].unfinished, 13);
+        assert!(
+            run.steps
+                .windows(2)
+                .all(|w| w[1].unfinished <= w[0].unfinished)
+        );
+        assert_eq!(run.records.len(), 13);
+        for (i, r) in run.records.iter().enumerate() {
+            assert_eq!(r.index, i);
+            assert_eq!(r.error, None);
+            assert_eq!(r.tokens.len(), reqs[i].max_tokens, "request {i}");
+            let streamed: usize = r.chunks.iter().map(|c| c.1).sum();
+            assert_eq!(streamed, r.tokens.len());
+            assert!(r.ttft().is_some());
+        }
+        assert_eq!(
+            cell.summary.generated_tokens,
+            reqs.iter().map(|r| r.max_tokens).sum::<usize>()
+        );
+    }
+    // Concurrency 0 is refused.
+    let mut g = BatchGenerator::with_config(target(2), BatchConfig::default()).unwrap();
+    assert!(drive(&mut g, &reqs, &Load::Closed(0), &mut make(ServeMode::Plain)).is_err());
+}
+
+#[test]
+fn open_loop_completes_every_request() {
+    let reqs = requests(9);
+    let cell = cell(
+        ServeMode::Fixed(3),
+        Load::Open {
+            rate: 5000.0,
+            seed: 3,
+        },
+        4,
+        &reqs,
+    );
+    assert_eq!(cell.run.records.len(), 9);
+    for (r, q) in cell.run.records.iter().zip(&reqs) {
+        assert_eq!(r.error, None);
+        assert_eq!(r.tokens.len(), q.max_tokens);
+        assert!(r.submit_s >= r.arrival_s);
+    }
+    // Never more in flight than submitted-and-unfinished.
+    assert!(cell.run.steps.iter().all(|s| s.in_flight <= s.unfinished));
+}
+
+#[test]
+fn greedy_outputs_agree_across_modes_and_loads_and_a_changed_output_is_caught() {
+    let reqs = requests(10);
+    let mut cells = vec![
+        cell(ServeMode::Plain, Load::Closed(1), 4, &reqs),
+        cell(ServeMode::Plain, Load::Closed(4), 4, &reqs),
+        cell(ServeMode::Fixed(3), Load::Closed(2), 4, &reqs),
+        cell(ServeMode::Goodput(4), Load::Closed(4), 4, &reqs),
+    ];
+    assert_eq!(mark_mismatches(&mut cells), 0);
+    // Negative control: one token changed in one request of one cell.
+    let t = &mut cells[2].run.records[6].tokens[0];
+    *t = (*t + 1) % VOCAB as u32;
+    assert_eq!(mark_mismatches(&mut cells), 1);
+    assert_eq!(cells[2].summary.mismatches, vec![6]);
+}
+
+#[test]
+fn report_round_trips_through_json_and_renders() {
+    let reqs = requests(8);
+    let mut cells = Vec::new();
+    for mode in [ServeMode::Plain, ServeMode::Fixed(2)] {
+        for c in [1, 2, 4] {
+            cells.push(cell(mode, Load::Closed(c), 4, &reqs));
+        }
+    }
+    cells.push(cell(
+        ServeMode::Plain,
+        Load::Open {
+            rate: 1000.0,
+            seed: 1,
+        },
+        4,
+        &reqs,
+    ));
+    let mismatches = mark_mismatches(&mut cells);
+    let steps: Vec<_> = cells
+        .iter()
+        .flat_map(|c| c.run.steps.iter().copied())
+        .collect();
+    let table = cost_table_from_steps(&steps, "toy").unwrap();
+    let preds = predictions(&cells, &table, 64);
+    // Closed-loop loads only; speculative ones carry a speed-up against plain.
+    assert_eq!(preds.len(), 6);
+    assert!(preds.iter().all(|p| p.predicted_tokens_per_s > 0.0));
+    assert!(
+        preds
+            .iter()
+            .filter(|p| p.mode.speculative())
+            .all(|p| p.measured_speedup.is_some() && p.predicted_speedup.is_some())
+    );
+    let report = ServeReport {
+        source: "toy".into(),
+        cells: cells.iter().map(|c| c.summary.clone()).collect(),
+        cost_rows: table,
+        predictions: preds.clone(),
+        mismatches,
+    };
+    let text = serde_json::to_string(&report).unwrap();
+    let back: ServeReport = serde_json::from_str(&text).unwrap();
+    assert_eq!(back, report);
+    let cells_text = serde_json::to_string(&cells).unwrap();
+    let cells_back: Vec<Cell> = serde_json::from_str(&cells_text).unwrap();
+    assert_eq!(cells_back, cells);
+    let md = markdown(&report.cells);
+    assert_eq!(md.lines().count(), 2 + cells.len());
+    assert!(md.contains("| fixed k=2 | closed C=4 |") && md.contains("open 1000/s"));
+    let pm = prediction_markdown(&preds);
+    assert!(pm.contains("Predicted within 15% of measured"));
+    let dir = std::env::temp_dir().join(format!("spec-bench-serve-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    plots(&dir, &report.cells).unwrap();
+    for f in ["serve_throughput.svg", "serve_p99.svg"] {
+        let svg = std::fs::read_to_string(dir.join(f)).unwrap();
+        assert!(svg.contains("<svg") && svg.contains("plain"), "{f}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
