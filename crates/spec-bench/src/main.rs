@@ -1045,7 +1045,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         &steps,
         &format!("median batched-forward time per row count over every step of `{source}`"),
     )?;
-    let preds = predictions(&cells, &cost_rows, config.prefill_chunk);
+    let preds = predictions(&cells, &cost_rows, &config);
     let report = ServeReport {
         source: source.clone(),
         cells: cells.iter().map(|c| c.summary.clone()).collect(),
@@ -1066,8 +1066,9 @@ fn serve(a: ServeArgs) -> Result<()> {
     )?;
     plots(&a.out, &report.cells)?;
     let md = format!(
-        "{source}\n\n{}\nGreedy outputs differing between loads: {mismatches}.\n\n## Simulated against measured (closed loop)\n\n{}",
+        "{source}\n\n{}\nGreedy outputs differing between loads: {mismatches}.\n\n## Closed loop by concurrency\n\n{}\n## Simulated against measured (closed loop)\n\n{}",
         spec_bench::serve::markdown(&report.cells),
+        spec_bench::serve::concurrency_markdown(&report.cells),
         prediction_markdown(&preds)
     );
     let p = a.out.join("serve.md");

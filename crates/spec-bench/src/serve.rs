@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use speculative::BatchTarget;
 use speculative::decode::{AdaptiveConfig, DraftLength, GenerationParams, StopConditions};
 
-use crate::batch_stub::{BatchGenerator, BatchRequest, RequestId};
+use crate::batch_stub::{BatchConfig, BatchGenerator, BatchRequest, RequestId};
 use crate::error::{BenchError, Result};
 use crate::sim::CostTable;
 use crate::stats::percentile;
@@ -659,14 +659,16 @@ pub struct ServeModel {
     /// Step time outside the forward per sequence of the step, seconds (proposing, verifying,
     /// scheduling).
     pub overhead_per_sequence_s: f64,
-    /// Prompt rows a joining request prefills per step.
+    /// Prompt rows a joining request prefills per step ([`BatchConfig::prefill_chunk`]).
     pub prefill_chunk: usize,
+    /// Rows of one step at most ([`BatchConfig::max_batch_tokens`]).
+    pub max_batch_tokens: usize,
 }
 
 impl ServeModel {
     /// The model of a measured load: its mean accepted length, draft rows per verify call and
     /// measured step overhead.
-    pub fn of(c: &CellSummary, run: &LoadRun, prefill_chunk: usize) -> Self {
+    pub fn of(c: &CellSummary, run: &LoadRun, config: &BatchConfig) -> Self {
         let st = |f: &dyn Fn(&StepSample) -> f64| run.steps.iter().map(f).sum::<f64>();
         ServeModel {
             tokens_per_step: c.mean_accepted_length.max(1.0),
@@ -675,15 +677,17 @@ impl ServeModel {
                 st(&|s| s.step_s - s.forward_s),
                 st(&|s| s.sequences as f64),
             ),
-            prefill_chunk: prefill_chunk.max(1),
+            prefill_chunk: config.prefill_chunk.max(1),
+            max_batch_tokens: config.max_batch_tokens.max(1),
         }
     }
 }
 
 /// Predicted throughput (tokens/s) of a closed loop of `concurrency` over requests with these
-/// `(prompt tokens, generated tokens)`: a step-by-step replay in which each in-flight request
-/// first prefills its prompt (all but the last token) in chunks of `model.prefill_chunk` rows,
-/// then decodes `model.rows_per_step` rows per step emitting `model.tokens_per_step` tokens
+/// `(prompt tokens, generated tokens)`: a step-by-step replay of [`BatchGenerator::step`]'s
+/// schedule in which each in-flight request first prefills its prompt (all but the last token)
+/// in chunks of `model.prefill_chunk` rows, under what the decode rows leave of
+/// `model.max_batch_tokens`, then decodes `model.rows_per_step` rows per step emitting `model.tokens_per_step` tokens
 /// (accumulated fractionally) until it has its generated tokens; a finished request is
 /// replaced at the next step. A step costs `table.cost(rows, 1)` (the rows table of
 /// [`cost_table_from_steps`]) plus `model.overhead_per_sequence_s` per sequence. This is the
@@ -720,17 +724,19 @@ pub fn predict_closed_loop(
         if active.is_empty() {
             break;
         }
+        // Decode rows first, then prefill chunks under what is left of the row budget, in
+        // submission order (a request decodes from the step after its prefill ends).
         let mut rows = 0.0;
-        for s in active.iter_mut() {
-            if s.prefill > 0 {
-                let c = s.prefill.min(model.prefill_chunk);
-                s.prefill -= c;
-                rows += c as f64;
-            }
-            if s.prefill == 0 {
-                rows += model.rows_per_step;
-                s.left -= model.tokens_per_step;
-            }
+        for s in active.iter_mut().filter(|s| s.prefill == 0) {
+            rows += model.rows_per_step;
+            s.left -= model.tokens_per_step;
+        }
+        let mut budget = model.max_batch_tokens.saturating_sub(rows.ceil() as usize);
+        for s in active.iter_mut().filter(|s| s.prefill > 0) {
+            let c = s.prefill.min(model.prefill_chunk).min(budget);
+            s.prefill -= c;
+            budget -= c;
+            rows += c as f64;
         }
         let r = rows.round().max(1.0) as usize;
         time += table.cost(r, 1) + model.overhead_per_sequence_s * active.len() as f64;
@@ -760,7 +766,7 @@ pub struct Prediction {
 }
 
 /// Predictions for every closed-loop cell (see [`Prediction`]).
-pub fn predictions(cells: &[Cell], table: &CostTable, prefill_chunk: usize) -> Vec<Prediction> {
+pub fn predictions(cells: &[Cell], table: &CostTable, config: &BatchConfig) -> Vec<Prediction> {
     let mut out: Vec<Prediction> = cells
         .iter()
         .filter_map(|c| match c.summary.load {
@@ -771,7 +777,7 @@ pub fn predictions(cells: &[Cell], table: &CostTable, prefill_chunk: usize) -> V
                     .iter()
                     .map(|r| (r.prompt_tokens, r.tokens.len()))
                     .collect();
-                let m = ServeModel::of(&c.summary, &c.run, prefill_chunk);
+                let m = ServeModel::of(&c.summary, &c.run, config);
                 let p = predict_closed_loop(table, &reqs, conc, &m);
                 Some(Prediction {
                     mode: c.summary.mode,
@@ -874,6 +880,72 @@ pub fn markdown(cells: &[CellSummary]) -> String {
             c.errors,
             c.mismatches.len(),
         ));
+    }
+    s
+}
+
+/// Closed-loop throughput by concurrency, one column per mode, with each speculative mode's
+/// ratio to plain batched decoding at the same concurrency and plain's ratio to plain at
+/// concurrency 1 (the rows the goals read).
+pub fn concurrency_markdown(cells: &[CellSummary]) -> String {
+    let mut modes: Vec<ServeMode> = Vec::new();
+    let mut concs: Vec<usize> = Vec::new();
+    for c in cells {
+        if let Load::Closed(n) = c.load {
+            if !modes.contains(&c.mode) {
+                modes.push(c.mode);
+            }
+            if !concs.contains(&n) {
+                concs.push(n);
+            }
+        }
+    }
+    concs.sort_unstable();
+    let tput = |m: ServeMode, n: usize| {
+        cells
+            .iter()
+            .find(|c| c.mode == m && c.load == Load::Closed(n))
+            .map(|c| c.tokens_per_s)
+    };
+    let has_plain = modes.contains(&ServeMode::Plain);
+    let mut s = String::from("| concurrency |");
+    for m in &modes {
+        s.push_str(&format!(" {} tok/s |", m.label()));
+    }
+    if has_plain {
+        s.push_str(" plain / plain C=1 |");
+        for m in modes.iter().filter(|m| m.speculative()) {
+            s.push_str(&format!(" {} / plain |", m.label()));
+        }
+    }
+    s.push_str("\n|---|");
+    let cols = modes.len()
+        + if has_plain {
+            1 + modes.iter().filter(|m| m.speculative()).count()
+        } else {
+            0
+        };
+    s.push_str(&"---|".repeat(cols));
+    s.push('\n');
+    let f = |v: Option<f64>, x: bool| match v {
+        Some(v) if x => format!(" {v:.2}x |"),
+        Some(v) => format!(" {v:.1} |"),
+        None => " - |".into(),
+    };
+    let base = concs.first().and_then(|&n| tput(ServeMode::Plain, n));
+    for &n in &concs {
+        s.push_str(&format!("| {n} |"));
+        for &m in &modes {
+            s.push_str(&f(tput(m, n), false));
+        }
+        if has_plain {
+            let p = tput(ServeMode::Plain, n);
+            s.push_str(&f(p.zip(base).map(|(a, b)| ratio(a, b)), true));
+            for &m in modes.iter().filter(|m| m.speculative()) {
+                s.push_str(&f(tput(m, n).zip(p).map(|(a, b)| ratio(a, b)), true));
+            }
+        }
+        s.push('\n');
     }
     s
 }
@@ -1078,11 +1150,26 @@ mod tests {
             rows_per_step: 3.0,
             overhead_per_sequence_s: 0.0,
             prefill_chunk: 64,
+            max_batch_tokens: 512,
         };
         let reqs = vec![(1, 8); 4];
         assert!((predict_closed_loop(&t, &reqs, 4, &m) - 4.0).abs() < 1e-12);
         // One at a time: 16 steps of 2 s for 32 tokens.
         assert!((predict_closed_loop(&t, &reqs, 1, &m) - 1.0).abs() < 1e-12);
+        // Prefill of 4 rows in chunks of 2 (2 steps), then 2 decode steps of 1 token.
+        let m1 = ServeModel {
+            tokens_per_step: 1.0,
+            rows_per_step: 1.0,
+            prefill_chunk: 2,
+            ..m
+        };
+        assert!((predict_closed_loop(&t, &[(5, 2)], 1, &m1) - 2.0 / 8.0).abs() < 1e-12);
+        // A row budget of 1 halves the prefill chunks: 4 prefill steps.
+        let m2 = ServeModel {
+            max_batch_tokens: 1,
+            ..m1
+        };
+        assert!((predict_closed_loop(&t, &[(5, 2)], 1, &m2) - 2.0 / 12.0).abs() < 1e-12);
         let b = batch_table(&t, &[1, 2], &[1, 3]).unwrap();
         assert_eq!(b.cost(2, 3), 2.0);
     }

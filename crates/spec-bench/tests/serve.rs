@@ -5,8 +5,9 @@
 
 use spec_bench::batch_stub::{BatchConfig, BatchGenerator, BatchRequest};
 use spec_bench::serve::{
-    Cell, Load, ServeMode, ServeReport, ServeRequest, cost_table_from_steps, drive,
-    mark_mismatches, markdown, plots, prediction_markdown, predictions, repeat_requests, summarize,
+    Cell, Load, ServeMode, ServeReport, ServeRequest, concurrency_markdown, cost_table_from_steps,
+    drive, mark_mismatches, markdown, plots, prediction_markdown, predictions, repeat_requests,
+    summarize,
 };
 use speculative::propose::PromptLookup;
 use speculative::test_util::ToyModel;
@@ -174,7 +175,7 @@ fn report_round_trips_through_json_and_renders() {
         .flat_map(|c| c.run.steps.iter().copied())
         .collect();
     let table = cost_table_from_steps(&steps, "toy").unwrap();
-    let preds = predictions(&cells, &table, 64);
+    let preds = predictions(&cells, &table, &BatchConfig::default());
     // Closed-loop loads only; speculative ones carry a speed-up against plain.
     assert_eq!(preds.len(), 6);
     assert!(preds.iter().all(|p| p.predicted_tokens_per_s > 0.0));
@@ -200,6 +201,12 @@ fn report_round_trips_through_json_and_renders() {
     let md = markdown(&report.cells);
     assert_eq!(md.lines().count(), 2 + cells.len());
     assert!(md.contains("| fixed k=2 | closed C=4 |") && md.contains("open 1000/s"));
+    let cm = concurrency_markdown(&report.cells);
+    assert_eq!(cm.lines().count(), 2 + 3, "{cm}");
+    assert!(
+        cm.contains("| 4 |") && cm.contains("fixed k=2 / plain"),
+        "{cm}"
+    );
     let pm = prediction_markdown(&preds);
     assert!(pm.contains("Predicted within 15% of measured"));
     let dir = std::env::temp_dir().join(format!("spec-bench-serve-test-{}", std::process::id()));
