@@ -85,9 +85,13 @@ struct ServeArgs {
     /// Backend and model options (fast backend only).
     #[command(flatten)]
     model: ModelArgs,
-    /// Proposer of the speculative modes, as in `run` (one fresh proposer per request).
+    /// Proposer of the speculative modes, as in `run` (one fresh proposer per request):
+    /// prompt-lookup, suffix, recycling (empty table), draft-head, merged:A+B+...
     #[arg(long, default_value = "merged:prompt-lookup+suffix")]
     proposer: String,
+    /// The EAGLE draft head of the `draft-head` proposer (default: the shipped head).
+    #[arg(long)]
+    draft_head: Option<PathBuf>,
     /// Modes, run in this order: plain, fixed:K, goodput[:MAX].
     #[arg(long, value_delimiter = ',', default_value = "plain,fixed:4,goodput:8")]
     modes: Vec<String>,
@@ -981,10 +985,24 @@ fn serve(a: ServeArgs) -> Result<()> {
     let n = a.requests.unwrap_or(base.len().max(2 * max_c));
     let load_requests = repeat_requests(&base, n);
     let vocab = target.vocab_size();
-    let no_head = || -> Result<Box<dyn Proposer + Send>> {
-        Err(bad_arg("--proposer", "draft-head is not served yet".into()))
+    // The EAGLE head's weights, loaded once when the proposer names `draft-head`.
+    let head_weights = if a.proposer.contains("draft-head") {
+        Some(DraftHeadWeights::load(
+            a.draft_head
+                .clone()
+                .unwrap_or_else(speculative_candle::default_head_path),
+            weights.clone(),
+        )?)
+    } else {
+        None
     };
-    named_proposer(&a.proposer, vocab, None, &no_head)?;
+    let head = || -> Result<Box<dyn Proposer + Send>> {
+        let hw = head_weights
+            .clone()
+            .ok_or_else(|| bad_arg("proposer", "draft head weights not loaded".into()))?;
+        Ok(Box::new(DraftModelProposer::new(DraftHead::new(hw))))
+    };
+    named_proposer(&a.proposer, vocab, None, &head)?;
     let eos = [tok.eos_id()];
     let mut loads: Vec<Load> = a.concurrency.iter().map(|&c| Load::Closed(c)).collect();
     loads.extend(a.rate.iter().map(|&rate| Load::Open { rate, seed: a.seed }));
@@ -993,7 +1011,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         for load in &loads {
             let mut make = |r: &ServeRequest| -> Result<BatchRequest> {
                 let proposer: Box<dyn Proposer + Send> = if mode.speculative() {
-                    named_proposer(&a.proposer, vocab, None, &no_head)?
+                    named_proposer(&a.proposer, vocab, None, &head)?
                 } else {
                     Box::new(NoProposer)
                 };

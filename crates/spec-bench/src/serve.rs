@@ -266,6 +266,9 @@ impl RequestRecord {
     }
 }
 
+/// A request's streamed chunks (time, tokens), shared with its streaming callback.
+type ChunkLog = Arc<Mutex<Vec<(f64, usize)>>>;
+
 /// One [`BatchGenerator::step`] as the driver saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct StepSample {
@@ -338,7 +341,7 @@ pub fn drive<B: BatchTarget>(
     let start = Instant::now();
     let now = move || start.elapsed().as_secs_f64();
     let mut records: Vec<Option<RequestRecord>> = vec![None; n];
-    let mut streams: Vec<Arc<Mutex<Vec<(f64, usize)>>>> = Vec::with_capacity(n);
+    let mut streams: Vec<ChunkLog> = Vec::with_capacity(n);
     let mut in_flight: HashMap<RequestId, usize> = HashMap::new();
     let mut steps = Vec::new();
     let mut next = 0usize;
