@@ -124,6 +124,10 @@ struct ServeArgs {
     /// Prompt rows a request prefills per step (default: BatchConfig::default()).
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// Warm-up requests (the first ones of the load, plain decoding, one at a time), run
+    /// before the measured loads and discarded.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
     /// Output directory for serve.json, records.json, serve.md, cost tables and plots.
     #[arg(long, default_value = "serve-out")]
     out: PathBuf,
@@ -1006,6 +1010,19 @@ fn serve(a: ServeArgs) -> Result<()> {
     let eos = [tok.eos_id()];
     let mut loads: Vec<Load> = a.concurrency.iter().map(|&c| Load::Closed(c)).collect();
     loads.extend(a.rate.iter().map(|&rate| Load::Open { rate, seed: a.seed }));
+    if a.warmup > 0 {
+        let warm = repeat_requests(&base, a.warmup);
+        let mut generator = BatchGenerator::with_config(target, config.clone())?;
+        let run = drive(&mut generator, &warm, &Load::Closed(1), &mut |r| {
+            Ok(BatchRequest::new(
+                r.prompt.clone(),
+                ServeMode::Plain.params(r.max_tokens, &eos),
+                Box::new(NoProposer),
+            ))
+        });
+        target = generator.into_target();
+        run?;
+    }
     let mut cells = Vec::new();
     for &mode in &modes {
         for load in &loads {
