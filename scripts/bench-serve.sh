@@ -6,7 +6,8 @@
 # 1, 2, 4, 8, 16 and an open loop of Poisson arrivals. Each invocation also writes the measured
 # cost table c(rows), the simulator's predicted throughput per concurrency against the measured
 # one (serve.md, "Simulated against measured") and a 2-D cost table for `spec-bench simulate`.
-# Takes about 30-40 minutes on a 2-core machine.
+# Takes about 30-40 minutes on a 2-core machine; run it on an otherwise idle machine (the
+# simulator comparison is only as good as the forward times are steady).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -761,6 +761,12 @@ pub struct Prediction {
     pub predicted_tokens_per_s: f64,
     /// `predicted / measured - 1`.
     pub error: f64,
+    /// The cost table alone, on the load's actual steps: the sum over its steps of
+    /// `c(rows of the step)` over the measured sum of forward times, minus 1 (how far the
+    /// table's medians are from this load's forwards, e.g. from machine noise; the rest of
+    /// `error` comes from the schedule and acceptance model).
+    #[serde(default)]
+    pub table_error: f64,
     /// Measured tokens/s over plain batched decoding's at the same concurrency (speculative
     /// modes, when plain ran).
     pub measured_speedup: Option<f64>,
@@ -788,6 +794,14 @@ pub fn predictions(cells: &[Cell], table: &CostTable, config: &BatchConfig) -> V
                     measured_tokens_per_s: c.summary.tokens_per_s,
                     predicted_tokens_per_s: p,
                     error: ratio(p, c.summary.tokens_per_s) - 1.0,
+                    table_error: ratio(
+                        c.run
+                            .steps
+                            .iter()
+                            .map(|s| table.cost(s.rows.max(1), 1))
+                            .sum(),
+                        c.run.steps.iter().map(|s| s.forward_s).sum(),
+                    ) - 1.0,
                     measured_speedup: None,
                     predicted_speedup: None,
                 })
@@ -957,17 +971,18 @@ pub fn concurrency_markdown(cells: &[CellSummary]) -> String {
 /// paying.
 pub fn prediction_markdown(preds: &[Prediction]) -> String {
     let mut s = String::from(
-        "| mode | concurrency | measured tok/s | predicted tok/s | error | measured speed-up | predicted speed-up |\n|---|---|---|---|---|---|---|\n",
+        "| mode | concurrency | measured tok/s | predicted tok/s | error | cost table on the actual steps | measured speed-up | predicted speed-up |\n|---|---|---|---|---|---|---|---|\n",
     );
     let x = |v: Option<f64>| v.map(|v| format!("{v:.2}x")).unwrap_or_else(|| "-".into());
     for p in preds {
         s.push_str(&format!(
-            "| {} | {} | {:.1} | {:.1} | {:+.1}% | {} | {} |\n",
+            "| {} | {} | {:.1} | {:.1} | {:+.1}% | {:+.1}% | {} | {} |\n",
             p.mode.label(),
             p.concurrency,
             p.measured_tokens_per_s,
             p.predicted_tokens_per_s,
             p.error * 100.0,
+            p.table_error * 100.0,
             x(p.measured_speedup),
             x(p.predicted_speedup),
         ));
