@@ -13,8 +13,6 @@
 
 #![deny(missing_docs)]
 
-#[doc(hidden)]
-pub mod batch_stub;
 pub mod error;
 pub mod matrix;
 pub mod replay;

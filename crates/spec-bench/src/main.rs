@@ -33,7 +33,7 @@ use spec_bench::sim::{AcceptanceModel, CostTable, default_batches, simulate};
 use spec_bench::{BenchError, Result, workload};
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
 use speculative::propose::{
-    DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig,
+    DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SharedCorpus, SuffixConfig,
     SuffixProposer, TokenRecycling, TreeTemplate,
 };
 use speculative::{NoProposer, Proposer, TargetModel};
@@ -92,6 +92,11 @@ struct ServeArgs {
     /// The EAGLE draft head of the `draft-head` proposer (default: the shipped head).
     #[arg(long)]
     draft_head: Option<PathBuf>,
+    /// Share one suffix corpus of at most this many tokens between the suffix proposers of a
+    /// load's requests (`SharedCorpus`; 0 = each request alone). Requests repeat the workload's
+    /// prompts, so later repeats can copy an earlier identical request's output.
+    #[arg(long, default_value_t = 0)]
+    shared_corpus: usize,
     /// Modes, run in this order: plain, fixed:K, goodput[:MAX].
     #[arg(long, value_delimiter = ',', default_value = "plain,fixed:4,goodput:8")]
     modes: Vec<String>,
@@ -482,7 +487,7 @@ fn run(a: RunArgs) -> Result<()> {
                     })?;
                     Box::new(DraftModelProposer::new(make_model(Some(n))?))
                 } else {
-                    named_proposer(other, vocab, table.as_deref(), &head)?
+                    named_proposer(other, vocab, table.as_deref(), &head, None)?
                 }
             }
         })
@@ -520,17 +525,24 @@ fn run(a: RunArgs) -> Result<()> {
 
 /// The proposers of `run` that can be merged, by name: `prompt-lookup`, `suffix`, `recycling`
 /// (with the warmed `table` when given), `draft-head` (made by `head`) and `merged:A+B+...` (a
-/// [`MergedProposer`] of those).
+/// [`MergedProposer`] of those). Suffix proposers join the `shared` corpus when given.
 fn named_proposer(
     name: &str,
     vocab: usize,
     table: Option<&[u8]>,
     head: &dyn Fn() -> Result<Box<dyn Proposer + Send>>,
+    shared: Option<&SharedCorpus>,
 ) -> Result<Box<dyn Proposer + Send>> {
     Ok(match name {
         "draft-head" => head()?,
         "prompt-lookup" => Box::new(PromptLookup::new(1, 4)?),
-        "suffix" => Box::new(SuffixProposer::new(SuffixConfig::default())?),
+        "suffix" => {
+            let p = SuffixProposer::new(SuffixConfig::default())?;
+            Box::new(match shared {
+                Some(c) => p.with_shared_corpus(c),
+                None => p,
+            })
+        }
         "recycling" => match table {
             // The table's own top_k (`warm-recycling --top-k`), its vocabulary the target's.
             Some(mut bytes) => {
@@ -559,7 +571,7 @@ fn named_proposer(
             };
             let subs = list
                 .split('+')
-                .map(|n| named_proposer(n, vocab, table, head))
+                .map(|n| named_proposer(n, vocab, table, head, shared))
                 .collect::<Result<Vec<_>>>()?;
             Box::new(MergedProposer::new(subs)?)
         }
@@ -918,12 +930,12 @@ fn replay_cmd(a: ReplayArgs) -> Result<()> {
 
 /// `spec-bench serve`: every mode at every load, one process, the same weights.
 fn serve(a: ServeArgs) -> Result<()> {
-    use spec_bench::batch_stub::{BatchConfig, BatchGenerator, BatchRequest};
     use spec_bench::serve::{
         Cell, Load, ServeMode, ServeReport, ServeRequest, batch_table, cost_table_from_steps,
         drive, mark_mismatches, peak_rss_kib, plots, prediction_markdown, predictions,
         repeat_requests, reset_peak_rss, summarize,
     };
+    use speculative::decode::{BatchConfig, BatchGenerator, BatchRequest};
     use speculative::{BatchTarget, PerSlot};
 
     let modes = a
@@ -1006,7 +1018,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             .ok_or_else(|| bad_arg("proposer", "draft head weights not loaded".into()))?;
         Ok(Box::new(DraftModelProposer::new(DraftHead::new(hw))))
     };
-    named_proposer(&a.proposer, vocab, None, &head)?;
+    named_proposer(&a.proposer, vocab, None, &head, None)?;
     let eos = [tok.eos_id()];
     let mut loads: Vec<Load> = a.concurrency.iter().map(|&c| Load::Closed(c)).collect();
     loads.extend(a.rate.iter().map(|&rate| Load::Open { rate, seed: a.seed }));
@@ -1026,9 +1038,11 @@ fn serve(a: ServeArgs) -> Result<()> {
     let mut cells = Vec::new();
     for &mode in &modes {
         for load in &loads {
+            // A fresh shared suffix corpus per load, when asked for.
+            let shared = (a.shared_corpus > 0).then(|| SharedCorpus::new(a.shared_corpus));
             let mut make = |r: &ServeRequest| -> Result<BatchRequest> {
                 let proposer: Box<dyn Proposer + Send> = if mode.speculative() {
-                    named_proposer(&a.proposer, vocab, None, &head)?
+                    named_proposer(&a.proposer, vocab, None, &head, shared.as_ref())?
                 } else {
                     Box::new(NoProposer)
                 };
@@ -1058,7 +1072,7 @@ fn serve(a: ServeArgs) -> Result<()> {
     }
     let mismatches = mark_mismatches(&mut cells);
     let source = format!(
-        "spec-bench serve: workload {} (kinds {}), {} requests per load, model {} (fast {}, {} thread(s)), {} slots, proposer {}",
+        "spec-bench serve: workload {} (kinds {}), {} requests per load, model {} (fast {}, {} thread(s)), {} slots, proposer {}, shared suffix corpus {} tokens",
         a.workload.display(),
         if a.kinds.is_empty() {
             "all".to_string()
@@ -1070,7 +1084,8 @@ fn serve(a: ServeArgs) -> Result<()> {
         a.model.format,
         threads,
         slots,
-        a.proposer
+        a.proposer,
+        a.shared_corpus
     );
     let steps: Vec<_> = cells
         .iter()

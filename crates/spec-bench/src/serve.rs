@@ -29,10 +29,10 @@ use serde::{Deserialize, Serialize};
 use speculative::BatchTarget;
 use speculative::decode::{AdaptiveConfig, DraftLength, GenerationParams, StopConditions};
 
-use crate::batch_stub::{BatchConfig, BatchGenerator, BatchRequest, RequestId};
 use crate::error::{BenchError, Result};
 use crate::sim::CostTable;
 use crate::stats::percentile;
+use speculative::decode::{BatchConfig, BatchGenerator, BatchRequest, RequestId};
 
 /// How the requests of a load draft.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -3,12 +3,12 @@
 //! request, greedy outputs agree across modes and loads, and the report survives a JSON round
 //! trip. No timing assertions.
 
-use spec_bench::batch_stub::{BatchConfig, BatchGenerator, BatchRequest};
 use spec_bench::serve::{
     Cell, Load, ServeMode, ServeReport, ServeRequest, concurrency_markdown, cost_table_from_steps,
     drive, mark_mismatches, markdown, plots, prediction_markdown, predictions, repeat_requests,
     summarize,
 };
+use speculative::decode::{BatchConfig, BatchGenerator, BatchRequest};
 use speculative::propose::PromptLookup;
 use speculative::test_util::ToyModel;
 use speculative::{NoProposer, PerSlot, Proposer};
