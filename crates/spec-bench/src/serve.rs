@@ -613,7 +613,9 @@ pub fn mark_mismatches(cells: &mut [Cell]) -> usize {
 /// The cost table `c(rows)` of the run: for every row count seen in a step's batched forward,
 /// the median forward time over those steps. As a [`CostTable`] its `batch` axis is the row
 /// count and its `tokens` axis is `[1]`, so `table.cost(rows, 1)` is the interpolated forward
-/// time of `rows` rows.
+/// time of `rows` rows. Pricing a step by its rows alone assumes a target that reads the
+/// weights once per forward for every row (a multi-sequence forward); for a target that runs
+/// one forward per sequence ([`speculative::PerSlot`]) the cost follows the sequences instead.
 ///
 /// # Errors
 /// [`BenchError::Invalid`] when no step has a positive forward time.
