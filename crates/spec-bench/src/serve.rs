@@ -832,8 +832,9 @@ pub fn predictions(cells: &[Cell], table: &CostTable, config: &BatchConfig) -> V
 }
 
 /// Per speculative mode, the smallest closed-loop concurrency at which it was slower than plain
-/// batched decoding (measured), `None` when it never was.
-pub fn stops_paying(preds: &[Prediction]) -> Vec<(ServeMode, Option<usize>)> {
+/// batched decoding (measured), with its throughput ratio to plain there; `None` when it never
+/// was.
+pub fn stops_paying(preds: &[Prediction]) -> Vec<(ServeMode, Option<(usize, f64)>)> {
     let mut modes: Vec<ServeMode> = preds.iter().map(|p| p.mode).collect();
     modes.dedup();
     modes.retain(|m| m.speculative());
@@ -850,7 +851,7 @@ pub fn stops_paying(preds: &[Prediction]) -> Vec<(ServeMode, Option<usize>)> {
         let at = cs
             .iter()
             .find(|p| p.measured_speedup.unwrap_or(1.0) < 1.0)
-            .map(|p| p.concurrency);
+            .map(|p| (p.concurrency, p.measured_speedup.unwrap_or(1.0)));
         seen.push((m, at));
     }
     seen
@@ -996,8 +997,8 @@ pub fn prediction_markdown(preds: &[Prediction]) -> String {
     ));
     for (m, at) in stops_paying(preds) {
         match at {
-            Some(c) => s.push_str(&format!(
-                "{}: slower than plain batched decoding from concurrency {c} (measured).\n",
+            Some((c, r)) => s.push_str(&format!(
+                "{}: slower than plain batched decoding from concurrency {c} (measured, {r:.3}x).\n",
                 m.label()
             )),
             None => s.push_str(&format!(
@@ -1129,6 +1130,35 @@ mod tests {
         assert!((c.itl_p50_s - 0.3).abs() < 1e-12);
         assert!((c.itl_p99_s - (0.3 + 0.98 * 0.2)).abs() < 1e-12);
         assert!((c.ttft_p99_s - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn stops_paying_reads_the_first_concurrency_below_plain() {
+        let p = |mode, concurrency, sp: Option<f64>| Prediction {
+            mode,
+            concurrency,
+            measured_tokens_per_s: 1.0,
+            predicted_tokens_per_s: 1.0,
+            error: 0.0,
+            table_error: 0.0,
+            measured_speedup: sp,
+            predicted_speedup: sp,
+        };
+        let k = ServeMode::Fixed(4);
+        let g = ServeMode::Goodput(8);
+        let preds = vec![
+            p(ServeMode::Plain, 1, None),
+            p(k, 8, Some(1.1)),
+            p(k, 4, Some(0.9)),
+            p(k, 1, Some(1.2)),
+            p(k, 2, Some(1.05)),
+            p(g, 1, Some(1.3)),
+            p(g, 8, Some(1.0)),
+        ];
+        let got = stops_paying(&preds);
+        assert_eq!(got, vec![(k, Some((4, 0.9))), (g, None)]);
+        let md = prediction_markdown(&preds);
+        assert!(md.contains("from concurrency 4 (measured, 0.900x)"), "{md}");
     }
 
     #[test]
