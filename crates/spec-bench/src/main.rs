@@ -9,6 +9,8 @@
 //! cargo run --release -p spec-bench -- replay --workload docs/workloads/smollm2.jsonl \
 //!     --runs bench-out/runs.json --cost docs/cost-tables/cpu-smollm2-fast-q8.json \
 //!     --k 8 --nodes 8,16,32,64 --out replay-tree-out
+//! cargo run --release -p spec-bench -- serve --workload docs/workloads/smollm2.jsonl \
+//!     --kinds rewrite,code-edit --concurrency 1,2,4,8,16 --rate 2 --out serve-out
 //! cargo run --release -p spec-bench -- warm-recycling --workload docs/workloads/warmup.jsonl \
 //!     --out recycling-table.bin
 //! cargo run --release -p spec-bench -- run --workload docs/workloads/agentic.jsonl --carry \
@@ -1036,8 +1038,10 @@ fn serve(a: ServeArgs) -> Result<()> {
         run?;
     }
     let mut cells = Vec::new();
-    for &mode in &modes {
-        for load in &loads {
+    // Every mode at one load, then the next load: the ratios between modes at the same load
+    // are measured minutes apart at most, whatever the machine's drift over the whole run.
+    for (li, load) in loads.iter().enumerate() {
+        for (mi, &mode) in modes.iter().enumerate() {
             // A fresh shared suffix corpus per load, when asked for.
             let shared = (a.shared_corpus > 0).then(|| SharedCorpus::new(a.shared_corpus));
             let mut make = |r: &ServeRequest| -> Result<BatchRequest> {
@@ -1067,9 +1071,12 @@ fn serve(a: ServeArgs) -> Result<()> {
                 summary.itl_p99_s * 1e3,
                 summary.mean_accepted_length
             );
-            cells.push(Cell { summary, run });
+            cells.push((mi, li, Cell { summary, run }));
         }
     }
+    // Reported by mode, then load, in the order given.
+    cells.sort_by_key(|c| (c.0, c.1));
+    let mut cells: Vec<Cell> = cells.into_iter().map(|c| c.2).collect();
     let mismatches = mark_mismatches(&mut cells);
     let source = format!(
         "spec-bench serve: workload {} (kinds {}), {} requests per load, model {} (fast {}, {} thread(s)), {} slots, proposer {}, shared suffix corpus {} tokens",
