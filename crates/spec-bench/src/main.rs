@@ -40,7 +40,7 @@ use speculative::propose::{
 };
 use speculative::{NoProposer, Proposer, TargetModel};
 use speculative_candle::fast::head::{DraftHead, DraftHeadWeights};
-use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
+use speculative_candle::fast::{FastBatch, FastFormat, FastTarget, FastWeights};
 use speculative_candle::{
     CandleTarget, ChatMessage, GgufTokenizer, LlamaWeights, LoadOptions, WeightFormat,
     default_model_path,
@@ -131,6 +131,11 @@ struct ServeArgs {
     /// Prompt rows a request prefills per step (default: BatchConfig::default()).
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// Batch target: fast-batch (`FastBatch`: one forward over the rows of every sequence,
+    /// each weight block read once) or per-slot (one `FastTarget` per slot run one after the
+    /// other: the same logits, no batching speed).
+    #[arg(long, default_value = "fast-batch")]
+    batch_target: String,
     /// Warm-up requests (the first ones of the load, plain decoding, one at a time), run
     /// before the measured loads and discarded.
     #[arg(long, default_value_t = 1)]
@@ -965,12 +970,20 @@ fn serve(a: ServeArgs) -> Result<()> {
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     let slots = a.slots.unwrap_or(max_c).max(1);
     let threads = a.model.threads;
-    // Until the multi-sequence fast forward lands: one FastTarget per slot sharing the weights
-    // (same logits, no batching speed).
-    let models = (0..slots)
-        .map(|_| FastTarget::new(weights.clone()).with_threads(threads))
-        .collect();
-    let mut target: Box<dyn BatchTarget + Send> = Box::new(PerSlot::new(models)?);
+    let mut target: Box<dyn BatchTarget + Send> = match a.batch_target.as_str() {
+        "fast-batch" => Box::new(FastBatch::new(weights.clone(), slots)?.with_threads(threads)),
+        "per-slot" => Box::new(PerSlot::new(
+            (0..slots)
+                .map(|_| FastTarget::new(weights.clone()).with_threads(threads))
+                .collect(),
+        )?),
+        other => {
+            return Err(bad_arg(
+                "--batch-target",
+                format!("{other} (expected fast-batch or per-slot)"),
+            ));
+        }
+    };
     let max_ctx = target.max_context();
     let defaults = BatchConfig::default();
     let config = BatchConfig {
@@ -1079,7 +1092,7 @@ fn serve(a: ServeArgs) -> Result<()> {
     let mut cells: Vec<Cell> = cells.into_iter().map(|c| c.2).collect();
     let mismatches = mark_mismatches(&mut cells);
     let source = format!(
-        "spec-bench serve: workload {} (kinds {}), {} requests per load, model {} (fast {}, {} thread(s)), {} slots, proposer {}, shared suffix corpus {} tokens",
+        "spec-bench serve: workload {} (kinds {}), {} requests per load, model {} (fast {}, {} thread(s)), {} slots ({}), proposer {}, shared suffix corpus {} tokens",
         a.workload.display(),
         if a.kinds.is_empty() {
             "all".to_string()
@@ -1091,6 +1104,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         a.model.format,
         threads,
         slots,
+        a.batch_target,
         a.proposer,
         a.shared_corpus
     );
