@@ -1100,7 +1100,9 @@ fn serve(a: ServeArgs) -> Result<()> {
             a.kinds.join("+")
         },
         n,
-        path.display(),
+        path.canonicalize()
+            .unwrap_or_else(|_| path.clone())
+            .display(),
         a.model.format,
         threads,
         slots,
