@@ -1,0 +1,227 @@
+//! [`ForcedDrafts`]: the tokens a grammar forces as free drafts in front of another proposer's.
+
+use std::sync::Arc;
+
+use speculative::propose::VerifiedRows;
+use speculative::{Draft, ProposeRequest, Proposer, Result, SiblingScheme};
+
+use crate::GrammarMask;
+
+/// A proposer that drafts the tokens the grammar forces at the current context
+/// ([`GrammarMask::forced_tokens`]: the keys, quotes and braces a JSON schema leaves no choice
+/// about) and lets `inner` continue the draft after them.
+///
+/// - Chains ([`Proposer::propose`]): the forced tokens `f` (at most `max_draft`), then `inner`'s
+///   chain for the context extended by `f` with `max_draft - |f|` tokens.
+/// - Trees ([`Proposer::propose_tree`]): the forced tokens are the trunk (a chain from the
+///   root), and `inner`'s tree for the extended context (depth `max_draft - |f|`, nodes
+///   `max_nodes - |f|`) hangs from the last forced node. With no forced token this is `inner`'s
+///   own tree.
+///
+/// Forced tokens are point-mass drafts (when `inner` drafts with q, each forced node gets a
+/// one-hot q row, which the verifier accepts with the same probability `p(x)` as a point mass).
+/// Verification stays lossless whatever they are. Where the grammar allows exactly one token
+/// the processed target puts all its mass on it, so the forced draft is always accepted; where
+/// the forced text could be spelled with other tokens (llguidance forces the canonical
+/// tokenization), the target decides like for any draft.
+///
+/// `inner` sees the context extended by the forced tokens; when they are not all accepted its
+/// next context does not extend the one it saw, and the shipped proposers (prompt lookup,
+/// suffix) rebuild their state then. `inner.observe` gets the emitted tokens after the forced
+/// ones and its own accepted count (or, when the forced tokens were not all accepted, zero and
+/// all emitted tokens).
+pub struct ForcedDrafts<P> {
+    mask: Arc<GrammarMask>,
+    inner: P,
+    /// Forced tokens of the last proposal.
+    forced: usize,
+    /// Scratch: the extended context and the inner draft.
+    ctx: Vec<u32>,
+    inner_draft: Draft,
+    /// Forced tokens proposed in all.
+    proposed_forced: u64,
+}
+
+impl<P: std::fmt::Debug> std::fmt::Debug for ForcedDrafts<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForcedDrafts")
+            .field("inner", &self.inner)
+            .field("proposed_forced", &self.proposed_forced)
+            .finish()
+    }
+}
+
+impl<P: Proposer> ForcedDrafts<P> {
+    /// Forced tokens of `mask` in front of `inner`'s drafts. `mask` must be the mask of the
+    /// request being generated (the same one in its [`speculative::SamplingConfig`]).
+    pub fn new(mask: Arc<GrammarMask>, inner: P) -> Self {
+        ForcedDrafts {
+            mask,
+            inner,
+            forced: 0,
+            ctx: Vec::new(),
+            inner_draft: Draft::default(),
+            proposed_forced: 0,
+        }
+    }
+
+    /// Replaces the grammar (for the next request; masks are per request).
+    pub fn set_mask(&mut self, mask: Arc<GrammarMask>) {
+        self.mask = mask;
+    }
+
+    /// The inner proposer.
+    pub fn inner(&self) -> &P {
+        &self.inner
+    }
+
+    /// The inner proposer, mutably.
+    pub fn inner_mut(&mut self) -> &mut P {
+        &mut self.inner
+    }
+
+    /// Number of forced tokens proposed since construction.
+    pub fn proposed_forced(&self) -> u64 {
+        self.proposed_forced
+    }
+
+    /// The forced tokens for `req` (cut to `limit` and at the first EOS).
+    fn forced(&mut self, req: &ProposeRequest<'_>, limit: usize) -> Vec<u32> {
+        let mut f = self.mask.forced_tokens(req.context);
+        f.truncate(limit);
+        f.truncate(req.draft_len_to_eos(&f));
+        self.proposed_forced += f.len() as u64;
+        self.forced = f.len();
+        f
+    }
+
+    /// Runs `inner` (chain or tree) after the forced tokens `f` into `self.inner_draft`.
+    fn inner_after(&mut self, req: &ProposeRequest<'_>, f: &[u32], tree: bool) -> Result<()> {
+        self.inner_draft.clear();
+        if f.last().is_some_and(|&t| req.is_eos(t)) {
+            return Ok(());
+        }
+        self.ctx.clear();
+        self.ctx.extend_from_slice(req.context);
+        self.ctx.extend_from_slice(f);
+        let sub = ProposeRequest {
+            context: &self.ctx,
+            max_draft: req.max_draft - f.len(),
+            max_nodes: req.max_nodes.saturating_sub(f.len()),
+            suppress_eos_rows: req.suppress_eos_rows.saturating_sub(f.len()),
+            target_hidden: if f.is_empty() { req.target_hidden } else { None },
+            target_hidden_rows: if f.is_empty() {
+                req.target_hidden_rows
+            } else {
+                None
+            },
+            ..*req
+        };
+        if sub.max_draft == 0 || (tree && sub.max_nodes == 0) {
+            return Ok(());
+        }
+        if tree {
+            self.inner.propose_tree(&sub, &mut self.inner_draft)
+        } else {
+            self.inner.propose(&sub, &mut self.inner_draft)
+        }
+    }
+
+    /// `draft` = forced tokens then the inner draft (a tree hanging from the last forced node).
+    fn assemble(&mut self, f: &[u32], draft: &mut Draft) {
+        draft.clear();
+        let inner = &self.inner_draft;
+        if f.is_empty() {
+            draft.clone_from(inner);
+            return;
+        }
+        let n = f.len();
+        draft.tokens.extend_from_slice(f);
+        draft.tokens.extend_from_slice(&inner.tokens);
+        let is_tree = !inner.parents.is_empty();
+        if is_tree {
+            draft.parents.extend(0..n as u32);
+            // Inner row 0 (its root) is the last forced node, row n; node j's row j + 1 -> n + j + 1.
+            draft
+                .parents
+                .extend(inner.parents.iter().map(|&r| r + n as u32));
+        }
+        if !inner.schemes.is_empty() {
+            draft
+                .schemes
+                .extend(std::iter::repeat_n(SiblingScheme::Deterministic, n));
+            draft.schemes.extend_from_slice(&inner.schemes);
+        }
+        if let Some(q) = &inner.q {
+            let w = inner.q_vocab;
+            if f.iter().all(|&t| (t as usize) < w) {
+                let mut rows = vec![0.0f32; n * w];
+                for (i, &t) in f.iter().enumerate() {
+                    rows[i * w + t as usize] = 1.0;
+                }
+                rows.extend_from_slice(q);
+                draft.q = Some(rows);
+                draft.q_vocab = w;
+            } else {
+                // A forced id beyond the draft's q width: keep the forced tokens alone.
+                draft.tokens.truncate(n);
+                draft.parents.clear();
+                draft.schemes.clear();
+            }
+        }
+    }
+}
+
+impl<P: Proposer> Proposer for ForcedDrafts<P> {
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        let f = self.forced(req, req.max_draft);
+        self.inner_after(req, &f, false)?;
+        // A chain from `inner` has no parents; if it returned a tree anyway, keep the trunk.
+        if !self.inner_draft.parents.is_empty() && !f.is_empty() {
+            self.inner_draft.clear();
+        }
+        self.assemble(&f, draft);
+        Ok(())
+    }
+
+    fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        let f = self.forced(req, req.max_draft.min(req.max_nodes));
+        self.inner_after(req, &f, true)?;
+        self.assemble(&f, draft);
+        Ok(())
+    }
+
+    fn observe(&mut self, accepted: usize, emitted: &[u32]) -> Result<()> {
+        let n = self.forced;
+        self.forced = 0;
+        if n == 0 {
+            return self.inner.observe(accepted, emitted);
+        }
+        if accepted >= n && emitted.len() >= n {
+            self.inner.observe(accepted - n, &emitted[n..])
+        } else {
+            self.inner.observe(0, emitted)
+        }
+    }
+
+    fn row_candidates(&self) -> usize {
+        self.inner.row_candidates()
+    }
+
+    fn observe_rows(&mut self, rows: &VerifiedRows<'_>) -> Result<()> {
+        self.inner.observe_rows(rows)
+    }
+
+    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+        self.forced = 0;
+        self.inner.begin(prompt)
+    }
+
+    fn finish(&mut self, sequence: &[u32]) {
+        self.inner.finish(sequence)
+    }
+
+    fn name(&self) -> &'static str {
+        "grammar-forced"
+    }
+}
