@@ -25,12 +25,7 @@ pub type TokenizeFn = dyn Fn(&[u8]) -> Vec<u32> + Send + Sync;
 /// let n = tok.vocab_size() as u32;
 /// let bytes = (0..n).map(|i| tok.token_bytes(i).unwrap().to_vec()).collect();
 /// let special = (0..n).map(|i| tok.is_special(i)).collect();
-/// let hf = tok.tokenizer().clone();
-/// let vocab = Vocabulary::new(bytes, special, tok.eos_id(), move |b| {
-///     hf.encode(String::from_utf8_lossy(b).as_ref(), false)
-///         .map(|e| e.get_ids().to_vec())
-///         .unwrap_or_default()
-/// })?;
+/// let vocab = Vocabulary::with_tokenizer(bytes, special, tok.eos_id(), tok.tokenizer().clone())?;
 /// ```
 #[derive(Clone)]
 pub struct Vocabulary {
@@ -90,6 +85,26 @@ impl Vocabulary {
         tokenize: impl Fn(&[u8]) -> Vec<u32> + Send + Sync + 'static,
     ) -> Result<Self, GuidanceError> {
         Self::build(token_bytes, special, eos, Some(Arc::new(tokenize)))
+    }
+
+    /// As [`Vocabulary::new`] with a `tokenizers` tokenizer (encoding without added special
+    /// tokens; an encoding error tokenizes to nothing, so nothing is forced).
+    ///
+    /// # Errors
+    /// As [`Vocabulary::new`].
+    pub fn with_tokenizer(
+        token_bytes: Vec<Vec<u8>>,
+        special: Vec<bool>,
+        eos: u32,
+        tokenizer: tokenizers::Tokenizer,
+    ) -> Result<Self, GuidanceError> {
+        Self::new(token_bytes, special, eos, move |b: &[u8]| {
+            let text = String::from_utf8_lossy(b);
+            tokenizer
+                .encode(text.as_ref(), false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_default()
+        })
     }
 
     /// As [`Vocabulary::new`] without a tokenizer: grammar-forced text is tokenized greedily
