@@ -14,7 +14,8 @@ use crate::error::{BenchError, Result};
 /// turns of one conversation, in file order: each turn is sent as the whole conversation so far
 /// (earlier turns' prompts as user messages, the outputs generated for them as assistant
 /// messages) followed by its own prompt, as an agent or a chat client resubmits it (see
-/// `spec_bench::matrix::Turn`).
+/// `spec_bench::matrix::Turn`). `json_schema` (a schema object) or `grammar` (Lark text)
+/// constrain the output (structured output, `kind` `structured` in docs/workloads).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Request {
@@ -29,6 +30,13 @@ pub struct Request {
     /// Conversation name: requests that share it are turns of one conversation.
     #[serde(default)]
     pub session: Option<String>,
+    /// A JSON schema the output must follow (structured output; `spec-bench run` constrains
+    /// every run of the request, baseline included).
+    #[serde(default)]
+    pub json_schema: Option<serde_json::Value>,
+    /// A Lark grammar the output must follow (instead of `json_schema`).
+    #[serde(default)]
+    pub grammar: Option<String>,
 }
 
 fn default_kind() -> String {

@@ -25,6 +25,7 @@ fn records() -> Vec<RunRecord> {
             prompt: (0..40).map(|j| ((j * 5 + i) % 16) as u32).collect(),
             max_tokens: 24,
             turn: None,
+            grammar: None,
         })
         .collect();
     let mut configs = Vec::new();
@@ -69,9 +70,11 @@ fn records() -> Vec<RunRecord> {
         warmup: 1,
         reps: 2,
         carry: false,
+        forced_drafts: false,
     };
     let mut n = 0;
     let out = run_matrix(
+        None,
         &mut target,
         &mut factory,
         &requests,
@@ -214,6 +217,7 @@ fn conversations_resubmit_their_own_outputs_and_carry_keeps_the_suffix_corpus() 
         prompt: toks(p),
         max_tokens: 20,
         turn: None,
+        grammar: None,
     };
     let turn = |m: &str| PreparedRequest {
         kind: "agentic".into(),
@@ -223,6 +227,7 @@ fn conversations_resubmit_their_own_outputs_and_carry_keeps_the_suffix_corpus() 
             session: "s".into(),
             message: m.into(),
         }),
+        grammar: None,
     };
     let requests = vec![
         plain("the same prompt, twice over"),
@@ -252,6 +257,7 @@ fn conversations_resubmit_their_own_outputs_and_carry_keeps_the_suffix_corpus() 
             Ok(p)
         };
         run_matrix(
+            None,
             &mut target,
             &mut factory,
             &requests,
@@ -261,6 +267,7 @@ fn conversations_resubmit_their_own_outputs_and_carry_keeps_the_suffix_corpus() 
                 warmup: 0,
                 reps: 1,
                 carry,
+                forced_drafts: false,
             },
             &mut build,
             &mut |_| {},

@@ -109,7 +109,11 @@ impl<P: Proposer> ForcedDrafts<P> {
             max_draft: req.max_draft - f.len(),
             max_nodes: req.max_nodes.saturating_sub(f.len()),
             suppress_eos_rows: req.suppress_eos_rows.saturating_sub(f.len()),
-            target_hidden: if f.is_empty() { req.target_hidden } else { None },
+            target_hidden: if f.is_empty() {
+                req.target_hidden
+            } else {
+                None
+            },
             target_hidden_rows: if f.is_empty() {
                 req.target_hidden_rows
             } else {

@@ -205,7 +205,11 @@ impl GrammarMask {
     ///
     /// # Errors
     /// As [`GrammarMask::new`].
-    pub fn regex(vocab: &Vocabulary, regex: &str, prompt_len: usize) -> Result<Self, GuidanceError> {
+    pub fn regex(
+        vocab: &Vocabulary,
+        regex: &str,
+        prompt_len: usize,
+    ) -> Result<Self, GuidanceError> {
         Self::new(vocab, &Grammar::Regex(regex.into()), prompt_len)
     }
 

@@ -39,7 +39,9 @@ fn vocab() -> &'static Vocabulary {
     V.get_or_init(|| {
         let tok = tokenizer();
         let n = tok.vocab_size() as u32;
-        let bytes = (0..n).map(|i| tok.token_bytes(i).unwrap().to_vec()).collect();
+        let bytes = (0..n)
+            .map(|i| tok.token_bytes(i).unwrap().to_vec())
+            .collect();
         let special = (0..n).map(|i| tok.is_special(i)).collect();
         Vocabulary::with_tokenizer(bytes, special, tok.eos_id(), tok.tokenizer().clone()).unwrap()
     })
@@ -201,7 +203,9 @@ fn check_output(tokens: &[u32], finish: FinishReason, schema: &Value, what: &str
     let eos = tokenizer().eos_id();
     assert_eq!(tokens.last(), Some(&eos), "{what}: no EOS at the end");
     assert_eq!(finish, FinishReason::Eos, "{what}");
-    let text = tokenizer().decode(&tokens[..tokens.len() - 1], false).unwrap();
+    let text = tokenizer()
+        .decode(&tokens[..tokens.len() - 1], false)
+        .unwrap();
     let v: Value =
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("{what}: {text:?} is not JSON: {e}"));
     validate(&v, schema).unwrap_or_else(|e| panic!("{what}: {text} fails its schema: {e}"));
@@ -216,7 +220,8 @@ fn constrained_outputs_validate_and_speculation_keeps_greedy_output() {
     for (i, &(q, si)) in REQUESTS.iter().enumerate() {
         let schema = &schemas[si];
         let prompt = chat(q);
-        let new_mask = || Arc::new(GrammarMask::json_schema(vocab(), schema, prompt.len()).unwrap());
+        let new_mask =
+            || Arc::new(GrammarMask::json_schema(vocab(), schema, prompt.len()).unwrap());
         // Plain constrained greedy.
         let plain_params = GenerationParams {
             draft: DraftLength::Off,
@@ -232,7 +237,10 @@ fn constrained_outputs_validate_and_speculation_keeps_greedy_output() {
             ForcedDrafts::new(m.clone(), PromptLookup::new(1, 4).unwrap()),
         );
         let out = g.generate(&prompt, &params(m, 0.0, 0)).unwrap();
-        assert_eq!(out.tokens, want.tokens, "forced + prompt lookup differs on {q:?}");
+        assert_eq!(
+            out.tokens, want.tokens,
+            "forced + prompt lookup differs on {q:?}"
+        );
         forced_total += g.proposer().proposed_forced();
         println!(
             "{q:?}: {text} ({} tokens; plain {} calls, speculative {} calls, accepted length {:.2})",
@@ -245,14 +253,20 @@ fn constrained_outputs_validate_and_speculation_keeps_greedy_output() {
             let m = new_mask();
             let mut g = Generator::new(
                 FastTarget::new(w.clone()),
-                ForcedDrafts::new(m.clone(), SuffixProposer::new(SuffixConfig::default()).unwrap()),
+                ForcedDrafts::new(
+                    m.clone(),
+                    SuffixProposer::new(SuffixConfig::default()).unwrap(),
+                ),
             );
             let p = GenerationParams {
                 tree_nodes: 16,
                 ..params(m, 0.0, 0)
             };
             let out = g.generate(&prompt, &p).unwrap();
-            assert_eq!(out.tokens, want.tokens, "forced + suffix tree differs on {q:?}");
+            assert_eq!(
+                out.tokens, want.tokens,
+                "forced + suffix tree differs on {q:?}"
+            );
         }
     }
     assert!(forced_total > 0, "the schemas force keys and braces");
@@ -271,7 +285,9 @@ fn sampled_constrained_outputs_validate() {
             PromptLookup::new(1, 4).unwrap(),
         ));
         let mut g = Generator::new(FastTarget::new(w.clone()), p);
-        let out = g.generate(&prompt, &params(m, 0.8, 1000 + i as u64)).unwrap();
+        let out = g
+            .generate(&prompt, &params(m, 0.8, 1000 + i as u64))
+            .unwrap();
         let text = check_output(&out.tokens, out.finish, schema, q);
         println!("sampled {q:?}: {text}");
     }

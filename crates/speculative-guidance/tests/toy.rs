@@ -93,7 +93,10 @@ fn rejected_drafts_leave_no_trace_in_the_matcher() {
         let want = GrammarMask::regex(&vocab, REGEX, PROMPT.len())
             .unwrap()
             .state_at(&acc);
-        assert_eq!(got, want, "walk {walk}: state after rejected drafts differs");
+        assert_eq!(
+            got, want,
+            "walk {walk}: state after rejected drafts differs"
+        );
         assert_eq!(got.consumed, acc[PROMPT.len()..], "walk {walk}");
     }
 }
@@ -173,9 +176,15 @@ fn greedy_constrained_speculation_equals_plain_constrained_greedy() {
         assert!(re, "plain constrained output {want:?} does not match");
         let props: Vec<Box<dyn Proposer>> = vec![
             Box::new(PromptLookup::new(1, 4).unwrap()),
-            Box::new(ForcedDrafts::new(m.clone(), PromptLookup::new(1, 4).unwrap())),
+            Box::new(ForcedDrafts::new(
+                m.clone(),
+                PromptLookup::new(1, 4).unwrap(),
+            )),
             Box::new(RandomProposer::new(VOCAB, seed)),
-            Box::new(ForcedDrafts::new(m.clone(), RandomProposer::new(VOCAB, seed))),
+            Box::new(ForcedDrafts::new(
+                m.clone(),
+                RandomProposer::new(VOCAB, seed),
+            )),
             Box::new(DraftModelProposer::new(draft_model())),
         ];
         for p in props {
@@ -245,12 +254,7 @@ fn conditional(cfg: &SamplingConfig, prefix: &[u32]) -> TokenDist {
 
 /// The exact law of the generated sequences (up to `LEN` tokens, ending at EOS).
 fn exact(cfg: &SamplingConfig) -> HashMap<Vec<u32>, f64> {
-    fn walk(
-        cfg: &SamplingConfig,
-        ctx: &mut Vec<u32>,
-        pr: f64,
-        out: &mut HashMap<Vec<u32>, f64>,
-    ) {
+    fn walk(cfg: &SamplingConfig, ctx: &mut Vec<u32>, pr: f64, out: &mut HashMap<Vec<u32>, f64>) {
         let gen_len = ctx.len() - PROMPT.len();
         if gen_len == LEN {
             out.insert(ctx[PROMPT.len()..].to_vec(), pr);
@@ -381,11 +385,18 @@ fn plain_constrained_sampling_matches_the_exact_law() {
 fn constrained_speculation_is_lossless() {
     let m = mask();
     let cases: Vec<(&str, Box<dyn Proposer>, usize)> = vec![
-        ("prompt lookup", Box::new(PromptLookup::new(1, 3).unwrap()), 0),
+        (
+            "prompt lookup",
+            Box::new(PromptLookup::new(1, 3).unwrap()),
+            0,
+        ),
         ("random drafts", Box::new(RandomProposer::new(VOCAB, 3)), 0),
         (
             "forced + prompt lookup",
-            Box::new(ForcedDrafts::new(m.clone(), PromptLookup::new(1, 3).unwrap())),
+            Box::new(ForcedDrafts::new(
+                m.clone(),
+                PromptLookup::new(1, 3).unwrap(),
+            )),
             0,
         ),
         (
