@@ -230,6 +230,11 @@ impl GrammarMask {
         (s.computed, s.served)
     }
 
+    /// Empties the row cache (the matcher keeps its state). Rows are recomputed on demand.
+    pub fn clear_cache(&self) {
+        self.lock().cache.clear();
+    }
+
     /// The first internal llguidance error met, if any (see the type's docs).
     pub fn fault(&self) -> Option<String> {
         self.lock().fault.clone()

@@ -409,6 +409,14 @@ fn constrained_speculation_is_lossless() {
             Box::new(DraftModelProposer::new(draft_model())),
             0,
         ),
+        (
+            "forced + draft model (one-hot q rows)",
+            Box::new(ForcedDrafts::new(
+                m.clone(),
+                DraftModelProposer::new(draft_model()),
+            )),
+            0,
+        ),
     ];
     for (name, p, tree) in cases {
         let mut g = Generator::new(target().with_tree(16), p);
