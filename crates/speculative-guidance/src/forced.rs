@@ -12,7 +12,12 @@ use crate::GrammarMask;
 /// about) and lets `inner` continue the draft after them.
 ///
 /// - Chains ([`Proposer::propose`]): the forced tokens `f` (at most `max_draft`), then `inner`'s
-///   chain for the context extended by `f` with `max_draft - |f|` tokens.
+///   chain for the context extended by `f` with `max_draft - |f|` tokens. When `inner` drafts
+///   point masses, its chain is cut before its first token the grammar bans (that draft and
+///   every row after it would be wasted), and forced tokens and `inner` chains then alternate
+///   while the draft has room: the forced tokens after the kept inner tokens, `inner`'s chain
+///   after those, and so on. The grammar checks reuse the allowed sets that the verifier's rows
+///   at the same prefixes need (the mask's cache).
 /// - Trees ([`Proposer::propose_tree`]): the forced tokens are the trunk (a chain from the
 ///   root), and `inner`'s tree for the extended context (depth `max_draft - |f|`, nodes
 ///   `max_nodes - |f|`) hangs from the last forced node. With no forced token this is `inner`'s
@@ -40,6 +45,8 @@ pub struct ForcedDrafts<P> {
     inner_draft: Draft,
     /// Forced tokens proposed in all.
     proposed_forced: u64,
+    /// Length of the context of the current step (to tell its first forced tokens).
+    step_context: usize,
 }
 
 impl<P: std::fmt::Debug> std::fmt::Debug for ForcedDrafts<P> {
@@ -62,6 +69,7 @@ impl<P: Proposer> ForcedDrafts<P> {
             ctx: Vec::new(),
             inner_draft: Draft::default(),
             proposed_forced: 0,
+            step_context: usize::MAX,
         }
     }
 
@@ -85,14 +93,32 @@ impl<P: Proposer> ForcedDrafts<P> {
         self.proposed_forced
     }
 
-    /// The forced tokens for `req` (cut to `limit` and at the first EOS).
+    /// The forced tokens for `req` (cut to `limit` and at the first EOS). The first call of a
+    /// step sets `self.forced` (the leading forced tokens).
     fn forced(&mut self, req: &ProposeRequest<'_>, limit: usize) -> Vec<u32> {
         let mut f = self.mask.forced_tokens(req.context);
         f.truncate(limit);
         f.truncate(req.draft_len_to_eos(&f));
         self.proposed_forced += f.len() as u64;
-        self.forced = f.len();
+        if req.context.len() == self.step_context {
+            self.forced = f.len();
+        }
         f
+    }
+
+    /// How many leading `tokens` (at most `limit`) the grammar allows after `ctx`, pushing
+    /// them onto `ctx`. The allowed sets are those the verifier's rows at the same prefixes
+    /// need (cached in the mask), so the check costs no extra mask computation.
+    fn valid_prefix(&self, ctx: &mut Vec<u32>, tokens: &[u32], limit: usize) -> usize {
+        let mut n = 0;
+        for &t in tokens.iter().take(limit) {
+            if !self.mask.allows(ctx, t) {
+                break;
+            }
+            ctx.push(t);
+            n += 1;
+        }
+        n
     }
 
     /// Runs `inner` (chain or tree) after the forced tokens `f` into `self.inner_draft`.
@@ -178,17 +204,67 @@ impl<P: Proposer> ForcedDrafts<P> {
 
 impl<P: Proposer> Proposer for ForcedDrafts<P> {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        self.step_context = req.context.len();
         let f = self.forced(req, req.max_draft);
         self.inner_after(req, &f, false)?;
         // A chain from `inner` has no parents; if it returned a tree anyway, keep the trunk.
         if !self.inner_draft.parents.is_empty() && !f.is_empty() {
             self.inner_draft.clear();
         }
-        self.assemble(&f, draft);
+        if self.inner_draft.q.is_some() || !self.inner_draft.parents.is_empty() {
+            self.assemble(&f, draft);
+            return Ok(());
+        }
+        // Point masses: keep the inner draft up to its first token the grammar bans, then
+        // alternate forced tokens and inner drafts until the draft is full or neither adds.
+        draft.clear();
+        draft.tokens.extend_from_slice(&f);
+        let mut ctx: Vec<u32> = req.context.to_vec();
+        ctx.extend_from_slice(&f);
+        let mut inner = std::mem::take(&mut self.inner_draft.tokens);
+        loop {
+            let valid = self.valid_prefix(&mut ctx, &inner, req.max_draft - draft.tokens.len());
+            draft.tokens.extend_from_slice(&inner[..valid]);
+            let room = req.max_draft - draft.tokens.len();
+            if valid == 0 || room == 0 || inner[..valid].iter().any(|&t| req.is_eos(t)) {
+                break;
+            }
+            let sub = ProposeRequest {
+                context: &ctx,
+                ..*req
+            };
+            let f = self.forced(&sub, room);
+            if f.is_empty() {
+                break;
+            }
+            draft.tokens.extend_from_slice(&f);
+            ctx.extend_from_slice(&f);
+            let room = req.max_draft - draft.tokens.len();
+            if room == 0 || f.last().is_some_and(|&t| req.is_eos(t)) {
+                break;
+            }
+            let sub = ProposeRequest {
+                context: &ctx,
+                max_draft: room,
+                max_nodes: room,
+                suppress_eos_rows: req.suppress_eos_rows.saturating_sub(draft.tokens.len()),
+                target_hidden: None,
+                target_hidden_rows: None,
+                ..*req
+            };
+            self.inner_draft.clear();
+            self.inner.propose(&sub, &mut self.inner_draft)?;
+            if self.inner_draft.q.is_some() {
+                break;
+            }
+            inner = std::mem::take(&mut self.inner_draft.tokens);
+        }
+        self.inner_draft.clear();
         Ok(())
     }
 
     fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        self.step_context = req.context.len();
         let f = self.forced(req, req.max_draft.min(req.max_nodes));
         self.inner_after(req, &f, true)?;
         self.assemble(&f, draft);

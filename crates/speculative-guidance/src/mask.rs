@@ -341,6 +341,20 @@ impl GrammarMask {
         }
     }
 
+    /// `true` when the grammar allows `token` after `prefix` (prompt included); `false` also
+    /// when the prefix holds a token the grammar rejects or lies inside the prompt. Uses the
+    /// row cache like [`TokenMask::apply`].
+    pub fn allows(&self, prefix: &[u32], token: u32) -> bool {
+        if prefix.len() < self.prompt_len {
+            return false;
+        }
+        let mut s = self.lock();
+        match &*self.row(&mut s, self.generated(prefix)) {
+            Row::Allowed(v) => (token as usize) < v.len() && v.is_allowed(token),
+            Row::Unconstrained => false,
+        }
+    }
+
     /// The tokens the grammar forces after `prefix` (llguidance's fast-forward tokens: the
     /// canonical tokenization of the bytes every continuation starts with, less a tail that
     /// could be tokenized otherwise). Empty when nothing is forced, the grammar rejects the
@@ -402,13 +416,15 @@ impl TokenMask for GrammarMask {
         // 32 tokens per word of the bit set; ids past the vocabulary are banned.
         let words = v.as_slice();
         for (w, chunk) in logits.chunks_mut(32).enumerate() {
-            let bits = words.get(w).copied().unwrap_or(0);
-            if bits == u32::MAX && chunk.len() == 32 {
-                continue;
-            }
-            for (b, l) in chunk.iter_mut().enumerate() {
-                if bits & (1 << b) == 0 {
-                    *l = f32::NEG_INFINITY;
+            match words.get(w).copied().unwrap_or(0) {
+                0 => chunk.fill(f32::NEG_INFINITY),
+                u32::MAX => {}
+                bits => {
+                    for (b, l) in chunk.iter_mut().enumerate() {
+                        if bits & (1 << b) == 0 {
+                            *l = f32::NEG_INFINITY;
+                        }
+                    }
                 }
             }
         }
