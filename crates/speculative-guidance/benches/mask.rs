@@ -37,7 +37,9 @@ fn bench(c: &mut Criterion) {
     let vocab =
         Vocabulary::with_tokenizer(bytes, special, tok.eos_id(), tok.tokenizer().clone()).unwrap();
     let answer = tok.encode(ANSWER).unwrap();
-    let prompt = tok.encode("<|im_start|>user\nweather?<|im_end|>\n").unwrap();
+    let prompt = tok
+        .encode("<|im_start|>user\nweather?<|im_end|>\n")
+        .unwrap();
     let mask = Arc::new(
         GrammarMask::new(
             &vocab,
@@ -81,7 +83,10 @@ fn bench(c: &mut Criterion) {
         })
     });
     let plain = SamplingConfig::greedy();
-    let masked = SamplingConfig::builder().mask(mask.clone()).build().unwrap();
+    let masked = SamplingConfig::builder()
+        .mask(mask.clone())
+        .build()
+        .unwrap();
     let mut proc = RowProcessor::new();
     for (name, cfg) in [("argmax_plain", &plain), ("argmax_masked", &masked)] {
         g.bench_function(name, |b| {

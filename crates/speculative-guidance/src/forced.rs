@@ -305,3 +305,93 @@ impl<P: Proposer> Proposer for ForcedDrafts<P> {
         "grammar-forced"
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Vocabulary;
+    use speculative::SamplingConfig;
+
+    /// Tokens `a`, `b`, `c`, `{`, `}`, `<eos>`; grammar `{(ab|c)+}`.
+    fn mask(prompt_len: usize) -> Arc<GrammarMask> {
+        let toks = ["a", "b", "c", "{", "}", "<eos>"];
+        let bytes = toks.iter().map(|t| t.as_bytes().to_vec()).collect();
+        let special = (0..6).map(|i| i == 5).collect();
+        let v = Vocabulary::greedy(bytes, special, 5).unwrap();
+        Arc::new(GrammarMask::regex(&v, r"\{(ab|c)+\}", prompt_len).unwrap())
+    }
+
+    /// Proposes a fixed draft (chain or tree) whatever the context.
+    struct Fixed(Draft);
+    impl Proposer for Fixed {
+        fn propose(&mut self, req: &ProposeRequest<'_>, d: &mut Draft) -> Result<()> {
+            d.clone_from(&self.0);
+            d.parents.clear();
+            d.tokens.truncate(req.max_draft);
+            Ok(())
+        }
+        fn propose_tree(&mut self, _req: &ProposeRequest<'_>, d: &mut Draft) -> Result<()> {
+            d.clone_from(&self.0);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn chains_put_forced_tokens_first_and_cut_banned_inner_tokens() {
+        let cfg = SamplingConfig::greedy();
+        let ctx = [9u32; 0];
+        let m = mask(0);
+        // At the start `{` is forced; the inner `c a b a` is valid up to `c a b`, then `a`
+        // after `ab` is fine too, so all is kept: `{ c a b a`, then forced `b`.
+        let inner = Draft {
+            tokens: vec![2, 0, 1, 0],
+            ..Draft::default()
+        };
+        let mut p = ForcedDrafts::new(m.clone(), Fixed(inner));
+        let mut d = Draft::default();
+        p.propose(&ProposeRequest::new(&ctx, &cfg, 8), &mut d)
+            .unwrap();
+        assert_eq!(d.tokens[..5], [3, 2, 0, 1, 0]);
+        assert_eq!(d.tokens[5], 1, "the forced `b` after the inner draft");
+        // An inner draft starting with a banned token adds nothing.
+        let inner = Draft {
+            tokens: vec![4, 4],
+            ..Draft::default()
+        };
+        let mut p = ForcedDrafts::new(m, Fixed(inner));
+        p.propose(&ProposeRequest::new(&ctx, &cfg, 8), &mut d)
+            .unwrap();
+        assert_eq!(d.tokens, vec![3]);
+        assert!(d.parents.is_empty());
+    }
+
+    #[test]
+    fn trees_hang_from_the_forced_trunk() {
+        let cfg = SamplingConfig::greedy();
+        let ctx: [u32; 0] = [];
+        // Inner tree: two children of the root (`c`, `a`), `b` under `a`.
+        let inner = Draft {
+            tokens: vec![2, 0, 1],
+            parents: vec![0, 0, 2],
+            ..Draft::default()
+        };
+        let mut p = ForcedDrafts::new(mask(0), Fixed(inner));
+        let mut d = Draft::default();
+        let mut req = ProposeRequest::new(&ctx, &cfg, 4);
+        req.max_nodes = 8;
+        p.propose_tree(&req, &mut d).unwrap();
+        assert_eq!(d.tokens, vec![3, 2, 0, 1]);
+        // The forced `{` is node 0 (row 1); the inner root's children hang from row 1.
+        assert_eq!(d.parents, vec![0, 1, 1, 3]);
+        let limits = speculative::tree::TreeLimits {
+            vocab_size: 6,
+            max_nodes: 8,
+            max_depth: 8,
+            max_branch: 8,
+            dense_q: false,
+        };
+        d.block().validate(&limits).unwrap();
+        // Observe: the forced token and one inner token accepted.
+        p.observe(2, &[3, 2, 4]).unwrap();
+    }
+}

@@ -400,6 +400,11 @@ fn constrained_speculation_is_lossless() {
             0,
         ),
         (
+            "forced + random (chains)",
+            Box::new(ForcedDrafts::new(m.clone(), RandomProposer::new(VOCAB, 5))),
+            0,
+        ),
+        (
             "forced + random (trees)",
             Box::new(ForcedDrafts::new(m.clone(), RandomProposer::new(VOCAB, 5))),
             6,
