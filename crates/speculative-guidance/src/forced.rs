@@ -7,6 +7,11 @@ use speculative::{Draft, ProposeRequest, Proposer, Result, SiblingScheme};
 
 use crate::GrammarMask;
 
+/// Most allowed tokens at a point where [`ForcedDrafts::propose_tree`] branches over them.
+pub const MAX_CHOICES: usize = 32;
+/// Most siblings at such a point (and at most the request's `max_branch`).
+pub const MAX_BRANCHES: usize = 4;
+
 /// A proposer that drafts the tokens the grammar forces at the current context
 /// ([`GrammarMask::forced_tokens`]: the keys, quotes and braces a JSON schema leaves no choice
 /// about) and lets `inner` continue the draft after them.
@@ -21,7 +26,10 @@ use crate::GrammarMask;
 /// - Trees ([`Proposer::propose_tree`]): the forced tokens are the trunk (a chain from the
 ///   root), and `inner`'s tree for the extended context (depth `max_draft - |f|`, nodes
 ///   `max_nodes - |f|`) hangs from the last forced node. With no forced token this is `inner`'s
-///   own tree.
+///   own tree. Where the grammar leaves only a few tokens after the trunk (at most
+///   [`MAX_CHOICES`]: a boolean, an enum value), the tree branches over them instead (at most
+///   [`MAX_BRANCHES`] siblings, the longest first), each sibling followed by the tokens the
+///   grammar forces after it, so the choice and the structure after it fit in one step.
 ///
 /// Forced tokens are point-mass drafts (when `inner` drafts with q, each forced node gets a
 /// one-hot q row, which the verifier accepts with the same probability `p(x)` as a point mass).
@@ -157,6 +165,61 @@ impl<P: Proposer> ForcedDrafts<P> {
         }
     }
 
+    /// At a small choice point after the forced trunk `f` (2 to [`MAX_CHOICES`] allowed
+    /// tokens: a boolean, an enum), `draft` = the trunk, then up to `min(max_branch, 4)` of the
+    /// allowed tokens as siblings (the longest byte strings first), each followed by the tokens
+    /// the grammar forces after it. Returns `false`, leaving `draft` alone, anywhere else.
+    /// Siblings are point masses (deterministic candidates), so any choice of them is exact.
+    fn choice_tree(&mut self, req: &ProposeRequest<'_>, f: &[u32], draft: &mut Draft) -> bool {
+        let n = f.len();
+        let depth_room = req.max_draft.saturating_sub(n);
+        let node_room = req.max_nodes.saturating_sub(n);
+        if depth_room == 0 || node_room < 2 || f.last().is_some_and(|&t| req.is_eos(t)) {
+            return false;
+        }
+        let mut ctx = req.context.to_vec();
+        ctx.extend_from_slice(f);
+        let Some(allowed) = self.mask.allowed(&ctx) else {
+            return false;
+        };
+        let branches = req
+            .max_branch
+            .min(MAX_BRANCHES)
+            .min(node_room)
+            .min(allowed.len());
+        if allowed.len() < 2 || allowed.len() > MAX_CHOICES || branches < 2 {
+            return false;
+        }
+        let vocab = self.mask.vocabulary();
+        let mut cand = allowed;
+        cand.sort_by_key(|&t| (std::cmp::Reverse(vocab.decode(&[t]).len()), t));
+        cand.truncate(branches);
+        draft.clear();
+        draft.tokens.extend_from_slice(f);
+        draft.parents.extend(0..n as u32);
+        let mut nodes_left = node_room - branches;
+        for &a in &cand {
+            draft.tokens.push(a);
+            draft.parents.push(n as u32);
+            if req.is_eos(a) || depth_room < 2 || nodes_left == 0 {
+                continue;
+            }
+            ctx.push(a);
+            let mut cont = self.mask.forced_tokens(&ctx);
+            ctx.pop();
+            cont.truncate((depth_room - 1).min(nodes_left));
+            cont.truncate(req.draft_len_to_eos(&cont));
+            for &t in &cont {
+                let parent = draft.tokens.len() as u32;
+                draft.tokens.push(t);
+                draft.parents.push(parent);
+            }
+            nodes_left -= cont.len();
+            self.proposed_forced += cont.len() as u64;
+        }
+        true
+    }
+
     /// `draft` = forced tokens then the inner draft (a tree hanging from the last forced node).
     fn assemble(&mut self, f: &[u32], draft: &mut Draft) {
         draft.clear();
@@ -266,6 +329,9 @@ impl<P: Proposer> Proposer for ForcedDrafts<P> {
     fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         self.step_context = req.context.len();
         let f = self.forced(req, req.max_draft.min(req.max_nodes));
+        if self.choice_tree(req, &f, draft) {
+            return Ok(());
+        }
         self.inner_after(req, &f, true)?;
         self.assemble(&f, draft);
         Ok(())
@@ -379,6 +445,13 @@ mod tests {
         let mut d = Draft::default();
         let mut req = ProposeRequest::new(&ctx, &cfg, 4);
         req.max_nodes = 8;
+        // At the choice point after `{` (`a` or `c`) the tree branches over the choices, each
+        // followed by its forced tokens: `{` -> `a` -> `b`, `{` -> `c`.
+        p.propose_tree(&req, &mut d).unwrap();
+        assert_eq!(d.tokens, vec![3, 0, 1, 2]);
+        assert_eq!(d.parents, vec![0, 1, 2, 1]);
+        // With one child per node there is no branching: the inner tree hangs from the trunk.
+        req.max_branch = 1;
         p.propose_tree(&req, &mut d).unwrap();
         assert_eq!(d.tokens, vec![3, 2, 0, 1]);
         // The forced `{` is node 0 (row 1); the inner root's children hang from row 1.

@@ -32,6 +32,6 @@ mod mask;
 mod vocab;
 
 pub use error::GuidanceError;
-pub use forced::ForcedDrafts;
+pub use forced::{ForcedDrafts, MAX_BRANCHES, MAX_CHOICES};
 pub use mask::{Grammar, GrammarMask, GrammarState};
 pub use vocab::{TokenizeFn, Vocabulary};
