@@ -236,11 +236,12 @@ fn constrained_outputs_validate_and_speculation_keeps_greedy_output() {
             FastTarget::new(w.clone()),
             ForcedDrafts::new(m.clone(), PromptLookup::new(1, 4).unwrap()),
         );
-        let out = g.generate(&prompt, &params(m, 0.0, 0)).unwrap();
+        let out = g.generate(&prompt, &params(m.clone(), 0.0, 0)).unwrap();
         assert_eq!(
             out.tokens, want.tokens,
             "forced + prompt lookup differs on {q:?}"
         );
+        assert_eq!(m.fault(), None, "llguidance failed on {q:?}");
         forced_total += g.proposer().proposed_forced();
         println!(
             "{q:?}: {text} ({} tokens; plain {} calls, speculative {} calls, accepted length {:.2})",
