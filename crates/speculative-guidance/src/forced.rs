@@ -40,9 +40,10 @@ pub const MAX_BRANCHES: usize = 4;
 ///
 /// `inner` sees the context extended by the forced tokens; when they are not all accepted its
 /// next context does not extend the one it saw, and the shipped proposers (prompt lookup,
-/// suffix) rebuild their state then. `inner.observe` gets the emitted tokens after the forced
-/// ones and its own accepted count (or, when the forced tokens were not all accepted, zero and
-/// all emitted tokens).
+/// suffix) rebuild their state then. `inner.observe` gets the emitted tokens after the leading
+/// forced ones and its own accepted count (at most the length of its first draft of the step),
+/// or zero and all emitted tokens when it was not asked (a choice tree) or the forced tokens
+/// were not all accepted.
 pub struct ForcedDrafts<P> {
     mask: Arc<GrammarMask>,
     inner: P,
@@ -55,6 +56,9 @@ pub struct ForcedDrafts<P> {
     proposed_forced: u64,
     /// Length of the context of the current step (to tell its first forced tokens).
     step_context: usize,
+    /// Tokens of `inner`'s first draft of the step kept right after the leading forced tokens,
+    /// or `None` when `inner` was not asked this step.
+    inner_len: Option<usize>,
 }
 
 impl<P: std::fmt::Debug> std::fmt::Debug for ForcedDrafts<P> {
@@ -78,6 +82,7 @@ impl<P: Proposer> ForcedDrafts<P> {
             inner_draft: Draft::default(),
             proposed_forced: 0,
             step_context: usize::MAX,
+            inner_len: None,
         }
     }
 
@@ -158,11 +163,13 @@ impl<P: Proposer> ForcedDrafts<P> {
         if sub.max_draft == 0 || (tree && sub.max_nodes == 0) {
             return Ok(());
         }
-        if tree {
+        let r = if tree {
             self.inner.propose_tree(&sub, &mut self.inner_draft)
         } else {
             self.inner.propose(&sub, &mut self.inner_draft)
-        }
+        };
+        self.inner_len = Some(self.inner_draft.tokens.len());
+        r
     }
 
     /// At a small choice point after the forced trunk `f` (2 to [`MAX_CHOICES`] allowed
@@ -268,11 +275,13 @@ impl<P: Proposer> ForcedDrafts<P> {
 impl<P: Proposer> Proposer for ForcedDrafts<P> {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         self.step_context = req.context.len();
+        self.inner_len = None;
         let f = self.forced(req, req.max_draft);
         self.inner_after(req, &f, false)?;
         // A chain from `inner` has no parents; if it returned a tree anyway, keep the trunk.
         if !self.inner_draft.parents.is_empty() && !f.is_empty() {
             self.inner_draft.clear();
+            self.inner_len = Some(0);
         }
         if self.inner_draft.q.is_some() || !self.inner_draft.parents.is_empty() {
             self.assemble(&f, draft);
@@ -287,6 +296,9 @@ impl<P: Proposer> Proposer for ForcedDrafts<P> {
         let mut inner = std::mem::take(&mut self.inner_draft.tokens);
         loop {
             let valid = self.valid_prefix(&mut ctx, &inner, req.max_draft - draft.tokens.len());
+            if draft.tokens.len() == f.len() {
+                self.inner_len = Some(valid);
+            }
             draft.tokens.extend_from_slice(&inner[..valid]);
             let room = req.max_draft - draft.tokens.len();
             if valid == 0 || room == 0 || inner[..valid].iter().any(|&t| req.is_eos(t)) {
@@ -328,6 +340,7 @@ impl<P: Proposer> Proposer for ForcedDrafts<P> {
 
     fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         self.step_context = req.context.len();
+        self.inner_len = None;
         let f = self.forced(req, req.max_draft.min(req.max_nodes));
         if self.choice_tree(req, &f, draft) {
             return Ok(());
@@ -340,13 +353,13 @@ impl<P: Proposer> Proposer for ForcedDrafts<P> {
     fn observe(&mut self, accepted: usize, emitted: &[u32]) -> Result<()> {
         let n = self.forced;
         self.forced = 0;
-        if n == 0 {
-            return self.inner.observe(accepted, emitted);
-        }
-        if accepted >= n && emitted.len() >= n {
-            self.inner.observe(accepted - n, &emitted[n..])
-        } else {
-            self.inner.observe(0, emitted)
+        // `inner` counts only its own draft: the accepted tokens after the leading forced ones,
+        // at most the length of its draft; nothing when it was not asked or not reached.
+        match self.inner_len.take() {
+            Some(len) if accepted >= n && emitted.len() >= n => {
+                self.inner.observe((accepted - n).min(len), &emitted[n..])
+            }
+            _ => self.inner.observe(0, emitted),
         }
     }
 
