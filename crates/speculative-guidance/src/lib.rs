@@ -11,13 +11,37 @@
 //! - [`ForcedDrafts`]: a [`speculative::Proposer`] wrapper that drafts the grammar-forced tokens
 //!   before another proposer's draft (chains) or as the trunk of its tree.
 //!
-//! ```ignore
-//! let vocab = Vocabulary::new(token_bytes, special, eos, tokenize)?;
-//! let mask = Arc::new(GrammarMask::json_schema(&vocab, &schema, prompt.len())?);
-//! let cfg = SamplingConfig::builder().mask(mask.clone()).build()?;
+//! On a toy vocabulary and target (with a real model, build the [`Vocabulary`] from its
+//! tokenizer, see [`Vocabulary::with_tokenizer`]):
+//!
+//! ```
+//! use std::sync::Arc;
+//! use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
+//! use speculative::propose::PromptLookup;
+//! use speculative::SamplingConfig;
+//! use speculative_guidance::{ForcedDrafts, GrammarMask, Vocabulary};
+//!
+//! // Tokens `{`, `}`, `a`, `b` and the EOS token (special).
+//! let toks = ["{", "}", "a", "b", "<eos>"];
+//! let bytes = toks.iter().map(|t| t.as_bytes().to_vec()).collect();
+//! let vocab = Vocabulary::greedy(bytes, (0..5).map(|i| i == 4).collect(), 4)?;
+//! let prompt = [0u32, 2, 3, 1, 0, 2];
+//! // One mask per request: the grammar starts after the prompt.
+//! let mask = Arc::new(GrammarMask::regex(&vocab, r"\{(ab)+\}", prompt.len())?);
+//! let params = GenerationParams {
+//!     sampling: SamplingConfig::builder().mask(mask.clone()).build()?,
+//!     max_new_tokens: 12,
+//!     draft: DraftLength::Fixed(4),
+//!     stop: StopConditions::eos(4),
+//!     ..Default::default()
+//! };
+//! let target = speculative::test_util::ToyModel::markov(5, 2, 1.0, 7);
 //! let mut g = Generator::new(target, ForcedDrafts::new(mask, PromptLookup::new(1, 3)?));
-//! let out = g.generate(&prompt, &GenerationParams { sampling: cfg,
-//!     stop: StopConditions::eos(eos), ..Default::default() })?;
+//! let out = g.generate(&prompt, &params)?;
+//! // `{` is forced first, and every `a` is followed by `b`.
+//! assert_eq!(out.tokens[0], 0);
+//! assert!(out.tokens.windows(2).all(|w| w[0] != 2 || w[1] == 3));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
 //! The grammar starts at the first generated token ([`GrammarMask::new`]'s `prompt_len`), and
