@@ -45,6 +45,7 @@ use speculative_candle::{
     CandleTarget, ChatMessage, GgufTokenizer, LlamaWeights, LoadOptions, WeightFormat,
     default_model_path,
 };
+use speculative_guidance::{Grammar, Vocabulary};
 
 #[derive(Parser)]
 #[command(version, about = "Reproducible speculative-decoding benchmarks")]
@@ -53,6 +54,8 @@ struct Cli {
     cmd: Cmd,
 }
 
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a workload against plain decoding and a matrix of speculative configurations.
@@ -293,6 +296,16 @@ struct RunArgs {
     /// Output directory for runs.json, summary.json, summary.md and the plots.
     #[arg(long, default_value = "bench-out")]
     out: PathBuf,
+    /// A JSON schema file constraining every request without its own `json_schema` /
+    /// `grammar` (structured output through llguidance, baseline included).
+    #[arg(long, conflicts_with = "grammar")]
+    json_schema: Option<PathBuf>,
+    /// A Lark grammar file, as --json-schema.
+    #[arg(long)]
+    grammar: Option<PathBuf>,
+    /// Under a grammar, do not put the grammar-forced tokens in front of the proposers' drafts.
+    #[arg(long)]
+    no_forced_drafts: bool,
 }
 
 #[derive(Args)]
@@ -365,6 +378,14 @@ fn run(a: RunArgs) -> Result<()> {
     let (mut target, make_model, fast_weights) = load_backend(&a.model, &path)?;
     let tok = GgufTokenizer::load(&path)?;
     let max_ctx = target.max_context();
+    let default_grammar = match (&a.json_schema, &a.grammar) {
+        (Some(p), _) => Some(
+            Grammar::json_schema_str(&std::fs::read_to_string(p).map_err(io(p))?)
+                .map_err(|e| bad_arg("--json-schema", e.to_string()))?,
+        ),
+        (None, Some(p)) => Some(Grammar::Lark(std::fs::read_to_string(p).map_err(io(p))?)),
+        (None, None) => None,
+    };
     let prepared: Vec<PreparedRequest> = requests
         .iter()
         .map(|r| {
@@ -379,6 +400,11 @@ fn run(a: RunArgs) -> Result<()> {
                     session: s.clone(),
                     message: r.prompt.clone(),
                 }),
+                grammar: match (&r.json_schema, &r.grammar) {
+                    (Some(v), _) => Some(Grammar::JsonSchema(v.clone())),
+                    (None, Some(g)) => Some(Grammar::Lark(g.clone())),
+                    (None, None) => default_grammar.clone(),
+                },
             })
         })
         .collect::<Result<_>>()?;
@@ -443,6 +469,21 @@ fn run(a: RunArgs) -> Result<()> {
         warmup: a.warmup,
         reps: a.reps,
         carry: a.carry,
+        forced_drafts: !a.no_forced_drafts,
+    };
+    // The model's vocabulary for llguidance, when some request is constrained.
+    let grammar_vocab = if prepared.iter().any(|r| r.grammar.is_some()) {
+        let n = tok.vocab_size() as u32;
+        let bytes = (0..n)
+            .map(|i| tok.token_bytes(i).unwrap_or_default().to_vec())
+            .collect();
+        let special = (0..n).map(|i| tok.is_special(i)).collect();
+        Some(
+            Vocabulary::with_tokenizer(bytes, special, tok.eos_id(), tok.tokenizer().clone())
+                .map_err(|e| bad_arg("grammar", e.to_string()))?,
+        )
+    } else {
+        None
     };
     let keys = a.temperature.len() * a.top_p.len() * a.seeds.len();
     let total =
@@ -501,6 +542,7 @@ fn run(a: RunArgs) -> Result<()> {
     };
     let eos = [tok.eos_id()];
     let records: Vec<RunRecord> = run_matrix(
+        grammar_vocab.as_ref(),
         &mut *target,
         &mut factory,
         &prepared,

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use speculative::{Proposer, TargetModel};
 
 use crate::error::Result;
-use crate::run::{ConfigSpec, RunInput, RunRecord, decode_tokens_per_s, run_one};
+use crate::run::{ConfigSpec, Constraint, RunInput, RunRecord, decode_tokens_per_s, run_one};
 
 /// A tokenized request.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,6 +19,8 @@ pub struct PreparedRequest {
     pub max_tokens: usize,
     /// A turn of a multi-turn conversation, or `None` for a stand-alone request.
     pub turn: Option<Turn>,
+    /// The grammar the output must follow (structured output), or `None`.
+    pub grammar: Option<speculative_guidance::Grammar>,
 }
 
 /// A turn of a conversation ([`crate::workload::Request::session`]): its prompt is the whole
@@ -50,6 +52,9 @@ pub struct Matrix {
     /// corpus, a token-recycling table carry over, as in a server that runs requests one after
     /// another); `false`: a fresh proposer for every run.
     pub carry: bool,
+    /// With grammar-constrained requests: put the grammar-forced tokens in front of every
+    /// speculative configuration's drafts (`speculative_guidance::ForcedDrafts`).
+    pub forced_drafts: bool,
 }
 
 /// Creates a proposer from its name.
@@ -106,11 +111,18 @@ impl Lane {
 /// conversation of the same configuration (each configuration, and the baseline, answers its
 /// own conversation; under greedy decoding the answers are the same).
 ///
+/// Requests with a grammar ([`PreparedRequest::grammar`]) are constrained in every run,
+/// baseline included, through `vocab` (see [`crate::run::Constraint`]); without `vocab` their
+/// grammar is ignored.
+///
 /// `progress` is called after each generation with a short description.
 ///
 /// # Errors
-/// Errors of the factory, of `build` and of the decoding loop.
+/// Errors of the factory, of `build` and of the decoding loop (a grammar that does not compile
+/// included).
+#[allow(clippy::too_many_arguments)]
 pub fn run_matrix(
+    vocab: Option<&speculative_guidance::Vocabulary>,
     target: &mut dyn TargetModel,
     factory: &mut ProposerFactory<'_>,
     requests: &[PreparedRequest],
@@ -131,6 +143,17 @@ pub fn run_matrix(
             keys.push(k);
         }
     }
+    fn constraint<'a>(
+        vocab: Option<&'a speculative_guidance::Vocabulary>,
+        r: &'a PreparedRequest,
+        forced_drafts: bool,
+    ) -> Option<Constraint<'a>> {
+        Some(Constraint {
+            vocab: vocab?,
+            grammar: r.grammar.as_ref()?,
+            forced_drafts,
+        })
+    }
     let mut none = speculative::NoProposer;
     // Warm-up on the first request (fresh proposers, discarded).
     if let Some(r0) = requests.first() {
@@ -143,6 +166,7 @@ pub fn run_matrix(
                 max_tokens: r0.max_tokens,
                 eos,
                 rep: w,
+                constraint: constraint(vocab, r0, matrix.forced_drafts),
             };
             let s = matrix
                 .configs
@@ -190,6 +214,7 @@ pub fn run_matrix(
                     max_tokens: r.max_tokens,
                     eos,
                     rep,
+                    constraint: constraint(vocab, r, matrix.forced_drafts),
                 };
                 let base = run_one(target, &mut none, &input, None, &sampling, seed)?;
                 base_lanes[ki].answered(r, &base.tokens);

@@ -11,6 +11,8 @@ use speculative::{Draft, NoProposer, ProposeRequest, Proposer, SamplingConfig, T
 
 use crate::error::Result;
 use crate::stats::percentile;
+use speculative_guidance::{ForcedDrafts, Grammar, GrammarMask, Vocabulary};
+use std::sync::Arc;
 
 /// Draft length of a configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -282,6 +284,21 @@ pub struct RunInput<'a> {
     pub eos: &'a [u32],
     /// Repetition index.
     pub rep: usize,
+    /// The request's grammar (structured output), if any.
+    pub constraint: Option<Constraint<'a>>,
+}
+
+/// A grammar constraint of one request: every run (baseline included) masks its rows with a
+/// fresh [`GrammarMask`] of `grammar`; speculative runs put the grammar-forced tokens in front
+/// of their proposer's drafts ([`ForcedDrafts`]) when `forced_drafts` is set.
+#[derive(Debug, Clone, Copy)]
+pub struct Constraint<'a> {
+    /// The model's vocabulary for llguidance.
+    pub vocab: &'a Vocabulary,
+    /// The grammar.
+    pub grammar: &'a Grammar,
+    /// Wrap speculative proposers in [`ForcedDrafts`].
+    pub forced_drafts: bool,
 }
 
 /// Runs one generation of `proposer` on `target` (`config = None` is the plain baseline) and
@@ -313,8 +330,21 @@ pub fn run_one(
         tree_branch: config.map_or(0, |c| c.tree_branch),
         ..Default::default()
     };
+    let mut params = params;
     let mut no = NoProposer;
-    let inner: &mut dyn Proposer = if config.is_some() { proposer } else { &mut no };
+    let mut inner: &mut dyn Proposer = if config.is_some() { proposer } else { &mut no };
+    let mut forced;
+    if let Some(c) = &input.constraint {
+        let mask = Arc::new(
+            GrammarMask::new(c.vocab, c.grammar, input.prompt.len())
+                .map_err(speculative::Error::from)?,
+        );
+        params.sampling = sampling.to_builder().mask(mask.clone()).build()?;
+        if c.forced_drafts && config.is_some() {
+            forced = ForcedDrafts::new(mask, inner);
+            inner = &mut forced;
+        }
+    }
     let mut rec = Recording {
         inner,
         pending_k: None,

@@ -14,7 +14,8 @@ use crate::error::{BenchError, Result};
 /// turns of one conversation, in file order: each turn is sent as the whole conversation so far
 /// (earlier turns' prompts as user messages, the outputs generated for them as assistant
 /// messages) followed by its own prompt, as an agent or a chat client resubmits it (see
-/// `spec_bench::matrix::Turn`).
+/// `spec_bench::matrix::Turn`). `json_schema` (a schema object) or `grammar` (Lark text)
+/// constrain the output (structured output, `kind` `structured` in docs/workloads).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Request {
@@ -29,6 +30,13 @@ pub struct Request {
     /// Conversation name: requests that share it are turns of one conversation.
     #[serde(default)]
     pub session: Option<String>,
+    /// A JSON schema the output must follow (structured output; `spec-bench run` constrains
+    /// every run of the request, baseline included).
+    #[serde(default)]
+    pub json_schema: Option<serde_json::Value>,
+    /// A Lark grammar the output must follow (instead of `json_schema`).
+    #[serde(default)]
+    pub grammar: Option<String>,
 }
 
 fn default_kind() -> String {
@@ -100,6 +108,38 @@ mod tests {
         assert_eq!(w[1].session, None);
         let w = parse("{\"prompt\": \"a\", \"session\": \"s1\"}").unwrap();
         assert_eq!(w[0].session.as_deref(), Some("s1"));
+        assert_eq!((&w[0].json_schema, &w[0].grammar), (&None, &None));
+        let w = parse(
+            "{\"prompt\": \"a\", \"json_schema\": {\"type\": \"object\"}}\n{\"prompt\": \"b\", \"grammar\": \"start: /x+/\"}",
+        )
+        .unwrap();
+        assert_eq!(
+            w[0].json_schema,
+            Some(serde_json::json!({"type": "object"}))
+        );
+        assert_eq!(w[1].grammar.as_deref(), Some("start: /x+/"));
+    }
+
+    #[test]
+    fn the_structured_workload_parses_and_every_schema_compiles() {
+        let w = load(std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/workloads/structured.jsonl"
+        )))
+        .unwrap();
+        assert_eq!(w.len(), 15);
+        // A toy vocabulary of single bytes is enough to compile the grammars.
+        let bytes: Vec<Vec<u8>> = (0u8..128)
+            .map(|b| vec![b])
+            .chain([b"<eos>".to_vec()])
+            .collect();
+        let special = (0..129).map(|i| i == 128).collect();
+        let v = speculative_guidance::Vocabulary::greedy(bytes, special, 128).unwrap();
+        for r in &w {
+            assert_eq!(r.kind, "structured");
+            let schema = r.json_schema.as_ref().expect("a schema per request");
+            speculative_guidance::GrammarMask::json_schema(&v, schema, 0).unwrap();
+        }
     }
 
     #[test]

@@ -25,6 +25,7 @@ fn records() -> Vec<RunRecord> {
             prompt: (0..40).map(|j| ((j * 5 + i) % 16) as u32).collect(),
             max_tokens: 24,
             turn: None,
+            grammar: None,
         })
         .collect();
     let mut configs = Vec::new();
@@ -69,9 +70,11 @@ fn records() -> Vec<RunRecord> {
         warmup: 1,
         reps: 2,
         carry: false,
+        forced_drafts: false,
     };
     let mut n = 0;
     let out = run_matrix(
+        None,
         &mut target,
         &mut factory,
         &requests,
@@ -214,6 +217,7 @@ fn conversations_resubmit_their_own_outputs_and_carry_keeps_the_suffix_corpus() 
         prompt: toks(p),
         max_tokens: 20,
         turn: None,
+        grammar: None,
     };
     let turn = |m: &str| PreparedRequest {
         kind: "agentic".into(),
@@ -223,6 +227,7 @@ fn conversations_resubmit_their_own_outputs_and_carry_keeps_the_suffix_corpus() 
             session: "s".into(),
             message: m.into(),
         }),
+        grammar: None,
     };
     let requests = vec![
         plain("the same prompt, twice over"),
@@ -252,6 +257,7 @@ fn conversations_resubmit_their_own_outputs_and_carry_keeps_the_suffix_corpus() 
             Ok(p)
         };
         run_matrix(
+            None,
             &mut target,
             &mut factory,
             &requests,
@@ -261,6 +267,7 @@ fn conversations_resubmit_their_own_outputs_and_carry_keeps_the_suffix_corpus() 
                 warmup: 0,
                 reps: 1,
                 carry,
+                forced_drafts: false,
             },
             &mut build,
             &mut |_| {},
@@ -304,4 +311,81 @@ fn conversations_resubmit_their_own_outputs_and_carry_keeps_the_suffix_corpus() 
         acc(&carried),
         acc(&fresh)
     );
+}
+
+#[test]
+fn constrained_requests_follow_their_grammar_in_every_run() {
+    use speculative_guidance::{Grammar, Vocabulary};
+    // Tokens 0..15 are the letters `a`..`o`, 15 is EOS; grammar `(ab|c)+`.
+    let bytes: Vec<Vec<u8>> = (0u8..16)
+        .map(|i| {
+            if i == 15 {
+                b"<eos>".to_vec()
+            } else {
+                vec![b'a' + i]
+            }
+        })
+        .collect();
+    let special = (0..16).map(|i| i == 15).collect();
+    let vocab = Vocabulary::greedy(bytes, special, 15).unwrap();
+    let mut target = ToyModel::markov(16, 1, 3.0, 4).with_tree(16);
+    let requests: Vec<PreparedRequest> = (0..2)
+        .map(|i| PreparedRequest {
+            kind: "structured".into(),
+            prompt: (0..20).map(|j| ((j * 3 + i) % 15) as u32).collect(),
+            max_tokens: 16,
+            turn: None,
+            grammar: Some(Grammar::Regex("(ab|c)+".into())),
+        })
+        .collect();
+    let configs: Vec<ConfigSpec> = [(0, 0.0), (8, 0.0), (0, 0.8)]
+        .into_iter()
+        .map(|(tree_nodes, temperature)| ConfigSpec {
+            proposer: "prompt-lookup".into(),
+            draft: DraftSpec::Fixed(4),
+            temperature,
+            top_p: 1.0,
+            seed: 0,
+            tree_nodes,
+            tree_branch: 0,
+        })
+        .collect();
+    let out = run_matrix(
+        Some(&vocab),
+        &mut target,
+        &mut factory,
+        &requests,
+        &[15],
+        &Matrix {
+            configs,
+            warmup: 0,
+            reps: 1,
+            carry: false,
+            forced_drafts: true,
+        },
+        &mut |_, _| unreachable!("no conversation turns"),
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(out.len(), 2 * (3 + 2));
+    for r in &out {
+        // `(ab|c)+`: a is always followed by b, b always follows a; EOS only at the end.
+        let t = &r.tokens;
+        for (i, &x) in t.iter().enumerate() {
+            assert!(
+                x <= 2 || (x == 15 && i + 1 == t.len()),
+                "{}: {t:?}",
+                r.label
+            );
+            if x == 0 && i + 1 < t.len() {
+                assert_eq!(t[i + 1], 1, "{}: {t:?}", r.label);
+            }
+            if x == 1 {
+                assert!(i > 0 && t[i - 1] == 0, "{}: {t:?}", r.label);
+            }
+        }
+        if r.greedy_identical.is_some() {
+            assert_eq!(r.greedy_identical, Some(true), "{}", r.label);
+        }
+    }
 }

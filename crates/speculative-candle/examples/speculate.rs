@@ -12,6 +12,10 @@
 //! then the run's figures are printed: tokens per second, acceptance rate, mean accepted length
 //! and acceptance per draft position. With `--compare` the same prompt is also decoded plainly,
 //! and the speed-up and (for greedy runs) whether both outputs are identical are printed.
+//!
+//! Structured output: `--json-schema FILE` or `--grammar FILE` (Lark) constrain every target and
+//! draft row with the grammar (crate `speculative-guidance`), and the tokens the grammar forces
+//! are drafted in front of the proposer's draft (`--no-forced-drafts` turns that off).
 
 use std::io::{Read, Write};
 use std::ops::ControlFlow;
@@ -33,6 +37,8 @@ use speculative_candle::{
     CandleTarget, ChatMessage, GgufDetokenizer, GgufTokenizer, LlamaWeights, LoadOptions,
     WeightFormat, default_head_path, default_model_path,
 };
+use speculative_guidance::{ForcedDrafts, Grammar, GrammarMask, Vocabulary};
+use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum ProposerKind {
@@ -147,6 +153,17 @@ struct Args {
     /// tokens; the stop string itself is not printed.
     #[arg(long = "stop")]
     stop: Vec<String>,
+    /// Constrain the output to this JSON schema (structured output through llguidance; the
+    /// generation ends where the JSON does).
+    #[arg(long, conflicts_with = "grammar")]
+    json_schema: Option<PathBuf>,
+    /// Constrain the output to this Lark grammar.
+    #[arg(long)]
+    grammar: Option<PathBuf>,
+    /// Under --json-schema / --grammar, do not draft the grammar-forced tokens in front of the
+    /// proposer's drafts.
+    #[arg(long)]
+    no_forced_drafts: bool,
     /// Also decode plainly and print the speed-up.
     #[arg(long)]
     compare: bool,
@@ -284,11 +301,33 @@ fn run() -> Result<(), DynError> {
         tok.apply_chat_template(&msgs)?
     };
     let prompt = tok.encode(&prompt_text)?;
-    let sampling = SamplingConfig::builder()
+    // Structured output: the grammar's mask on every target and draft row.
+    let grammar = match (&a.json_schema, &a.grammar) {
+        (Some(p), _) => Some(Grammar::json_schema_str(&std::fs::read_to_string(p)?)?),
+        (None, Some(p)) => Some(Grammar::Lark(std::fs::read_to_string(p)?)),
+        (None, None) => None,
+    };
+    let mask = match &grammar {
+        Some(g) => {
+            let n = tok.vocab_size() as u32;
+            let bytes = (0..n)
+                .map(|i| tok.token_bytes(i).unwrap_or_default().to_vec())
+                .collect();
+            let special = (0..n).map(|i| tok.is_special(i)).collect();
+            let vocab =
+                Vocabulary::with_tokenizer(bytes, special, tok.eos_id(), tok.tokenizer().clone())?;
+            Some(Arc::new(GrammarMask::new(&vocab, g, prompt.len())?))
+        }
+        None => None,
+    };
+    let mut sampling = SamplingConfig::builder()
         .temperature(a.temperature)
         .top_k(a.top_k)
-        .top_p(a.top_p)
-        .build()?;
+        .top_p(a.top_p);
+    if let Some(m) = &mask {
+        sampling = sampling.mask(m.clone());
+    }
+    let sampling = sampling.build()?;
     let draft = if a.proposer == ProposerKind::None {
         DraftLength::Off
     } else {
@@ -330,6 +369,12 @@ fn run() -> Result<(), DynError> {
             Box::new(SuffixProposer::new(SuffixConfig::default())?),
         ])?),
         ProposerKind::None => Box::new(NoProposer),
+    };
+    let proposer: Box<dyn Proposer> = match &mask {
+        Some(m) if !a.no_forced_drafts && a.proposer != ProposerKind::None => {
+            Box::new(ForcedDrafts::new(m.clone(), proposer))
+        }
+        _ => proposer,
     };
     let mut target = target;
     eprintln!(
