@@ -54,8 +54,8 @@ impl fmt::Debug for BatchRequest {
 
 impl BatchRequest {
     /// A request generating from `prompt` with `params`, drafting with `proposer` (each request
-    /// brings its own; [`crate::propose::NoDraft`]-like proposers and
-    /// [`DraftLength::Off`] give plain decoding).
+    /// brings its own; with [`DraftLength::Off`] the request decodes one token per step and the
+    /// proposer is only told the prompt and the output).
     pub fn new(
         prompt: Vec<u32>,
         params: GenerationParams,
