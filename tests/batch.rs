@@ -398,7 +398,16 @@ fn one_forward_per_step_and_stats_add_up() {
         ..BatchConfig::default()
     };
     let mut b = BatchGenerator::with_config(t, cfg).unwrap();
-    for c in cases(false) {
+    let mut mix = cases(false);
+    // A fixed draft longer than its node budget, from a chain-only proposer: up to k rows.
+    mix.push(Case {
+        prompt: prompt(3, 20),
+        params: GenerationParams::greedy(40)
+            .with_draft(DraftLength::Fixed(8))
+            .with_tree_nodes(4),
+        proposer: 0,
+    });
+    for c in mix {
         b.submit(BatchRequest::new(c.prompt, c.params, proposer(c.proposer)))
             .unwrap();
     }
@@ -407,7 +416,7 @@ fn one_forward_per_step_and_stats_add_up() {
     let mut emitted = 0;
     while !b.is_idle() {
         let s = b.step().unwrap();
-        assert!(s.rows <= 40 || s.sequences == 1, "{s:?}");
+        assert!(s.rows <= 40, "{s:?}");
         // Each sequence feeds its last token and its drafts, but a chain cut at an end has no
         // row after its final draft.
         assert!(
@@ -440,4 +449,92 @@ fn batch_generator_is_send() {
     fn is_send<T: Send>() {}
     is_send::<BatchGenerator<PerSlot<ToyModel>>>();
     is_send::<BatchRequest>();
+}
+
+#[test]
+fn requests_the_batch_cannot_run_are_refused_and_edge_requests_end_cleanly() {
+    let cfg = BatchConfig {
+        max_batch_tokens: 8,
+        ..BatchConfig::default()
+    };
+    let mut b = BatchGenerator::with_config(batch_target(2), cfg).unwrap();
+    let p = || -> Box<dyn Proposer + Send> { Box::new(PromptLookup::new(1, 4).unwrap()) };
+    // k + 1 = 9 rows do not fit 8; neither does a 12-node tree.
+    let wide = GenerationParams::greedy(8).with_draft(DraftLength::Fixed(8));
+    assert!(matches!(
+        b.submit(BatchRequest::new(vec![1, 2], wide, p())),
+        Err(Error::InvalidConfig { field: "draft", .. })
+    ));
+    let tree = GenerationParams::greedy(8)
+        .with_draft(DraftLength::Fixed(2))
+        .with_tree_nodes(12);
+    assert!(b.submit(BatchRequest::new(vec![1, 2], tree, p())).is_err());
+    // No token to generate: ends at once with nothing prefilled.
+    let none = b
+        .submit(BatchRequest::new(
+            vec![1; 30],
+            GenerationParams::greedy(0),
+            p(),
+        ))
+        .unwrap();
+    // Cancelled by its flag while still prefilling (a 1-token prefill chunk per step).
+    let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut params = GenerationParams::greedy(8);
+    params.cancel = Some(Arc::clone(&flag));
+    let cancelled = b
+        .submit(BatchRequest::new(vec![2; 60], params, p()))
+        .unwrap();
+    let s = b.step().unwrap();
+    assert!(s.prefill_rows <= 8, "{s:?}");
+    flag.store(true, std::sync::atomic::Ordering::Relaxed);
+    let done = b.run().unwrap();
+    let get = |id| {
+        done.iter()
+            .find(|f| f.id == id)
+            .unwrap()
+            .result
+            .as_ref()
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(get(none).finish, FinishReason::MaxTokens);
+    assert!(get(none).tokens.is_empty());
+    assert_eq!(get(cancelled).finish, FinishReason::Cancelled);
+    assert!(get(cancelled).tokens.is_empty());
+    assert_eq!(b.metrics().prefill_rows, s.prefill_rows as u64);
+
+    /// A target without slots.
+    struct NoSlots(PerSlot<ToyModel>);
+    impl BatchTarget for NoSlots {
+        fn vocab_size(&self) -> usize {
+            self.0.vocab_size()
+        }
+        fn max_context(&self) -> usize {
+            self.0.max_context()
+        }
+        fn max_slots(&self) -> usize {
+            0
+        }
+        fn max_batch_tokens(&self) -> usize {
+            64
+        }
+        fn seq_len(&self, slot: usize) -> Result<usize> {
+            self.0.seq_len(slot)
+        }
+        fn forward_batch(&mut self, c: &[SlotChunk<'_>], l: &mut Vec<f32>) -> Result<()> {
+            self.0.forward_batch(c, l)
+        }
+        fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
+            self.0.truncate(slot, len)
+        }
+        fn release(&mut self, slot: usize) -> Result<()> {
+            self.0.release(slot)
+        }
+    }
+    let mut b = BatchGenerator::new(NoSlots(batch_target(1)));
+    assert!(
+        b.submit(BatchRequest::new(vec![1], GenerationParams::greedy(4), p()))
+            .is_err()
+    );
+    assert!(b.is_idle());
 }

@@ -289,6 +289,8 @@ struct Seq<B> {
     feed: Vec<u32>,
     /// The error that ended the request, if any.
     error: Option<Error>,
+    /// Steps this decoding sequence was left out of for want of rows (it goes first next).
+    waited: u32,
 }
 
 /// Runs many generations at once (continuous batching) over a [`BatchTarget`]: each
@@ -417,8 +419,10 @@ impl<B: BatchTarget> BatchGenerator<B> {
     ///
     /// # Errors
     /// Checked here, before anything is queued: [`Error::EmptyPrompt`],
-    /// [`Error::PromptTooLong`], [`Error::TokenOutOfVocab`] for a prompt token, and the errors of
-    /// [`GenerationParams::validate`].
+    /// [`Error::PromptTooLong`], [`Error::TokenOutOfVocab`] for a prompt token, the errors of
+    /// [`GenerationParams::validate`], and [`Error::InvalidConfig`] when the target has no slot
+    /// or a [`DraftLength::Fixed`] draft (`k + 1` rows, or `tree_nodes + 1` for trees) does not
+    /// fit the row budget ([`BatchConfig::max_batch_tokens`] and the target's).
     pub fn submit(&mut self, req: BatchRequest) -> Result<RequestId> {
         if req.prompt.is_empty() {
             return Err(Error::EmptyPrompt);
@@ -437,6 +441,24 @@ impl<B: BatchTarget> BatchGenerator<B> {
             });
         }
         req.params.validate(self.vocab, req.detokenizer.is_some())?;
+        if self.max_slots == 0 {
+            return Err(Error::config(
+                "max_slots",
+                0,
+                "the BatchTarget has no slot to run a request in",
+            ));
+        }
+        if let DraftLength::Fixed(k) = req.params.draft {
+            let rows = 1 + fixed_draft_rows(&req.params, k, self.tree_nodes);
+            if rows > self.max_rows {
+                return Err(Error::config(
+                    "draft",
+                    format!("{rows} rows per step"),
+                    "a fixed draft (k + 1 rows, or tree_nodes + 1) must fit the batch's row \
+                     budget (BatchConfig::max_batch_tokens and the target's max_batch_tokens)",
+                ));
+            }
+        }
         let id = RequestId(self.next_id);
         self.next_id += 1;
         self.waiting.push_back((id, req));
@@ -531,11 +553,14 @@ impl<B: BatchTarget> BatchGenerator<B> {
     pub fn step(&mut self) -> Result<BatchStepStats> {
         let t0 = Instant::now();
         let mut stats = BatchStepStats::default();
-        self.admit();
+        stats.finished += self.admit();
+        stats.finished += self.cancel_prefilling();
         // Plan: draft lengths for the batch, then each sequence's propose phase.
+        // Sequences left out of earlier forwards for want of rows go first, then by age.
+        self.active
+            .sort_by_key(|s| (std::cmp::Reverse(s.waited), s.id));
         let choice = self.choose_lengths();
         let mut rows_left = self.max_rows;
-        let mut planned: Vec<usize> = Vec::new();
         let mut i = 0;
         while i < self.active.len() {
             if !matches!(self.active[i].phase, Phase::Decoding) {
@@ -546,14 +571,12 @@ impl<B: BatchTarget> BatchGenerator<B> {
             let k_override = choice.iter().find(|(cid, _)| *cid == id).map(|&(_, k)| k);
             let bound = self.row_bound(&self.active[i], k_override);
             if bound > rows_left {
-                // No room in this forward: the sequence waits a step (never the first one).
+                // No room left in this forward: the sequence waits a step. (Every sequence fits
+                // an empty forward: `submit` refuses fixed drafts wider than the budget, and the
+                // goodput policy keeps adaptive drafts within it.)
+                self.active[i].waited += 1;
                 i += 1;
-                if planned.is_empty() && rows_left == self.max_rows {
-                    // A single sequence wider than the budget: let it run alone, capped.
-                } else {
-                    continue;
-                }
-                i -= 1;
+                continue;
             }
             let seq = &mut self.active[i];
             let parked = seq.parked.take().expect("a decoding sequence is parked");
@@ -564,7 +587,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
                     rows_left = rows_left.saturating_sub(p.rows());
                     seq.parked = Some(s.park());
                     seq.plan = Some((p, mark));
-                    planned.push(i);
+                    seq.waited = 0;
                     i += 1;
                 }
                 Ok(None) => {
@@ -657,7 +680,18 @@ impl<B: BatchTarget> BatchGenerator<B> {
 
         // One verify_batch over every decoding sequence.
         let t_ver = Instant::now();
-        let outs = self.verify_all(&decoding, &sessions_ctx);
+        let mut outs = self.verify_all(&decoding, &sessions_ctx);
+        // Each slot must hold its context but the last token plus the rows it was fed (the
+        // check `Generator` makes after its own forward).
+        for ((o, &i), (p, _)) in outs.iter_mut().zip(&decoding).zip(&sessions_ctx) {
+            let seq = &self.active[i];
+            let want = seq.parked.as_ref().map_or(0, |c| c.len()) - 1 + p.rows();
+            if lock(&self.shared).seq_len(seq.slot).ok() != Some(want) {
+                *o = Err(Error::TargetContract {
+                    what: "seq_len after forward",
+                });
+            }
+        }
         let verify_time = t_ver.elapsed();
 
         // Commit, observe, stream, end.
@@ -734,7 +768,8 @@ impl<B: BatchTarget> BatchGenerator<B> {
 
     /// Moves waiting requests into free slots: starts their sessions (validation, slot reset,
     /// the proposer's `begin`); prompts of one token start decoding at once.
-    fn admit(&mut self) {
+    fn admit(&mut self) -> usize {
+        let mut ended_here = 0;
         while !self.waiting.is_empty() {
             let Some(slot) = self.free_slots.pop() else {
                 break;
@@ -765,6 +800,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 plan: None,
                 feed: Vec::new(),
                 error: None,
+                waited: 0,
             };
             let started = match seq.generator.start(&seq.prompt, &seq.params, false) {
                 Ok(s) => Ok(s.park()),
@@ -774,11 +810,14 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 Ok(p) => {
                     let ended = p.finished();
                     seq.parked = Some(p);
-                    if seq.prompt.len() == 1 {
+                    // A one-token prompt has nothing to prefill; a request with no token to
+                    // generate ends at its first plan, with nothing prefilled.
+                    if seq.prompt.len() == 1 || seq.params.max_new_tokens == 0 {
                         seq.phase = Phase::Decoding;
                     }
                     if ended {
                         self.finish(seq, false);
+                        ended_here += 1;
                     } else {
                         self.active.push(seq);
                     }
@@ -786,15 +825,41 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 Err(e) => {
                     seq.error = Some(e);
                     self.finish(seq, false);
+                    ended_here += 1;
                 }
             }
         }
+        ended_here
+    }
+
+    /// Ends the requests still prefilling whose [`GenerationParams::cancel`] flag is set (a
+    /// decoding request sees it in its next plan, as with [`Generator`]).
+    fn cancel_prefilling(&mut self) -> usize {
+        let mut n = 0;
+        let mut i = 0;
+        while i < self.active.len() {
+            let s = &self.active[i];
+            let flagged = s
+                .params
+                .cancel
+                .as_ref()
+                .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed));
+            if flagged && matches!(s.phase, Phase::Prefill { .. }) {
+                let seq = self.active.swap_remove(i);
+                self.finish(seq, true);
+                n += 1;
+            } else {
+                i += 1;
+            }
+        }
+        n
     }
 
     /// The draft lengths of the decoding adaptive sequences for this step: the goodput policy
     /// over the batch (module [`super::goodput`]), then each sequence's probe schedule.
     fn choose_lengths(&mut self) -> Vec<(RequestId, usize)> {
-        let mut fixed_rows = 0usize;
+        let mut decode_rows = 0usize;
+        let mut prefill_rows = 0usize;
         let mut fixed_tokens = 0.0f64;
         let mut acc: Vec<Vec<f64>> = Vec::new();
         let mut ids: Vec<usize> = Vec::new();
@@ -802,10 +867,10 @@ impl<B: BatchTarget> BatchGenerator<B> {
             match seq.phase {
                 Phase::Prefill { done } => {
                     let left = seq.prompt.len() - 1 - done;
-                    fixed_rows += left.min(self.config.prefill_chunk);
+                    prefill_rows += left.min(self.config.prefill_chunk);
                 }
                 Phase::Decoding => {
-                    fixed_rows += 1;
+                    decode_rows += 1;
                     fixed_tokens += 1.0;
                     match &seq.params.draft {
                         DraftLength::Adaptive(a) => {
@@ -819,13 +884,9 @@ impl<B: BatchTarget> BatchGenerator<B> {
                             ids.push(i);
                         }
                         DraftLength::Fixed(k) => {
-                            let rows = if seq.params.tree_nodes > 0 && self.tree_nodes > 0 {
-                                seq.params.tree_nodes.min(self.tree_nodes)
-                            } else {
-                                *k
-                            };
-                            fixed_rows += rows;
                             // Unknown acceptance: count the rows, not their tokens.
+                            let rows = fixed_draft_rows(&seq.params, *k, self.tree_nodes);
+                            decode_rows += rows;
                         }
                         DraftLength::Off => {}
                     }
@@ -841,10 +902,17 @@ impl<B: BatchTarget> BatchGenerator<B> {
             .collect();
         let prior = self.config.goodput.prior_row_cost;
         let cost = &self.cost;
-        let extra = self.max_rows.saturating_sub(fixed_rows);
-        let k = choose_draft_lengths(&cands, fixed_rows, fixed_tokens, extra, |r| {
-            cost.policy_cost(r, prior)
+        // Decode and draft rows come first; prefill chunks take what is left, so drafts are
+        // limited by the decode rows only, and the step's cost counts the prefill rows that
+        // still fit beside them.
+        let extra = self.max_rows.saturating_sub(decode_rows);
+        let max_rows = self.max_rows;
+        let k = choose_draft_lengths(&cands, decode_rows, fixed_tokens, extra, |r| {
+            let prefill = prefill_rows.min(max_rows.saturating_sub(r));
+            cost.policy_cost(r + prefill, prior)
         });
+        // Probes take draft rows the policy left over.
+        let mut left = extra.saturating_sub(k.iter().sum());
         let mut out = Vec::with_capacity(ids.len());
         for (&i, &ki) in ids.iter().zip(&k) {
             let seq = &mut self.active[i];
@@ -854,7 +922,13 @@ impl<B: BatchTarget> BatchGenerator<B> {
             let a = a.clone();
             let cap = acc[out.len()].len();
             let probe = seq.generator.adaptive_mut().probe_now(&a, ki == 0);
-            let k = if probe { a.probe_draft.min(cap) } else { ki };
+            let k = if probe {
+                let kp = a.probe_draft.min(cap).min(left);
+                left -= kp;
+                kp
+            } else {
+                ki
+            };
             out.push((seq.id, k));
         }
         out
@@ -865,13 +939,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
         1 + match &seq.params.draft {
             DraftLength::Off => 0,
             DraftLength::Adaptive(_) => k_override.unwrap_or(0),
-            DraftLength::Fixed(k) => {
-                if seq.params.tree_nodes > 0 && self.tree_nodes > 0 {
-                    seq.params.tree_nodes.min(self.tree_nodes)
-                } else {
-                    *k
-                }
-            }
+            DraftLength::Fixed(k) => fixed_draft_rows(&seq.params, *k, self.tree_nodes),
         }
     }
 
@@ -1038,6 +1106,17 @@ impl<B: BatchTarget> BatchGenerator<B> {
         let _ = lock(&self.shared).release(seq.slot);
         self.free_slots.push(seq.slot);
         self.finished.push(Finished { id: seq.id, result });
+    }
+}
+
+/// Draft rows a [`DraftLength::Fixed`] request of draft length `k` may verify in one step: its
+/// node budget when it drafts trees (the target has tree support), never fewer than `k` (a
+/// proposer without trees returns a chain of up to `k` drafts).
+fn fixed_draft_rows(params: &GenerationParams, k: usize, target_tree_nodes: usize) -> usize {
+    if params.tree_nodes > 0 && target_tree_nodes > 0 {
+        k.max(params.tree_nodes.min(target_tree_nodes))
+    } else {
+        k
     }
 }
 

@@ -487,6 +487,11 @@ pub(crate) struct Parked {
 }
 
 impl Parked {
+    /// Tokens of the context (prompt and generated).
+    pub(crate) fn len(&self) -> usize {
+        self.context.len()
+    }
+
     /// Whether the generation has ended.
     pub(crate) fn finished(&self) -> bool {
         self.finish.is_some()
