@@ -6,14 +6,13 @@
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf` (run `scripts/fetch-model.sh` first); the
 //! random-weight ones need nothing.
 
+mod common;
+
 use std::sync::Arc;
 
 use speculative::{BatchTarget, DraftBlock, Error, SlotChunk, SlotInput, TargetModel};
 use speculative_candle::fast::RandomSpec;
-use speculative_candle::{
-    ChatMessage, FastBatch, FastFormat, FastTarget, FastWeights, GgufTokenizer, KernelPath,
-    default_model_path,
-};
+use speculative_candle::{FastBatch, FastFormat, FastTarget, FastWeights, KernelPath};
 
 // ---------------------------------------------------------------- helpers
 
@@ -747,37 +746,19 @@ fn empty_batch_clears_the_logits() {
 
 // ---------------------------------------------------------------- real model
 
-fn real_weights() -> Arc<FastWeights> {
-    let p = default_model_path();
-    assert!(
-        p.is_file(),
-        "model file {} is missing: run `scripts/fetch-model.sh` from the repository root \
-         (or set SPECULATIVE_MODEL)",
-        p.display()
-    );
-    FastWeights::load(p, FastFormat::Q8).expect("loading the model")
-}
-
 /// Four chat prompts of different lengths: prefilled together in uneven chunks, then three
 /// batched greedy steps (one slot verifying a 3-token chain, one a small tree); every slot's
 /// logits equal, bit for bit, those of a solo `FastTarget`.
 #[test]
 fn real_model_batch_of_four_matches_solo() {
-    let w = real_weights();
-    let tok = GgufTokenizer::load(default_model_path()).unwrap();
+    let w = common::fast_weights();
     let questions = [
         "Hi!",
         "What is the capital of France?",
         "Write a haiku about the sea and the wind in the evening.",
         "Explain in two sentences why the sky is blue, for a child of seven.",
     ];
-    let prompts: Vec<Vec<u32>> = questions
-        .iter()
-        .map(|q| {
-            let text = tok.apply_chat_template(&[ChatMessage::user(*q)]).unwrap();
-            tok.encode(&text).unwrap()
-        })
-        .collect();
+    let prompts: Vec<Vec<u32>> = questions.iter().map(|q| common::chat(q)).collect();
     let mut batch = FastBatch::new(w.clone(), 4).unwrap();
     let mut solo_models: Vec<FastTarget> = (0..4).map(|_| FastTarget::new(w.clone())).collect();
     // Prefill all but the last token: first halves together, then second halves.
