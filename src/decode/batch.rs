@@ -642,31 +642,28 @@ impl<B: BatchTarget> BatchGenerator<B> {
             .iter()
             .map(|&i| std::mem::take(&mut self.active[i].feed))
             .collect();
-        let mut sessions_ctx: Vec<(Proposed, (usize, super::stop::TextMark))> = Vec::new();
-        for &i in &decoding {
-            let plan = self.active[i].plan.take().expect("planned");
-            sessions_ctx.push(plan);
-        }
+        let plans: Vec<(Proposed, (usize, super::stop::TextMark))> = decoding
+            .iter()
+            .map(|&i| self.active[i].plan.take().expect("planned"))
+            .collect();
         let t_fwd = Instant::now();
-        let forward_result = {
-            for ((&i, feed), (p, _)) in decoding.iter().zip(feeds.iter_mut()).zip(&sessions_ctx) {
-                let seq = &self.active[i];
-                chunks.push(SlotChunk {
-                    slot: seq.slot,
-                    input: feed_of(seq, p, feed),
-                });
-            }
-            for &(i, from, to) in &prefill {
-                let s = &self.active[i];
-                chunks.push(SlotChunk {
-                    slot: s.slot,
-                    input: SlotInput::Prefill(&s.prompt[from..to]),
-                });
-            }
-            let r = lock(&self.shared).forward_batch(&chunks, &mut self.logits);
-            stats.rows = chunks.iter().map(|c| c.input.rows()).sum();
-            r
-        };
+        for ((&i, feed), (p, _)) in decoding.iter().zip(feeds.iter_mut()).zip(&plans) {
+            let seq = &self.active[i];
+            let parked = seq.parked.as_ref().expect("parked");
+            chunks.push(SlotChunk {
+                slot: seq.slot,
+                input: parked.feed(&seq.generator, p, feed),
+            });
+        }
+        for &(i, from, to) in &prefill {
+            let s = &self.active[i];
+            chunks.push(SlotChunk {
+                slot: s.slot,
+                input: SlotInput::Prefill(&s.prompt[from..to]),
+            });
+        }
+        let forward_result = lock(&self.shared).forward_batch(&chunks, &mut self.logits);
+        stats.rows = chunks.iter().map(|c| c.input.rows()).sum();
         drop(chunks);
         let forward_time = t_fwd.elapsed();
         for (j, &i) in decoding.iter().enumerate() {
@@ -675,15 +672,15 @@ impl<B: BatchTarget> BatchGenerator<B> {
         stats.forward_time = forward_time;
         stats.prefill_rows = prefill.iter().map(|&(_, a, b)| b - a).sum();
         if let Err(e) = forward_result {
-            return Err(self.fail_forward(e, &decoding, sessions_ctx, &prefill, stats));
+            return Err(self.fail_forward(e, &decoding, plans, &prefill));
         }
 
         // One verify_batch over every decoding sequence.
         let t_ver = Instant::now();
-        let mut outs = self.verify_all(&decoding, &sessions_ctx);
+        let mut outs = self.verify_all(&decoding, &plans);
         // Each slot must hold its context but the last token plus the rows it was fed (the
         // check `Generator` makes after its own forward).
-        for ((o, &i), (p, _)) in outs.iter_mut().zip(&decoding).zip(&sessions_ctx) {
+        for ((o, &i), (p, _)) in outs.iter_mut().zip(&decoding).zip(&plans) {
             let seq = &self.active[i];
             let want = seq.parked.as_ref().map_or(0, |c| c.len()) - 1 + p.rows();
             if lock(&self.shared).seq_len(seq.slot).ok() != Some(want) {
@@ -697,7 +694,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
         // Commit, observe, stream, end.
         let mut done: Vec<usize> = Vec::new();
         for ((j, &i), out) in decoding.iter().enumerate().zip(outs) {
-            let (p, mark) = &sessions_ctx[j];
+            let (p, mark) = &plans[j];
             let seq = &mut self.active[i];
             stats.sequences += 1;
             stats.draft_rows += p.k;
@@ -713,7 +710,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
                     {
                         s.cancel();
                     }
-                    let ended = s.finish_reason().is_some() || cancelled(&s);
+                    let ended = s.finish_reason().is_some() || s.is_cancelled();
                     seq.parked = Some(s.park());
                     if ended {
                         done.push(i);
@@ -960,10 +957,10 @@ impl<B: BatchTarget> BatchGenerator<B> {
         let mut schemes: Vec<SiblingScheme> = Vec::new();
         let mut ends: Vec<bool> = Vec::new();
         let any_tree = plans.iter().any(|(p, _)| p.tree);
-        let any_schemes = plans.iter().any(|(p, _)| p.tree)
-            && decoding.iter().zip(plans).any(|(&i, (p, _))| {
-                p.tree && self.active[i].generator.draft_schemes().len() == p.k
-            });
+        let any_schemes = decoding
+            .iter()
+            .zip(plans)
+            .any(|(&i, (p, _))| p.tree && self.active[i].generator.draft_schemes().len() == p.k);
         let mut sessions: Vec<SequenceParams<'_>> = Vec::with_capacity(n);
         // The requests as the sessions would build them alone.
         let reqs: Vec<_> = decoding
@@ -1045,7 +1042,6 @@ impl<B: BatchTarget> BatchGenerator<B> {
         decoding: &[usize],
         plans: Vec<(Proposed, (usize, super::stop::TextMark))>,
         prefill: &[(usize, usize, usize)],
-        stats: BatchStepStats,
     ) -> Error {
         let msg = e.to_string();
         let mut hit: Vec<usize> = Vec::new();
@@ -1072,7 +1068,6 @@ impl<B: BatchTarget> BatchGenerator<B> {
             let seq = self.active.swap_remove(i);
             self.finish(seq, false);
         }
-        let _ = stats;
         e
     }
 
@@ -1118,21 +1113,6 @@ fn fixed_draft_rows(params: &GenerationParams, k: usize, target_tree_nodes: usiz
     } else {
         k
     }
-}
-
-/// `true` when the session was cancelled by its stream callback.
-fn cancelled<T: TargetModel, P: Proposer>(s: &Session<'_, T, P>) -> bool {
-    s.is_cancelled()
-}
-
-/// The rows a planned sequence appends.
-fn feed_of<'a, B: BatchTarget>(
-    seq: &'a Seq<B>,
-    p: &Proposed,
-    feed: &'a mut Vec<u32>,
-) -> SlotInput<'a> {
-    let parked = seq.parked.as_ref().expect("parked");
-    parked.feed(&seq.generator, p, feed)
 }
 
 fn empty_generation(finish: FinishReason) -> Generation {
