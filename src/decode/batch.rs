@@ -301,10 +301,15 @@ struct Seq<B> {
 ///
 /// Every request keeps the guarantees of [`Generator`] alone: the same validation, stop
 /// conditions (EOS, stop sequences and strings inside accepted drafts, case C11), token budget,
-/// streaming chunks, cancellation, logprobs and metrics; the same seed gives the same tokens
-/// whatever the batch (random draws are keyed by the request's seed and positions, C15), and
-/// given batch-invariant logits (the [`BatchTarget`] contract) every request's output is
-/// bit-identical to its output from a [`Generator`] alone. A request that fails (its proposer
+/// streaming chunks, cancellation, logprobs and metrics. Given batch-invariant logits (the
+/// [`BatchTarget`] contract), every greedy request's output is bit-identical to its output from
+/// a [`Generator`] alone, and a sampled request's tokens for its seed do not depend on the batch
+/// (random draws are keyed by the request's seed and positions, C15) when its drafts are point
+/// masses (prompt lookup, suffix, recycling, heads, grammar-forced) or its draft length is
+/// fixed. A proposer that samples its drafts (dense q) under [`DraftLength::Adaptive`] keeps the
+/// output *distribution* exact, but its tokens for a seed depend on the draft lengths, which the
+/// goodput policy chooses from the whole batch (as the adaptive policy of a [`Generator`] alone
+/// chooses them from measured times). A request that fails (its proposer
 /// errs, a draft is invalid, its verification fails) ends alone with its error in
 /// [`Finished::result`]; the others go on.
 ///
