@@ -381,7 +381,8 @@ pub struct SlotChunk<'a> {
 /// ends. A batch never lists a slot twice.
 ///
 /// Engines that run one sequence at a time get this trait from [`PerSlot`], which holds one
-/// [`TargetModel`] per slot and runs the chunks one after the other.
+/// [`TargetModel`] per slot and runs the chunks one after the other. Every slot starts empty
+/// (`seq_len(slot) == 0`); [`check_slots`] does the slot checks `forward_batch` owes.
 ///
 /// The trait is object safe (`Box<dyn BatchTarget + Send>`).
 ///
@@ -421,9 +422,10 @@ pub trait BatchTarget {
     /// the chunks that ask for them, in call order (see the trait docs).
     ///
     /// # Errors
-    /// [`crate::Error::InvalidSlot`] for a slot out of range or listed twice; engine failures,
-    /// a context overflow or more than [`BatchTarget::max_batch_tokens`] rows as
-    /// [`crate::Error::Model`]; [`crate::Error::InvalidTree`] for a malformed tree.
+    /// [`crate::Error::InvalidSlot`] for a slot out of range or listed twice ([`check_slots`]);
+    /// engine failures, a context overflow or more than [`BatchTarget::max_batch_tokens`] rows
+    /// as [`crate::Error::Model`]; [`crate::Error::InvalidTree`] for a malformed tree;
+    /// [`crate::Error::TargetContract`] for a tree chunk on an engine without tree support.
     fn forward_batch(&mut self, chunks: &[SlotChunk<'_>], logits: &mut Vec<f32>) -> Result<()>;
 
     /// Drops every position of `slot` at index `>= len` (KV-cache rollback; a pending tree is
@@ -452,7 +454,8 @@ pub trait BatchTarget {
     /// `seq_len(slot)` is 0 afterwards).
     ///
     /// # Errors
-    /// [`crate::Error::InvalidSlot`].
+    /// [`crate::Error::InvalidSlot`]; engine failures. The batch loop does not use a slot again
+    /// after its release failed.
     fn release(&mut self, slot: usize) -> Result<()>;
 }
 

@@ -538,3 +538,89 @@ fn requests_the_batch_cannot_run_are_refused_and_edge_requests_end_cleanly() {
     );
     assert!(b.is_idle());
 }
+
+/// An engine that misbehaves on demand: `release` fails, or `forward_batch` writes one logit row
+/// too few.
+struct Faulty {
+    inner: PerSlot<ToyModel>,
+    release_fails: bool,
+    short_logits: bool,
+}
+
+impl BatchTarget for Faulty {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        self.inner.max_context()
+    }
+    fn max_slots(&self) -> usize {
+        self.inner.max_slots()
+    }
+    fn max_batch_tokens(&self) -> usize {
+        64
+    }
+    fn seq_len(&self, slot: usize) -> Result<usize> {
+        self.inner.seq_len(slot)
+    }
+    fn forward_batch(&mut self, c: &[SlotChunk<'_>], l: &mut Vec<f32>) -> Result<()> {
+        self.inner.forward_batch(c, l)?;
+        if self.short_logits && !l.is_empty() {
+            l.truncate(l.len() - VOCAB);
+        }
+        Ok(())
+    }
+    fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
+        self.inner.truncate(slot, len)
+    }
+    fn release(&mut self, slot: usize) -> Result<()> {
+        self.inner.release(slot)?;
+        if self.release_fails {
+            return Err(Error::Model("release failed".into()));
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn engine_faults_end_requests_with_errors_and_never_hang() {
+    let p = || PromptLookup::new(1, 4).unwrap();
+    let greedy = || GenerationParams::greedy(6).with_draft(DraftLength::Fixed(2));
+    // A failed release retires the slot: the next request cannot run, and `step` says so
+    // instead of spinning.
+    let mut b = BatchGenerator::new(Faulty {
+        inner: batch_target(1),
+        release_fails: true,
+        short_logits: false,
+    });
+    let first = b
+        .submit(BatchRequest::new(vec![1, 2, 3], greedy(), p()))
+        .unwrap();
+    let second = b
+        .submit(BatchRequest::new(vec![4, 5], greedy(), p()))
+        .unwrap();
+    let err = b.run().unwrap_err();
+    assert!(matches!(err, Error::TargetContract { .. }), "{err}");
+    let done = b.take_finished();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].id, first);
+    assert_eq!(done[0].result.as_ref().unwrap().tokens.len(), 6);
+    assert_eq!(b.waiting(), 1);
+    assert!(b.cancel(second));
+    // Logits of the wrong size: the step fails with a contract error, and so does every
+    // request of that forward.
+    let mut b = BatchGenerator::new(Faulty {
+        inner: batch_target(2),
+        release_fails: false,
+        short_logits: true,
+    });
+    b.submit(BatchRequest::new(vec![1, 2, 3], greedy(), p()))
+        .unwrap();
+    b.submit(BatchRequest::new(vec![4, 5], greedy(), p()))
+        .unwrap();
+    let err = b.run().unwrap_err();
+    assert!(matches!(err, Error::TargetContract { .. }), "{err}");
+    let done = b.take_finished();
+    assert_eq!(done.len(), 2);
+    assert!(done.iter().all(|f| f.result.is_err()));
+}

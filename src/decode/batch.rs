@@ -59,12 +59,12 @@ impl BatchRequest {
     pub fn new(
         prompt: Vec<u32>,
         params: GenerationParams,
-        proposer: Box<dyn Proposer + Send>,
+        proposer: impl Proposer + Send + 'static,
     ) -> Self {
         BatchRequest {
             prompt,
             params,
-            proposer,
+            proposer: Box::new(proposer),
             detokenizer: None,
             stream: None,
         }
@@ -363,6 +363,8 @@ pub struct BatchGenerator<B> {
     finished: Vec<Finished>,
     cost: BatchCost,
     metrics: BatchMetrics,
+    /// Slots whose release failed (never used again).
+    retired_slots: usize,
     verifier: Verifier,
     logits: Vec<f32>,
 }
@@ -415,6 +417,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
             finished: Vec::new(),
             cost: BatchCost::default(),
             metrics: BatchMetrics::default(),
+            retired_slots: 0,
             verifier: Verifier::new(),
             logits: Vec::new(),
         }
@@ -458,7 +461,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
             if rows > self.max_rows {
                 return Err(Error::config(
                     "draft",
-                    format!("{rows} rows per step"),
+                    format!("{rows} rows per step (row budget {})", self.max_rows),
                     "a fixed draft (k + 1 rows, or tree_nodes + 1) must fit the batch's row \
                      budget (BatchConfig::max_batch_tokens and the target's max_batch_tokens)",
                 ));
@@ -521,7 +524,8 @@ impl<B: BatchTarget> BatchGenerator<B> {
         std::mem::take(&mut self.finished)
     }
 
-    /// Steps until no request is waiting or active and returns every finished request.
+    /// Steps until no request is waiting or active and returns every finished request, in the
+    /// order they finished (match them to your requests by [`Finished::id`]).
     ///
     /// # Errors
     /// The first error of [`BatchGenerator::step`] (after it the requests of the failed step
@@ -560,6 +564,11 @@ impl<B: BatchTarget> BatchGenerator<B> {
         let mut stats = BatchStepStats::default();
         stats.finished += self.admit();
         stats.finished += self.cancel_prefilling();
+        if self.active.is_empty() && !self.waiting.is_empty() && self.free_slots.is_empty() {
+            return Err(Error::TargetContract {
+                what: "BatchTarget::release failed for every slot: no slot is left for the waiting requests",
+            });
+        }
         // Plan: draft lengths for the batch, then each sequence's propose phase.
         // Sequences left out of earlier forwards for want of rows go first, then by age.
         self.active
@@ -667,7 +676,18 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 input: SlotInput::Prefill(&s.prompt[from..to]),
             });
         }
-        let forward_result = lock(&self.shared).forward_batch(&chunks, &mut self.logits);
+        let logit_rows: usize = chunks.iter().map(|c| c.input.logit_rows()).sum();
+        let forward_result = lock(&self.shared)
+            .forward_batch(&chunks, &mut self.logits)
+            .and_then(|()| {
+                if self.logits.len() == logit_rows * self.vocab {
+                    Ok(())
+                } else {
+                    Err(Error::TargetContract {
+                        what: "BatchTarget::forward_batch wrote logits of the wrong size ([sum of logit rows, vocab])",
+                    })
+                }
+            });
         stats.rows = chunks.iter().map(|c| c.input.rows()).sum();
         drop(chunks);
         let forward_time = t_fwd.elapsed();
@@ -690,7 +710,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
             let want = seq.parked.as_ref().map_or(0, |c| c.len()) - 1 + p.rows();
             if lock(&self.shared).seq_len(seq.slot).ok() != Some(want) {
                 *o = Err(Error::TargetContract {
-                    what: "seq_len after forward",
+                    what: "BatchTarget::seq_len(slot) after forward_batch is not the slot's context plus its rows",
                 });
             }
         }
@@ -1103,8 +1123,13 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 partial: Box::new(empty_generation(FinishReason::Error)),
             }),
         };
-        let _ = lock(&self.shared).release(seq.slot);
-        self.free_slots.push(seq.slot);
+        // A slot whose release fails is not used again (its state is unknown); `step` reports
+        // when no usable slot is left for the waiting requests.
+        if lock(&self.shared).release(seq.slot).is_ok() {
+            self.free_slots.push(seq.slot);
+        } else {
+            self.retired_slots += 1;
+        }
         self.finished.push(Finished { id: seq.id, result });
     }
 }
