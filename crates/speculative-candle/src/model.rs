@@ -34,7 +34,7 @@ use candle_core::{D, DType, Device, Module, Tensor};
 use speculative::{DraftBlock, TreeLimits};
 
 use crate::error::{CandleError, Result};
-use crate::tree::{self, PendingTree, Rows};
+use crate::tree::{PendingTree, Rows};
 
 /// How the layer weights are stored in memory after loading.
 ///
@@ -900,29 +900,12 @@ impl CandleTarget {
         layout: Option<&Rows>,
         head: bool,
     ) -> Result<Option<Tensor>> {
-        let cfg = &self.weights.config;
-        let n = tokens.len();
-        if self.pending.is_some() {
-            return Err(tree::pending_error());
-        }
-        if n == 0 {
-            return Err(CandleError::InvalidArgument(
-                "forward needs at least one token".into(),
-            ));
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            return Err(CandleError::TokenOutOfVocab {
-                token: t,
-                vocab_size: cfg.vocab_size,
-            });
-        }
-        if self.seq_len + n > cfg.context_length {
-            return Err(CandleError::ContextOverflow {
-                seq_len: self.seq_len,
-                added: n,
-                max_context: cfg.context_length,
-            });
-        }
+        crate::fast::forward::check_append(
+            &self.weights.config,
+            self.pending.is_some(),
+            self.seq_len,
+            tokens,
+        )?;
         let saved_len = self.seq_len;
         let out = self.run(tokens, layout, head);
         if out.is_err() {

@@ -525,8 +525,8 @@ pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
     }
 }
 
-/// Validates `tokens` appended after `seq_len` positions of a model of `cfg` (the forward of
-/// [`FastTarget`] and of the draft head): no tree pending, non-empty, in the vocabulary,
+/// Validates `tokens` appended after `seq_len` positions of a model of `cfg` (the forwards of
+/// [`FastTarget`], [`super::FastBatch`], the draft head and `CandleTarget`): no tree pending, non-empty, in the vocabulary,
 /// fitting the context.
 pub(crate) fn check_append(
     cfg: &LlamaConfig,
