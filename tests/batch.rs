@@ -336,61 +336,10 @@ impl MaxContext for ToyModel {
 
 #[test]
 fn one_forward_per_step_and_stats_add_up() {
-    /// Counts forward_batch calls and their rows.
-    struct Counting {
-        inner: PerSlot<ToyModel>,
-        calls: Arc<Mutex<Vec<usize>>>,
-    }
-    impl BatchTarget for Counting {
-        fn vocab_size(&self) -> usize {
-            self.inner.vocab_size()
-        }
-        fn max_context(&self) -> usize {
-            self.inner.max_context()
-        }
-        fn max_slots(&self) -> usize {
-            self.inner.max_slots()
-        }
-        fn max_batch_tokens(&self) -> usize {
-            self.inner.max_batch_tokens()
-        }
-        fn max_tree_nodes(&self) -> usize {
-            self.inner.max_tree_nodes()
-        }
-        fn seq_len(&self, slot: usize) -> Result<usize> {
-            self.inner.seq_len(slot)
-        }
-        fn forward_batch(&mut self, chunks: &[SlotChunk<'_>], logits: &mut Vec<f32>) -> Result<()> {
-            self.calls
-                .lock()
-                .unwrap()
-                .push(chunks.iter().map(|c| c.input.rows()).sum());
-            // Decode chunks come before prefill chunks.
-            let first_prefill = chunks
-                .iter()
-                .position(|c| matches!(c.input, SlotInput::Prefill(_)))
-                .unwrap_or(chunks.len());
-            assert!(
-                chunks[first_prefill..]
-                    .iter()
-                    .all(|c| matches!(c.input, SlotInput::Prefill(_)))
-            );
-            self.inner.forward_batch(chunks, logits)
-        }
-        fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
-            self.inner.truncate(slot, len)
-        }
-        fn commit_tree(&mut self, slot: usize, path: &[u32]) -> Result<()> {
-            self.inner.commit_tree(slot, path)
-        }
-        fn release(&mut self, slot: usize) -> Result<()> {
-            self.inner.release(slot)
-        }
-    }
     let calls = Arc::new(Mutex::new(Vec::new()));
-    let t = Counting {
-        inner: batch_target(6),
-        calls: Arc::clone(&calls),
+    let t = Probe {
+        calls: Some(Arc::clone(&calls)),
+        ..Probe::new(6)
     };
     let cfg = BatchConfig {
         max_batch_tokens: 40,
@@ -503,35 +452,11 @@ fn requests_the_batch_cannot_run_are_refused_and_edge_requests_end_cleanly() {
     assert!(get(cancelled).tokens.is_empty());
     assert_eq!(b.metrics().prefill_rows, s.prefill_rows as u64);
 
-    /// A target without slots.
-    struct NoSlots(PerSlot<ToyModel>);
-    impl BatchTarget for NoSlots {
-        fn vocab_size(&self) -> usize {
-            self.0.vocab_size()
-        }
-        fn max_context(&self) -> usize {
-            self.0.max_context()
-        }
-        fn max_slots(&self) -> usize {
-            0
-        }
-        fn max_batch_tokens(&self) -> usize {
-            64
-        }
-        fn seq_len(&self, slot: usize) -> Result<usize> {
-            self.0.seq_len(slot)
-        }
-        fn forward_batch(&mut self, c: &[SlotChunk<'_>], l: &mut Vec<f32>) -> Result<()> {
-            self.0.forward_batch(c, l)
-        }
-        fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
-            self.0.truncate(slot, len)
-        }
-        fn release(&mut self, slot: usize) -> Result<()> {
-            self.0.release(slot)
-        }
-    }
-    let mut b = BatchGenerator::new(NoSlots(batch_target(1)));
+    // A target without slots.
+    let mut b = BatchGenerator::new(Probe {
+        slots: Some(0),
+        ..Probe::new(1)
+    });
     assert!(
         b.submit(BatchRequest::new(vec![1], GenerationParams::greedy(4), p()))
             .is_err()
@@ -539,15 +464,30 @@ fn requests_the_batch_cannot_run_are_refused_and_edge_requests_end_cleanly() {
     assert!(b.is_idle());
 }
 
-/// An engine that misbehaves on demand: `release` fails, or `forward_batch` writes one logit row
-/// too few.
-struct Faulty {
+/// `PerSlot` over toy models, with probes and faults on demand: logs every forward's rows and
+/// checks that decode chunks come before prefill chunks (`calls`), reports another slot count
+/// (`slots`), fails `release`, or writes one logit row too few.
+struct Probe {
     inner: PerSlot<ToyModel>,
+    calls: Option<Arc<Mutex<Vec<usize>>>>,
+    slots: Option<usize>,
     release_fails: bool,
     short_logits: bool,
 }
 
-impl BatchTarget for Faulty {
+impl Probe {
+    fn new(slots: usize) -> Self {
+        Probe {
+            inner: batch_target(slots),
+            calls: None,
+            slots: None,
+            release_fails: false,
+            short_logits: false,
+        }
+    }
+}
+
+impl BatchTarget for Probe {
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
     }
@@ -555,23 +495,45 @@ impl BatchTarget for Faulty {
         self.inner.max_context()
     }
     fn max_slots(&self) -> usize {
-        self.inner.max_slots()
+        self.slots.unwrap_or(self.inner.max_slots())
     }
     fn max_batch_tokens(&self) -> usize {
         64
     }
+    fn max_tree_nodes(&self) -> usize {
+        self.inner.max_tree_nodes()
+    }
     fn seq_len(&self, slot: usize) -> Result<usize> {
         self.inner.seq_len(slot)
     }
-    fn forward_batch(&mut self, c: &[SlotChunk<'_>], l: &mut Vec<f32>) -> Result<()> {
-        self.inner.forward_batch(c, l)?;
-        if self.short_logits && !l.is_empty() {
-            l.truncate(l.len() - VOCAB);
+    fn forward_batch(&mut self, chunks: &[SlotChunk<'_>], logits: &mut Vec<f32>) -> Result<()> {
+        if let Some(calls) = &self.calls {
+            calls
+                .lock()
+                .unwrap()
+                .push(chunks.iter().map(|c| c.input.rows()).sum());
+            // Decode chunks come before prefill chunks.
+            let first_prefill = chunks
+                .iter()
+                .position(|c| matches!(c.input, SlotInput::Prefill(_)))
+                .unwrap_or(chunks.len());
+            assert!(
+                chunks[first_prefill..]
+                    .iter()
+                    .all(|c| matches!(c.input, SlotInput::Prefill(_)))
+            );
+        }
+        self.inner.forward_batch(chunks, logits)?;
+        if self.short_logits && !logits.is_empty() {
+            logits.truncate(logits.len() - VOCAB);
         }
         Ok(())
     }
     fn truncate(&mut self, slot: usize, len: usize) -> Result<()> {
         self.inner.truncate(slot, len)
+    }
+    fn commit_tree(&mut self, slot: usize, path: &[u32]) -> Result<()> {
+        self.inner.commit_tree(slot, path)
     }
     fn release(&mut self, slot: usize) -> Result<()> {
         self.inner.release(slot)?;
@@ -588,10 +550,9 @@ fn engine_faults_end_requests_with_errors_and_never_hang() {
     let greedy = || GenerationParams::greedy(6).with_draft(DraftLength::Fixed(2));
     // A failed release retires the slot: the next request cannot run, and `step` says so
     // instead of spinning.
-    let mut b = BatchGenerator::new(Faulty {
-        inner: batch_target(1),
+    let mut b = BatchGenerator::new(Probe {
         release_fails: true,
-        short_logits: false,
+        ..Probe::new(1)
     });
     let first = b
         .submit(BatchRequest::new(vec![1, 2, 3], greedy(), p()))
@@ -609,10 +570,9 @@ fn engine_faults_end_requests_with_errors_and_never_hang() {
     assert!(b.cancel(second));
     // Logits of the wrong size: the step fails with a contract error, and so does every
     // request of that forward.
-    let mut b = BatchGenerator::new(Faulty {
-        inner: batch_target(2),
-        release_fails: false,
+    let mut b = BatchGenerator::new(Probe {
         short_logits: true,
+        ..Probe::new(2)
     });
     b.submit(BatchRequest::new(vec![1, 2, 3], greedy(), p()))
         .unwrap();
