@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::Rng;
+
 use std::sync::Arc;
 
 use speculative::{BatchTarget, DraftBlock, Error, SlotChunk, SlotInput, TargetModel};
@@ -15,28 +17,6 @@ use speculative_candle::fast::RandomSpec;
 use speculative_candle::{FastBatch, FastFormat, FastTarget, FastWeights, KernelPath};
 
 // ---------------------------------------------------------------- helpers
-
-/// A small LCG (fixed seeds, no dependency).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn chance(&mut self, percent: usize) -> bool {
-        self.below(100) < percent
-    }
-    fn tokens(&mut self, n: usize, vocab: usize) -> Vec<u32> {
-        (0..n).map(|_| self.below(vocab) as u32).collect()
-    }
-}
 
 fn weights(format: FastFormat) -> Arc<FastWeights> {
     FastWeights::random(&RandomSpec::default(), format).unwrap()

@@ -4,6 +4,10 @@
 //! error. The real-model tests need `models/SmolLM2-135M-Instruct.Q4_1.gguf` (run
 //! `scripts/fetch-model.sh` first); the random-weight ones need nothing.
 
+mod common;
+
+use common::Rng;
+
 use std::sync::{Arc, OnceLock};
 
 use speculative::{
@@ -16,22 +20,6 @@ use speculative_candle::{
 };
 
 // ---------------------------------------------------------------- helpers
-
-/// A small LCG (fixed seeds, no dependency).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 fn real_weights() -> Arc<FastWeights> {
     static W: OnceLock<Arc<FastWeights>> = OnceLock::new();

@@ -70,3 +70,25 @@ pub fn chat(question: &str) -> Vec<u32> {
         .unwrap();
     tok.encode(&text).unwrap()
 }
+
+/// A small LCG (fixed seeds, no dependency).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    pub fn chance(&mut self, percent: usize) -> bool {
+        self.below(100) < percent
+    }
+    pub fn tokens(&mut self, n: usize, vocab: usize) -> Vec<u32> {
+        (0..n).map(|_| self.below(vocab) as u32).collect()
+    }
+}
