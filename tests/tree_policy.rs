@@ -42,9 +42,10 @@ impl<M: TargetModel> Timed<M> {
     }
 }
 
-/// Held by every test that times the `Timed` target: cargo runs a binary's tests in parallel
-/// threads, and on a 2-core machine the other tests' loops delay the sleeps enough to change
-/// the policy's cost curve. One timed test at a time keeps the measured costs near the script.
+/// Held by every test of this file: cargo runs a binary's tests in parallel threads, and on a
+/// 2-core machine the other tests' loops (timed or not) delay the timed target's forwards enough
+/// to change the policy's cost curve (CI failed once with only the timed tests serialised). One
+/// test at a time keeps the measured costs near the script.
 static TIMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn timed_lock() -> std::sync::MutexGuard<'static, ()> {
@@ -239,6 +240,7 @@ fn branching(parents: &[u32]) -> usize {
 
 #[test]
 fn every_draft_rejected_gives_plain_decoding_with_backed_off_probes() {
+    let _serial = timed_lock();
     let params = GenerationParams::greedy(400)
         .with_draft(adaptive())
         .with_tree_nodes(16);
@@ -248,7 +250,6 @@ fn every_draft_rejected_gives_plain_decoding_with_backed_off_probes() {
         Box::new(WrongProposer::new(7, c10_next)),
         Box::new(Siblings::new(0.0, 0.0, 3)),
     ];
-    let _timed = timed_lock();
     for proposer in proposers {
         let mut g = Generator::new(Timed::new(ToyModel::c10().with_tree(32)), proposer);
         let mut s = g.session(&[1, 2], &params).unwrap();
@@ -285,7 +286,6 @@ fn run(proposer: Siblings, tree_nodes: usize, n: usize, skip: usize) -> (Vec<Ask
     let params = GenerationParams::greedy(n)
         .with_draft(adaptive())
         .with_tree_nodes(tree_nodes);
-    let _timed = timed_lock();
     let mut g = Generator::new(Timed::new(ToyModel::c10().with_tree(64)), proposer);
     let prompt = [3, 1, 4];
     let out = g.generate(&prompt, &params).unwrap();
@@ -300,6 +300,7 @@ fn mean(asked: &[Asked], f: impl Fn(&Asked) -> usize) -> f64 {
 
 #[test]
 fn high_acceptance_gives_larger_trees() {
+    let _serial = timed_lock();
     // Rank 0 right 90% of the time: a chain of depth 8 expects 6.1 tokens for 9 rows (2.1
     // times one row). Right half the time: 1 or 2 nodes pay, no more.
     let (high, mal) = run(Siblings::new(0.9, 0.0, 1), 32, 600, 10);
@@ -319,6 +320,7 @@ fn high_acceptance_gives_larger_trees() {
 
 #[test]
 fn acceptance_at_rank_1_gives_branching_trees() {
+    let _serial = timed_lock();
     // Rank 0 right 60% of the time, rank 1 whenever rank 0 is wrong: siblings pay.
     // An unlucky warm-up (rank 0 right five times in a row) can judge rank 1 too early; the
     // exploring steps bring it back. Count the second half of the requests.
@@ -336,6 +338,7 @@ fn acceptance_at_rank_1_gives_branching_trees() {
 
 #[test]
 fn only_rank_0_accepted_gives_chains() {
+    let _serial = timed_lock();
     // Rank 0 right 85% of the time, rank 1 never: the policy stops asking for siblings but on
     // its exploring steps (one in `probe_interval`).
     let (asked, mal) = run(Siblings::new(0.85, 0.0, 2), 32, 600, 20);
@@ -363,6 +366,7 @@ fn only_rank_0_accepted_gives_chains() {
 
 #[test]
 fn the_policy_respects_the_node_budget_branching_token_budget_and_context_room() {
+    let _serial = timed_lock();
     for (tree_nodes, tree_branch, budget, max_ctx) in [
         (16, 0, 40, 4096),
         (6, 0, 40, 4096),
@@ -423,6 +427,7 @@ fn the_policy_respects_the_node_budget_branching_token_budget_and_context_room()
 
 #[test]
 fn greedy_output_with_the_policy_equals_plain_greedy() {
+    let _serial = timed_lock();
     for salt in 0..5u64 {
         let prompt: Vec<u32> = (0..4).map(|i| ((i * 5 + salt) % 7) as u32).collect();
         let want = plain_greedy(&prompt, 120);
@@ -479,6 +484,7 @@ impl Proposer for RandomTree {
 
 #[test]
 fn seeded_sampling_with_the_policy_equals_plain_sampling() {
+    let _serial = timed_lock();
     // C15: with point-mass trees the tokens are those of plain sampling with the same seed,
     // whatever shape the policy picks each step.
     let cfg = SamplingConfig::builder().temperature(0.8).build().unwrap();
