@@ -1,0 +1,74 @@
+//! llama.cpp as an engine for [`speculative`], through the
+//! [llama-cpp-2](https://crates.io/crates/llama-cpp-2) bindings (0.1.160, which build
+//! llama.cpp from source with cmake).
+//!
+//! - [`LlamaEngine`]: a GGUF model loaded once and shared; its tokenizer and chat template
+//!   (llama.cpp's own, from the file's metadata); a [`speculative::decode::Detokenizer`].
+//! - [`LlamaTarget`]: one sequence, [`speculative::TargetModel`]: verify rows with logits of
+//!   every position in one `llama_decode`, prefill without logits, KV rollback by position
+//!   (`llama_memory_seq_rm`).
+//! - [`LlamaBatchTarget`]: several sequences in one context, [`speculative::BatchTarget`], for
+//!   continuous batching; one `llama_decode` per batch step.
+//! - Features `cuda` and `metal` build llama.cpp's GPU backends (llama-cpp-2's features of the
+//!   same names); [`ModelOptions::gpu_layers`] offloads layers.
+//!
+//! ```no_run
+//! use speculative::decode::{GenerationParams, Generator, StopConditions};
+//! use speculative::propose::PromptLookup;
+//! use speculative_llama::{ChatTurn, LlamaConfig, LlamaEngine, ModelOptions};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let engine = LlamaEngine::load("models/SmolLM2-135M-Instruct.Q4_1.gguf", &ModelOptions::default())?;
+//! let text = engine.apply_chat_template(&[ChatTurn::user("Repeat: the cat sat.")], true)?;
+//! let prompt = engine.encode(&text)?;
+//! let mut generator = Generator::new(engine.target(&LlamaConfig::default())?, PromptLookup::new(1, 4)?);
+//! let stop = engine.eog_ids().iter().fold(StopConditions::default(), |s, &t| s.with_eos(t));
+//! let params = GenerationParams::greedy(64).with_stop(stop);
+//! let out = generator.generate(&prompt, &params)?;
+//! println!("{}", engine.decode(&out.tokens, true)?);
+//! # Ok(()) }
+//! ```
+//!
+//! # Batch invariance and greedy identity
+//!
+//! Our loop is exact given the logits it receives: greedy speculative output equals greedy
+//! decoding *of the same logits*. llama.cpp computes a row's logits with kernels chosen by the
+//! number of rows in the call, so a row verified among `k + 1` rows need not carry the same
+//! logits, bit for bit, as the same row decoded alone; where two candidates are nearly tied,
+//! the argmax can differ, and speculative greedy output then differs from plain greedy output
+//! from that position on. Both outputs are greedy decodings of the model, with different
+//! rounding. See `docs/llama-cpp.md` in the repository for the measured rate on SmolLM2 and the
+//! setting that removes it.
+//!
+//! # Building
+//!
+//! llama-cpp-2 compiles llama.cpp with cmake (a C++ compiler, cmake and libclang are needed;
+//! about 8 minutes on 2 cores). It compiles for the CPU features rustc targets: build with
+//! `RUSTFLAGS="-C target-cpu=native"`, or set `GGML_AVX2=ON` and the like in the environment
+//! (this repository's `.cargo/config.toml` does), or llama.cpp runs without SIMD on x86_64.
+
+mod batch;
+mod engine;
+mod error;
+mod seqs;
+mod target;
+
+pub use batch::LlamaBatchTarget;
+pub use engine::{ChatTurn, LlamaEngine, ModelOptions, backend, set_logging};
+pub use error::{LlamaError, Result};
+pub use seqs::{FlashAttention, LlamaConfig};
+pub use target::LlamaTarget;
+
+/// The llama-cpp-2 bindings this crate is built on, for what it does not wrap.
+pub use llama_cpp_2;
+
+/// The default model path of this repository's tests and examples:
+/// `$SPECULATIVE_MODEL`, else `models/SmolLM2-135M-Instruct.Q4_1.gguf` under the workspace root
+/// (fetched by `scripts/fetch-model.sh`).
+pub fn default_model_path() -> std::path::PathBuf {
+    match std::env::var_os("SPECULATIVE_MODEL") {
+        Some(p) if !p.is_empty() => p.into(),
+        _ => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    }
+}

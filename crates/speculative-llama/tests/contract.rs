@@ -1,0 +1,396 @@
+//! `LlamaTarget` and `LlamaBatchTarget` against the engine traits' contract, on the real
+//! SmolLM2 GGUF (scripts/fetch-model.sh).
+//!
+//! llama.cpp's logits for a row may differ in the last bits with the number of rows in the call
+//! (see the crate docs), so comparisons across calls of different sizes allow [`TOL`] in logit
+//! units (the model's logits span about 30); a wrong KV cache or position moves them by whole
+//! units (checked by the negative controls below).
+
+use std::sync::OnceLock;
+
+use speculative::{BatchTarget, SlotChunk, SlotInput, TargetModel};
+use speculative_llama::{
+    ChatTurn, LlamaBatchTarget, LlamaConfig, LlamaEngine, LlamaError, ModelOptions,
+};
+
+/// Largest allowed logit difference between calls of different row counts.
+const TOL: f32 = 0.05;
+
+fn engine() -> &'static LlamaEngine {
+    static E: OnceLock<LlamaEngine> = OnceLock::new();
+    E.get_or_init(|| {
+        let p = speculative_llama::default_model_path();
+        assert!(
+            p.is_file(),
+            "model file {} is missing: run scripts/fetch-model.sh (or set SPECULATIVE_MODEL)",
+            p.display()
+        );
+        LlamaEngine::load(&p, &ModelOptions::default()).expect("loading the model")
+    })
+}
+
+fn prompt() -> Vec<u32> {
+    let e = engine();
+    let text = e
+        .apply_chat_template(
+            &[ChatTurn::user(
+                "Rewrite in the past tense: the cat sits on the mat and watches the birds.",
+            )],
+            true,
+        )
+        .unwrap();
+    e.encode(&text).unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+fn llama_error(e: &speculative::Error) -> &LlamaError {
+    match e {
+        speculative::Error::Model(src) => src
+            .downcast_ref::<LlamaError>()
+            .unwrap_or_else(|| panic!("not a LlamaError: {src}")),
+        other => panic!("expected Error::Model, got {other:?}"),
+    }
+}
+
+#[test]
+fn tokenizer_and_chat_template_come_from_the_gguf() {
+    let e = engine();
+    assert_eq!(e.vocab_size(), 49_152);
+    assert_eq!(e.eos_id(), 2);
+    assert!(e.eog_ids().contains(&2));
+    let text = e
+        .apply_chat_template(&[ChatTurn::user("Hi")], true)
+        .unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let ids = e.encode(&text).unwrap();
+    // Control tokens are parsed as single ids (SmolLM2: <|im_start|> = 1, <|im_end|> = 2).
+    assert_eq!(ids[0], 1);
+    assert!(ids.contains(&2));
+    assert_eq!(e.decode(&ids, false).unwrap(), text);
+    assert_eq!(e.decode(&ids, true).unwrap(), "user\nHi\nassistant\n");
+    let s = "Grüße, 世界! 🎉 x = 1.25";
+    assert_eq!(e.decode(&e.encode(s).unwrap(), true).unwrap(), s);
+    assert_eq!(e.token_bytes(2).unwrap(), b"<|im_end|>");
+    assert!(matches!(
+        e.decode(&[49_152], true),
+        Err(LlamaError::TokenOutOfVocab { token: 49_152, .. })
+    ));
+}
+
+#[test]
+fn forward_equals_prefill_then_forward() {
+    let e = engine();
+    let p = prompt();
+    let n = p.len();
+    let mut t = e.target(&LlamaConfig::default()).unwrap();
+    let mut all = Vec::new();
+    t.forward(&p, &mut all).unwrap();
+    assert_eq!(all.len(), n * e.vocab_size());
+    assert_eq!(t.seq_len(), n);
+
+    let mut split = Vec::new();
+    t.truncate(0).unwrap();
+    t.prefill(&p[..n - 3]).unwrap();
+    assert_eq!(t.seq_len(), n - 3);
+    t.forward(&p[n - 3..], &mut split).unwrap();
+    assert_eq!(t.seq_len(), n);
+    let tail = &all[(n - 3) * e.vocab_size()..];
+    let d = max_diff(tail, &split);
+    assert!(
+        d <= TOL,
+        "prefill + forward differs from one forward by {d}"
+    );
+    for r in 0..3 {
+        let v = e.vocab_size();
+        assert_eq!(
+            argmax(&tail[r * v..(r + 1) * v]),
+            argmax(&split[r * v..(r + 1) * v])
+        );
+    }
+
+    // Negative control: the same tokens at other positions (a missing prefill token) give
+    // clearly different logits, so the tolerance above can tell a wrong cache apart.
+    let mut shifted = Vec::new();
+    t.truncate(0).unwrap();
+    t.prefill(&p[1..n - 3]).unwrap();
+    t.forward(&p[n - 3..], &mut shifted).unwrap();
+    assert!(max_diff(tail, &shifted) > 20.0 * TOL);
+}
+
+#[test]
+fn truncate_then_forward_equals_a_fresh_forward() {
+    let e = engine();
+    let p = prompt();
+    let n = p.len();
+    let cont = [330u32, 1690, 28, 260];
+    let mut fresh_t = e.target(&LlamaConfig::default()).unwrap();
+    fresh_t.prefill(&p).unwrap();
+    let mut fresh = Vec::new();
+    fresh_t.forward(&cont, &mut fresh).unwrap();
+
+    let mut t = e.target(&LlamaConfig::default()).unwrap();
+    t.prefill(&p).unwrap();
+    let mut junk = Vec::new();
+    t.forward(&[17, 18, 19, 20, 21, 22], &mut junk).unwrap();
+    assert_eq!(t.seq_len(), n + 6);
+    t.truncate(n).unwrap();
+    assert_eq!(t.seq_len(), n);
+    let mut again = Vec::new();
+    t.forward(&cont, &mut again).unwrap();
+    let d = max_diff(&fresh, &again);
+    assert!(
+        d <= TOL,
+        "forward after a rollback differs from a fresh one by {d}"
+    );
+    // Rolled back further, into the prompt, and appended again.
+    t.truncate(n - 2).unwrap();
+    t.forward(&p[n - 2..], &mut junk).unwrap();
+    t.forward(&cont, &mut again).unwrap();
+    assert!(max_diff(&fresh, &again) <= TOL);
+
+    // Negative control: without the rollback the drafts stay in the cache.
+    let mut stale = Vec::new();
+    let mut s = e.target(&LlamaConfig::default()).unwrap();
+    s.prefill(&p).unwrap();
+    s.forward(&[17, 18, 19, 20, 21, 22], &mut junk).unwrap();
+    s.forward(&cont, &mut stale).unwrap();
+    assert!(max_diff(&fresh, &stale) > 20.0 * TOL);
+}
+
+#[test]
+fn bad_input_is_a_typed_error_and_changes_nothing() {
+    let e = engine();
+    let mut t = e.target(&LlamaConfig::default().with_context(64)).unwrap();
+    assert_eq!(t.max_context(), 64);
+    let mut logits = Vec::new();
+    t.forward(&[1, 2, 3], &mut logits).unwrap();
+
+    let err = t
+        .forward(&(0..62).collect::<Vec<u32>>(), &mut logits)
+        .unwrap_err();
+    assert!(matches!(
+        llama_error(&err),
+        LlamaError::ContextOverflow {
+            seq_len: 3,
+            added: 62,
+            max_context: 64,
+            ..
+        }
+    ));
+    let err = t.prefill(&[5, 49_152]).unwrap_err();
+    assert!(matches!(
+        llama_error(&err),
+        LlamaError::TokenOutOfVocab {
+            token: 49_152,
+            vocab_size: 49_152
+        }
+    ));
+    let err = t.forward(&[], &mut logits).unwrap_err();
+    assert!(matches!(llama_error(&err), LlamaError::Empty));
+    let err = t.truncate(4).unwrap_err();
+    assert!(matches!(
+        llama_error(&err),
+        LlamaError::TruncateBeyond {
+            len: 4,
+            seq_len: 3,
+            ..
+        }
+    ));
+    assert_eq!(t.seq_len(), 3);
+    // Exactly up to the context is fine.
+    t.forward(&(10..71).collect::<Vec<u32>>(), &mut logits)
+        .unwrap();
+    assert_eq!(t.seq_len(), 64);
+    assert_eq!(logits.len(), 61 * e.vocab_size());
+
+    // Appends longer than one llama_decode are split and still return every row.
+    let mut small = e
+        .target(&LlamaConfig::default().with_batch_tokens(4))
+        .unwrap();
+    let mut whole = e.target(&LlamaConfig::default()).unwrap();
+    let p = prompt();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    small.forward(&p, &mut a).unwrap();
+    whole.forward(&p, &mut b).unwrap();
+    assert_eq!(a.len(), b.len());
+    assert!(max_diff(&a, &b) <= TOL);
+
+    for bad in [
+        LlamaConfig::default().with_context(0),
+        LlamaConfig::default().with_threads(0),
+        LlamaConfig::default().with_batch_tokens(0),
+    ] {
+        assert!(matches!(e.target(&bad), Err(LlamaError::Config { .. })));
+    }
+    assert!(matches!(
+        LlamaEngine::load("no/such/model.gguf", &ModelOptions::default()),
+        Err(LlamaError::Load { .. })
+    ));
+}
+
+#[test]
+fn batch_target_matches_single_sequences() {
+    let e = engine();
+    let v = e.vocab_size();
+    let cfg = LlamaConfig::default().with_slots(3).with_context(256);
+    let mut b = LlamaBatchTarget::new(e, &cfg).unwrap();
+    assert_eq!(
+        (b.max_slots(), b.max_context(), b.max_tree_nodes()),
+        (3, 256, 0)
+    );
+    let p = prompt();
+    let q: Vec<u32> = e
+        .encode("Once upon a time, in a small village by the sea,")
+        .unwrap();
+    let mut logits = Vec::new();
+    // Slot 0 prefills p, slot 2 runs q as a chain, in one call.
+    b.forward_batch(
+        &[
+            SlotChunk {
+                slot: 0,
+                input: SlotInput::Prefill(&p),
+            },
+            SlotChunk {
+                slot: 2,
+                input: SlotInput::Chain(&q),
+            },
+        ],
+        &mut logits,
+    )
+    .unwrap();
+    assert_eq!(logits.len(), q.len() * v);
+    assert_eq!(
+        (
+            b.seq_len(0).unwrap(),
+            b.seq_len(1).unwrap(),
+            b.seq_len(2).unwrap()
+        ),
+        (p.len(), 0, q.len())
+    );
+    let mut single = e.target(&LlamaConfig::default()).unwrap();
+    let mut want = Vec::new();
+    single.forward(&q, &mut want).unwrap();
+    assert!(max_diff(&logits, &want) <= TOL);
+
+    // A verify chain on slot 0 next to a chain on slot 1, then rollback of slot 0.
+    let chain = [330u32, 1690, 28];
+    b.forward_batch(
+        &[
+            SlotChunk {
+                slot: 1,
+                input: SlotInput::Chain(&q[..4]),
+            },
+            SlotChunk {
+                slot: 0,
+                input: SlotInput::Chain(&chain),
+            },
+        ],
+        &mut logits,
+    )
+    .unwrap();
+    assert_eq!(logits.len(), 7 * v);
+    single.truncate(0).unwrap();
+    single.prefill(&p).unwrap();
+    single.forward(&chain, &mut want).unwrap();
+    assert!(max_diff(&logits[4 * v..], &want) <= TOL);
+    b.truncate(0, p.len()).unwrap();
+    assert_eq!(b.seq_len(0).unwrap(), p.len());
+    b.forward_batch(
+        &[SlotChunk {
+            slot: 0,
+            input: SlotInput::Chain(&chain),
+        }],
+        &mut logits,
+    )
+    .unwrap();
+    assert!(max_diff(&logits, &want) <= TOL);
+
+    // Slot errors, refused trees and an overflow leave every slot as it was.
+    let lens = |b: &LlamaBatchTarget| (0..3).map(|s| b.seq_len(s).unwrap()).collect::<Vec<_>>();
+    let before = lens(&b);
+    for bad in [
+        vec![SlotChunk {
+            slot: 3,
+            input: SlotInput::Chain(&chain),
+        }],
+        vec![
+            SlotChunk {
+                slot: 1,
+                input: SlotInput::Chain(&chain),
+            },
+            SlotChunk {
+                slot: 1,
+                input: SlotInput::Chain(&chain),
+            },
+        ],
+    ] {
+        assert!(matches!(
+            b.forward_batch(&bad, &mut logits),
+            Err(speculative::Error::InvalidSlot { .. })
+        ));
+    }
+    let long: Vec<u32> = (0..250).collect();
+    let err = b
+        .forward_batch(
+            &[
+                SlotChunk {
+                    slot: 1,
+                    input: SlotInput::Chain(&chain),
+                },
+                SlotChunk {
+                    slot: 0,
+                    input: SlotInput::Prefill(&long),
+                },
+            ],
+            &mut logits,
+        )
+        .unwrap_err();
+    assert!(matches!(
+        llama_error(&err),
+        LlamaError::ContextOverflow { seq: 0, .. }
+    ));
+    assert_eq!(lens(&b), before);
+    assert!(matches!(
+        b.seq_len(3),
+        Err(speculative::Error::InvalidSlot { .. })
+    ));
+    assert!(matches!(
+        b.truncate(5, 0),
+        Err(speculative::Error::InvalidSlot { .. })
+    ));
+    assert!(b.commit_tree(0, &[]).is_err());
+    b.release(0).unwrap();
+    assert_eq!(b.seq_len(0).unwrap(), 0);
+    // A released slot starts again from nothing.
+    b.forward_batch(
+        &[SlotChunk {
+            slot: 0,
+            input: SlotInput::Chain(&q),
+        }],
+        &mut logits,
+    )
+    .unwrap();
+    single.truncate(0).unwrap();
+    single.forward(&q, &mut want).unwrap();
+    assert!(max_diff(&logits, &want) <= TOL);
+}
