@@ -38,7 +38,7 @@ use speculative::propose::{
     DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SharedCorpus, SuffixConfig,
     SuffixProposer, TokenRecycling, TreeTemplate,
 };
-use speculative::{NoProposer, Proposer, TargetModel};
+use speculative::{BatchTarget, NoProposer, Proposer, TargetModel};
 use speculative_candle::fast::head::{DraftHead, DraftHeadWeights};
 use speculative_candle::fast::{FastBatch, FastFormat, FastTarget, FastWeights};
 use speculative_candle::{
@@ -313,13 +313,16 @@ struct ModelArgs {
     /// GGUF model (default: models/SmolLM2-135M-Instruct.Q4_1.gguf or $SPECULATIVE_MODEL).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Forward implementation: fast (our multi-row batch-invariant kernels) or candle.
-    #[arg(long, default_value = "fast")]
-    backend: String,
+    /// Forward implementation: fast (our multi-row batch-invariant kernels), candle, or llama
+    /// (llama.cpp; spec-bench built with `--features llama`). `run` and `cost-table` take a
+    /// list (`fast,llama`) and measure every engine in one invocation, one after the other;
+    /// `--engine` is the same option.
+    #[arg(long, alias = "engine", value_delimiter = ',', default_value = "fast")]
+    backend: Vec<String>,
     /// Weight format: q8 or f32 (candle also accepts as-stored).
     #[arg(long, default_value = "q8")]
     format: String,
-    /// Threads of the fast backend's matmuls.
+    /// Threads of the fast backend's matmuls and of llama.cpp.
     #[arg(long, default_value_t = 1)]
     threads: usize,
 }
@@ -375,8 +378,45 @@ fn run(a: RunArgs) -> Result<()> {
     let requests = workload::load(&a.workload)?;
     let requests = &requests[..a.limit.unwrap_or(requests.len()).min(requests.len())];
     let path = a.model.model.clone().unwrap_or_else(default_model_path);
-    let (mut target, make_model, fast_weights) = load_backend(&a.model, &path)?;
     let tok = GgufTokenizer::load(&path)?;
+    let mut records: Vec<RunRecord> = Vec::new();
+    for backend in &a.model.backend {
+        let mut recs = run_engine(&a, backend, &path, &tok, requests)?;
+        // Several engines in one run: each engine's records (baseline included) are labelled
+        // with it, so that the summary groups them apart.
+        if a.model.backend.len() > 1 {
+            for r in &mut recs {
+                r.label = format!("{backend}: {}", r.label);
+            }
+        }
+        records.extend(recs);
+    }
+    std::fs::create_dir_all(&a.out).map_err(io(&a.out))?;
+    let aggs = aggregate(&records);
+    write_json(&a.out.join("runs.json"), &records)?;
+    write_json(&a.out.join("summary.json"), &aggs)?;
+    let md = format!(
+        "{}\n## Every request\n\n{}",
+        markdown(&aggs),
+        request_markdown(&records)
+    );
+    let md_path = a.out.join("summary.md");
+    std::fs::write(&md_path, &md).map_err(io(&md_path))?;
+    standard_plots(&a.out, &records, &aggs)?;
+    println!("{md}");
+    println!("wrote {}", a.out.display());
+    Ok(())
+}
+
+/// One engine's part of `run`: its plain baseline and every configuration over the workload.
+fn run_engine(
+    a: &RunArgs,
+    backend: &str,
+    path: &std::path::Path,
+    tok: &GgufTokenizer,
+    requests: &[workload::Request],
+) -> Result<Vec<RunRecord>> {
+    let (mut target, make_model, fast_weights) = load_backend(&a.model, backend, path)?;
     let max_ctx = target.max_context();
     let default_grammar = match (&a.json_schema, &a.grammar) {
         (Some(p), _) => Some(
@@ -555,21 +595,7 @@ fn run(a: RunArgs) -> Result<()> {
         },
     )?;
     bar.finish_and_clear();
-    std::fs::create_dir_all(&a.out).map_err(io(&a.out))?;
-    let aggs = aggregate(&records);
-    write_json(&a.out.join("runs.json"), &records)?;
-    write_json(&a.out.join("summary.json"), &aggs)?;
-    let md = format!(
-        "{}\n## Every request\n\n{}",
-        markdown(&aggs),
-        request_markdown(&records)
-    );
-    let md_path = a.out.join("summary.md");
-    std::fs::write(&md_path, &md).map_err(io(&md_path))?;
-    standard_plots(&a.out, &records, &aggs)?;
-    println!("{md}");
-    println!("wrote {}", a.out.display());
-    Ok(())
+    Ok(records)
 }
 
 /// The proposers of `run` that can be merged, by name: `prompt-lookup`, `suffix`, `recycling`
@@ -641,8 +667,8 @@ type Loaded = (
     Option<std::sync::Arc<FastWeights>>,
 );
 
-fn load_backend(a: &ModelArgs, path: &std::path::Path) -> Result<Loaded> {
-    match a.backend.as_str() {
+fn load_backend(a: &ModelArgs, backend: &str, path: &std::path::Path) -> Result<Loaded> {
+    match backend {
         "fast" => {
             let format = match a.format.as_str() {
                 "q8" | "q8_0" => FastFormat::Q8,
@@ -685,9 +711,77 @@ fn load_backend(a: &ModelArgs, path: &std::path::Path) -> Result<Loaded> {
             });
             Ok((target, make, None))
         }
+        "llama" => llama_backend(a, path),
         other => Err(bad_arg(
             "--backend",
-            format!("{other} (expected fast or candle)"),
+            format!("{other} (expected fast, candle or llama)"),
+        )),
+    }
+}
+
+/// llama.cpp through `speculative-llama`: the target (context: the model's training length)
+/// and a maker of draft models on the same weights (no early exit).
+#[cfg(feature = "llama")]
+fn llama_backend(a: &ModelArgs, path: &std::path::Path) -> Result<Loaded> {
+    use speculative_llama::{LlamaConfig, LlamaEngine, ModelOptions};
+    let llama = |e: speculative_llama::LlamaError| bad_arg("--backend llama", e.to_string());
+    let engine = LlamaEngine::load(path, &ModelOptions::default()).map_err(llama)?;
+    let cfg = LlamaConfig::default()
+        .with_threads(a.threads)
+        .with_context(engine.context_train());
+    let target = Box::new(engine.target(&cfg).map_err(llama)?);
+    let make: ModelMaker = Box::new(move |layers| match layers {
+        Some(_) => Err(bad_arg(
+            "proposer",
+            "early-exit needs the fast or candle backend".to_string(),
+        )),
+        None => Ok(Box::new(engine.target(&cfg).map_err(llama)?)),
+    });
+    Ok((target, make, None))
+}
+
+#[cfg(not(feature = "llama"))]
+fn llama_backend(_: &ModelArgs, _: &std::path::Path) -> Result<Loaded> {
+    Err(bad_arg(
+        "--backend",
+        "llama needs spec-bench built with `--features llama` (cargo run --release -p spec-bench --features llama -- ...)".to_string(),
+    ))
+}
+
+/// llama.cpp's batched target for `serve --batch-target llama`: `slots` sequences of the
+/// model's training context each, in one llama.cpp context.
+#[cfg(feature = "llama")]
+fn llama_batch(
+    path: &std::path::Path,
+    slots: usize,
+    threads: usize,
+) -> Result<Box<dyn BatchTarget + Send>> {
+    use speculative_llama::{LlamaConfig, LlamaEngine, ModelOptions};
+    let llama = |e: speculative_llama::LlamaError| bad_arg("--batch-target llama", e.to_string());
+    let engine = LlamaEngine::load(path, &ModelOptions::default()).map_err(llama)?;
+    // Half the training context per slot: prompts are cut to half the context.
+    let cfg = LlamaConfig::default()
+        .with_threads(threads)
+        .with_slots(slots)
+        .with_context(engine.context_train() / 2);
+    Ok(Box::new(engine.batch_target(&cfg).map_err(llama)?))
+}
+
+#[cfg(not(feature = "llama"))]
+fn llama_batch(_: &std::path::Path, _: usize, _: usize) -> Result<Box<dyn BatchTarget + Send>> {
+    Err(bad_arg(
+        "--batch-target",
+        "llama needs spec-bench built with `--features llama`".to_string(),
+    ))
+}
+
+/// The one engine of a subcommand that measures a single engine.
+fn single_backend(a: &ModelArgs) -> Result<&str> {
+    match a.backend.as_slice() {
+        [one] => Ok(one),
+        _ => Err(bad_arg(
+            "--backend",
+            format!("{} (this subcommand takes one engine)", a.backend.join(",")),
         )),
     }
 }
@@ -697,7 +791,52 @@ fn load_backend(a: &ModelArgs, path: &std::path::Path) -> Result<Loaded> {
 /// way; attention over `B` separate prefixes is not modelled). Median of `reps`.
 fn cost_table(a: CostArgs) -> Result<()> {
     let path = a.model.model.clone().unwrap_or_else(default_model_path);
-    let (mut target, _, _) = load_backend(&a.model, &path)?;
+    let mut tables = Vec::new();
+    for backend in &a.model.backend {
+        let table = measure_cost_table(&a, backend, &path)?;
+        // Several engines: one file each, `cost-table-llama.json` beside `cost-table.json`.
+        let out = if a.model.backend.len() > 1 {
+            let stem = a
+                .out
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or("cost-table");
+            a.out.with_file_name(format!("{stem}-{backend}.json"))
+        } else {
+            a.out.clone()
+        };
+        write_json(&out, &table)?;
+        println!("wrote {}", out.display());
+        tables.push((backend.as_str(), table));
+    }
+    // The batch-1 cost curve of every engine side by side: ms of a 1-token forward and
+    // c(n) = time(n) / time(1).
+    if let Some(one) = a.batch.iter().position(|&b| b == 1) {
+        let ones = a.tokens.iter().position(|&n| n == 1);
+        let mut md = String::from("| engine | 1-token ms |");
+        for &n in &a.tokens {
+            md.push_str(&format!(" c({n}) |"));
+        }
+        md.push_str("\n|---|---|");
+        md.push_str(&"---|".repeat(a.tokens.len()));
+        md.push('\n');
+        for (backend, t) in &tables {
+            let row = &t.cost[one];
+            let base = ones.map(|i| row[i]).unwrap_or(f64::NAN);
+            md.push_str(&format!("| {backend} | {:.2} |", base * 1e3));
+            for &c in row {
+                md.push_str(&format!(" {:.2} |", c / base));
+            }
+            md.push('\n');
+        }
+        println!("{md}");
+    }
+    Ok(())
+}
+
+/// Measures `c(B, n)` on one engine (see [`cost_table`]).
+fn measure_cost_table(a: &CostArgs, backend: &str, path: &std::path::Path) -> Result<CostTable> {
+    let (mut target, _, _) = load_backend(&a.model, backend, path)?;
     let vocab = target.vocab_size() as u32;
     let prefix: Vec<u32> = (0..a.prefix as u32)
         .map(|i| (i * 37 + 11) % vocab)
@@ -719,24 +858,27 @@ fn cost_table(a: CostArgs) -> Result<()> {
                 target.truncate(prefix.len())?;
             }
             let med = spec_bench::stats::percentile(&times, 50.0).unwrap_or(0.0);
-            eprintln!("batch {b} tokens {n}: {:.2} ms", med * 1e3);
+            eprintln!("{backend}: batch {b} tokens {n}: {:.2} ms", med * 1e3);
             row.push(med);
         }
         cost.push(row);
     }
+    let format = if backend == "llama" {
+        "as-stored"
+    } else {
+        a.model.format.as_str()
+    };
     let table = CostTable {
         source: format!(
-            "measured by `spec-bench cost-table` ({} backend, {} weights, {} thread(s), prefix {}): one forward over batch*tokens rows, median of {}",
-            a.model.backend, a.model.format, a.model.threads, a.prefix, a.reps
+            "measured by `spec-bench cost-table` ({backend} backend, {format} weights, {} thread(s), prefix {}): one forward over batch*tokens rows, median of {}",
+            a.model.threads, a.prefix, a.reps
         ),
         batch: a.batch.clone(),
         tokens: a.tokens.clone(),
         cost,
     };
     table.validate()?;
-    write_json(&a.out, &table)?;
-    println!("wrote {}", a.out.display());
-    Ok(())
+    Ok(table)
 }
 
 fn replay_proposer(name: &str) -> Result<Box<dyn Proposer>> {
@@ -771,7 +913,7 @@ fn replay_proposer(name: &str) -> Result<Box<dyn Proposer>> {
 fn warm_recycling(a: WarmArgs) -> Result<()> {
     let requests = workload::load(&a.workload)?;
     let path = a.model.model.clone().unwrap_or_else(default_model_path);
-    let (mut target, _, _) = load_backend(&a.model, &path)?;
+    let (mut target, _, _) = load_backend(&a.model, single_backend(&a.model)?, &path)?;
     let tok = GgufTokenizer::load(&path)?;
     let mut table = TokenRecycling::new(
         target.vocab_size(),
@@ -984,8 +1126,8 @@ fn serve(a: ServeArgs) -> Result<()> {
         drive, mark_mismatches, peak_rss_kib, plots, prediction_markdown, predictions,
         repeat_requests, reset_peak_rss, summarize,
     };
+    use speculative::PerSlot;
     use speculative::decode::{BatchConfig, BatchGenerator, BatchRequest};
-    use speculative::{BatchTarget, PerSlot};
 
     let modes = a
         .modes
@@ -995,10 +1137,13 @@ fn serve(a: ServeArgs) -> Result<()> {
     if a.concurrency.contains(&0) {
         return Err(bad_arg("--concurrency", "must be at least 1".into()));
     }
-    if a.model.backend != "fast" {
+    if single_backend(&a.model)? != "fast" {
         return Err(bad_arg(
             "--backend",
-            format!("{} (serve runs the fast backend)", a.model.backend),
+            format!(
+                "{} (serve runs the fast backend; llama.cpp through --batch-target llama)",
+                a.model.backend.join(",")
+            ),
         ));
     }
     let format = match a.model.format.as_str() {
@@ -1019,10 +1164,11 @@ fn serve(a: ServeArgs) -> Result<()> {
                 .map(|_| FastTarget::new(weights.clone()).with_threads(threads))
                 .collect(),
         )?),
+        "llama" => llama_batch(&path, slots, threads)?,
         other => {
             return Err(bad_arg(
                 "--batch-target",
-                format!("{other} (expected fast-batch or per-slot)"),
+                format!("{other} (expected fast-batch, per-slot or llama)"),
             ));
         }
     };

@@ -77,6 +77,9 @@ enum Backend {
     Fast,
     /// The forward on candle's stock quantised matmul.
     Candle,
+    /// llama.cpp through `speculative-llama` (build the example with `--features llama`); the
+    /// GGUF file as stored, `--format` does not apply.
+    Llama,
 }
 
 /// Speculative decoding on a real GGUF model.
@@ -98,13 +101,13 @@ struct Args {
     /// GGUF model (default: models/SmolLM2-135M-Instruct.Q4_1.gguf or $SPECULATIVE_MODEL).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Forward implementation.
-    #[arg(long, value_enum, default_value = "fast")]
+    /// Forward implementation (`--engine` is the same option).
+    #[arg(long, alias = "engine", value_enum, default_value = "fast")]
     backend: Backend,
     /// Weight format.
     #[arg(long, value_enum, default_value = "q8")]
     format: Format,
-    /// Threads for the fast backend's matmuls (1 or 2; see the crate README).
+    /// Threads for the fast backend's matmuls and llama.cpp (1 or 2; see the crate README).
     #[arg(long, default_value_t = 1)]
     threads: usize,
     /// Proposer.
@@ -184,6 +187,40 @@ type DynError = Box<dyn std::error::Error>;
 /// Makes a model sharing the loaded weights: `None` the full model, `Some(n)` an early exit
 /// after `n` layers.
 type ModelMaker = Box<dyn Fn(Option<usize>) -> Result<Box<dyn TargetModel>, DynError>>;
+
+/// A llama.cpp target (context: the model's training length) and a maker of more (draft
+/// models on the same weights; no early exit).
+#[cfg(feature = "llama")]
+fn llama_target(
+    path: &std::path::Path,
+    threads: usize,
+) -> Result<(Box<dyn TargetModel>, ModelMaker), DynError> {
+    use speculative_llama::{LlamaConfig, LlamaEngine, ModelOptions};
+    let engine = LlamaEngine::load(path, &ModelOptions::default())?;
+    let cfg = LlamaConfig::default()
+        .with_threads(threads)
+        .with_context(engine.context_train());
+    let target = Box::new(engine.target(&cfg)?);
+    Ok((
+        target,
+        Box::new(move |layers| match layers {
+            Some(_) => Err("--proposer early-exit needs --backend fast or candle".into()),
+            None => Ok(Box::new(engine.target(&cfg)?)),
+        }),
+    ))
+}
+
+#[cfg(not(feature = "llama"))]
+fn llama_target(
+    _: &std::path::Path,
+    _: usize,
+) -> Result<(Box<dyn TargetModel>, ModelMaker), DynError> {
+    Err(
+        "--engine llama needs the example built with `--features llama` \
+         (cargo run --release -p speculative-candle --features llama --example speculate)"
+            .into(),
+    )
+}
 
 /// The draft-head proposer over the fast backend's weights.
 fn head_proposer(
@@ -279,6 +316,7 @@ fn run() -> Result<(), DynError> {
                 }),
             )
         }
+        Backend::Llama => llama_target(&path, a.threads)?,
     };
     let tok = std::sync::Arc::new(GgufTokenizer::load(&path)?);
     eprintln!(
