@@ -325,6 +325,12 @@ struct ModelArgs {
     /// Threads of the fast backend's matmuls and of llama.cpp.
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// llama backend: run a copy of the model re-quantized by llama.cpp's quantizer (q8_0 or
+    /// q4_0; made once beside the model, `speculative_llama::quantized_copy`) instead of the
+    /// file as stored. llama.cpp has no multi-row CPU kernel for Q4_1, so on the shipped file a
+    /// verify call costs about one step per row.
+    #[arg(long)]
+    llama_quant: Option<String>,
 }
 
 #[derive(Args)]
@@ -723,12 +729,13 @@ fn load_backend(a: &ModelArgs, backend: &str, path: &std::path::Path) -> Result<
 /// and a maker of draft models on the same weights (no early exit).
 #[cfg(feature = "llama")]
 fn llama_backend(a: &ModelArgs, path: &std::path::Path) -> Result<Loaded> {
-    use speculative_llama::{LlamaConfig, LlamaEngine, ModelOptions};
+    use speculative_llama::LlamaConfig;
     let llama = |e: speculative_llama::LlamaError| bad_arg("--backend llama", e.to_string());
-    let engine = LlamaEngine::load(path, &ModelOptions::default()).map_err(llama)?;
+    let engine = llama_engine(a, path)?;
+    // The training context, capped: a long-context model would allocate its whole KV cache.
     let cfg = LlamaConfig::default()
         .with_threads(a.threads)
-        .with_context(engine.context_train());
+        .with_context(engine.context_train().min(8192));
     let target = Box::new(engine.target(&cfg).map_err(llama)?);
     let make: ModelMaker = Box::new(move |layers| match layers {
         Some(_) => Err(bad_arg(
@@ -738,6 +745,23 @@ fn llama_backend(a: &ModelArgs, path: &std::path::Path) -> Result<Loaded> {
         None => Ok(Box::new(engine.target(&cfg).map_err(llama)?)),
     });
     Ok((target, make, None))
+}
+
+/// The llama.cpp engine of `--backend llama`: the model file, or its re-quantized copy
+/// (`--llama-quant`).
+#[cfg(feature = "llama")]
+fn llama_engine(a: &ModelArgs, path: &std::path::Path) -> Result<speculative_llama::LlamaEngine> {
+    use speculative_llama::{LlamaEngine, ModelOptions, Quantization, quantized_copy};
+    let llama = |e: speculative_llama::LlamaError| bad_arg("--backend llama", e.to_string());
+    let file = match &a.llama_quant {
+        None => path.to_path_buf(),
+        Some(q) => {
+            let to = Quantization::parse(q)
+                .ok_or_else(|| bad_arg("--llama-quant", format!("{q} (expected q8_0 or q4_0)")))?;
+            quantized_copy(path, to, 2).map_err(llama)?
+        }
+    };
+    LlamaEngine::load(&file, &ModelOptions::default()).map_err(llama)
 }
 
 #[cfg(not(feature = "llama"))]
@@ -752,23 +776,29 @@ fn llama_backend(_: &ModelArgs, _: &std::path::Path) -> Result<Loaded> {
 /// model's training context each, in one llama.cpp context.
 #[cfg(feature = "llama")]
 fn llama_batch(
+    model: &ModelArgs,
     path: &std::path::Path,
     slots: usize,
     threads: usize,
 ) -> Result<Box<dyn BatchTarget + Send>> {
-    use speculative_llama::{LlamaConfig, LlamaEngine, ModelOptions};
+    use speculative_llama::LlamaConfig;
     let llama = |e: speculative_llama::LlamaError| bad_arg("--batch-target llama", e.to_string());
-    let engine = LlamaEngine::load(path, &ModelOptions::default()).map_err(llama)?;
+    let engine = llama_engine(model, path)?;
     // Half the training context per slot: prompts are cut to half the context.
     let cfg = LlamaConfig::default()
         .with_threads(threads)
         .with_slots(slots)
-        .with_context(engine.context_train() / 2);
+        .with_context(engine.context_train().min(8192) / 2);
     Ok(Box::new(engine.batch_target(&cfg).map_err(llama)?))
 }
 
 #[cfg(not(feature = "llama"))]
-fn llama_batch(_: &std::path::Path, _: usize, _: usize) -> Result<Box<dyn BatchTarget + Send>> {
+fn llama_batch(
+    _: &ModelArgs,
+    _: &std::path::Path,
+    _: usize,
+    _: usize,
+) -> Result<Box<dyn BatchTarget + Send>> {
     Err(bad_arg(
         "--batch-target",
         "llama needs spec-bench built with `--features llama`".to_string(),
@@ -794,7 +824,7 @@ fn cost_table(a: CostArgs) -> Result<()> {
     let mut tables = Vec::new();
     for backend in &a.model.backend {
         let table = measure_cost_table(&a, backend, &path)?;
-        // Several engines: one file each, `cost-table-llama.json` beside `cost-table.json`.
+        // Several engines: one file each, `cost-table-fast.json`, `cost-table-llama.json`.
         let out = if a.model.backend.len() > 1 {
             let stem = a
                 .out
@@ -863,10 +893,10 @@ fn measure_cost_table(a: &CostArgs, backend: &str, path: &std::path::Path) -> Re
         }
         cost.push(row);
     }
-    let format = if backend == "llama" {
-        "as-stored"
-    } else {
-        a.model.format.as_str()
+    let format = match (backend, &a.model.llama_quant) {
+        ("llama", Some(q)) => q.as_str(),
+        ("llama", None) => "as-stored",
+        _ => a.model.format.as_str(),
     };
     let table = CostTable {
         source: format!(
@@ -1164,7 +1194,7 @@ fn serve(a: ServeArgs) -> Result<()> {
                 .map(|_| FastTarget::new(weights.clone()).with_threads(threads))
                 .collect(),
         )?),
-        "llama" => llama_batch(&path, slots, threads)?,
+        "llama" => llama_batch(&a.model, &path, slots, threads)?,
         other => {
             return Err(bad_arg(
                 "--batch-target",

@@ -320,12 +320,16 @@ fn run() -> Result<(), DynError> {
     };
     let tok = std::sync::Arc::new(GgufTokenizer::load(&path)?);
     eprintln!(
-        "loaded {} ({:?} backend, {:?} weights) in {:.2} s",
+        "loaded {} ({:?} backend, {} weights) in {:.2} s",
         std::fs::canonicalize(&path)
             .unwrap_or_else(|_| path.clone())
             .display(),
         a.backend,
-        a.format,
+        if a.backend == Backend::Llama {
+            "as stored".to_string()
+        } else {
+            format!("{:?}", a.format)
+        },
         t0.elapsed().as_secs_f64()
     );
     let prompt_text = if a.raw {

@@ -12,10 +12,14 @@ use crate::seqs::{LlamaConfig, Part, Seqs};
 /// context whose KV cache holds [`LlamaConfig::context`] positions per slot.
 ///
 /// One [`BatchTarget::forward_batch`] is one `llama_decode` over every chunk's rows (prefill
-/// chunks ask for no logits), so the weights are read once for the whole batch, as long as the
-/// rows fit [`LlamaConfig::batch_tokens`] ([`BatchTarget::max_batch_tokens`]; the batch loop
-/// keeps to it). Chains and prefill only: token trees are refused
-/// ([`BatchTarget::max_tree_nodes`] is 0).
+/// chunks ask for no logits; the rows fit [`LlamaConfig::batch_tokens`], which
+/// [`BatchTarget::max_batch_tokens`] reports and the batch loop keeps to). How many forwards
+/// llama.cpp runs for it depends on [`LlamaConfig::unified_kv`]: with one shared cache, one
+/// forward (each weight read once for the whole batch); with a cache per sequence (the
+/// default, batch-invariant), llama.cpp splits the batch into pieces over consecutive slots
+/// with the same number of rows each, so chunks of different lengths (a prefill beside verify
+/// chains, different draft lengths) take several forwards. Chains and prefill only: token trees
+/// are refused ([`BatchTarget::max_tree_nodes`] is 0).
 ///
 /// Every check (slots, empty chunks, token ids, context) runs before llama.cpp sees the batch,
 /// so a refused call changes no slot; a failed `llama_decode` rolls every listed slot back.

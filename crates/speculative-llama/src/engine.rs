@@ -3,7 +3,8 @@
 
 use std::num::NonZeroU32;
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Once, OnceLock};
 
 use llama_cpp_2::llama_backend::LlamaBackend;
 use llama_cpp_2::model::params::LlamaModelParams;
@@ -15,8 +16,14 @@ use crate::error::{LlamaError, Result};
 
 static BACKEND: OnceLock<std::result::Result<LlamaBackend, String>> = OnceLock::new();
 
-/// llama.cpp's process-wide backend, initialised on first use (with llama.cpp's log output
-/// off; see [`set_logging`]) and never freed.
+/// Whether llama.cpp's log lines reach stderr (see [`set_logging`]).
+static LOGGING: AtomicBool = AtomicBool::new(false);
+/// Whether our log callback is installed in llama.cpp.
+static LOG_HOOK: Once = Once::new();
+
+/// llama.cpp's process-wide backend, initialised on first use and never freed. llama.cpp's
+/// log output is off unless [`set_logging`] or the environment variable
+/// `SPECULATIVE_LLAMA_LOG` (any value but `0`) turns it on.
 ///
 /// llama-cpp-2 allows one `LlamaBackend` per process: a program that also calls llama-cpp-2
 /// directly must use this one instead of calling `LlamaBackend::init()` itself.
@@ -27,7 +34,8 @@ static BACKEND: OnceLock<std::result::Result<LlamaBackend, String>> = OnceLock::
 pub fn backend() -> Result<&'static LlamaBackend> {
     BACKEND
         .get_or_init(|| {
-            set_logging(std::env::var_os("SPECULATIVE_LLAMA_LOG").is_some());
+            let env = std::env::var("SPECULATIVE_LLAMA_LOG").is_ok_and(|v| v != "0");
+            set_logging(env || LOGGING.load(Ordering::Relaxed));
             LlamaBackend::init().map_err(|e| {
                 format!(
                     "{e} (initialised elsewhere in the process? use speculative_llama::backend())"
@@ -38,13 +46,29 @@ pub fn backend() -> Result<&'static LlamaBackend> {
         .map_err(|e| LlamaError::Backend(e.clone()))
 }
 
-/// Turns llama.cpp's own log output (model loading, context creation; written to stderr) on or
-/// off for the whole process. Off by default; the environment variable `SPECULATIVE_LLAMA_LOG`
-/// turns it on at the first load.
+/// Turns llama.cpp's own log lines (model loading, context creation, errors) on or off for the
+/// whole process; they go to stderr. Off by default. Any number of calls, at any time.
 pub fn set_logging(enabled: bool) {
-    llama_cpp_2::send_logs_to_tracing(
-        llama_cpp_2::LogOptions::default().with_logs_enabled(enabled),
-    );
+    LOGGING.store(enabled, Ordering::Relaxed);
+    LOG_HOOK.call_once(|| {
+        // SAFETY: `log_line` is a valid callback for the whole process lifetime and ignores
+        // its user-data pointer, which is null.
+        unsafe { llama_cpp_sys_2::llama_log_set(Some(log_line), std::ptr::null_mut()) };
+    });
+}
+
+/// llama.cpp's log callback: the line to stderr when logging is on.
+unsafe extern "C" fn log_line(
+    _level: llama_cpp_sys_2::ggml_log_level,
+    text: *const std::os::raw::c_char,
+    _user: *mut std::os::raw::c_void,
+) {
+    if text.is_null() || !LOGGING.load(Ordering::Relaxed) {
+        return;
+    }
+    // SAFETY: llama.cpp passes a NUL-terminated string valid for the call.
+    let line = unsafe { std::ffi::CStr::from_ptr(text) };
+    eprint!("{}", line.to_string_lossy());
 }
 
 /// How to load a GGUF file.
@@ -169,6 +193,14 @@ impl LlamaEngine {
                 "{e} (set SPECULATIVE_LLAMA_LOG=1 for llama.cpp's log)"
             ))
         })?;
+        // Recurrent and hybrid models cannot roll their state back to a position.
+        if model.is_recurrent() || model.is_hybrid() {
+            return Err(load_err(
+                "recurrent or hybrid architecture: its state cannot be rolled back to a position, \
+                 which rejecting drafts needs"
+                    .into(),
+            ));
+        }
         let vocab_size = usize::try_from(model.n_vocab())
             .ok()
             .filter(|&v| v > 0)
@@ -217,16 +249,21 @@ impl LlamaEngine {
         &self.eog
     }
 
-    /// Token ids of `text`, control tokens written in the text (`<|im_start|>`) parsed as such;
-    /// no BOS is added (apply the chat template, which writes one where the model wants it).
+    /// Token ids of a prompt: control tokens written in the text (`<|im_start|>`) are parsed
+    /// as such, and the BOS token is put in front when the model's metadata asks for one
+    /// (`tokenizer.ggml.add_bos_token`; llama.cpp's built-in chat templates do not write it)
+    /// and the text does not already start with it. SmolLM2 adds none.
     ///
     /// # Errors
     /// [`LlamaError::Text`] when llama.cpp returns an id outside the vocabulary.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.model
-            .vocab()
-            .tokenize(text.as_bytes(), false, true)
-            .into_iter()
+        let vocab = self.model.vocab();
+        let mut ids = vocab.tokenize(text.as_bytes(), vocab.should_add_bos(), true);
+        // A template that writes the BOS text, tokenized with the BOS added: keep one.
+        if vocab.should_add_bos() && ids.len() >= 2 && ids[0] == vocab.bos() && ids[1] == ids[0] {
+            ids.remove(0);
+        }
+        ids.into_iter()
             .map(|t| {
                 u32::try_from(t.0)
                     .ok()

@@ -91,6 +91,14 @@ pub enum LlamaError {
     /// The model file has no chat template, or llama.cpp cannot apply it.
     #[error("chat template: {0}")]
     ChatTemplate(String),
+    /// llama.cpp's quantizer failed ([`crate::quantize`]).
+    #[error("quantizing {path}: llama_model_quantize returned {code}")]
+    Quantize {
+        /// The source file.
+        path: PathBuf,
+        /// llama.cpp's return code.
+        code: u32,
+    },
     /// Text that cannot pass to llama.cpp (an interior NUL byte).
     #[error("text for llama.cpp: {0}")]
     Text(String),

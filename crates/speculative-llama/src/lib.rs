@@ -9,6 +9,8 @@
 //!   (`llama_memory_seq_rm`).
 //! - [`LlamaBatchTarget`]: several sequences in one context, [`speculative::BatchTarget`], for
 //!   continuous batching; one `llama_decode` per batch step.
+//! - [`quantize`]: llama.cpp's own quantizer, to turn a file whose format has no multi-row CPU
+//!   kernel (Q4_1) into one that has (Q8_0), so that verify calls are cheap.
 //! - Features `cuda` and `metal` build llama.cpp's GPU backends (llama-cpp-2's features of the
 //!   same names); [`ModelOptions::gpu_layers`] offloads layers.
 //!
@@ -42,20 +44,22 @@
 //!
 //! # Building
 //!
-//! llama-cpp-2 compiles llama.cpp with cmake (a C++ compiler, cmake and libclang are needed;
-//! about 8 minutes on 2 cores). It compiles for the CPU features rustc targets: build with
+//! llama-cpp-2 compiles llama.cpp with cmake (a C++ compiler, cmake and libclang are needed). It compiles for the CPU features rustc targets: build with
 //! `RUSTFLAGS="-C target-cpu=native"`, or set `GGML_AVX2=ON` and the like in the environment
-//! (this repository's `.cargo/config.toml` does), or llama.cpp runs without SIMD on x86_64.
+//! (this repository's `.cargo/config.toml` does), or llama.cpp runs without SIMD on x86_64. About
+//! 4-7 minutes on 2 cores, once per cargo profile.
 
 mod batch;
 mod engine;
 mod error;
+mod quantize;
 mod seqs;
 mod target;
 
 pub use batch::LlamaBatchTarget;
 pub use engine::{ChatTurn, LlamaEngine, ModelOptions, backend, set_logging};
 pub use error::{LlamaError, Result};
+pub use quantize::{Quantization, quantize, quantized_copy};
 pub use seqs::{FlashAttention, LlamaConfig};
 pub use target::LlamaTarget;
 

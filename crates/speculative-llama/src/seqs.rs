@@ -33,17 +33,20 @@ pub enum FlashAttention {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LlamaConfig {
-    /// Tokens one sequence can hold (prompt + generated); the KV cache holds `context * slots`
-    /// positions. Default 2048.
+    /// Tokens one sequence can hold (prompt + generated), enforced by the adapter; llama.cpp's
+    /// cache holds at least `context * slots` positions (it pads to a multiple of 256). At most
+    /// 2^30 in all. Default 2048.
     pub context: usize,
     /// Sequences of a [`crate::LlamaBatchTarget`] (its slots); a [`crate::LlamaTarget`] has
     /// one and ignores this. Default 1.
     pub slots: usize,
     /// The most rows one `llama_decode` call takes (llama.cpp's `n_batch` and `n_ubatch`, set
-    /// equal so that a verify call is one forward). Longer appends are split. Default 512.
+    /// equal so that a verify call is one forward; at most 65536, and llama.cpp lowers it to
+    /// the context size). Longer appends are split. Default 512.
     pub batch_tokens: usize,
-    /// CPU threads of llama.cpp's kernels (`n_threads` and `n_threads_batch`). Default 1 (the
-    /// fastest on 2-core machines).
+    /// CPU threads of llama.cpp's kernels (`n_threads` and `n_threads_batch`). Default 1 (as
+    /// our own forward; on an idle 2-core machine 2 threads were faster, see
+    /// `docs/llama-cpp.md`).
     pub threads: usize,
     /// One KV cache for every sequence (llama.cpp's `kv_unified`; default `false`).
     ///
@@ -106,6 +109,11 @@ impl LlamaConfig {
     }
 }
 
+/// The most positions of one context (all sequences), well inside llama.cpp's `i32` positions.
+const MAX_POSITIONS: usize = 1 << 30;
+/// The most rows of one `llama_decode` we ask for.
+const MAX_BATCH_TOKENS: usize = 1 << 16;
+
 /// One part of an append: `tokens` to sequence `seq`, with or without their logits.
 pub(crate) struct Part<'a> {
     pub(crate) seq: usize,
@@ -127,12 +135,30 @@ pub(crate) struct Seqs {
     /// (batch index, row of the output) of the rows whose logits the current `llama_decode`
     /// returns.
     out_rows: Vec<(i32, usize)>,
+    /// Tests: fail the `llama_decode` after this many more succeed.
+    #[cfg(test)]
+    fail_after: Option<usize>,
 }
 
 impl Seqs {
     pub(crate) fn new(engine: &LlamaEngine, config: &LlamaConfig, slots: usize) -> Result<Self> {
         let total = config.context.saturating_mul(slots);
+        // Positions are i32 in llama.cpp, and it pads the context to a multiple of 256.
+        if total > MAX_POSITIONS {
+            return Err(LlamaError::Config {
+                field: "context * slots",
+                value: total.to_string(),
+                reason: "must be at most 2^30 positions",
+            });
+        }
         let n_ctx = nonzero("context * slots", total)?;
+        if config.batch_tokens > MAX_BATCH_TOKENS {
+            return Err(LlamaError::Config {
+                field: "batch_tokens",
+                value: config.batch_tokens.to_string(),
+                reason: "must be at most 65536",
+            });
+        }
         let n_batch = nonzero("batch_tokens", config.batch_tokens)?.get();
         let n_seq = nonzero("slots", slots)?.get();
         let threads = i32::try_from(nonzero("threads", config.threads)?.get()).map_err(|_| {
@@ -175,6 +201,8 @@ impl Seqs {
         // (`ctx` is declared, hence dropped, first). The lifetime is only widened, never
         // used to reach the model past that.
         let ctx: LlamaContext<'static> = unsafe { std::mem::transmute(ctx) };
+        // llama.cpp may lower n_batch (to the context size): keep to what it holds.
+        let n_batch = ctx.n_batch().min(ctx.n_ubatch()).min(n_batch);
         Ok(Seqs {
             ctx,
             _model: model,
@@ -184,6 +212,8 @@ impl Seqs {
             batch_tokens: n_batch as usize,
             vocab_size: engine.vocab_size(),
             out_rows: Vec::new(),
+            #[cfg(test)]
+            fail_after: None,
         })
     }
 
@@ -292,6 +322,13 @@ impl Seqs {
 
     /// One `llama_decode` of the batch so far, its logit rows copied to their rows of `logits`.
     fn decode(&mut self, logits: &mut [f32]) -> Result<()> {
+        #[cfg(test)]
+        if let Some(n) = self.fail_after.as_mut() {
+            if *n == 0 {
+                return Err(LlamaError::Decode("injected failure".into()));
+            }
+            *n -= 1;
+        }
         self.ctx
             .decode(&mut self.batch)
             .map_err(|e| LlamaError::Decode(e.to_string()))?;
@@ -339,5 +376,68 @@ impl Seqs {
             self.lens[seq] = len;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{LlamaEngine, ModelOptions};
+
+    /// A `llama_decode` that fails after earlier pieces of a split append succeeded: every
+    /// sequence is rolled back, and the next forward equals a fresh one.
+    #[test]
+    fn a_failed_decode_rolls_every_sequence_back() {
+        let path = crate::default_model_path();
+        assert!(path.is_file(), "run scripts/fetch-model.sh");
+        let e = LlamaEngine::load(&path, &ModelOptions::default()).unwrap();
+        let cfg = LlamaConfig::default()
+            .with_slots(2)
+            .with_context(128)
+            .with_batch_tokens(4);
+        let prompt: Vec<u32> = (0..11).map(|i| 500 + 7 * i).collect();
+        let more: Vec<u32> = (0..9).map(|i| 900 + 3 * i).collect();
+        let chain = [17u32, 18, 19];
+        let run = |fail: Option<usize>| {
+            let mut s = Seqs::new(&e, &cfg, 2).unwrap();
+            let mut l = Vec::new();
+            let parts = |seq, tokens| Part {
+                seq,
+                tokens,
+                logits: true,
+            };
+            s.append(&[parts(0, &prompt[..]), parts(1, &prompt[..5])], &mut l)
+                .unwrap();
+            s.fail_after = fail;
+            let r = s.append(&[parts(1, &more[..]), parts(0, &more[..4])], &mut l);
+            s.fail_after = None;
+            let lens = (s.len(0), s.len(1));
+            s.append(&[parts(0, &chain[..]), parts(1, &chain[..])], &mut l)
+                .unwrap();
+            (r.is_ok(), lens, l)
+        };
+        // Rows 13 in 4-row pieces: the third of four llama_decode calls fails.
+        let (ok, lens, after) = run(Some(2));
+        assert!(!ok);
+        assert_eq!(lens, (11, 5));
+        let (ok, lens, _) = run(None);
+        assert!(ok);
+        assert_eq!(lens, (15, 14));
+        // Reference: the same sequences without the failed append.
+        let mut s = Seqs::new(&e, &cfg, 2).unwrap();
+        let mut want = Vec::new();
+        let parts = |seq, tokens| Part {
+            seq,
+            tokens,
+            logits: true,
+        };
+        s.append(&[parts(0, &prompt[..]), parts(1, &prompt[..5])], &mut want)
+            .unwrap();
+        s.append(&[parts(0, &chain[..]), parts(1, &chain[..])], &mut want)
+            .unwrap();
+        assert!(
+            after == want,
+            "logits after the rollback differ from a fresh run"
+        );
     }
 }
