@@ -21,15 +21,14 @@ cargo test "${P[@]}" -p speculative-llama
 # spec-bench's tests with the engine compiled in, then both engines in one run and one cost
 # table on a two-request workload (the binaries exit non-zero on any failure).
 cargo test "${P[@]}" -p spec-bench --features llama
-BIN=target/test/spec-bench
-cargo build "${P[@]}" -q -p spec-bench --features llama
+bench() { cargo run "${P[@]}" -q -p spec-bench --features llama -- "$@"; }
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 sed -n '1p;6p' docs/workloads/smollm2.jsonl | sed 's/"max_tokens": [0-9]*/"max_tokens": 32/' > "$OUT/w.jsonl"
-"$BIN" run --workload "$OUT/w.jsonl" --backend fast,llama --proposers prompt-lookup --k 4 \
+bench run --workload "$OUT/w.jsonl" --backend fast,llama --proposers prompt-lookup --k 4 \
     --reps 1 --warmup 0 --out "$OUT/run" > "$OUT/run.md"
 grep -q "llama: prompt-lookup" "$OUT/run.md"
-"$BIN" cost-table --backend fast,llama --batch 1 --tokens 1,2 --reps 1 --prefix 16 \
+bench cost-table --backend fast,llama --batch 1 --tokens 1,2 --reps 1 --prefix 16 \
     --out "$OUT/cost.json" > "$OUT/cost.md"
 test -s "$OUT/cost-llama.json" && test -s "$OUT/cost-fast.json"
 # The speculate example on llama.cpp (greedy, compared with plain decoding in the same run).

@@ -41,14 +41,11 @@ const PROMPTS: [&str; 3] = [
     "What are three good habits for staying healthy while working from home?",
 ];
 
+/// The id of the largest logit (ties: the lowest id).
 fn argmax(row: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best
+    row.iter()
+        .enumerate()
+        .fold(0, |best, (i, &v)| if v > row[best] { i } else { best })
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

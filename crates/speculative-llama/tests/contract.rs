@@ -6,8 +6,9 @@
 //! units (the model's logits span about 30); a wrong KV cache or position moves them by whole
 //! units (checked by the negative controls below).
 
-use std::sync::OnceLock;
+mod common;
 
+use common::{argmax, chat, engine, llama_error, max_diff};
 use speculative::{BatchTarget, SlotChunk, SlotInput, TargetModel};
 use speculative_llama::{
     ChatTurn, LlamaBatchTarget, LlamaConfig, LlamaEngine, LlamaError, ModelOptions,
@@ -16,57 +17,24 @@ use speculative_llama::{
 /// Largest allowed logit difference between calls of different row counts.
 const TOL: f32 = 0.05;
 
-fn engine() -> &'static LlamaEngine {
-    static E: OnceLock<LlamaEngine> = OnceLock::new();
-    E.get_or_init(|| {
-        let p = speculative_llama::default_model_path();
-        assert!(
-            p.is_file(),
-            "model file {} is missing: run scripts/fetch-model.sh (or set SPECULATIVE_MODEL)",
-            p.display()
-        );
-        LlamaEngine::load(&p, &ModelOptions::default()).expect("loading the model")
-    })
+/// A chunk appending `tokens` to `slot` with their logits.
+fn chain_of(slot: usize, tokens: &[u32]) -> SlotChunk<'_> {
+    SlotChunk {
+        slot,
+        input: SlotInput::Chain(tokens),
+    }
+}
+
+/// A chunk appending `tokens` to `slot` without logits.
+fn prefill_of(slot: usize, tokens: &[u32]) -> SlotChunk<'_> {
+    SlotChunk {
+        slot,
+        input: SlotInput::Prefill(tokens),
+    }
 }
 
 fn prompt() -> Vec<u32> {
-    let e = engine();
-    let text = e
-        .apply_chat_template(
-            &[ChatTurn::user(
-                "Rewrite in the past tense: the cat sits on the mat and watches the birds.",
-            )],
-            true,
-        )
-        .unwrap();
-    e.encode(&text).unwrap()
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
-fn argmax(row: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best
-}
-
-fn llama_error(e: &speculative::Error) -> &LlamaError {
-    match e {
-        speculative::Error::Model(src) => src
-            .downcast_ref::<LlamaError>()
-            .unwrap_or_else(|| panic!("not a LlamaError: {src}")),
-        other => panic!("expected Error::Model, got {other:?}"),
-    }
+    chat("Rewrite in the past tense: the cat sits on the mat and watches the birds.")
 }
 
 #[test]
@@ -264,20 +232,8 @@ fn batch_target_matches_single_sequences() {
         .unwrap();
     let mut logits = Vec::new();
     // Slot 0 prefills p, slot 2 runs q as a chain, in one call.
-    b.forward_batch(
-        &[
-            SlotChunk {
-                slot: 0,
-                input: SlotInput::Prefill(&p),
-            },
-            SlotChunk {
-                slot: 2,
-                input: SlotInput::Chain(&q),
-            },
-        ],
-        &mut logits,
-    )
-    .unwrap();
+    b.forward_batch(&[prefill_of(0, &p), chain_of(2, &q)], &mut logits)
+        .unwrap();
     assert_eq!(logits.len(), q.len() * v);
     assert_eq!(
         (
@@ -294,20 +250,8 @@ fn batch_target_matches_single_sequences() {
 
     // A verify chain on slot 0 next to a chain on slot 1, then rollback of slot 0.
     let chain = [330u32, 1690, 28];
-    b.forward_batch(
-        &[
-            SlotChunk {
-                slot: 1,
-                input: SlotInput::Chain(&q[..4]),
-            },
-            SlotChunk {
-                slot: 0,
-                input: SlotInput::Chain(&chain),
-            },
-        ],
-        &mut logits,
-    )
-    .unwrap();
+    b.forward_batch(&[chain_of(1, &q[..4]), chain_of(0, &chain)], &mut logits)
+        .unwrap();
     assert_eq!(logits.len(), 7 * v);
     // Slot 1's rows first (call order), then slot 0's; with a cache per sequence (the default)
     // each equals its sequence alone, bit for bit.
@@ -327,34 +271,16 @@ fn batch_target_matches_single_sequences() {
     );
     b.truncate(0, p.len()).unwrap();
     assert_eq!(b.seq_len(0).unwrap(), p.len());
-    b.forward_batch(
-        &[SlotChunk {
-            slot: 0,
-            input: SlotInput::Chain(&chain),
-        }],
-        &mut logits,
-    )
-    .unwrap();
+    b.forward_batch(&[chain_of(0, &chain)], &mut logits)
+        .unwrap();
     assert!(max_diff(&logits, &want) <= TOL);
 
     // Slot errors, refused trees, too many rows and an overflow leave every slot as it was.
     let lens = |b: &LlamaBatchTarget| (0..3).map(|s| b.seq_len(s).unwrap()).collect::<Vec<_>>();
     let before = lens(&b);
     for bad in [
-        vec![SlotChunk {
-            slot: 3,
-            input: SlotInput::Chain(&chain),
-        }],
-        vec![
-            SlotChunk {
-                slot: 1,
-                input: SlotInput::Chain(&chain),
-            },
-            SlotChunk {
-                slot: 1,
-                input: SlotInput::Chain(&chain),
-            },
-        ],
+        vec![chain_of(3, &chain)],
+        vec![chain_of(1, &chain), chain_of(1, &chain)],
     ] {
         assert!(matches!(
             b.forward_batch(&bad, &mut logits),
@@ -363,19 +289,7 @@ fn batch_target_matches_single_sequences() {
     }
     let long: Vec<u32> = (0..250).collect();
     let err = b
-        .forward_batch(
-            &[
-                SlotChunk {
-                    slot: 1,
-                    input: SlotInput::Chain(&chain),
-                },
-                SlotChunk {
-                    slot: 0,
-                    input: SlotInput::Prefill(&long),
-                },
-            ],
-            &mut logits,
-        )
+        .forward_batch(&[chain_of(1, &chain), prefill_of(0, &long)], &mut logits)
         .unwrap_err();
     assert!(matches!(
         llama_error(&err),
@@ -386,10 +300,7 @@ fn batch_target_matches_single_sequences() {
     let err = b
         .forward_batch(
             &[
-                SlotChunk {
-                    slot: 1,
-                    input: SlotInput::Chain(&chain),
-                },
+                chain_of(1, &chain),
                 SlotChunk {
                     slot: 2,
                     input: SlotInput::Tree {
@@ -404,13 +315,7 @@ fn batch_target_matches_single_sequences() {
     assert!(matches!(err, speculative::Error::TargetContract { .. }));
     let wide: Vec<u32> = (0..513).collect();
     let err = b
-        .forward_batch(
-            &[SlotChunk {
-                slot: 1,
-                input: SlotInput::Prefill(&wide),
-            }],
-            &mut logits,
-        )
+        .forward_batch(&[prefill_of(1, &wide)], &mut logits)
         .unwrap_err();
     assert!(err.to_string().contains("max_batch_tokens"), "{err}");
     assert_eq!(lens(&b), before);
@@ -426,14 +331,7 @@ fn batch_target_matches_single_sequences() {
     b.release(0).unwrap();
     assert_eq!(b.seq_len(0).unwrap(), 0);
     // A released slot starts again from nothing.
-    b.forward_batch(
-        &[SlotChunk {
-            slot: 0,
-            input: SlotInput::Chain(&q),
-        }],
-        &mut logits,
-    )
-    .unwrap();
+    b.forward_batch(&[chain_of(0, &q)], &mut logits).unwrap();
     single.truncate(0).unwrap();
     single.forward(&q, &mut want).unwrap();
     assert!(max_diff(&logits, &want) <= TOL);
@@ -485,14 +383,8 @@ fn every_slot_holds_exactly_its_context() {
         }
         // A rollback makes room again, and the slot's next row sees its whole context.
         b.truncate(1, 99).unwrap();
-        b.forward_batch(
-            &[SlotChunk {
-                slot: 1,
-                input: SlotInput::Chain(&full[99..]),
-            }],
-            &mut logits,
-        )
-        .unwrap();
+        b.forward_batch(&[chain_of(1, &full[99..])], &mut logits)
+            .unwrap();
         let mut t = e.target(&LlamaConfig::default().with_context(100)).unwrap();
         for piece in full[..99].chunks(20) {
             t.prefill(piece).unwrap();

@@ -8,27 +8,15 @@
 //! with flash attention off about 1.5% of rows changed their argmax. The tests assert identity
 //! with it on, and the measured bound with it off (so that they can fail either way).
 
-use std::sync::OnceLock;
+mod common;
 
+use common::{argmax, chat, engine};
 use speculative::decode::{
     BatchGenerator, BatchRequest, DraftLength, GenerationParams, Generator, StopConditions,
 };
 use speculative::propose::PromptLookup;
 use speculative::{NoProposer, TargetModel};
-use speculative_llama::{ChatTurn, FlashAttention, LlamaConfig, LlamaEngine, ModelOptions};
-
-fn engine() -> &'static LlamaEngine {
-    static E: OnceLock<LlamaEngine> = OnceLock::new();
-    E.get_or_init(|| {
-        let p = speculative_llama::default_model_path();
-        assert!(
-            p.is_file(),
-            "model file {} is missing: run scripts/fetch-model.sh (or set SPECULATIVE_MODEL)",
-            p.display()
-        );
-        LlamaEngine::load(&p, &ModelOptions::default()).expect("loading the model")
-    })
-}
+use speculative_llama::{FlashAttention, LlamaConfig};
 
 /// A rewrite, a code edit and an open question: prompt lookup finds long matches in the first
 /// two, few in the third.
@@ -39,12 +27,7 @@ const PROMPTS: [&str; 3] = [
 ];
 
 fn prompt(text: &str) -> Vec<u32> {
-    let e = engine();
-    e.encode(
-        &e.apply_chat_template(&[ChatTurn::user(text)], true)
-            .unwrap(),
-    )
-    .unwrap()
+    chat(text)
 }
 
 fn params(k: DraftLength) -> GenerationParams {
@@ -57,16 +40,6 @@ fn params(k: DraftLength) -> GenerationParams {
 
 fn first_difference(a: &[u32], b: &[u32]) -> Option<usize> {
     (0..a.len().max(b.len())).find(|&i| a.get(i) != b.get(i))
-}
-
-fn argmax(row: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best
 }
 
 #[test]
