@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The llama.cpp adapter (crates/speculative-llama) and the `llama` features of spec-bench and
 # the `speculate` example. Building llama-cpp-sys-2 compiles llama.cpp from source with cmake
-# (needs cmake, a C++ compiler and libclang; about 4 minutes per cargo profile on 2 cores), so
+# (needs cmake, a C++ compiler and libclang; about 4-8 minutes per cargo profile on 2 cores), so
 # it runs apart from scripts/test.sh. Every step uses the `test` profile, so llama.cpp is
 # compiled once (each profile has its own build of it).
 set -euo pipefail

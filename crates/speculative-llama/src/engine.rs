@@ -92,7 +92,7 @@ impl Default for ModelOptions {
 }
 
 impl ModelOptions {
-    /// The defaults with `gpu_layers` layers offloaded.
+    /// With `gpu_layers` layers offloaded (other fields kept).
     pub fn with_gpu_layers(mut self, gpu_layers: u32) -> Self {
         self.gpu_layers = gpu_layers;
         self

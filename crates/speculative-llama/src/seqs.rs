@@ -77,12 +77,12 @@ impl Default for LlamaConfig {
 }
 
 impl LlamaConfig {
-    /// The defaults with `threads` threads.
+    /// With `threads` threads (other fields kept).
     pub fn with_threads(mut self, threads: usize) -> Self {
         self.threads = threads;
         self
     }
-    /// The defaults with a context of `context` tokens per sequence.
+    /// With a context of `context` tokens per sequence (other fields kept).
     pub fn with_context(mut self, context: usize) -> Self {
         self.context = context;
         self
@@ -142,6 +142,7 @@ pub(crate) struct Seqs {
 
 impl Seqs {
     pub(crate) fn new(engine: &LlamaEngine, config: &LlamaConfig, slots: usize) -> Result<Self> {
+        nonzero("context", config.context)?;
         let total = config.context.saturating_mul(slots);
         // Positions are i32 in llama.cpp, and it pads the context to a multiple of 256.
         if total > MAX_POSITIONS {
