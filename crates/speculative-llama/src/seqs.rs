@@ -186,9 +186,8 @@ impl Seqs {
             .with_n_batch(n_batch)
             .with_n_ubatch(n_batch)
             .with_n_seq_max(n_seq)
-            // One cache for every sequence: llama.cpp then runs a batch of ragged chunks of
-            // several sequences as one forward (with a cache per sequence it splits the batch
-            // into equal-length pieces).
+            // Shared cache: one forward per batch, not batch-invariant; a cache per sequence
+            // (the default): batch-invariant, ragged batches split (see `unified_kv`).
             .with_kv_unified(config.unified_kv)
             .with_n_threads(threads)
             .with_n_threads_batch(threads)
