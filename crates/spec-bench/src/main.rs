@@ -772,8 +772,8 @@ fn llama_backend(_: &ModelArgs, _: &std::path::Path) -> Result<Loaded> {
     ))
 }
 
-/// llama.cpp's batched target for `serve --batch-target llama`: `slots` sequences of the
-/// model's training context each, in one llama.cpp context.
+/// llama.cpp's batched target for `serve --batch-target llama`: `slots` sequences of half the
+/// model's training context (at most 4,096 tokens) each, in one llama.cpp context.
 #[cfg(feature = "llama")]
 fn llama_batch(
     model: &ModelArgs,
