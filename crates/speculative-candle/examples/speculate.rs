@@ -188,7 +188,7 @@ type DynError = Box<dyn std::error::Error>;
 /// after `n` layers.
 type ModelMaker = Box<dyn Fn(Option<usize>) -> Result<Box<dyn TargetModel>, DynError>>;
 
-/// A llama.cpp target (context: the model's training length) and a maker of more (draft
+/// A llama.cpp target (context: the model's training length, at most 8,192) and a maker of more (draft
 /// models on the same weights; no early exit).
 #[cfg(feature = "llama")]
 fn llama_target(
@@ -197,9 +197,11 @@ fn llama_target(
 ) -> Result<(Box<dyn TargetModel>, ModelMaker), DynError> {
     use speculative_llama::{LlamaConfig, LlamaEngine, ModelOptions};
     let engine = LlamaEngine::load(path, &ModelOptions::default())?;
+    // The training context, capped as in spec-bench: a long-context model would otherwise
+    // allocate its whole KV cache (twice with `--proposer same-model`).
     let cfg = LlamaConfig::default()
         .with_threads(threads)
-        .with_context(engine.context_train());
+        .with_context(engine.context_train().min(8192));
     let target = Box::new(engine.target(&cfg)?);
     Ok((
         target,
