@@ -87,7 +87,8 @@ fn propose(
         target_hidden_rows: None,
         prompt_len: 0,
         eos: &[],
-        suppress_eos_rows: 0,
+        suppress: &[],
+        suppress_rows: 0,
     };
     if nodes <= K {
         p.propose(&req, draft).expect("propose");

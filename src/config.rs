@@ -45,7 +45,7 @@
 //! | `allowed_token_ids` | list of ids, not empty | all allowed | vLLM |
 //! | `banned_token_ids` (`suppress_tokens`) | list of ids | none | HF's `suppress_tokens` |
 //! | `logprobs` | integer or null | null (none) | vLLM: number of top alternatives; 0 = the emitted token's only |
-//! | `seed` | integer `>= 0` or null | 0 | the request's [`crate::rng::Stream`] |
+//! | `seed` | integer `>= 0` or null | null: a fresh seed per request ([`crate::decode::SeedSource`]) | the request's [`crate::rng::Stream`] |
 //! | `max_new_tokens` (`max_tokens`) | integer | 256 | the token budget (vLLM's default is 16) |
 //! | `min_tokens` (`min_new_tokens`) | integer `<= max_new_tokens` | 0 | vLLM / HF |
 //! | `stop` (`stop_strings`) | string or list of strings, none empty | none | stop strings (need a [`crate::decode::Detokenizer`] when the generation starts) |
@@ -264,7 +264,8 @@ pub struct RequestConfig {
         deserialize_with = "rq::logprobs"
     )]
     pub logprobs: Option<usize>,
-    /// Seed of the request's random stream.
+    /// Seed of the request's random stream; `None` (absent or `null`): a fresh seed per request
+    /// ([`crate::decode::SeedSource`]).
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -610,7 +611,7 @@ impl RequestConfig {
         }
         Ok(GenerationParams {
             sampling: self.sampling_config()?,
-            seed: self.seed.unwrap_or(d.seed),
+            seed: self.seed,
             max_new_tokens,
             min_tokens,
             stop: self.stop_conditions()?,
@@ -691,7 +692,7 @@ impl RequestConfig {
             cancel: _,
         } = params;
         RequestConfig {
-            seed: Some(*seed),
+            seed: *seed,
             tree_nodes: Some(*tree_nodes),
             tree_branch: Some(*tree_branch),
             max_new_tokens: Some(*max_new_tokens),

@@ -234,7 +234,7 @@ fn the_head_holds_the_targets_true_features_at_every_proposal() {
                 for (i, prompt) in prompts().iter().enumerate() {
                     let params = GenerationParams {
                         sampling: cfg.clone(),
-                        seed: i as u64,
+                        seed: Some(i as u64),
                         max_new_tokens: 30,
                         draft: draft.clone(),
                         tree_nodes: nodes,
@@ -537,7 +537,7 @@ fn p_value<P: Proposer>(name: &str, proposer: P, nodes: usize) -> f64 {
     for seed in 0..N {
         let params = GenerationParams {
             sampling: cfg.clone(),
-            seed,
+            seed: Some(seed),
             max_new_tokens: LEN,
             draft: DraftLength::Fixed(3),
             tree_nodes: nodes,

@@ -2941,7 +2941,8 @@ fn fuzz_draft_model_proposer() {
                 req.seed = c.seed;
                 req.prompt_len = c.prompt_len;
                 req.eos = &eos;
-                req.suppress_eos_rows = c.suppress_eos_rows;
+                req.suppress = &eos;
+                req.suppress_rows = c.suppress_eos_rows;
                 let mut d = Draft::default();
                 let res = p.propose(&req, &mut d);
                 tally(
@@ -3065,7 +3066,8 @@ fn fuzz_heads_proposer() {
                 req.seed = c.seed;
                 req.prompt_len = c.prompt_len;
                 req.eos = &eos;
-                req.suppress_eos_rows = c.suppress_eos_rows;
+                req.suppress = &eos;
+                req.suppress_rows = c.suppress_eos_rows;
                 req.target_hidden = Some(&state);
                 let mut d = Draft::default();
                 let res = p.propose(&req, &mut d);

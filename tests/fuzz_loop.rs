@@ -124,13 +124,16 @@ proptest! {
             poison,
             calls: 0,
         };
-        let mut stop = StopConditions::default().with_stop_sequence(stop_seq.clone());
+        let mut stop = StopConditions::default();
+        if !stop_seq.is_empty() {
+            stop = stop.with_stop_sequence(stop_seq.clone());
+        }
         if let Some(e) = eos {
             stop = stop.with_eos(e);
         }
         let params = GenerationParams {
             sampling: SamplingConfig::builder().temperature(temperature).top_p(top_p).build().unwrap(),
-            seed,
+            seed: Some(seed),
             max_new_tokens: max_new,
             min_tokens,
             stop,

@@ -45,11 +45,12 @@ proptest! {
             let m = ToyModel::markov(vocab, 2, 2.0, seed);
             move |p: &[u32]| m.logits(p)
         }));
-        let mut stop = StopConditions::default().with_stop_sequence(stop_seq.clone());
+        let mut stop = StopConditions::default();
+        if !stop_seq.is_empty() { stop = stop.with_stop_sequence(stop_seq.clone()); }
         if let Some(e) = eos { stop = stop.with_eos(e); }
         let params = GenerationParams {
             sampling: if greedy { SamplingConfig::greedy() } else { SamplingConfig::sampling(0.8).unwrap() },
-            seed,
+            seed: Some(seed),
             max_new_tokens: max_new,
             stop,
             draft: DraftLength::Fixed(k),

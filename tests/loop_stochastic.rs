@@ -99,7 +99,7 @@ fn sequence_counts<P: Proposer, T: TargetModel>(
     for seed in 0..N {
         let params = GenerationParams {
             sampling: cfg.clone(),
-            seed,
+            seed: Some(seed),
             max_new_tokens: LEN,
             draft: DraftLength::Fixed(k),
             ..Default::default()

@@ -367,7 +367,7 @@ fn sequence_counts<T: TargetModel, P: Proposer>(
     for seed in 0..N {
         let params = GenerationParams {
             sampling: cfg.clone(),
-            seed,
+            seed: Some(seed),
             max_new_tokens: LEN,
             draft: DraftLength::Fixed(3),
             tree_nodes: 8,

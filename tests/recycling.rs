@@ -164,7 +164,7 @@ fn check_feedback(sampling: SamplingConfig, tree_nodes: usize, seed: u64) -> usi
         .collect();
     let params = GenerationParams {
         sampling,
-        seed,
+        seed: Some(seed),
         ..GenerationParams::greedy(40)
     }
     .with_draft(DraftLength::Fixed(3))
@@ -453,7 +453,7 @@ fn loop_fits(cfg: &SamplingConfig, len: usize, seed0: u64) -> (Vec<Fit>, f64) {
     for seed in seed0..seed0 + GENS {
         let params = GenerationParams {
             sampling: cfg.clone(),
-            seed,
+            seed: Some(seed),
             ..GenerationParams::greedy(len)
         }
         .with_draft(DraftLength::Fixed(3))

@@ -56,7 +56,7 @@ fn c11_drafts_past_an_accepted_eos_are_never_processed() {
         );
         let params = GenerationParams {
             sampling,
-            seed,
+            seed: Some(seed),
             max_new_tokens: 16,
             stop: StopConditions::eos(3),
             draft: DraftLength::Fixed(5),
@@ -325,7 +325,7 @@ fn c15_seeded_output_is_the_same_for_every_draft_length_policy_and_proposer() {
     let expected = plain_sampling(42, 48);
     let params = |draft| GenerationParams {
         sampling: c15_config(),
-        seed: 42,
+        seed: Some(42),
         max_new_tokens: 48,
         draft,
         ..Default::default()
@@ -442,7 +442,7 @@ fn min_tokens_suppresses_eos_at_every_draft_position() {
         let mut g = Generator::new(target(), DraftModelProposer::new(target()));
         let params = GenerationParams {
             sampling: SamplingConfig::sampling(1.0).unwrap(),
-            seed,
+            seed: Some(seed),
             max_new_tokens: 20,
             min_tokens: 6,
             stop: StopConditions::eos(2),
@@ -648,7 +648,7 @@ impl<P: Proposer> Proposer for FailingProposer<P> {
 fn fault_params() -> GenerationParams {
     GenerationParams {
         sampling: c15_config(),
-        seed: 7,
+        seed: Some(7),
         max_new_tokens: 40,
         draft: DraftLength::Fixed(3),
         ..Default::default()

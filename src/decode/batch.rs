@@ -12,6 +12,7 @@ use super::goodput::{BatchCost, DraftCandidate, GoodputConfig, choose_draft_leng
 use super::metrics::Metrics;
 use super::params::GenerationParams;
 use super::policy::DraftLength;
+use super::seed::SeedSource;
 use super::stop::{Detokenizer, FinishReason};
 use crate::error::{Error, Result};
 use crate::model::{BatchTarget, SlotChunk, SlotInput, TargetModel, TreeTarget};
@@ -367,6 +368,8 @@ pub struct BatchGenerator<B> {
     retired_slots: usize,
     verifier: Verifier,
     logits: Vec<f32>,
+    /// Seeds of requests without one.
+    seeds: SeedSource,
 }
 
 impl<B> fmt::Debug for BatchGenerator<B> {
@@ -420,7 +423,15 @@ impl<B: BatchTarget> BatchGenerator<B> {
             retired_slots: 0,
             verifier: Verifier::new(),
             logits: Vec::new(),
+            seeds: SeedSource::default(),
         }
+    }
+
+    /// Sets where requests without a seed get theirs (default [`SeedSource::os`]): each such
+    /// request draws one when it is submitted, and reports it in [`Generation::seed`].
+    pub fn with_seed_source(mut self, seeds: SeedSource) -> Self {
+        self.seeds = seeds;
+        self
     }
 
     /// Queues a request; it takes a slot as soon as one is free (submission order).
@@ -431,7 +442,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
     /// [`GenerationParams::validate`], and [`Error::InvalidConfig`] when the target has no slot
     /// or a [`DraftLength::Fixed`] draft (`k + 1` rows, or `tree_nodes + 1` for trees) does not
     /// fit the row budget ([`BatchConfig::max_batch_tokens`] and the target's).
-    pub fn submit(&mut self, req: BatchRequest) -> Result<RequestId> {
+    pub fn submit(&mut self, mut req: BatchRequest) -> Result<RequestId> {
         if req.prompt.is_empty() {
             return Err(Error::EmptyPrompt);
         }
@@ -467,6 +478,9 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 ));
             }
         }
+        if req.params.seed.is_none() {
+            req.params.seed = Some(self.seeds.next_seed());
+        }
         let id = RequestId(self.next_id);
         self.next_id += 1;
         self.waiting.push_back((id, req));
@@ -478,10 +492,13 @@ impl<B: BatchTarget> BatchGenerator<B> {
     /// when the id is not waiting or active (unknown or already finished).
     pub fn cancel(&mut self, id: RequestId) -> bool {
         if let Some(i) = self.waiting.iter().position(|(w, _)| *w == id) {
-            self.waiting.remove(i);
+            let seed = self
+                .waiting
+                .remove(i)
+                .map_or(0, |(_, r)| r.params.seed.unwrap_or(0));
             self.finished.push(Finished {
                 id,
-                result: Ok(empty_generation(FinishReason::Cancelled)),
+                result: Ok(empty_generation(FinishReason::Cancelled, seed)),
             });
             return true;
         }
@@ -742,7 +759,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
                     }
                 }
                 Err(e) => {
-                    s.fail(*mark);
+                    s.fail(mark.clone());
                     seq.parked = Some(s.park());
                     seq.error = Some(e);
                     done.push(i);
@@ -1120,7 +1137,10 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 error: seq.error.take().unwrap_or(Error::TargetContract {
                     what: "a request ended before it started",
                 }),
-                partial: Box::new(empty_generation(FinishReason::Error)),
+                partial: Box::new(empty_generation(
+                    FinishReason::Error,
+                    seq.params.seed.unwrap_or(0),
+                )),
             }),
         };
         // A slot whose release fails is not used again (its state is unknown); `step` reports
@@ -1145,12 +1165,14 @@ fn fixed_draft_rows(params: &GenerationParams, k: usize, target_tree_nodes: usiz
     }
 }
 
-fn empty_generation(finish: FinishReason) -> Generation {
+/// A generation that emitted nothing, with the request's `seed`.
+fn empty_generation(finish: FinishReason, seed: u64) -> Generation {
     Generation {
         tokens: Vec::new(),
         finish,
         metrics: Metrics::default(),
         logprobs: None,
         text: None,
+        seed,
     }
 }

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use super::metrics::Metrics;
 use super::params::GenerationParams;
 use super::policy::{AdaptiveState, DraftLength, TreeShape};
-use super::stop::{Detokenizer, FinishReason, TextTracker};
+use super::seed::SeedSource;
+use super::stop::{Detokenizer, FinishReason, StopScan, TextMark, TextTracker};
 use crate::error::{Error, ProposalFault, Result};
 use crate::model::TargetModel;
 use crate::propose::{Draft, ProposeRequest, Proposer, VerifiedRows};
@@ -27,8 +28,12 @@ pub struct Generation {
     pub logprobs: Option<Vec<TokenLogprob>>,
     /// The text of the new tokens when the generator has a [`Detokenizer`], cut before a
     /// completed stop string (or after it with
-    /// [`StopConditions::include_stop_str_in_output`](super::StopConditions::include_stop_str_in_output)).
+    /// [`StopConditions::include_stop_str_in_output`](super::StopConditions::include_stop_str_in_output));
+    /// see the stop rules in [`crate::decode`].
     pub text: Option<String>,
+    /// The seed the generation used: [`GenerationParams::seed`], or the one drawn from the
+    /// generator's [`SeedSource`] when that was `None` (pass it back to reproduce the output).
+    pub seed: u64,
 }
 
 /// A generation that failed: the error, and everything emitted before it.
@@ -144,6 +149,8 @@ pub struct Generator<T, P> {
     /// Width of a row of `hidden_rows`.
     hidden_width: usize,
     detokenizer: Option<Box<dyn Detokenizer>>,
+    /// Seeds of requests without one.
+    seeds: SeedSource,
     /// Per node of a tree draft: accepting it ends the generation.
     node_ends: Vec<bool>,
     /// Scratch for tree paths.
@@ -167,6 +174,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             hidden_rows_ok: false,
             hidden_width: 0,
             detokenizer: None,
+            seeds: SeedSource::default(),
             node_ends: Vec::new(),
             path: Vec::new(),
             row_inputs: Vec::new(),
@@ -177,6 +185,12 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
     /// strings.
     pub fn with_detokenizer(mut self, detokenizer: impl Detokenizer + 'static) -> Self {
         self.detokenizer = Some(Box::new(detokenizer));
+        self
+    }
+
+    /// Sets where requests without a seed get theirs (default [`SeedSource::os`]).
+    pub fn with_seed_source(mut self, seeds: SeedSource) -> Self {
+        self.seeds = seeds;
         self
     }
 
@@ -272,6 +286,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
                         metrics: Metrics::default(),
                         logprobs: None,
                         text: None,
+                        seed: params.seed.unwrap_or(0),
                     }),
                 });
             }
@@ -340,6 +355,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             });
         }
         params.validate(vocab, self.detokenizer.is_some())?;
+        let seed = params.seed.unwrap_or_else(|| self.seeds.next_seed());
         self.target.truncate(0)?;
         self.hidden.clear();
         self.hidden_rows.clear();
@@ -364,6 +380,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             params,
             context: prompt.to_vec(),
             prompt_len: prompt.len(),
+            seed,
             metrics,
             logprobs: params.sampling.logprobs().map(|_| Vec::new()),
             suppressed: params.stop.suppressed_ids(),
@@ -438,6 +455,21 @@ fn hidden_rows_for(rows: &[f32], ok: bool, width: usize, len: usize) -> Option<&
     (ok && rows.len() == want).then_some(rows)
 }
 
+/// The stop scan of a request: with `params`' stops and floor, and the detokenizer when the text
+/// is tracked (always at a commit; for drafts, only when stop strings need it).
+fn stop_scan<'a>(
+    params: &'a GenerationParams,
+    detokenizer: &'a Option<Box<dyn Detokenizer>>,
+    drafts: bool,
+) -> StopScan<'a> {
+    let text = !drafts || !params.stop.stop_strings.is_empty();
+    StopScan {
+        stop: &params.stop,
+        min_tokens: params.min_tokens,
+        detokenizer: detokenizer.as_deref().filter(|_| text),
+    }
+}
+
 /// `Err(TargetContract)` unless the target holds `expected` positions.
 fn check_seq_len<T: TargetModel>(target: &T, expected: usize, what: &'static str) -> Result<()> {
     if target.seq_len() != expected {
@@ -460,6 +492,8 @@ pub struct Session<'g, T, P> {
     params: &'g GenerationParams,
     context: Vec<u32>,
     prompt_len: usize,
+    /// The seed in use ([`Generation::seed`]).
+    seed: u64,
     metrics: Metrics,
     logprobs: Option<Vec<TokenLogprob>>,
     /// Ids banned before `min_tokens` ([`StopConditions::suppressed_ids`]).
@@ -476,6 +510,8 @@ pub struct Session<'g, T, P> {
 pub(crate) struct Parked {
     context: Vec<u32>,
     prompt_len: usize,
+    /// The seed in use ([`Generation::seed`]).
+    seed: u64,
     metrics: Metrics,
     logprobs: Option<Vec<TokenLogprob>>,
     suppressed: Vec<u32>,
@@ -513,6 +549,7 @@ impl Parked {
         let v = SeqView {
             context: &self.context,
             prompt_len: self.prompt_len,
+            seed: self.seed,
             suppressed: &self.suppressed,
         };
         build_request(g, params, v, p, &[])
@@ -558,6 +595,7 @@ fn draft_cap(
 struct SeqView<'s> {
     context: &'s [u32],
     prompt_len: usize,
+    seed: u64,
     suppressed: &'s [u32],
 }
 
@@ -583,7 +621,7 @@ fn build_request<'s, T: TargetModel, P: Proposer>(
         draft_tokens: &g.draft.tokens,
         draft_probs,
         context: v.context,
-        seed: params.seed,
+        seed: v.seed,
         position: Some(v.context.len() as u64),
         prompt_len: v.prompt_len,
         suppress: v.suppressed,
@@ -602,6 +640,7 @@ impl<'g, T, P> Session<'g, T, P> {
         Parked {
             context: self.context,
             prompt_len: self.prompt_len,
+            seed: self.seed,
             metrics: self.metrics,
             logprobs: self.logprobs,
             suppressed: self.suppressed,
@@ -625,6 +664,7 @@ impl<'g, T, P> Session<'g, T, P> {
             params,
             context: p.context,
             prompt_len: p.prompt_len,
+            seed: p.seed,
             metrics: p.metrics,
             logprobs: p.logprobs,
             suppressed: p.suppressed,
@@ -709,6 +749,13 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         if self.finish.is_none() {
             self.finish = Some(reason);
             self.metrics.total_time = self.start.elapsed();
+            // Rule 6: unless a stop string cut it, the text is that of every emitted token
+            // (best effort: the same window decoded without error at the last commit).
+            if reason != FinishReason::StopString
+                && let Some(d) = self.g.detokenizer.as_deref()
+            {
+                let _ = self.text.flush(d, &self.context[self.prompt_len..]);
+            }
             if reason != FinishReason::Error {
                 self.g.proposer.finish(&self.context);
             }
@@ -758,7 +805,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
     /// call left behind. Best effort: the next generation starts with truncate(0) anyway.
     pub(crate) fn fail(&mut self, (len, text): (usize, super::stop::TextMark)) {
         self.context.truncate(len);
-        self.text.reset(text);
+        self.text.reset(&text);
         if let Some(l) = self.logprobs.as_mut() {
             l.truncate(len - self.prompt_len);
         }
@@ -903,12 +950,13 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
                 max_draft: k_req,
                 max_nodes: if nodes > 0 { nodes } else { k_req },
                 max_branch: branch,
-                seed: params.seed,
+                seed: self.seed,
                 target_hidden: (!g.hidden.is_empty()).then_some(&g.hidden[..]),
                 target_hidden_rows: rows,
                 prompt_len: self.prompt_len,
                 eos: &params.stop.eos,
-                suppress_eos_rows: suppress_rows,
+                suppress: &self.suppressed,
+                suppress_rows,
             };
             if nodes > 0 {
                 g.proposer.propose_tree(&req, &mut g.draft)?;
@@ -980,51 +1028,44 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
     /// node's path is checked exactly as a chain's tokens are ([`Session::draft_end`]); its
     /// ancestors were checked before it (topological order), so only its own token can end it.
     fn tree_ends(&mut self) -> Result<()> {
-        let stop = &self.params.stop;
         let n = self.g.draft.len();
         self.g.node_ends.clear();
         self.g.node_ends.resize(n, false);
-        let token_stops = !stop.eos.is_empty() || !stop.stop_sequences.is_empty();
-        let text_stops = !stop.stop_strings.is_empty() && self.g.detokenizer.is_some();
-        if n == 0 || !(token_stops || text_stops) {
+        let scan = stop_scan(self.params, &self.g.detokenizer, true);
+        if n == 0 || !scan.active() {
             return Ok(());
         }
-        let (len, mark) = (self.context.len(), self.text.mark());
+        let (len, root) = (self.context.len(), self.text.mark());
+        // Each node's scan starts from its parent's text (the text after the parent's token).
+        let mut marks: Vec<TextMark> = Vec::with_capacity(n);
+        let keep_from = root.keep();
         let mut keep = vec![true; n];
         let mut path = std::mem::take(&mut self.g.path);
         let mut res = Ok(());
         for i in 0..n {
             let block = self.g.draft.block();
             let r = block.parent_row(i);
+            marks.push(TextMark::default());
             if r > 0 && (!keep[r - 1] || self.g.node_ends[r - 1]) {
                 keep[i] = false;
                 continue;
             }
             block.path_to(i, &mut path);
             self.context.truncate(len);
-            self.text.reset(mark);
             self.context
                 .extend(path.iter().map(|&j| self.g.draft.tokens[j as usize]));
-            let generated = &self.context[self.prompt_len..];
-            if generated.len() < self.params.min_tokens {
-                continue;
-            }
-            if stop.check(generated).is_some() {
-                self.g.node_ends[i] = true;
-                continue;
-            }
-            if let (true, Some(det)) = (text_stops, self.g.detokenizer.as_deref()) {
-                match self.text.push(det, generated, stop, true) {
-                    Ok(hit) => self.g.node_ends[i] = hit,
-                    Err(e) => {
-                        res = Err(e);
-                        break;
-                    }
+            self.text.reset(if r == 0 { &root } else { &marks[r - 1] });
+            match scan.token(&mut self.text, &self.context[self.prompt_len..]) {
+                Ok(end) => self.g.node_ends[i] = end.is_some(),
+                Err(e) => {
+                    res = Err(e);
+                    break;
                 }
             }
+            marks[i] = self.text.mark_from(keep_from);
         }
         self.context.truncate(len);
-        self.text.reset(mark);
+        self.text.reset(&root);
         self.g.path = path;
         res?;
         if keep.iter().all(|&k| k) {
@@ -1066,13 +1107,12 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
     }
 
     /// The draft length after cutting at the first draft token that would end the generation,
-    /// and whether the (new) final draft ends it.
+    /// and whether the (new) final draft ends it: the commit's stop scan over the context plus
+    /// the drafts (rule 8 of the module's stop rules).
     fn draft_end(&mut self) -> Result<(usize, bool)> {
-        let stop = &self.params.stop;
         let k = self.g.draft.tokens.len();
-        let token_stops = !stop.eos.is_empty() || !stop.stop_sequences.is_empty();
-        let text_stops = !stop.stop_strings.is_empty() && self.g.detokenizer.is_some();
-        if k == 0 || !(token_stops || text_stops) {
+        let scan = stop_scan(self.params, &self.g.detokenizer, true);
+        if k == 0 || !scan.active() {
             return Ok((k, false));
         }
         // Append the drafts tentatively (no copy of the context), check, then roll back.
@@ -1080,30 +1120,20 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         let mut end = Ok((k, false));
         for j in 0..k {
             self.context.push(self.g.draft.tokens[j]);
-            let generated = &self.context[self.prompt_len..];
-            if generated.len() < self.params.min_tokens {
-                continue;
-            }
-            if stop.check(generated).is_some() {
-                end = Ok((j + 1, true));
-                break;
-            }
-            if let (true, Some(det)) = (text_stops, self.g.detokenizer.as_deref()) {
-                match self.text.push(det, generated, stop, true) {
-                    Ok(false) => {}
-                    Ok(true) => {
-                        end = Ok((j + 1, true));
-                        break;
-                    }
-                    Err(e) => {
-                        end = Err(e);
-                        break;
-                    }
+            match scan.token(&mut self.text, &self.context[self.prompt_len..]) {
+                Ok(None) => {}
+                Ok(Some(_)) => {
+                    end = Ok((j + 1, true));
+                    break;
+                }
+                Err(e) => {
+                    end = Err(e);
+                    break;
                 }
             }
         }
         self.context.truncate(len);
-        self.text.reset(mark);
+        self.text.reset(&mark);
         end
     }
 
@@ -1171,6 +1201,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
         let v = SeqView {
             context: &self.context,
             prompt_len: self.prompt_len,
+            seed: self.seed,
             suppressed: &self.suppressed,
         };
         build_request(self.g, self.params, v, p, target_logits)
@@ -1180,25 +1211,15 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
     /// cache for exactly them but the last (a chain by truncation, a tree by committing the
     /// accepted path). Returns what was kept.
     fn commit(&mut self, p: &Proposed, out: &StepOutput) -> Result<Kept> {
-        let params = self.params;
         let before = self.context.len();
         let text_before = self.text.released;
+        let scan = stop_scan(self.params, &self.g.detokenizer, false);
         let mut kept = 0;
         let mut reason = None;
         for &tok in &out.tokens {
             self.context.push(tok);
             kept += 1;
-            let generated = &self.context[self.prompt_len..];
-            let check = generated.len() >= params.min_tokens;
-            if check {
-                reason = params.stop.check(generated);
-            }
-            if let Some(det) = self.g.detokenizer.as_deref()
-                && self.text.push(det, generated, &params.stop, check)?
-                && reason.is_none()
-            {
-                reason = Some(FinishReason::StopString);
-            }
+            reason = scan.token(&mut self.text, &self.context[self.prompt_len..])?;
             if reason.is_some() {
                 break;
             }
@@ -1366,6 +1387,7 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             metrics: std::mem::take(&mut self.metrics),
             logprobs: self.logprobs.take(),
             text,
+            seed: self.seed,
         }
     }
 

@@ -19,6 +19,7 @@ pub mod goodput;
 mod metrics;
 mod params;
 mod policy;
+mod seed;
 mod stop;
 
 pub use crate::model::TargetModel;
@@ -30,4 +31,5 @@ pub use goodput::GoodputConfig;
 pub use metrics::Metrics;
 pub use params::GenerationParams;
 pub use policy::{AdaptiveConfig, AdaptiveState, DraftLength, PlannedNode, TreeShape};
+pub use seed::SeedSource;
 pub use stop::{Detokenizer, FinishReason, StopConditions};

@@ -10,7 +10,8 @@ use crate::sampling::SamplingConfig;
 
 /// Parameters of one generation request.
 ///
-/// The [`Default`] is valid: greedy sampling, seed 0, at most 256 new tokens, no `min_tokens`,
+/// The [`Default`] is valid: greedy sampling, no seed (a fresh one per request), at most 256
+/// new tokens, no `min_tokens`,
 /// no stop condition, a fixed draft length of 4 ([`DraftLength::default`]), no cancel flag.
 /// Every field is validated by [`Generator::session`](super::Generator::session) before the target runs.
 #[derive(Debug, Clone)]
@@ -19,8 +20,13 @@ pub struct GenerationParams {
     pub sampling: SamplingConfig,
     /// Seed of the request's random stream ([`crate::rng::Stream`]). With point-mass proposers
     /// (prompt lookup, suffix) the same seed gives the same tokens whatever the proposer, the
-    /// draft length and the policy, and the same tokens as plain sampling (case C15).
-    pub seed: u64,
+    /// draft length, the policy and the batch, and the same tokens as plain sampling (case C15).
+    ///
+    /// `None` (the default, and `"seed": null` in configs) draws a fresh seed for each request
+    /// from the generator's [`SeedSource`](super::SeedSource) (the OS by default), so two
+    /// requests without a seed are independent (case C20); the seed used is reported in
+    /// [`Generation::seed`](super::Generation::seed).
+    pub seed: Option<u64>,
     /// Maximum number of new tokens (the token budget). Default 256.
     pub max_new_tokens: usize,
     /// Minimum number of new tokens before the generation may stop: until then the EOS ids (and
@@ -60,13 +66,13 @@ pub struct GenerationParams {
 }
 
 impl Default for GenerationParams {
-    /// Greedy sampling ([`SamplingConfig::greedy`]), seed 0, `max_new_tokens` 256,
+    /// Greedy sampling ([`SamplingConfig::greedy`]), no seed, `max_new_tokens` 256,
     /// `min_tokens` 0, no stop condition, draft length `Fixed(4)`, chains (`tree_nodes` 0), no
     /// cancel flag.
     fn default() -> Self {
         GenerationParams {
             sampling: SamplingConfig::greedy(),
-            seed: 0,
+            seed: None,
             max_new_tokens: 256,
             min_tokens: 0,
             stop: StopConditions::default(),
@@ -112,10 +118,16 @@ impl GenerationParams {
     pub fn sampled(sampling: SamplingConfig, seed: u64, max_new_tokens: usize) -> Self {
         GenerationParams {
             sampling,
-            seed,
+            seed: Some(seed),
             max_new_tokens,
             ..Default::default()
         }
+    }
+
+    /// Sets the seed ([`GenerationParams::seed`]).
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
     }
 
     /// Replaces the stop conditions (the token budget is kept).
@@ -153,7 +165,7 @@ impl GenerationParams {
     /// # Errors
     /// [`Error::TokenOutOfVocab`] for a configuration, EOS or stop-sequence token outside the
     /// vocabulary; [`Error::InvalidConfig`] for `min_tokens > max_new_tokens`, an empty stop
-    /// string, stop strings without a detokenizer (`has_detokenizer`), or an invalid adaptive
+    /// string or stop sequence, stop strings without a detokenizer (`has_detokenizer`), or an invalid adaptive
     /// configuration.
     pub fn validate(&self, vocab: usize, has_detokenizer: bool) -> Result<()> {
         self.sampling.check_vocab(vocab)?;
@@ -181,6 +193,13 @@ impl GenerationParams {
                 "stop.stop_strings",
                 "\"\"",
                 "stop strings must not be empty",
+            ));
+        }
+        if self.stop.stop_sequences.iter().any(Vec::is_empty) {
+            return Err(Error::config(
+                "stop.stop_sequences",
+                "[]",
+                "stop sequences must not be empty",
             ));
         }
         if !self.stop.stop_strings.is_empty() && !has_detokenizer {

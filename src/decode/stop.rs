@@ -42,15 +42,14 @@ impl StopConditions {
         self
     }
 
-    /// Adds a stop token sequence (ignored when empty).
+    /// Adds a stop token sequence (an empty one is refused when the generation starts, as an
+    /// empty stop string is, whether it came from here, the public field or serde).
     pub fn with_stop_sequence(mut self, seq: Vec<u32>) -> Self {
-        if !seq.is_empty() {
-            self.stop_sequences.push(seq);
-        }
+        self.stop_sequences.push(seq);
         self
     }
 
-    /// Adds a stop string (an empty string is rejected when the generation starts).
+    /// Adds a stop string (an empty string is refused when the generation starts).
     pub fn with_stop_string(mut self, stop: impl Into<String>) -> Self {
         self.stop_strings.push(stop.into());
         self
@@ -135,97 +134,161 @@ impl std::fmt::Display for FinishReason {
 ///
 /// Decoding follows the usual incremental scheme (as in HF transformers' and vLLM's
 /// detokenizers): the text of `tokens[prefix..]` minus the text of `tokens[prefix..read]` is the
-/// new text, accepted only when it does not end in U+FFFD (an incomplete UTF-8 character), so
-/// every decode call sees a short window and the text only ever grows by complete characters.
+/// new text, so every decode call sees a short window. New text that ends in U+FFFD (an
+/// incomplete UTF-8 character, or bytes that may still become one) is split: its complete
+/// characters are *visible* at once (the stop check sees them, case C17) as a tentative tail, and
+/// the window only advances past the token once its text ends in a complete character. The
+/// visible text only ever grows ([`crate::decode`], "Stop rules", rule 3).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct TextTracker {
-    /// Text of the generated tokens `[..read]`.
+    /// The visible text of the generated tokens: the text of `[..read]`, then the complete
+    /// characters of the newer tokens (the last `tail` bytes).
     pub text: String,
+    /// Bytes at the end of `text` that belong to tokens `[read..]` (not yet final).
+    tail: usize,
     prefix: usize,
     read: usize,
+    /// Length of the visible text before the last [`TextTracker::push`]: a stop string
+    /// completes at the pushed token only when its occurrence ends after it.
+    before: usize,
     /// Bytes of `text` already handed to the caller.
     pub released: usize,
-    /// Set when a stop string was found: the end of the output text.
+    /// Set when a stop string ended the generation: the end of the output text.
     pub stop_at: Option<usize>,
 }
 
-/// A [`TextTracker`] state to return to ([`TextTracker::mark`]).
-#[derive(Debug, Clone, Copy)]
+/// A [`TextTracker`] state to return to ([`TextTracker::mark`]): a copy of everything but the
+/// text, of which only a length `keep` is kept and a copy of the rest (pushes after the mark
+/// change the text only after `keep`).
+#[derive(Debug, Clone, Default)]
 pub(crate) struct TextMark {
-    len: usize,
+    /// Length of the text kept by [`TextTracker::reset`] (at most the final part).
+    keep: usize,
+    /// The text after `keep` (the tail and anything newer, at the mark).
+    tail_text: String,
+    tail: usize,
     prefix: usize,
     read: usize,
+    before: usize,
     released: usize,
     stop_at: Option<usize>,
+}
+
+impl TextMark {
+    /// The length of the text that resets to this mark keep.
+    pub fn keep(&self) -> usize {
+        self.keep
+    }
 }
 
 impl TextTracker {
     /// The current state, for [`TextTracker::reset`].
     pub fn mark(&self) -> TextMark {
+        self.mark_from(self.text.len() - self.tail)
+    }
+
+    /// The current state, keeping a copy of the text after byte `keep`, which must be at most
+    /// the final (non-tail) length of the text at an earlier [`TextTracker::mark`] that every
+    /// state reset to it descends from (a draft tree's root).
+    pub fn mark_from(&self, keep: usize) -> TextMark {
         TextMark {
-            len: self.text.len(),
+            keep,
+            tail_text: self.text[keep..].to_string(),
+            tail: self.tail,
             prefix: self.prefix,
             read: self.read,
+            before: self.before,
             released: self.released,
             stop_at: self.stop_at,
         }
     }
 
-    /// Returns to a state taken by [`TextTracker::mark`] (text only grows between the two).
-    pub fn reset(&mut self, m: TextMark) {
-        self.text.truncate(m.len);
+    /// Returns to a state taken by [`TextTracker::mark`] or [`TextTracker::mark_from`] of this
+    /// tracker (pushes only change the text after the mark's `keep`).
+    pub fn reset(&mut self, m: &TextMark) {
+        debug_assert!(m.keep <= self.text.len());
+        self.text.truncate(m.keep);
+        self.text.push_str(&m.tail_text);
+        self.tail = m.tail;
         self.prefix = m.prefix;
         self.read = m.read;
+        self.before = m.before;
         self.released = m.released;
         self.stop_at = m.stop_at;
     }
 
-    /// Takes `generated` (all generated tokens, the last one just appended) into the text and
-    /// checks the stop strings in the part of the text that changed. Returns `true` when a stop
-    /// string is completed (then `stop_at` is set).
-    pub fn push(
-        &mut self,
-        d: &dyn Detokenizer,
-        generated: &[u32],
-        stop: &StopConditions,
-        check_stops: bool,
-    ) -> Result<bool> {
+    /// Takes `generated` (all generated tokens, the last one just appended, the tracker holding
+    /// the text of the ones before) into the visible text, and remembers where the visible text
+    /// ended before it (for [`TextTracker::find_stop`]).
+    ///
+    /// # Errors
+    /// The detokenizer's.
+    pub fn push(&mut self, d: &dyn Detokenizer, generated: &[u32]) -> Result<()> {
+        self.before = self.text.len();
         let before = d.decode(&generated[self.prefix..self.read])?;
         let now = d.decode(&generated[self.prefix..])?;
-        if now.len() <= before.len() || now.ends_with('\u{FFFD}') || !now.starts_with(&before) {
-            return Ok(false);
+        let Some(new) = now.strip_prefix(before.as_str()) else {
+            // The window's text changed before its end (a decoder that does not decode windows
+            // consistently): keep the visible text and wait for the next token.
+            return Ok(());
+        };
+        let complete = new.trim_end_matches('\u{FFFD}');
+        let keep = self.text.len() - self.tail;
+        if !complete.starts_with(&self.text[keep..]) {
+            // Never take back visible text.
+            return Ok(());
         }
-        let old_len = self.text.len();
-        self.text.push_str(&now[before.len()..]);
-        self.prefix = self.read;
-        self.read = generated.len();
-        if !check_stops || stop.stop_strings.is_empty() {
-            return Ok(false);
+        self.text.truncate(keep);
+        self.text.push_str(complete);
+        if complete.len() == new.len() && !new.is_empty() {
+            self.tail = 0;
+            self.prefix = self.read;
+            self.read = generated.len();
+        } else {
+            self.tail = complete.len();
         }
-        let longest = stop.stop_strings.iter().map(String::len).max().unwrap_or(0);
-        let mut from = old_len.saturating_sub(longest.saturating_sub(1));
-        while !self.text.is_char_boundary(from) {
-            from -= 1;
-        }
+        Ok(())
+    }
+
+    /// Looks for a stop string completed by the last [`TextTracker::push`]: an occurrence ending
+    /// in the text that push made visible; of those, the one that ends first, and on a tie the
+    /// one that starts first (rule 4). Sets `stop_at` and returns `true` when one is found.
+    pub fn find_stop(&mut self, stop: &StopConditions) -> bool {
         let hit = stop
             .stop_strings
             .iter()
-            .filter(|s| !s.is_empty())
-            .filter_map(|s| {
-                self.text[from..]
-                    .find(s.as_str())
-                    .map(|i| (from + i, s.len()))
-            })
-            .min();
-        if let Some((at, len)) = hit {
-            self.stop_at = Some(if stop.include_stop_str_in_output {
-                at + len
-            } else {
-                at
-            });
-            return Ok(true);
+            .filter_map(|s| first_ending_after(&self.text, s, self.before))
+            .min_by_key(|&(a, b)| (b, a));
+        let Some((a, b)) = hit else {
+            return false;
+        };
+        self.stop_at = Some(if stop.include_stop_str_in_output {
+            b
+        } else {
+            a
+        });
+        true
+    }
+
+    /// The final text of a generation that did not end at a stop string (rule 6): the text of
+    /// every generated token, the decoder's rendering of an incomplete final character included.
+    pub fn flush(&mut self, d: &dyn Detokenizer, generated: &[u32]) -> Result<()> {
+        if self.stop_at.is_some() || self.read == generated.len() {
+            return Ok(());
         }
-        Ok(false)
+        let before = d.decode(&generated[self.prefix..self.read])?;
+        let now = d.decode(&generated[self.prefix..])?;
+        if let Some(new) = now.strip_prefix(before.as_str()) {
+            let keep = self.text.len() - self.tail;
+            if new.starts_with(&self.text[keep..]) {
+                self.text.truncate(keep);
+                self.text.push_str(new);
+                self.tail = 0;
+                self.prefix = self.read;
+                self.read = generated.len();
+            }
+        }
+        Ok(())
     }
 
     /// The output text: cut at the stop string when one was found.
@@ -233,9 +296,9 @@ impl TextTracker {
         &self.text[..self.stop_at.unwrap_or(self.text.len())]
     }
 
-    /// How much of the text may be streamed now: everything except a suffix that could still
-    /// grow into a stop string (or everything up to the stop, once found; everything when
-    /// `finished`).
+    /// How much of the text may be streamed now (rule 7): everything except the longest suffix
+    /// that is a proper prefix of a stop string (everything up to the stop, once found;
+    /// everything when `finished`).
     pub fn releasable(&self, stop: &StopConditions, finished: bool) -> usize {
         if let Some(at) = self.stop_at {
             return at;
@@ -245,7 +308,7 @@ impl TextTracker {
         }
         let t = self.text.as_str();
         let mut hold = 0;
-        for s in stop.stop_strings.iter().filter(|s| !s.is_empty()) {
+        for s in &stop.stop_strings {
             // The longest proper prefix of `s` that is a suffix of the text.
             for (i, _) in s.char_indices().skip(1) {
                 if i > hold && t.ends_with(&s[..i]) {
@@ -254,6 +317,71 @@ impl TextTracker {
             }
         }
         t.len() - hold
+    }
+}
+
+/// The first occurrence `[a, b)` of `s` in `text` with `b > after` (occurrences may overlap);
+/// `None` for an empty `s` or when there is none.
+fn first_ending_after(text: &str, s: &str, after: usize) -> Option<(usize, usize)> {
+    if s.is_empty() {
+        return None;
+    }
+    // An occurrence ending after `after` starts after `after - s.len()`.
+    let mut from = (after + 1).saturating_sub(s.len());
+    while !text.is_char_boundary(from) {
+        from -= 1;
+    }
+    while let Some(i) = text.get(from..)?.find(s) {
+        let a = from + i;
+        if a + s.len() > after {
+            return Some((a, a + s.len()));
+        }
+        // The next character boundary after `a`.
+        from = a + text[a..].chars().next().map_or(1, char::len_utf8);
+    }
+    None
+}
+
+/// The stop scan (rules 1-5 of [`crate::decode`]'s "Stop rules"), one appended token at a time:
+/// the same code for a draft chain, each path of a draft tree, and the commit of a verified step.
+#[derive(Clone, Copy)]
+pub(crate) struct StopScan<'a> {
+    /// The request's stops.
+    pub stop: &'a StopConditions,
+    /// `min_tokens`: no stop completes at a token below it.
+    pub min_tokens: usize,
+    /// The detokenizer when the text is tracked (stop strings need it).
+    pub detokenizer: Option<&'a dyn Detokenizer>,
+}
+
+impl StopScan<'_> {
+    /// Whether any stop can end a generation (a scan of drafts is needed).
+    pub fn active(&self) -> bool {
+        !self.stop.eos.is_empty()
+            || !self.stop.stop_sequences.is_empty()
+            || (!self.stop.stop_strings.is_empty() && self.detokenizer.is_some())
+    }
+
+    /// Takes the token just appended to `generated` (all generated tokens) into `text` and
+    /// returns the stop that it completes, if any (at one token: EOS, then a stop sequence,
+    /// then a stop string; only a stop string sets `text.stop_at`).
+    ///
+    /// # Errors
+    /// The detokenizer's.
+    pub fn token(&self, text: &mut TextTracker, generated: &[u32]) -> Result<Option<FinishReason>> {
+        if let Some(d) = self.detokenizer {
+            text.push(d, generated)?;
+        }
+        if generated.len() < self.min_tokens {
+            return Ok(None);
+        }
+        if let Some(r) = self.stop.check(generated) {
+            return Ok(Some(r));
+        }
+        if self.detokenizer.is_some() && text.find_stop(self.stop) {
+            return Ok(Some(FinishReason::StopString));
+        }
+        Ok(None)
     }
 }
 

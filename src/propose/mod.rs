@@ -79,9 +79,13 @@ pub struct ProposeRequest<'a> {
     /// End-of-sequence token ids. A draft ends at its first EOS: a proposer never drafts past
     /// one (nothing after an end can be emitted), and sampling proposers process no row after it.
     pub eos: &'a [u32],
-    /// Draft rows `0..suppress_eos_rows` ban the `eos` ids (`min_tokens` not yet reached), exactly
-    /// as the verifier's target rows at the same positions do.
-    pub suppress_eos_rows: usize,
+    /// The ids banned at draft rows `0..suppress_rows` while `min_tokens` is not reached: every
+    /// id the loop bans on the target rows of the same positions (the EOS ids and the
+    /// single-token stop sequences, [`crate::decode::StopConditions::suppressed_ids`]), so that
+    /// sampling proposers draw from the distribution the verifier checks against (case C19).
+    pub suppress: &'a [u32],
+    /// Number of leading draft rows (depths, for a tree) at which the `suppress` ids are banned.
+    pub suppress_rows: usize,
 }
 
 impl<'a> ProposeRequest<'a> {
@@ -100,7 +104,8 @@ impl<'a> ProposeRequest<'a> {
             target_hidden_rows: None,
             prompt_len: 0,
             eos: &[],
-            suppress_eos_rows: 0,
+            suppress: &[],
+            suppress_rows: 0,
         }
     }
 

@@ -546,7 +546,8 @@ impl PromptLookupConfig {
 ///     target_hidden_rows: None,
 ///     prompt_len: 0,
 ///     eos: &[],
-///     suppress_eos_rows: 0,
+///     suppress: &[],
+///     suppress_rows: 0,
 /// };
 /// let mut draft = Draft::default();
 /// lookup.propose(&req, &mut draft)?;
@@ -776,7 +777,8 @@ mod tests {
             target_hidden_rows: None,
             prompt_len: 0,
             eos: &[],
-            suppress_eos_rows: 0,
+            suppress: &[],
+            suppress_rows: 0,
         };
         let mut draft = Draft {
             tokens: vec![99; 7],

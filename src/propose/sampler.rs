@@ -9,7 +9,7 @@ use crate::sampling::{BlockHistory, RowProcessor, SamplingConfig, TokenDist, sam
 ///
 /// Row `i` is processed with the request's configuration and the history the verifier will use
 /// for target row `i` (one [`BlockHistory`] type for both: penalty counts and mask prefix over
-/// the context plus drafts `0..i`, EOS suppressed at rows `0..suppress_eos_rows`), so q is
+/// the context plus drafts `0..i`, the `suppress` ids banned at rows `0..suppress_rows`), so q is
 /// exactly the distribution the verifier needs. Greedy requests take the argmax and return no
 /// q; sampling requests draw with the uniform of [`Stream`] at `(context.len() + i, DRAFT)` and
 /// record the processed row as q (`[k, vocab]`).
@@ -24,16 +24,19 @@ pub(crate) struct DraftSampler {
 
 impl DraftSampler {
     /// Starts a block after `req.context` over a vocabulary of `vocab` tokens, with the
-    /// request's prompt split and EOS suppression.
+    /// request's prompt split and suppressed ids.
     pub(crate) fn begin(&mut self, req: &ProposeRequest<'_>, vocab: usize) -> Result<()> {
-        // EOS ids outside a shorter draft vocabulary are impossible there anyway.
+        // Ids outside a shorter draft vocabulary are impossible there anyway.
         self.hist.begin(
             req.config,
             req.context,
             req.prompt_len,
             vocab,
-            req.eos.iter().copied().filter(|&t| (t as usize) < vocab),
-            req.suppress_eos_rows,
+            req.suppress
+                .iter()
+                .copied()
+                .filter(|&t| (t as usize) < vocab),
+            req.suppress_rows,
         )?;
         self.q.clear();
         self.base = req.context.len();

@@ -601,7 +601,8 @@ impl Corpus {
 ///     target_hidden_rows: None,
 ///     prompt_len: 0,
 ///     eos: &[],
-///     suppress_eos_rows: 0,
+///     suppress: &[],
+///     suppress_rows: 0,
 /// };
 /// let mut draft = Draft::default();
 /// suffix.propose(&req, &mut draft)?;
@@ -1216,7 +1217,8 @@ mod tests {
             target_hidden_rows: None,
             prompt_len: 0,
             eos: &[],
-            suppress_eos_rows: 0,
+            suppress: &[],
+            suppress_rows: 0,
         };
         let mut draft = Draft {
             tokens: vec![77; 3],

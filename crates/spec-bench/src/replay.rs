@@ -225,7 +225,8 @@ pub fn replay(
             target_hidden_rows: None,
             prompt_len: 0,
             eos: &[],
-            suppress_eos_rows: 0,
+            suppress: &[],
+            suppress_rows: 0,
         };
         proposer.propose(&req, &mut draft)?;
         let n = draft.tokens.len().min(req.max_draft);
@@ -275,7 +276,8 @@ pub fn replay_tree(
             target_hidden_rows: None,
             prompt_len: 0,
             eos: &[],
-            suppress_eos_rows: 0,
+            suppress: &[],
+            suppress_rows: 0,
         };
         proposer.propose_tree(&req, &mut draft)?;
         let block = draft.block();
@@ -731,7 +733,8 @@ mod tests {
                     target_hidden_rows: None,
                     prompt_len: 0,
                     eos: &[],
-                    suppress_eos_rows: 0,
+                    suppress: &[],
+                    suppress_rows: 0,
                 };
                 pl.propose(&req, &mut d).unwrap();
                 let a_pl = matched(&d.tokens, &trace.output[i..]);

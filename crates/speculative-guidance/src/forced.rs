@@ -147,7 +147,7 @@ impl<P: Proposer> ForcedDrafts<P> {
             context: &self.ctx,
             max_draft: req.max_draft - f.len(),
             max_nodes: req.max_nodes.saturating_sub(f.len()),
-            suppress_eos_rows: req.suppress_eos_rows.saturating_sub(f.len()),
+            suppress_rows: req.suppress_rows.saturating_sub(f.len()),
             target_hidden: if f.is_empty() {
                 req.target_hidden
             } else {
@@ -322,7 +322,7 @@ impl<P: Proposer> Proposer for ForcedDrafts<P> {
                 context: &ctx,
                 max_draft: room,
                 max_nodes: room,
-                suppress_eos_rows: req.suppress_eos_rows.saturating_sub(draft.tokens.len()),
+                suppress_rows: req.suppress_rows.saturating_sub(draft.tokens.len()),
                 target_hidden: None,
                 target_hidden_rows: None,
                 ..*req
