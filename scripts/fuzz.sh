@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Long fuzzing campaign: runs the properties of tests/fuzz.rs (every public entry point of the
 # core crate: verifier single and batch, row processing, TokenDist, the configuration builder,
-# the top-k / top-p / min-p helpers, the random stream, every proposer) and tests/fuzz_loop.rs
-# (the decoding loop with rogue proposers and poisoned targets) with many cases each, prints the
-# number of cases tried, and exits non-zero when a property fails.
+# the top-k / top-p / min-p helpers, the random stream, every proposer), tests/fuzz_loop.rs
+# (the decoding loop with rogue proposers and poisoned targets) and tests/text_reference.rs (the
+# whole text path against its brute-force reference, alone and batched) with many cases each,
+# prints the number of cases tried, and exits non-zero when a property fails.
 #
 # Usage: scripts/fuzz.sh [TEST-NAME-FILTER]
 #   FUZZ_CASES          cases per property (default 100000; `cargo test` alone runs 256)
@@ -27,6 +28,12 @@ if cargo test -p speculative --test fuzz_loop -- "$@" 2>&1 | tee -a "$log" | gre
 elif grep -q 'the_loop_never_panics' "$log"; then
   echo "fuzz loop: ${FUZZ_CASES} cases (FAILED)" | tee -a "$log"
   status=1
+fi
+# The text reference property prints its own "fuzz text_reference: <n> cases" line.
+text_property=the_loop_matches_the_text_reference
+if [ $# -eq 0 ] || [[ "$text_property" == *"$1"* ]]; then
+  cargo test -p speculative --test text_reference -- --exact "$text_property" --nocapture 2>&1 \
+    | tee -a "$log" || status=$?
 fi
 elapsed=$(( $(date +%s) - start ))
 

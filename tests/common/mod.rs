@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod steps;
+pub mod text;
 pub mod tree;
 
 use speculative::sampling::{History, RowProcessor, TokenCounts};
