@@ -153,7 +153,7 @@ fn vllm_sampling_params_load_like_the_builder() {
         .unwrap();
     let want = GenerationParams {
         sampling,
-        seed: 1234,
+        seed: Some(1234),
         max_new_tokens: 200,
         min_tokens: 4,
         stop: StopConditions::default()
@@ -221,6 +221,49 @@ fn stop_fields_map_to_stop_conditions() {
     );
     // `stop_token_ids` are single-token stops, banned before `min_tokens` like EOS.
     assert_eq!(s.suppressed_ids(), [1, 2, 7]);
+}
+
+#[test]
+fn c20_a_null_or_absent_seed_means_a_fresh_seed_per_request() {
+    for text in [
+        r#"{"seed": null, "temperature": 1.0}"#,
+        r#"{"temperature": 1.0}"#,
+    ] {
+        let p: GenerationParams = json(text).unwrap();
+        assert_eq!(p.seed, None, "{text}");
+        assert_eq!(
+            p,
+            GenerationParams {
+                seed: None,
+                ..p.clone()
+            }
+        );
+    }
+    let p: GenerationParams = json(r#"{"seed": 0}"#).unwrap();
+    assert_eq!(p.seed, Some(0));
+    // Round trips keep both forms.
+    round_trip(&p);
+    round_trip(&GenerationParams::default());
+}
+
+#[test]
+fn empty_stops_are_refused_the_same_way_from_serde_and_the_builder() {
+    // serde refuses them while loading.
+    invalid_value(r#"{"stop": [""]}"#, "stop");
+    invalid_value(r#"{"stop_token_sequences": [[]]}"#, "stop_token_sequences");
+    // The builder and the public fields: refused when the generation starts.
+    for stop in [
+        StopConditions::default().with_stop_string(""),
+        StopConditions::default().with_stop_sequence(vec![]),
+        StopConditions {
+            stop_sequences: vec![vec![]],
+            ..StopConditions::default()
+        },
+    ] {
+        let params = GenerationParams::greedy(4).with_stop(stop);
+        let err = params.validate(8, true).unwrap_err();
+        assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
+    }
 }
 
 #[test]
@@ -600,7 +643,7 @@ fn lenient_skips_only_the_documented_hf_keys() {
     )
     .unwrap()
     .into_inner();
-    assert_eq!(p.seed, 3);
+    assert_eq!(p.seed, Some(3));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -767,7 +810,7 @@ proptest! {
         let sampling = b.build().unwrap();
         let p = GenerationParams {
             sampling,
-            seed,
+            seed: Some(seed),
             max_new_tokens,
             min_tokens: (max_new_tokens as f64 * min_frac) as usize,
             stop: StopConditions {

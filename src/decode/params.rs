@@ -29,10 +29,11 @@ pub struct GenerationParams {
     pub seed: Option<u64>,
     /// Maximum number of new tokens (the token budget). Default 256.
     pub max_new_tokens: usize,
-    /// Minimum number of new tokens before the generation may stop: until then the EOS ids (and
-    /// single-token stop sequences) are banned at every target and draft row, and no stop
-    /// sequence or stop string ends the generation (vLLM's `min_tokens`). Must not exceed
-    /// `max_new_tokens`. Default 0.
+    /// Minimum number of new tokens before the generation may stop: the first `min_tokens`
+    /// tokens are never an EOS id or a single-token stop sequence (banned at every target and
+    /// draft row), and a stop sequence or stop string ends the generation only when it completes
+    /// at token `min_tokens` or later (vLLM's `min_tokens`; rule 1 of [`crate::decode`]'s stop
+    /// rules). Must not exceed `max_new_tokens`. Default 0.
     pub min_tokens: usize,
     /// Stop conditions (EOS ids, stop sequences, stop strings). Default: none.
     pub stop: StopConditions,

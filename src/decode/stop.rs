@@ -9,8 +9,10 @@ use crate::error::Result;
 ///
 /// Checked token by token, also inside an accepted block and inside a draft: nothing after the
 /// stopping token is emitted, streamed or counted, and no target or draft row after it is
-/// processed (case C11). Before `min_tokens` tokens have been generated, no stop is checked and
-/// the EOS ids (and single-token stop sequences) are banned at every target and draft row.
+/// processed (case C11). A stop completes only at or after the `min_tokens` floor, before
+/// which the EOS ids (and single-token stop sequences) are banned at every target and draft
+/// row. The full rules (which text a stop string may match, earliest completion, partial
+/// characters, streaming) are in [`crate::decode`]'s "Stop rules".
 ///
 /// The default stops on nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -18,12 +20,13 @@ pub struct StopConditions {
     /// End-of-sequence token ids. The EOS token itself is emitted (it is the last token).
     pub eos: Vec<u32>,
     /// Stop token sequences, matched against the generated tokens only (not the prompt),
-    /// including across step boundaries. The completing tokens are emitted.
+    /// including across step boundaries; none may be empty. The completing tokens are emitted.
     pub stop_sequences: Vec<Vec<u32>>,
     /// Stop strings, matched against the generated text (not the prompt), across token
-    /// boundaries and steps. Needs a [`Detokenizer`] on the generator. The token that completes
-    /// a stop string is the last token emitted; the text ends before the stop string, or after
-    /// it with `include_stop_str_in_output`.
+    /// boundaries and steps; none may be empty. Needs a [`Detokenizer`] on the generator. The
+    /// token that completes a stop string is the last token emitted; the text ends before the
+    /// stop string, or after it with `include_stop_str_in_output`; of several completing in one
+    /// token, the one that ends first wins.
     pub stop_strings: Vec<String>,
     /// Keep the stop string in [`crate::decode::Generation::text`] and in the streamed text
     /// (default `false`, as in vLLM and the OpenAI API).

@@ -320,7 +320,7 @@ pub fn run_one(
     }
     let params = GenerationParams {
         sampling: sampling.clone(),
-        seed,
+        seed: Some(seed),
         max_new_tokens: input.max_tokens,
         stop,
         draft: config

@@ -24,7 +24,8 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use speculative::decode::{
-    AdaptiveConfig, DraftLength, Generation, GenerationParams, Generator, StopConditions,
+    AdaptiveConfig, DraftLength, Generation, GenerationParams, Generator, SeedSource,
+    StopConditions,
 };
 use speculative::propose::{
     DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig,
@@ -143,9 +144,10 @@ struct Args {
     /// Top-p (1 = off).
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
-    /// Seed of the random stream.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Seed of the random stream (default: a fresh one, printed when sampling, so that the run
+    /// can be repeated).
+    #[arg(long)]
+    seed: Option<u64>,
     /// Maximum new tokens.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -377,9 +379,14 @@ fn run() -> Result<(), DynError> {
     } else {
         a.k.clone()
     };
+    // One seed for both runs of --compare (the same seed gives the same tokens, C15).
+    let seed = a.seed.unwrap_or_else(|| SeedSource::os().next_seed());
+    if a.temperature > 0.0 {
+        eprintln!("seed {seed}");
+    }
     let params = GenerationParams {
         sampling,
-        seed: a.seed,
+        seed: Some(seed),
         max_new_tokens: a.max_tokens,
         min_tokens: a.min_tokens,
         stop: a

@@ -218,7 +218,9 @@ fn run() -> Result<(), DynError> {
                                 .map_err(|e| e.to_string())?;
                             let params = GenerationParams {
                                 sampling,
-                                seed: cfg.seed.wrapping_mul(1_000_003).wrapping_add(gi as u64),
+                                seed: Some(
+                                    cfg.seed.wrapping_mul(1_000_003).wrapping_add(gi as u64),
+                                ),
                                 max_new_tokens: cfg.max_tokens,
                                 stop: StopConditions::eos(tok.eos_id()),
                                 draft: DraftLength::Off,

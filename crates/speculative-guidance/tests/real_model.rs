@@ -190,7 +190,7 @@ fn params(mask: Arc<GrammarMask>, temperature: f32, seed: u64) -> GenerationPara
         .unwrap();
     GenerationParams {
         sampling,
-        seed,
+        seed: Some(seed),
         max_new_tokens: 160,
         draft: DraftLength::Fixed(8),
         stop: StopConditions::eos(tokenizer().eos_id()),

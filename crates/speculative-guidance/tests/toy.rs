@@ -148,7 +148,7 @@ fn a_bad_grammar_is_a_typed_error() {
 fn params(cfg: SamplingConfig, seed: u64, k: usize) -> GenerationParams {
     GenerationParams {
         sampling: cfg,
-        seed,
+        seed: Some(seed),
         max_new_tokens: LEN,
         draft: if k == 0 {
             DraftLength::Off
