@@ -78,6 +78,7 @@ fn bench_loop(c: &mut Criterion) {
             let steps = 64usize;
             let params = GenerationParams {
                 sampling,
+                seed: Some(0),
                 draft: DraftLength::Fixed(4),
                 ..GenerationParams::greedy(steps * 5)
             };
