@@ -12,8 +12,13 @@
 //! would get from a [`Generator`] alone. The draft lengths of adaptive requests are chosen for
 //! the whole batch by the goodput policy ([`goodput`]). Engines that run one sequence at a time
 //! use it through [`crate::PerSlot`].
+//!
+//! Both policies learn step costs through a [`StepCosts`] source: the measured clock
+//! ([`MeasuredCosts`], the default) or a fixed curve ([`FixedCosts`]) that makes their choices
+//! independent of the machine's load ([`Generator::with_costs`], [`BatchGenerator::with_costs`]).
 
 mod batch;
+mod costs;
 mod generator;
 pub mod goodput;
 mod metrics;
@@ -25,6 +30,7 @@ pub use crate::model::TargetModel;
 pub use batch::{
     BatchConfig, BatchGenerator, BatchMetrics, BatchRequest, BatchStepStats, Finished, RequestId,
 };
+pub use costs::{FixedCosts, MeasuredCosts, StepCosts};
 pub use generator::{Generation, GenerationError, Generator, Session, StepStats, StreamChunk};
 pub use goodput::GoodputConfig;
 pub use metrics::Metrics;
