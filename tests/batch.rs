@@ -195,7 +195,10 @@ fn adaptive_batch(costs: &FixedCosts) -> (Vec<usize>, Vec<(usize, f64)>) {
     done.sort_by_key(|f| f.id);
     for (f, p) in done.iter().zip(&prompts) {
         let plain = Generator::new(target(), speculative::NoProposer)
-            .generate(p, &GenerationParams::greedy(48).with_draft(DraftLength::Off))
+            .generate(
+                p,
+                &GenerationParams::greedy(48).with_draft(DraftLength::Off),
+            )
             .unwrap();
         assert_eq!(f.result.as_ref().unwrap().tokens, plain.tokens);
     }
@@ -214,7 +217,10 @@ fn the_goodput_policy_learns_step_costs_from_the_cost_source() {
         assert_eq!(secs, cheap.forward(n), "{n} rows: {curve:?}");
     }
     let drafting = rows.iter().filter(|&&r| r > 0).count();
-    println!("memory-bound: {drafting} of {} steps drafted, rows {rows:?}", rows.len());
+    println!(
+        "memory-bound: {drafting} of {} steps drafted, rows {rows:?}",
+        rows.len()
+    );
     assert!(drafting * 10 >= rows.len() * 8, "{rows:?}");
     // Deterministic: the same source gives the same steps.
     assert_eq!(adaptive_batch(&cheap).0, rows);
@@ -228,7 +234,10 @@ fn the_goodput_policy_learns_step_costs_from_the_cost_source() {
         "compute-bound: {drafting_dear} of {} steps drafted, rows {rows_dear:?}",
         rows_dear.len()
     );
-    assert!(rows_dear.len() > rows.len(), "plain decoding takes more steps");
+    assert!(
+        rows_dear.len() > rows.len(),
+        "plain decoding takes more steps"
+    );
     assert!(
         drafting_dear * 3 <= rows_dear.len(),
         "{drafting_dear} of {} steps drafted",

@@ -20,8 +20,9 @@ use crate::error::{Error, Result};
 /// policy records. Rows are rows of a target forward: the token before the step plus one per
 /// draft token or tree node (`k + 1` for a chain of `k` drafts, `nodes + 1` for a tree, `1` for
 /// a plain decoding step); in a batch, every row of the batched forward (prefill chunks, decode
-/// rows and drafts of every sequence). Implementations must be cheap and return finite values
-/// `>= 0` (the policies ignore others where they can and are otherwise undefined).
+/// rows and drafts of every sequence). Implementations should be cheap (called once per step)
+/// and return finite values `>= 0`; with other values the policies' choices are meaningless
+/// (the batch's curve ignores them).
 ///
 /// Implemented by [`MeasuredCosts`] (the default of both loops) and [`FixedCosts`]; set one
 /// with [`Generator::with_costs`](super::Generator::with_costs) or
