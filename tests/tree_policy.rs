@@ -24,7 +24,7 @@ fn c10_next(p: &[u32]) -> u32 {
     ((s * 31 + p.len() as u64) % 7) as u32
 }
 
-/// The cost curve of these tests: `12 ms + 2 ms` per row.
+/// The cost curve of these tests: 12 ms a forward plus 2 ms a row.
 fn script() -> FixedCosts {
     FixedCosts::linear(0.012, 0.002).unwrap()
 }
