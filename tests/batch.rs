@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use speculative::decode::{
     AdaptiveConfig, BatchConfig, BatchGenerator, BatchRequest, DraftLength, FinishReason,
-    Generation, GenerationParams, Generator, RequestId, StopConditions,
+    FixedCosts, Generation, GenerationParams, Generator, RequestId, StopConditions,
 };
 use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, SuffixProposer};
 use speculative::test_util::ToyModel;
@@ -170,6 +170,79 @@ fn sampled_batch_equals_each_request_alone_for_its_seed() {
             assert_same(g, w, &format!("sampled case {i}, {slots} slots"));
         }
     }
+}
+
+/// Four adaptive greedy requests whose draft model is the target itself (every draft is
+/// accepted) through a batch whose policies learn from `costs`; returns the draft rows of every
+/// step and the learned cost curve. Checks each output against plain greedy decoding.
+fn adaptive_batch(costs: &FixedCosts) -> (Vec<usize>, Vec<(usize, f64)>) {
+    let mut b = BatchGenerator::new(batch_target(4)).with_costs(costs.clone());
+    let params = GenerationParams::greedy(48).with_draft(DraftLength::Adaptive(AdaptiveConfig {
+        max_draft: 6,
+        ..AdaptiveConfig::default()
+    }));
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(i, 6 + 3 * i)).collect();
+    for p in &prompts {
+        let proposer = Box::new(DraftModelProposer::new(target()));
+        b.submit(BatchRequest::new(p.clone(), params.clone(), proposer))
+            .unwrap();
+    }
+    let mut draft_rows = Vec::new();
+    while !b.is_idle() {
+        draft_rows.push(b.step().unwrap().draft_rows);
+    }
+    let mut done = b.take_finished();
+    done.sort_by_key(|f| f.id);
+    for (f, p) in done.iter().zip(&prompts) {
+        let plain = Generator::new(target(), speculative::NoProposer)
+            .generate(
+                p,
+                &GenerationParams::greedy(48).with_draft(DraftLength::Off),
+            )
+            .unwrap();
+        assert_eq!(f.result.as_ref().unwrap().tokens, plain.tokens);
+    }
+    (draft_rows, b.cost_curve())
+}
+
+#[test]
+fn the_goodput_policy_learns_step_costs_from_the_cost_source() {
+    // Memory-bound: 10 ms a step plus 0.01 ms a row, so draft rows are almost free and every
+    // draft is accepted: the policy drafts on (nearly) every decoding step.
+    let cheap = FixedCosts::linear(0.010, 0.000_01).unwrap();
+    let (rows, curve) = adaptive_batch(&cheap);
+    // The learned curve is the source's, exactly (proposing is free).
+    assert!(curve.len() >= 2, "{curve:?}");
+    for &(n, secs) in &curve {
+        assert_eq!(secs, cheap.forward(n), "{n} rows: {curve:?}");
+    }
+    let drafting = rows.iter().filter(|&&r| r > 0).count();
+    println!(
+        "memory-bound: {drafting} of {} steps drafted, rows {rows:?}",
+        rows.len()
+    );
+    assert!(drafting * 10 >= rows.len() * 8, "{rows:?}");
+    // Deterministic: the same source gives the same steps.
+    assert_eq!(adaptive_batch(&cheap).0, rows);
+    // Compute-bound: 1 ms a row through the origin, a draft row costs as much as a token and
+    // brings less than one: speculation turns itself off but for the first steps (the prior,
+    // until two row counts are measured) and the probes.
+    let dear = FixedCosts::linear(0.0, 0.001).unwrap();
+    let (rows_dear, _) = adaptive_batch(&dear);
+    let drafting_dear = rows_dear.iter().filter(|&&r| r > 0).count();
+    println!(
+        "compute-bound: {drafting_dear} of {} steps drafted, rows {rows_dear:?}",
+        rows_dear.len()
+    );
+    assert!(
+        rows_dear.len() > rows.len(),
+        "plain decoding takes more steps"
+    );
+    assert!(
+        drafting_dear * 3 <= rows_dear.len(),
+        "{drafting_dear} of {} steps drafted",
+        rows_dear.len()
+    );
 }
 
 #[test]

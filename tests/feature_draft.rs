@@ -25,7 +25,7 @@
 mod common;
 
 use common::chi_square;
-use speculative::decode::{AdaptiveConfig, DraftLength, GenerationParams, Generator};
+use speculative::decode::{AdaptiveConfig, DraftLength, FixedCosts, GenerationParams, Generator};
 use speculative::propose::{DraftModelProposer, DraftTreeConfig};
 use speculative::sampling::{History, RowProcessor, TokenCounts, TokenDist};
 use speculative::test_util::{FeatureSource, HiddenFn, ToyFeatureDraft, ToyModel, ToyRnn};
@@ -209,6 +209,14 @@ fn plain(r: &ToyRnn, prompt: &[u32], params: &GenerationParams) -> Vec<u32> {
         .tokens
 }
 
+/// The adaptive policy's step costs in these tests: 4 ms + 1 ms per row, 1 ms per draft token.
+fn costs() -> FixedCosts {
+    FixedCosts::linear(0.004, 0.001)
+        .unwrap()
+        .with_propose_secs(0.001)
+        .unwrap()
+}
+
 #[test]
 fn the_head_holds_the_targets_true_features_at_every_proposal() {
     let adaptive = DraftLength::Adaptive(AdaptiveConfig {
@@ -230,7 +238,9 @@ fn the_head_holds_the_targets_true_features_at_every_proposal() {
             for cfg in [SamplingConfig::greedy(), sampled()] {
                 // One generator, one proposer, every prompt in a row.
                 let checked = Checked::new(head(&r, 0.3, nodes > 0), r.clone(), skip);
-                let mut g = Generator::new(target(&r), checked);
+                // The adaptive policy learns from a fixed cost curve (not the clock), so its
+                // choices, and the counts below, are the same on any machine.
+                let mut g = Generator::new(target(&r), checked).with_costs(costs());
                 for (i, prompt) in prompts().iter().enumerate() {
                     let params = GenerationParams {
                         sampling: cfg.clone(),

@@ -596,10 +596,14 @@ fn adaptive_depth_turns_unprofitable_trees_off() {
             speculative::decode::AdaptiveConfig::default(),
         ))
         .with_tree_nodes(24);
+    // The policy learns from a fixed cost curve, not the clock: 4 ms + 1 ms per row, so a
+    // forward of 25 rows costs 5.8 plain steps.
+    let costs = speculative::decode::FixedCosts::linear(0.004, 0.001).unwrap();
     let mut g = Generator::new(
         ToyModel::c10().with_tree(32),
         RandomTree { vocab: 7, salt: 4 },
-    );
+    )
+    .with_costs(costs);
     let out = g.generate(&[1, 2], &params).unwrap();
     let m = &out.metrics;
     assert!(m.tree_steps > 0, "the policy starts by measuring trees");

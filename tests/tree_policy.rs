@@ -1,108 +1,32 @@
 //! The cost-aware tree-shape policy in the loop (`DraftLength::Adaptive` with `tree_nodes > 0`):
 //! plain decoding with backed-off probes when every draft is rejected, larger (branching) trees
-//! when acceptance is high, chains when only the first sibling is ever accepted, the node
-//! budget, branching limit, token budget and context room respected at every step, and the
-//! output of plain greedy decoding and of plain seeded sampling (point-mass trees, case C15).
+//! when acceptance is high, chains when only the first sibling is ever accepted or when a
+//! second node does not pay, the node budget, branching limit, token budget and context room
+//! respected at every step, and the output of plain greedy decoding and of plain seeded
+//! sampling (point-mass trees, case C15).
 //!
-//! The toy target sleeps `12 ms + 2 ms per row` in each forward, so the cost curve the policy
-//! measures is known up to the scheduler's jitter (c(2) about 1.14, c(9) about 2.1, c(17) about
-//! 3.3 relative to one row); every assertion on a choice keeps a wide margin against it. (At
-//! 3 ms + 0.5 ms the jitter of a loaded 2-core CI machine, about a millisecond, flipped the
-//! branching test: 2 of 4 runs failed beside two busy loops, 0 of 4 at these durations. The
-//! policy reads wall time; a clock the loop could be given would make these tests exact.)
+//! The policy learns its step costs from a fixed cost curve ([`FixedCosts`], set with
+//! `Generator::with_costs`), not from the clock: a forward over `n` rows costs
+//! `12 ms + 2 ms * n` (c(2) 1.14, c(9) 2.1, c(17) 3.3 relative to one row) unless a test says
+//! otherwise, and proposing is free. Every choice is therefore a function of the proposer's
+//! (seeded) acceptance alone: these tests give the same result on a quiet machine and beside a
+//! build, and need no lock against each other.
 
-use std::time::Duration;
-
-use speculative::decode::{AdaptiveConfig, DraftLength, FinishReason, GenerationParams, Generator};
+use speculative::decode::{
+    AdaptiveConfig, DraftLength, FinishReason, FixedCosts, GenerationParams, Generator,
+};
 use speculative::rng::Stream;
 use speculative::test_util::{CallLog, ToyModel, WrongProposer};
-use speculative::tree::DraftBlock;
-use speculative::{
-    Draft, NoProposer, ProposeRequest, Proposer, Result, SamplingConfig, TargetModel, TreeTarget,
-};
+use speculative::{Draft, NoProposer, ProposeRequest, Proposer, Result, SamplingConfig};
 
 fn c10_next(p: &[u32]) -> u32 {
     let s: u64 = p.iter().map(|&t| t as u64).sum();
     ((s * 31 + p.len() as u64) % 7) as u32
 }
 
-/// A target whose forwards take `BASE + PER_ROW * rows` of wall time.
-struct Timed<M> {
-    inner: M,
-    cap: usize,
-}
-
-const BASE: Duration = Duration::from_micros(12000);
-const PER_ROW: Duration = Duration::from_micros(2000);
-
-impl<M: TargetModel> Timed<M> {
-    fn new(mut inner: M) -> Self {
-        let cap = inner.tree().map_or(0, |t| t.max_tree_nodes());
-        Timed { inner, cap }
-    }
-}
-
-/// Held by every test of this file: cargo runs a binary's tests in parallel threads, and on a
-/// 2-core machine the other tests' loops (timed or not) delay the timed target's forwards enough
-/// to change the policy's cost curve (CI failed once with only the timed tests serialised). One
-/// test at a time keeps the measured costs near the script.
-static TIMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn timed_lock() -> std::sync::MutexGuard<'static, ()> {
-    TIMED.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn sleep_rows(rows: usize) {
-    std::thread::sleep(BASE + PER_ROW * rows as u32);
-}
-
-impl<M: TargetModel> TargetModel for Timed<M> {
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn max_context(&self) -> usize {
-        self.inner.max_context()
-    }
-    fn seq_len(&self) -> usize {
-        self.inner.seq_len()
-    }
-    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
-        sleep_rows(tokens.len());
-        self.inner.forward(tokens, logits)
-    }
-    fn truncate(&mut self, len: usize) -> Result<()> {
-        self.inner.truncate(len)
-    }
-    fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
-        self.inner.prefill(tokens)
-    }
-    fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
-        if self.cap > 0 { Some(self) } else { None }
-    }
-}
-
-impl<M: TargetModel> TreeTarget for Timed<M> {
-    fn max_tree_nodes(&self) -> usize {
-        self.cap
-    }
-    fn forward_tree(
-        &mut self,
-        root: u32,
-        block: &DraftBlock<'_>,
-        logits: &mut Vec<f32>,
-    ) -> Result<()> {
-        sleep_rows(block.rows());
-        match self.inner.tree() {
-            Some(t) => t.forward_tree(root, block, logits),
-            None => Err(speculative::Error::model("no tree support")),
-        }
-    }
-    fn commit_tree(&mut self, path: &[u32]) -> Result<()> {
-        match self.inner.tree() {
-            Some(t) => t.commit_tree(path),
-            None => Err(speculative::Error::model("no tree support")),
-        }
-    }
+/// The cost curve of these tests: 12 ms a forward plus 2 ms a row.
+fn script() -> FixedCosts {
+    FixedCosts::linear(0.012, 0.002).unwrap()
 }
 
 /// One request a proposer received: context length, max_nodes, max_draft, max_branch.
@@ -240,7 +164,6 @@ fn branching(parents: &[u32]) -> usize {
 
 #[test]
 fn every_draft_rejected_gives_plain_decoding_with_backed_off_probes() {
-    let _serial = timed_lock();
     let params = GenerationParams::greedy(400)
         .with_draft(adaptive())
         .with_tree_nodes(16);
@@ -251,7 +174,7 @@ fn every_draft_rejected_gives_plain_decoding_with_backed_off_probes() {
         Box::new(Siblings::new(0.0, 0.0, 3)),
     ];
     for proposer in proposers {
-        let mut g = Generator::new(Timed::new(ToyModel::c10().with_tree(32)), proposer);
+        let mut g = Generator::new(ToyModel::c10().with_tree(32), proposer).with_costs(script());
         let mut s = g.session(&[1, 2], &params).unwrap();
         let mut drafting = Vec::new();
         let mut step = 0;
@@ -280,18 +203,30 @@ fn every_draft_rejected_gives_plain_decoding_with_backed_off_probes() {
     }
 }
 
-/// Runs `proposer` under the tree policy on the timed C10 target; returns the requests it
-/// received after the first `skip` and the generation's mean accepted length.
-fn run(proposer: Siblings, tree_nodes: usize, n: usize, skip: usize) -> (Vec<Asked>, f64) {
+/// Runs `proposer` under the tree policy on the C10 target with the cost curve `costs`;
+/// returns the requests it received after the first `skip` and the generation's mean accepted
+/// length.
+fn run_with(
+    proposer: Siblings,
+    costs: FixedCosts,
+    tree_nodes: usize,
+    n: usize,
+    skip: usize,
+) -> (Vec<Asked>, f64) {
     let params = GenerationParams::greedy(n)
         .with_draft(adaptive())
         .with_tree_nodes(tree_nodes);
-    let mut g = Generator::new(Timed::new(ToyModel::c10().with_tree(64)), proposer);
+    let mut g = Generator::new(ToyModel::c10().with_tree(64), proposer).with_costs(costs);
     let prompt = [3, 1, 4];
     let out = g.generate(&prompt, &params).unwrap();
     assert_eq!(out.tokens, plain_greedy(&prompt, n));
     let asked = g.proposer().asked[skip.min(g.proposer().asked.len())..].to_vec();
     (asked, out.metrics.mean_accepted_length())
+}
+
+/// [`run_with`] on the script's cost curve.
+fn run(proposer: Siblings, tree_nodes: usize, n: usize, skip: usize) -> (Vec<Asked>, f64) {
+    run_with(proposer, script(), tree_nodes, n, skip)
 }
 
 fn mean(asked: &[Asked], f: impl Fn(&Asked) -> usize) -> f64 {
@@ -300,7 +235,6 @@ fn mean(asked: &[Asked], f: impl Fn(&Asked) -> usize) -> f64 {
 
 #[test]
 fn high_acceptance_gives_larger_trees() {
-    let _serial = timed_lock();
     // Rank 0 right 90% of the time: a chain of depth 8 expects 6.1 tokens for 9 rows (2.1
     // times one row). Right half the time: 1 or 2 nodes pay, no more.
     let (high, mal) = run(Siblings::new(0.9, 0.0, 1), 32, 600, 10);
@@ -320,7 +254,6 @@ fn high_acceptance_gives_larger_trees() {
 
 #[test]
 fn acceptance_at_rank_1_gives_branching_trees() {
-    let _serial = timed_lock();
     // Rank 0 right 60% of the time, rank 1 whenever rank 0 is wrong: siblings pay.
     // An unlucky warm-up (rank 0 right five times in a row) can judge rank 1 too early; the
     // exploring steps bring it back. Count the second half of the requests.
@@ -337,8 +270,39 @@ fn acceptance_at_rank_1_gives_branching_trees() {
 }
 
 #[test]
+fn acceptance_at_rank_1_gives_chains_where_a_second_node_does_not_pay() {
+    // The proposer of the test above, on a curve where a second row is almost free and a third
+    // costs as much as a plain step (10, 10.5, 20 ms, then 9.5 ms per row): one node (1.6
+    // tokens for 10.5 ms) beats two (a branching pair, 2 tokens for 20 ms) and plain decoding
+    // (1 token for 10 ms), so the policy asks for one-node chains but on its exploring steps.
+    let costs = FixedCosts::curve(&[(1, 0.010), (2, 0.0105), (3, 0.020)]).unwrap();
+    let (asked, mal) = run_with(Siblings::new(0.6, 1.0, 4), costs, 32, 600, 0);
+    let asked = &asked[asked.len() / 2..];
+    let chains = asked.iter().filter(|a| a.branch == 1).count();
+    let single = asked.iter().filter(|a| a.nodes == 1).count();
+    println!(
+        "{} requests, {chains} chains, {single} of one node, mean nodes {:.1}, mean accepted \
+         length {mal:.2}",
+        asked.len(),
+        mean(asked, |a| a.nodes)
+    );
+    assert!(
+        chains * 10 >= asked.len() * 9,
+        "{chains} of {}",
+        asked.len()
+    );
+    assert!(
+        single * 10 >= asked.len() * 9,
+        "{single} of {}",
+        asked.len()
+    );
+    // Speculating still pays: most steps are not plain decoding.
+    assert!(asked.len() > 150, "{} requests", asked.len());
+    assert!(mal > 1.3 && mal < 2.0, "{mal}");
+}
+
+#[test]
 fn only_rank_0_accepted_gives_chains() {
-    let _serial = timed_lock();
     // Rank 0 right 85% of the time, rank 1 never: the policy stops asking for siblings but on
     // its exploring steps (one in `probe_interval`).
     let (asked, mal) = run(Siblings::new(0.85, 0.0, 2), 32, 600, 20);
@@ -366,7 +330,6 @@ fn only_rank_0_accepted_gives_chains() {
 
 #[test]
 fn the_policy_respects_the_node_budget_branching_token_budget_and_context_room() {
-    let _serial = timed_lock();
     for (tree_nodes, tree_branch, budget, max_ctx) in [
         (16, 0, 40, 4096),
         (6, 0, 40, 4096),
@@ -427,7 +390,6 @@ fn the_policy_respects_the_node_budget_branching_token_budget_and_context_room()
 
 #[test]
 fn greedy_output_with_the_policy_equals_plain_greedy() {
-    let _serial = timed_lock();
     for salt in 0..5u64 {
         let prompt: Vec<u32> = (0..4).map(|i| ((i * 5 + salt) % 7) as u32).collect();
         let want = plain_greedy(&prompt, 120);
@@ -484,7 +446,6 @@ impl Proposer for RandomTree {
 
 #[test]
 fn seeded_sampling_with_the_policy_equals_plain_sampling() {
-    let _serial = timed_lock();
     // C15: with point-mass trees the tokens are those of plain sampling with the same seed,
     // whatever shape the policy picks each step.
     let cfg = SamplingConfig::builder().temperature(0.8).build().unwrap();

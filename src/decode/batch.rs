@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::StreamChunk;
+use super::costs::{MeasuredCosts, StepCosts};
 use super::generator::{Generation, GenerationError, Generator, Parked, Proposed, Session};
 use super::goodput::{BatchCost, DraftCandidate, GoodputConfig, choose_draft_lengths};
 use super::metrics::Metrics;
@@ -318,8 +319,9 @@ struct Seq<B> {
 /// trees when `tree_nodes > 0` and the target has tree support); [`DraftLength::Off`] decodes
 /// one token per step; the draft lengths of [`DraftLength::Adaptive`] requests are chosen for
 /// the whole batch by the goodput policy ([`super::goodput`]) from each request's acceptance
-/// estimates and the step time by rows measured online, so speculation backs off as the batch
-/// becomes compute-bound. Adaptive requests draft chains in a batch (the per-request tree-shape
+/// estimates and the step time by rows learned online (measured, or from the cost source of
+/// [`BatchGenerator::with_costs`]), so speculation backs off as the batch becomes
+/// compute-bound. Adaptive requests draft chains in a batch (the per-request tree-shape
 /// policy of [`Generator`] is not used); a request whose draft length is 0 for a while probes
 /// with [`super::AdaptiveConfig::probe_draft`] drafts at its probe intervals.
 ///
@@ -363,6 +365,8 @@ pub struct BatchGenerator<B> {
     free_slots: Vec<usize>,
     finished: Vec<Finished>,
     cost: BatchCost,
+    /// Where the goodput policy's step costs come from (shared with every request's generator).
+    costs: Arc<dyn StepCosts>,
     metrics: BatchMetrics,
     /// Slots whose release failed (never used again).
     retired_slots: usize,
@@ -419,6 +423,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
             free_slots: (0..max_slots).rev().collect(),
             finished: Vec::new(),
             cost: BatchCost::default(),
+            costs: Arc::new(MeasuredCosts),
             metrics: BatchMetrics::default(),
             retired_slots: 0,
             verifier: Verifier::new(),
@@ -432,6 +437,24 @@ impl<B: BatchTarget> BatchGenerator<B> {
     pub fn with_seed_source(mut self, seeds: SeedSource) -> Self {
         self.seeds = seeds;
         self
+    }
+
+    /// Sets where the goodput policy learns the step time by rows from, and every request's
+    /// adaptive policy its step costs ([`Generator::with_costs`]): [`MeasuredCosts`] (the
+    /// measured times, the default) or, for example, a [`FixedCosts`](super::FixedCosts)
+    /// curve, which makes the draft lengths it chooses reproducible whatever the machine's
+    /// load. A step of `rows` rows with `d` draft rows is recorded as
+    /// [`StepCosts::forward_secs`]`(rows, forward time)` plus [`StepCosts::propose_secs`]`(d,
+    /// the rest of the step)`. Requests admitted before the call keep the source they started
+    /// with; [`BatchMetrics`] and [`BatchStepStats`] keep the measured times either way.
+    pub fn with_costs(mut self, costs: impl StepCosts + 'static) -> Self {
+        self.costs = Arc::new(costs);
+        self
+    }
+
+    /// Where the goodput policy learns step costs from ([`BatchGenerator::with_costs`]).
+    pub fn costs(&self) -> &dyn StepCosts {
+        &*self.costs
     }
 
     /// Queues a request; it takes a slot as soon as one is free (submission order).
@@ -530,8 +553,9 @@ impl<B: BatchTarget> BatchGenerator<B> {
         &self.metrics
     }
 
-    /// The measured step time by rows: `(rows, median seconds)` per row count seen, ascending
-    /// (the cost curve the goodput policy reads).
+    /// The step time by rows the goodput policy learned: `(rows, median seconds)` per row
+    /// count seen, ascending (measured, or from the source set by
+    /// [`BatchGenerator::with_costs`]).
     pub fn cost_curve(&self) -> Vec<(usize, f64)> {
         self.cost.curve()
     }
@@ -793,7 +817,14 @@ impl<B: BatchTarget> BatchGenerator<B> {
             stats.finished += 1;
         }
         stats.step_time = t0.elapsed();
-        self.cost.observe(stats.rows, stats.step_time.as_secs_f64());
+        // The goodput policy learns the step's cost from the cost source (measured by default:
+        // the forward plus the rest of the step, that is the step time).
+        let step_secs = self.costs.forward_secs(stats.rows, stats.forward_time)
+            + self.costs.propose_secs(
+                stats.draft_rows,
+                stats.step_time.saturating_sub(stats.forward_time),
+            );
+        self.cost.observe(stats.rows, step_secs);
         let m = &mut self.metrics;
         m.steps += 1;
         m.rows += stats.rows as u64;
@@ -823,7 +854,8 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 max_context: self.max_context,
                 tree_nodes: self.tree_nodes,
             };
-            let mut generator = Generator::new(target, req.proposer);
+            let mut generator =
+                Generator::new(target, req.proposer).with_shared_costs(Arc::clone(&self.costs));
             if let Some(d) = req.detokenizer {
                 generator = generator.with_detokenizer(d);
             }

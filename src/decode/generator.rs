@@ -1,9 +1,11 @@
 //! The speculative decoding loop.
 
 use std::ops::ControlFlow;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use super::costs::{MeasuredCosts, StepCosts};
 use super::metrics::Metrics;
 use super::params::GenerationParams;
 use super::policy::{AdaptiveState, DraftLength, TreeShape};
@@ -137,6 +139,8 @@ pub struct Generator<T, P> {
     proposer: P,
     verifier: Verifier,
     adaptive: AdaptiveState,
+    /// Where the adaptive policy's step costs come from.
+    costs: Arc<dyn StepCosts>,
     logits: Vec<f32>,
     draft: Draft,
     hidden: Vec<f32>,
@@ -167,6 +171,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             proposer,
             verifier: Verifier::new(),
             adaptive: AdaptiveState::default(),
+            costs: Arc::new(MeasuredCosts),
             logits: Vec::new(),
             draft: Draft::default(),
             hidden: Vec::new(),
@@ -192,6 +197,26 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
     pub fn with_seed_source(mut self, seeds: SeedSource) -> Self {
         self.seeds = seeds;
         self
+    }
+
+    /// Sets where the adaptive policy ([`DraftLength::Adaptive`]) learns step costs from:
+    /// [`MeasuredCosts`] (the measured forward and propose times, the default) or, for example,
+    /// a [`FixedCosts`](super::FixedCosts) curve, which makes the policy's choices and so a
+    /// seeded run's steps reproducible whatever the machine's load. [`Metrics`] keep the
+    /// measured times either way.
+    pub fn with_costs(self, costs: impl StepCosts + 'static) -> Self {
+        self.with_shared_costs(Arc::new(costs))
+    }
+
+    /// [`Generator::with_costs`] with a source shared with others (the batch loop's).
+    pub(crate) fn with_shared_costs(mut self, costs: Arc<dyn StepCosts>) -> Self {
+        self.costs = costs;
+        self
+    }
+
+    /// Where the adaptive policy learns step costs from ([`Generator::with_costs`]).
+    pub fn costs(&self) -> &dyn StepCosts {
+        &*self.costs
     }
 
     /// The target model.
@@ -1329,19 +1354,21 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             m.time_to_first_token = Some(self.start.elapsed());
         }
         if let DraftLength::Adaptive(a) = &params.draft {
-            let propose_secs = (p.time + observe_time).as_secs_f64();
+            // The policy learns its costs from the cost source (the measured times by default).
+            let propose_secs = g.costs.propose_secs(p.k, p.time + observe_time);
+            let forward_secs = g.costs.forward_secs(p.k + 1, forward);
             if p.shaped {
                 // The tree policy learns by depth and sibling rank, and the cost by rows.
                 g.adaptive.observe_draft(
                     a,
                     &g.draft.block(),
                     &out.path,
-                    forward.as_secs_f64(),
+                    forward_secs,
                     propose_secs,
                 );
             } else {
                 g.adaptive
-                    .observe(a, p.k, out.accepted, forward.as_secs_f64(), propose_secs);
+                    .observe(a, p.k, out.accepted, forward_secs, propose_secs);
             }
         }
 

@@ -16,7 +16,8 @@
 //! where `a_i(l)` is sequence `i`'s estimated acceptance of draft position `l` given the ones
 //! before were accepted ([`super::AdaptiveState::acceptance`]), `F` the rows the step holds
 //! anyway (one per decoding sequence, prefill chunks, fixed-length drafts) and `c(rows)` the
-//! measured step time by rows ([`BatchCost`]). The marginal gain of sequence `i`'s `j`-th draft
+//! step time by rows learned online ([`BatchCost`]; measured, or from the cost source set by
+//! [`super::BatchGenerator::with_costs`]). The marginal gain of sequence `i`'s `j`-th draft
 //! is `m_ij = prod_{l<=j} a_i(l)`, non-increasing in `j`; so for a total of `R` draft rows the
 //! best choice takes the `R` largest gains (each sequence's gains in order), and the policy
 //! evaluates every `R` from 0 to the row budget and keeps the best. When rows are as dear as
@@ -69,7 +70,8 @@ impl GoodputConfig {
     }
 }
 
-/// The batch's step time by rows, measured online: per row count the median of its last 7
+/// The batch's step time by rows, learned online (from the times the batch loop's
+/// [`super::StepCosts`] reports: measured by default): per row count the median of its last 7
 /// step times, aged and shrunk toward a least-squares line through all row counts, linear in
 /// between (the robust curve of [`super::AdaptiveState::tree_forward_cost`]). Seconds.
 #[derive(Debug, Clone, Default)]

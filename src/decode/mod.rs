@@ -65,8 +65,15 @@
 //! per request from the loop's [`SeedSource`] (the OS unless set for tests), reported in
 //! [`Generation::seed`]; a request with a seed is reproducible whatever the batch, the proposer
 //! and, for point-mass drafts, the draft length (case C15).
+//!
+//! # Step costs
+//!
+//! Both policies learn step costs through a [`StepCosts`] source: the measured clock
+//! ([`MeasuredCosts`], the default) or a fixed curve ([`FixedCosts`]) that makes their choices
+//! independent of the machine's load ([`Generator::with_costs`], [`BatchGenerator::with_costs`]).
 
 mod batch;
+mod costs;
 mod generator;
 pub mod goodput;
 mod metrics;
@@ -79,6 +86,7 @@ pub use crate::model::TargetModel;
 pub use batch::{
     BatchConfig, BatchGenerator, BatchMetrics, BatchRequest, BatchStepStats, Finished, RequestId,
 };
+pub use costs::{FixedCosts, MeasuredCosts, StepCosts};
 pub use generator::{Generation, GenerationError, Generator, Session, StepStats, StreamChunk};
 pub use goodput::GoodputConfig;
 pub use metrics::Metrics;

@@ -41,7 +41,9 @@ impl Default for DraftLength {
 /// `i` is accepted given that positions `0..i` were (a Beta(1, 1) prior with exponentially
 /// decayed counts), and an estimate `t(n)` of the wall time of a target forward over `n` tokens
 /// (exponential moving average per `n`, a least-squares line through the measured `n` for the
-/// others), plus the proposer's time per draft token. It picks the `k` that maximises
+/// others), plus the proposer's time per draft token. The times are those the generator's cost
+/// source reports ([`StepCosts`](crate::decode::StepCosts): the measured clock by default, a
+/// fixed curve with [`Generator::with_costs`](crate::decode::Generator::with_costs)). It picks the `k` that maximises
 ///
 /// `E[tokens](k) / (t(k + 1) + k * t_propose)`, with `E[tokens](k) = 1 + sum_{j=1..k} prod_{i<j} a_i`
 ///

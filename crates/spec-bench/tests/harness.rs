@@ -101,9 +101,12 @@ fn figures_are_consistent() {
         assert_eq!(emitted, r.tokens.len(), "emitted tokens = sum of steps");
         assert_eq!(r.tokens.len(), 24);
         assert_eq!(r.itl_s.len(), r.tokens.len() - 1);
+        // The ITLs sum to the last chunk's arrival minus the first's (`itl_from_arrivals`),
+        // which the end of the run follows on the same clock: at most the decode time, by any
+        // margin (no bound on the gap, which a loaded machine can stretch).
         let itl_sum: f64 = r.itl_s.iter().sum();
         assert!(
-            (itl_sum - (r.e2e_s - r.ttft_s)).abs() < 2e-3,
+            (0.0..=r.e2e_s - r.ttft_s + 1e-9).contains(&itl_sum),
             "ITL sum {itl_sum} vs decode time {}",
             r.e2e_s - r.ttft_s
         );
