@@ -15,7 +15,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use super::prompt_lookup::{EdgeMap, edge_key, normalize_chain};
+use super::ngram::{EdgeMap, edge_key, normalize_chain};
 use super::{Draft, ProposeRequest, Proposer, VerifiedRows};
 use crate::error::{Error, ProposalFault, Result};
 use crate::tree::TreeFault;

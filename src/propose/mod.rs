@@ -27,6 +27,7 @@ use crate::verify::RowCandidates;
 mod draft_model;
 mod heads;
 mod merged;
+mod ngram;
 mod prompt_lookup;
 mod recycling;
 mod sampler;

@@ -18,7 +18,7 @@
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
 
-use super::prompt_lookup::{EdgeMap, edge_key, extends, normalize_chain};
+use super::ngram::{EdgeMap, edge_key, extends, normalize_chain};
 use super::{Draft, ProposeRequest, Proposer};
 use crate::error::{Error, Result};
 

@@ -9,6 +9,7 @@ use super::{StepEnd, StepOutput, TokenLogprob, Verifier, VerifyRequest, row};
 use crate::error::{Result, RowKind};
 use crate::sampling::Logit;
 
+/// Verifies one validated request by the greedy walk (module docs).
 pub(super) fn verify<L: Logit, Q: Logit>(
     v: &mut Verifier,
     req: &VerifyRequest<'_, L, Q>,

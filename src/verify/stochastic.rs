@@ -14,7 +14,7 @@ use super::{
 use crate::error::{Error, Result, RowKind};
 use crate::rng::{Stream, lane};
 use crate::sampling::{Logit, TokenDist, sample_weighted};
-use crate::tree::SiblingScheme;
+use crate::tree::{DraftBlock, SiblingScheme};
 
 /// Unnormalised `(token, weight)` pairs in id order: a residual distribution.
 type Weights = Vec<(u32, f64)>;
@@ -27,6 +27,8 @@ enum Pick {
     Emit(u32),
 }
 
+/// Verifies one validated request by the stochastic rules (module docs): walks down from the
+/// root, one sibling group per row, until a group emits a token or an ending node is accepted.
 pub(super) fn verify<L: Logit, Q: Logit>(
     v: &mut Verifier,
     req: &VerifyRequest<'_, L, Q>,
@@ -65,42 +67,7 @@ pub(super) fn verify<L: Logit, Q: Logit>(
             r,
             &mut v.p,
         )?;
-        v.kids.clear();
-        v.kids.extend(block.children(r));
-        let pick = match v.kids.first() {
-            // A leaf (bonus token) or a no-draft step: the plain draw of the position.
-            None => Pick::Emit(draw(&v.p, stream.uniform(pos, lane::SAMPLE), r)?),
-            Some(&first) => {
-                let scheme = block.scheme(first, default);
-                let q = match (scheme, req.draft_probs) {
-                    (SiblingScheme::Deterministic, _) | (_, DraftQ::PointMass) => None,
-                    (_, DraftQ::Probs { probs, vocab: qv }) => {
-                        Some(DraftRow::Dense(row(probs, qv, first)))
-                    }
-                    (_, DraftQ::Logits { .. }) => Some(DraftRow::Dist(&v.q_rows[first])),
-                };
-                match q {
-                    // Point masses: draw the position's token as plain sampling would and
-                    // descend into the sibling that carries it, if any.
-                    None => {
-                        let t = draw(&v.p, stream.uniform(pos, lane::SAMPLE), r)?;
-                        match v.kids.iter().find(|&&j| req.draft_tokens[j] == t) {
-                            Some(&j) => Pick::Child(j),
-                            None => Pick::Emit(t),
-                        }
-                    }
-                    Some(q) => sampled_group(
-                        &v.p,
-                        &q,
-                        scheme == SiblingScheme::WithoutReplacement,
-                        &v.kids,
-                        req.draft_tokens,
-                        (stream, pos, r),
-                        (&mut v.residual, &mut v.residual_next),
-                    )?,
-                }
-            }
-        };
+        let pick = decide_group(v, req, &block, default, (stream, pos, r))?;
         match pick {
             Pick::Emit(t) => {
                 tokens.push(t);
@@ -134,6 +101,55 @@ pub(super) fn verify<L: Logit, Q: Logit>(
         logprobs,
         end,
         row_top: Default::default(),
+    })
+}
+
+/// The decision of the sibling group below row `r` (position `pos`) against the processed
+/// target row in `v.p`; the group's nodes go to `v.kids`. A leaf or a no-draft step emits the
+/// position's plain draw; point masses (and deterministic groups) descend into the sibling that
+/// carries that draw; sampled groups follow [`sampled_group`].
+fn decide_group<L: Logit, Q: Logit>(
+    v: &mut Verifier,
+    req: &VerifyRequest<'_, L, Q>,
+    block: &DraftBlock<'_>,
+    default: SiblingScheme,
+    (stream, pos, r): (Stream, u64, usize),
+) -> Result<Pick> {
+    v.kids.clear();
+    v.kids.extend(block.children(r));
+    Ok(match v.kids.first() {
+        // A leaf (bonus token) or a no-draft step: the plain draw of the position.
+        None => Pick::Emit(draw(&v.p, stream.uniform(pos, lane::SAMPLE), r)?),
+        Some(&first) => {
+            let scheme = block.scheme(first, default);
+            let q = match (scheme, req.draft_probs) {
+                (SiblingScheme::Deterministic, _) | (_, DraftQ::PointMass) => None,
+                (_, DraftQ::Probs { probs, vocab: qv }) => {
+                    Some(DraftRow::Dense(row(probs, qv, first)))
+                }
+                (_, DraftQ::Logits { .. }) => Some(DraftRow::Dist(&v.q_rows[first])),
+            };
+            match q {
+                // Point masses: draw the position's token as plain sampling would and
+                // descend into the sibling that carries it, if any.
+                None => {
+                    let t = draw(&v.p, stream.uniform(pos, lane::SAMPLE), r)?;
+                    match v.kids.iter().find(|&&j| req.draft_tokens[j] == t) {
+                        Some(&j) => Pick::Child(j),
+                        None => Pick::Emit(t),
+                    }
+                }
+                Some(q) => sampled_group(
+                    &v.p,
+                    &q,
+                    scheme == SiblingScheme::WithoutReplacement,
+                    &v.kids,
+                    req.draft_tokens,
+                    (stream, pos, r),
+                    (&mut v.residual, &mut v.residual_next),
+                )?,
+            }
+        }
     })
 }
 

@@ -3,7 +3,10 @@
 //! residual updates, histories of ancestors only, and every validation error.
 
 use super::*;
+use crate::error::{Error, Result, RowKind};
 use crate::rng::Stream;
+use crate::sampling::{RowProcessor, SamplingConfig, TokenDist};
+use crate::tree::{DraftBlock, SiblingScheme, TreeFault};
 use std::sync::Arc;
 
 /// A small deterministic generator for the random trees (the tests' own, not the crate's stream).
