@@ -645,14 +645,15 @@ impl<T: TargetModel> BatchTarget for PerSlot<T> {
             })
     }
 
-    /// Runs the chunks in order. On an error in chunk `i`, chunks before `i` stay appended
-    /// (each model rolls back only its own failed call); the loop then truncates every listed
-    /// slot back.
+    /// Runs the chunks in order. On an error in chunk `i`, the slots of chunks before `i` are
+    /// truncated back to their lengths before the call (a tree they appended is dropped), so
+    /// the call changes no slot.
     fn forward_batch(&mut self, chunks: &[SlotChunk<'_>], logits: &mut Vec<f32>) -> Result<()> {
         check_slots(chunks, self.models.len())?;
         logits.clear();
         let mut rows = std::mem::take(&mut self.rows);
         let mut out = Ok(());
+        let mut done = 0;
         for c in chunks {
             let m = &mut self.models[c.slot];
             let r = match c.input {
@@ -671,8 +672,18 @@ impl<T: TargetModel> BatchTarget for PerSlot<T> {
                 out = Err(e);
                 break;
             }
+            done += 1;
         }
         self.rows = rows;
+        if out.is_err() {
+            logits.clear();
+            for c in &chunks[..done] {
+                let m = &mut self.models[c.slot];
+                // Every chunk appended exactly its rows; a failed rollback would only hide the
+                // original error, which is the one returned.
+                let _ = m.truncate(m.seq_len() - c.input.rows());
+            }
+        }
         out
     }
 

@@ -32,10 +32,11 @@ fn per_slot() -> PerSlot<ToyModel> {
     PerSlot::new((0..3).map(|_| rnn_target()).collect()).unwrap()
 }
 
-/// Every family of the macro on three toys.
+// Every family of the macro on the toys.
 speculative::conformance_tests!(kit_rnn, rnn_target, PROMPTS);
 speculative::conformance_tests!(kit_markov, markov, PROMPTS);
-speculative::conformance_tests!(kit_c10, ToyModel::c10, PROMPTS);
+const C10_PROMPTS: &[&[u32]] = &[&[1, 2, 3, 4, 5, 6], &[6, 0, 6], &[3, 0]];
+speculative::conformance_tests!(kit_c10, ToyModel::c10, C10_PROMPTS);
 speculative::conformance_tests!(kit_feature_draft, feature_draft, PROMPTS);
 speculative::conformance_tests!(batch kit_per_slot, per_slot, PROMPTS);
 
@@ -131,7 +132,12 @@ impl TreeTarget for WrongTreeRow {
     fn max_tree_nodes(&self) -> usize {
         6
     }
-    fn forward_tree(&mut self, root: u32, block: &DraftBlock<'_>, logits: &mut Vec<f32>) -> Result<()> {
+    fn forward_tree(
+        &mut self,
+        root: u32,
+        block: &DraftBlock<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
         self.0.tree().unwrap().forward_tree(root, block, logits)?;
         if let Some(x) = logits.last_mut() {
             *x += 0.5;
@@ -162,4 +168,47 @@ fn reports_are_typed_and_readable() {
     assert!(r.passed());
     assert!(matches!(r.checks()[0].outcome, Outcome::Skipped { .. }));
     assert!(r.to_string().contains("skip  tree.support"));
+}
+
+/// A toy whose rows depend on the number of rows in the call (not batch invariant, far beyond
+/// any tolerance): calls of several rows add 2 to token 0's logit.
+struct CallSizeDependent(ToyModel);
+
+impl TargetModel for CallSizeDependent {
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        self.0.max_context()
+    }
+    fn seq_len(&self) -> usize {
+        self.0.seq_len()
+    }
+    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        self.0.forward(tokens, logits)?;
+        if tokens.len() > 1 {
+            let v = self.vocab_size();
+            logits.iter_mut().step_by(v).for_each(|x| *x += 2.0);
+        }
+        Ok(())
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.0.truncate(len)
+    }
+}
+
+#[test]
+fn kit_reports_logits_that_depend_on_the_call_size() {
+    let make = || CallSizeDependent(markov());
+    let cfg = KitConfig::default();
+    let r = conformance::check_target(make, PROMPTS, &cfg);
+    assert!(r.failed("target.pieces"), "{r}");
+    let r = conformance::check_invariance(make, PROMPTS, &cfg);
+    assert!(r.failed("invariance.rows"), "{r}");
+    assert!(r.invariance().unwrap().identical_rows < r.invariance().unwrap().rows);
+    // The loop verifies multi-row calls: the first tokens no longer follow single-row sampling.
+    let r = conformance::check_lossless(make, PROMPTS, &cfg);
+    println!("{r}");
+    assert!(r.failed("lossless.sampled"), "{r}");
+    assert!(!r.failed("lossless.negative_control"), "{r}");
 }

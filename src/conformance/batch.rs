@@ -26,7 +26,14 @@ where
         return report;
     };
     if slots == 0 {
-        report.push("batch.shape", "max_slots()", Outcome::Failed { expected: ">= 1".into(), got: "0".into() });
+        report.push(
+            "batch.shape",
+            "max_slots()",
+            Outcome::Failed {
+                expected: ">= 1".into(),
+                got: "0".into(),
+            },
+        );
         return report;
     }
     let ps: Vec<&[u32]> = ps.into_iter().take(slots).collect();
@@ -61,7 +68,10 @@ fn slot_of(i: usize, n: usize) -> usize {
 }
 
 /// Runs `chunks` in as few calls as `max_batch_tokens` allows; the logits of each chunk.
-fn run<B: BatchTarget>(b: &mut B, chunks: &[SlotChunk<'_>]) -> std::result::Result<Vec<Vec<f32>>, Fail> {
+fn run<B: BatchTarget>(
+    b: &mut B,
+    chunks: &[SlotChunk<'_>],
+) -> std::result::Result<Vec<Vec<f32>>, Fail> {
     let (v, cap) = (b.vocab_size(), b.max_batch_tokens().max(1));
     let mut out = Vec::new();
     let mut start = 0;
@@ -73,8 +83,14 @@ fn run<B: BatchTarget>(b: &mut B, chunks: &[SlotChunk<'_>]) -> std::result::Resu
             end += 1;
         }
         let mut logits = Vec::new();
-        ok(b.forward_batch(&chunks[start..end], &mut logits), format!("forward_batch of {} chunks", end - start))?;
-        let want: usize = chunks[start..end].iter().map(|c| c.input.logit_rows()).sum();
+        ok(
+            b.forward_batch(&chunks[start..end], &mut logits),
+            format!("forward_batch of {} chunks", end - start),
+        )?;
+        let want: usize = chunks[start..end]
+            .iter()
+            .map(|c| c.input.logit_rows())
+            .sum();
         same_len("logits.len() ([logit rows, vocab])", want * v, logits.len())?;
         let mut at = 0;
         for c in &chunks[start..end] {
@@ -88,39 +104,75 @@ fn run<B: BatchTarget>(b: &mut B, chunks: &[SlotChunk<'_>]) -> std::result::Resu
 }
 
 /// A fresh engine: slots empty, `seq_len(max_slots)` refused; the prompt's chain alone in slot 0.
-fn alone<B: BatchTarget>(make: &mut impl FnMut() -> B, p: &[u32]) -> std::result::Result<Vec<f32>, Fail> {
+fn alone<B: BatchTarget>(
+    make: &mut impl FnMut() -> B,
+    p: &[u32],
+) -> std::result::Result<Vec<f32>, Fail> {
     let mut b = make();
     let s = b.max_slots();
     for slot in 0..s {
-        same_len(format!("seq_len({slot}) of a fresh engine"), 0, ok(b.seq_len(slot), "seq_len")?)?;
+        same_len(
+            format!("seq_len({slot}) of a fresh engine"),
+            0,
+            ok(b.seq_len(slot), "seq_len")?,
+        )?;
     }
     match b.seq_len(s) {
         Err(Error::InvalidSlot { .. }) => {}
-        other => return Err(Fail::new(format!("seq_len({s}): Err(InvalidSlot)"), format!("{other:?}"))),
+        other => {
+            return Err(Fail::new(
+                format!("seq_len({s}): Err(InvalidSlot)"),
+                format!("{other:?}"),
+            ));
+        }
     }
-    let out = run(&mut b, &[SlotChunk { slot: 0, input: SlotInput::Chain(p) }])?;
-    same_len("seq_len(0) after a chain", p.len(), ok(b.seq_len(0), "seq_len")?)?;
+    let out = run(
+        &mut b,
+        &[SlotChunk {
+            slot: 0,
+            input: SlotInput::Chain(p),
+        }],
+    )?;
+    same_len(
+        "seq_len(0) after a chain",
+        p.len(),
+        ok(b.seq_len(0), "seq_len")?,
+    )?;
     Ok(out.concat())
 }
 
 /// Prefill and chain chunks of every slot mixed, in several orders.
-fn interleaved<B: BatchTarget>(make: &mut impl FnMut() -> B, ps: &[&[u32]], refs: &[Vec<f32>], tol: Tolerance) -> Check {
+fn interleaved<B: BatchTarget>(
+    make: &mut impl FnMut() -> B,
+    ps: &[&[u32]],
+    refs: &[Vec<f32>],
+    tol: Tolerance,
+) -> Check {
     let mut b = make();
     let (v, n) = (b.vocab_size(), ps.len());
     let split = |i: usize, p: &[u32]| (p.len() / 2).saturating_sub(i % 2).max(1);
     let first: Vec<SlotChunk<'_>> = (0..n)
         .rev()
-        .map(|i| SlotChunk { slot: slot_of(i, n), input: SlotInput::Prefill(&ps[i][..split(i, ps[i])]) })
+        .map(|i| SlotChunk {
+            slot: slot_of(i, n),
+            input: SlotInput::Prefill(&ps[i][..split(i, ps[i])]),
+        })
         .collect();
     run(&mut b, &first)?;
     let second: Vec<SlotChunk<'_>> = (0..n)
-        .map(|i| SlotChunk { slot: slot_of(i, n), input: SlotInput::Chain(&ps[i][split(i, ps[i])..ps[i].len() - 1]) })
+        .map(|i| SlotChunk {
+            slot: slot_of(i, n),
+            input: SlotInput::Chain(&ps[i][split(i, ps[i])..ps[i].len() - 1]),
+        })
         .filter(|c| c.input.rows() > 0)
         .collect();
     let second_rows = run(&mut b, &second)?;
     let third: Vec<SlotChunk<'_>> = (0..n)
         .rev()
-        .map(|i| SlotChunk { slot: slot_of(i, n), input: SlotInput::Chain(&ps[i][ps[i].len() - 1..]) })
+        .map(|i| SlotChunk {
+            slot: slot_of(i, n),
+            input: SlotInput::Chain(&ps[i][ps[i].len() - 1..]),
+        })
         .collect();
     let third_rows = run(&mut b, &third)?;
     let mut k = 0;
@@ -132,9 +184,17 @@ fn interleaved<B: BatchTarget>(make: &mut impl FnMut() -> B, ps: &[&[u32]], refs
             k += 1;
         }
         got.extend_from_slice(&third_rows[n - 1 - i]);
-        compare_rows(&refs[i][a * v..], &got, v, a, tol)
-            .map_err(|f| f.context(format!("prompt {i} in slot {} interleaved vs alone", slot_of(i, n))))?;
-        same_len(format!("seq_len({})", slot_of(i, n)), len, ok(b.seq_len(slot_of(i, n)), "seq_len")?)?;
+        compare_rows(&refs[i][a * v..], &got, v, a, tol).map_err(|f| {
+            f.context(format!(
+                "prompt {i} in slot {} interleaved vs alone",
+                slot_of(i, n)
+            ))
+        })?;
+        same_len(
+            format!("seq_len({})", slot_of(i, n)),
+            len,
+            ok(b.seq_len(slot_of(i, n)), "seq_len")?,
+        )?;
     }
     Ok(())
 }
@@ -149,74 +209,173 @@ fn tree<B: BatchTarget>(make: &mut impl FnMut() -> B, ps: &[&[u32]], tol: Tolera
     let (v, n, p) = (b.vocab_size(), ps.len(), ps[0]);
     let t = TestTree::new(p, v, cap);
     let slot = slot_of(0, n);
-    let mut chunks = vec![SlotChunk { slot, input: SlotInput::Prefill(&p[..p.len() - 1]) }];
-    chunks.extend((1..n).map(|i| SlotChunk { slot: slot_of(i, n), input: SlotInput::Chain(ps[i]) }));
+    let mut chunks = vec![SlotChunk {
+        slot,
+        input: SlotInput::Prefill(&p[..p.len() - 1]),
+    }];
+    chunks.extend((1..n).map(|i| SlotChunk {
+        slot: slot_of(i, n),
+        input: SlotInput::Chain(ps[i]),
+    }));
     run(&mut b, &chunks)?;
-    let mut calls = vec![SlotChunk { slot, input: SlotInput::Tree { root: p[p.len() - 1], block: t.block() } }];
-    calls.extend((1..n).map(|i| SlotChunk { slot: slot_of(i, n), input: SlotInput::Chain(&ps[i][..1]) }));
+    let mut calls = vec![SlotChunk {
+        slot,
+        input: SlotInput::Tree {
+            root: p[p.len() - 1],
+            block: t.block(),
+        },
+    }];
+    calls.extend((1..n).map(|i| SlotChunk {
+        slot: slot_of(i, n),
+        input: SlotInput::Chain(&ps[i][..1]),
+    }));
     let mut logits = Vec::new();
-    ok(b.forward_batch(&calls, &mut logits), "forward_batch with a tree chunk")?;
+    ok(
+        b.forward_batch(&calls, &mut logits),
+        "forward_batch with a tree chunk",
+    )?;
     let rows = t.tokens.len() + 1;
     same_len("logits.len()", (rows + n - 1) * v, logits.len())?;
     for i in 0..t.tokens.len() {
         let (_, toks) = t.path_tokens(i);
         let expected = alone(make, &[p, &toks].concat())?;
-        compare_rows(&expected[expected.len() - v..], &logits[(i + 1) * v..(i + 2) * v], v, i + 1, tol)
-            .map_err(|f| f.context(format!("tree node {i} vs its chain alone")))?;
+        compare_rows(
+            &expected[expected.len() - v..],
+            &logits[(i + 1) * v..(i + 2) * v],
+            v,
+            i + 1,
+            tol,
+        )
+        .map_err(|f| f.context(format!("tree node {i} vs its chain alone")))?;
     }
     let (nodes, toks) = t.path_tokens(t.deepest());
-    ok(b.commit_tree(slot, &nodes), format!("commit_tree({slot}, {nodes:?})"))?;
-    same_len("seq_len after commit_tree", p.len() + nodes.len(), ok(b.seq_len(slot), "seq_len")?)?;
+    ok(
+        b.commit_tree(slot, &nodes),
+        format!("commit_tree({slot}, {nodes:?})"),
+    )?;
+    same_len(
+        "seq_len after commit_tree",
+        p.len() + nodes.len(),
+        ok(b.seq_len(slot), "seq_len")?,
+    )?;
     let x = token(p, 3, v);
-    let got = run(&mut b, &[SlotChunk { slot, input: SlotInput::Chain(&[x]) }])?.concat();
+    let got = run(
+        &mut b,
+        &[SlotChunk {
+            slot,
+            input: SlotInput::Chain(&[x]),
+        }],
+    )?
+    .concat();
     let expected = alone(make, &[p, &toks, &[x]].concat())?;
-    compare_rows(&expected[expected.len() - v..], &got, v, 0, tol).map_err(|f| f.context("the row after commit_tree vs a chain".into())).map(|_| ())
+    compare_rows(&expected[expected.len() - v..], &got, v, 0, tol)
+        .map_err(|f| f.context("the row after commit_tree vs a chain".into()))
+        .map(|_| ())
 }
 
 /// Refused calls change no slot.
-fn errors<B: BatchTarget>(make: &mut impl FnMut() -> B, ps: &[&[u32]], refs: &[Vec<f32>], tol: Tolerance) -> Vec<(&'static str, Check)> {
-    ["an out-of-vocab id in the last chunk", "a slot out of range", "a slot listed twice", "truncate beyond the length"]
-        .into_iter()
-        .map(|case| (case, error_case(make, ps, refs, tol, case)))
-        .collect()
+fn errors<B: BatchTarget>(
+    make: &mut impl FnMut() -> B,
+    ps: &[&[u32]],
+    refs: &[Vec<f32>],
+    tol: Tolerance,
+) -> Vec<(&'static str, Check)> {
+    [
+        "an out-of-vocab id in the last chunk",
+        "a slot out of range",
+        "a slot listed twice",
+        "truncate beyond the length",
+    ]
+    .into_iter()
+    .map(|case| (case, error_case(make, ps, refs, tol, case)))
+    .collect()
 }
 
-fn error_case<B: BatchTarget>(make: &mut impl FnMut() -> B, ps: &[&[u32]], refs: &[Vec<f32>], tol: Tolerance, case: &str) -> Check {
+fn error_case<B: BatchTarget>(
+    make: &mut impl FnMut() -> B,
+    ps: &[&[u32]],
+    refs: &[Vec<f32>],
+    tol: Tolerance,
+    case: &str,
+) -> Check {
     let mut b = make();
     let (v, s, n) = (b.vocab_size(), b.max_slots(), ps.len());
     let halves: Vec<usize> = ps.iter().map(|p| p.len() / 2).collect();
-    let start: Vec<SlotChunk<'_>> = (0..n).map(|i| SlotChunk { slot: slot_of(i, n), input: SlotInput::Chain(&ps[i][..halves[i]]) }).collect();
+    let start: Vec<SlotChunk<'_>> = (0..n)
+        .map(|i| SlotChunk {
+            slot: slot_of(i, n),
+            input: SlotInput::Chain(&ps[i][..halves[i]]),
+        })
+        .collect();
     run(&mut b, &start)?;
     let oov = [v as u32];
-    let good = SlotChunk { slot: slot_of(0, n), input: SlotInput::Chain(&ps[0][halves[0]..]) };
+    let good = SlotChunk {
+        slot: slot_of(0, n),
+        input: SlotInput::Chain(&ps[0][halves[0]..]),
+    };
     let mut logits = Vec::new();
     match case {
         "an out-of-vocab id in the last chunk" => {
-            let bad = SlotChunk { slot: slot_of(n - 1, n), input: SlotInput::Chain(&oov) };
+            let bad = SlotChunk {
+                slot: slot_of(n - 1, n),
+                input: SlotInput::Chain(&oov),
+            };
             let chunks = if n >= 2 { vec![good, bad] } else { vec![bad] };
-            refused(b.forward_batch(&chunks, &mut logits), "forward_batch with a chunk of an id >= vocab_size")?
+            refused(
+                b.forward_batch(&chunks, &mut logits),
+                "forward_batch with a chunk of an id >= vocab_size",
+            )?
         }
         "a slot out of range" => {
-            let bad = SlotChunk { slot: s, input: SlotInput::Chain(&ps[0][..1]) };
+            let bad = SlotChunk {
+                slot: s,
+                input: SlotInput::Chain(&ps[0][..1]),
+            };
             match b.forward_batch(&[good, bad], &mut logits) {
                 Err(Error::InvalidSlot { .. }) => {}
-                other => return Err(Fail::new(format!("forward_batch with slot {s}: Err(InvalidSlot)"), format!("{:?}", other.map(|_| "Ok")))),
+                other => {
+                    return Err(Fail::new(
+                        format!("forward_batch with slot {s}: Err(InvalidSlot)"),
+                        format!("{:?}", other.map(|_| "Ok")),
+                    ));
+                }
             }
         }
         "a slot listed twice" => match b.forward_batch(&[good, good], &mut logits) {
             Err(Error::InvalidSlot { .. }) => {}
-            other => return Err(Fail::new("forward_batch listing a slot twice: Err(InvalidSlot)", format!("{:?}", other.map(|_| "Ok")))),
+            other => {
+                return Err(Fail::new(
+                    "forward_batch listing a slot twice: Err(InvalidSlot)",
+                    format!("{:?}", other.map(|_| "Ok")),
+                ));
+            }
         },
         _ => {
             let slot = slot_of(0, n);
-            refused(b.truncate(slot, halves[0] + 1), format!("truncate({slot}, {}) at length {}", halves[0] + 1, halves[0]))?
+            refused(
+                b.truncate(slot, halves[0] + 1),
+                format!(
+                    "truncate({slot}, {}) at length {}",
+                    halves[0] + 1,
+                    halves[0]
+                ),
+            )?
         }
     }
-    for i in 0..n {
+    for (i, &half) in halves.iter().enumerate() {
         let slot = slot_of(i, n);
-        same_len(format!("seq_len({slot}) after the refused call ({case})"), halves[i], ok(b.seq_len(slot), "seq_len")?)?;
+        same_len(
+            format!("seq_len({slot}) after the refused call ({case})"),
+            half,
+            ok(b.seq_len(slot), "seq_len")?,
+        )?;
     }
-    let rest: Vec<SlotChunk<'_>> = (0..n).map(|i| SlotChunk { slot: slot_of(i, n), input: SlotInput::Chain(&ps[i][halves[i]..]) }).collect();
+    let rest: Vec<SlotChunk<'_>> = (0..n)
+        .map(|i| SlotChunk {
+            slot: slot_of(i, n),
+            input: SlotInput::Chain(&ps[i][halves[i]..]),
+        })
+        .collect();
     let got = run(&mut b, &rest)?;
     for i in 0..n {
         compare_rows(&refs[i][halves[i] * v..], &got[i], v, halves[i], tol)
@@ -226,23 +385,60 @@ fn error_case<B: BatchTarget>(make: &mut impl FnMut() -> B, ps: &[&[u32]], refs:
 }
 
 /// A released slot is empty and, reused, gives a fresh slot's rows.
-fn release<B: BatchTarget>(make: &mut impl FnMut() -> B, ps: &[&[u32]], refs: &[Vec<f32>], tol: Tolerance) -> Check {
+fn release<B: BatchTarget>(
+    make: &mut impl FnMut() -> B,
+    ps: &[&[u32]],
+    refs: &[Vec<f32>],
+    tol: Tolerance,
+) -> Check {
     let mut b = make();
     let (v, s, n) = (b.vocab_size(), b.max_slots(), ps.len());
-    let first: Vec<SlotChunk<'_>> = (0..n).map(|i| SlotChunk { slot: slot_of(i, n), input: SlotInput::Chain(ps[i]) }).collect();
+    let first: Vec<SlotChunk<'_>> = (0..n)
+        .map(|i| SlotChunk {
+            slot: slot_of(i, n),
+            input: SlotInput::Chain(ps[i]),
+        })
+        .collect();
     run(&mut b, &first)?;
     let slot = slot_of(0, n);
     ok(b.release(slot), format!("release({slot})"))?;
-    same_len(format!("seq_len({slot}) after release"), 0, ok(b.seq_len(slot), "seq_len")?)?;
+    same_len(
+        format!("seq_len({slot}) after release"),
+        0,
+        ok(b.seq_len(slot), "seq_len")?,
+    )?;
     if n >= 2 {
         let other = slot_of(1, n);
-        same_len(format!("seq_len({other}) after releasing {slot}"), ps[1].len(), ok(b.seq_len(other), "seq_len")?)?;
+        same_len(
+            format!("seq_len({other}) after releasing {slot}"),
+            ps[1].len(),
+            ok(b.seq_len(other), "seq_len")?,
+        )?;
     }
     match b.release(s) {
         Err(Error::InvalidSlot { .. }) => {}
-        other => return Err(Fail::new(format!("release({s}): Err(InvalidSlot)"), format!("{:?}", other.map(|_| "Ok")))),
+        other => {
+            return Err(Fail::new(
+                format!("release({s}): Err(InvalidSlot)"),
+                format!("{:?}", other.map(|_| "Ok")),
+            ));
+        }
     }
     let q = ps[n - 1];
-    let got = run(&mut b, &[SlotChunk { slot, input: SlotInput::Chain(q) }])?.concat();
-    compare_rows(&refs[n - 1], &got, v, 0, tol).map_err(|f| f.context(format!("prompt {} in the reused slot {slot} vs alone", n - 1))).map(|_| ())
+    let got = run(
+        &mut b,
+        &[SlotChunk {
+            slot,
+            input: SlotInput::Chain(q),
+        }],
+    )?
+    .concat();
+    compare_rows(&refs[n - 1], &got, v, 0, tol)
+        .map_err(|f| {
+            f.context(format!(
+                "prompt {} in the reused slot {slot} vs alone",
+                n - 1
+            ))
+        })
+        .map(|_| ())
 }

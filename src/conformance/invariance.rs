@@ -10,12 +10,16 @@ use crate::model::TargetModel;
 /// and once in a call of `k + 1` rows (`k` = [`KitConfig::draft_len`], the shape of a verify
 /// forward `[last, d_1 .. d_k]`), after the same prefix.
 ///
-/// Check `invariance.rows`, per prompt: [`Outcome::Passed`] when every row is bit-identical;
-/// otherwise [`Outcome::Failed`] under [`Tolerance::Exact`] (the engine claims invariance) or
-/// when a difference exceeds [`Tolerance::Abs`], and [`Outcome::Tolerated`] with the counts
+/// Check `invariance.rows`, per prompt: [`Outcome::Passed`](super::Outcome::Passed) when every row is bit-identical;
+/// otherwise [`Outcome::Failed`](super::Outcome::Failed) under [`Tolerance::Exact`] (the engine claims invariance) or
+/// when a difference exceeds [`Tolerance::Abs`], and [`Outcome::Tolerated`](super::Outcome::Tolerated) with the counts
 /// when it is within the tolerance. The measurement over all prompts is
 /// [`Report::invariance`]. Cost: two passes over each prompt, one of them one token per call.
-pub fn check_invariance<T, P>(mut make: impl FnMut() -> T, prompts_in: &[P], cfg: &KitConfig) -> Report
+pub fn check_invariance<T, P>(
+    mut make: impl FnMut() -> T,
+    prompts_in: &[P],
+    cfg: &KitConfig,
+) -> Report
 where
     T: TargetModel,
     P: AsRef<[u32]>,
@@ -40,7 +44,12 @@ where
                 total.identical_rows += m.identical_rows;
                 total.argmax_changes += m.argmax_changes;
                 total.max_abs_diff = total.max_abs_diff.max(m.max_abs_diff);
-                record(&mut report, "invariance.rows", &input, judge(&m, cfg.tolerance()));
+                record(
+                    &mut report,
+                    "invariance.rows",
+                    &input,
+                    judge(&m, cfg.tolerance()),
+                );
             }
             Err(f) => report.push("invariance.rows", &input, f.into_outcome()),
         }
@@ -59,7 +68,10 @@ fn measure<T: TargetModel>(
     let v = single.vocab_size();
     let (mut row, mut singles) = (Vec::new(), Vec::new());
     for (i, t) in p.iter().enumerate() {
-        ok(single.forward(std::slice::from_ref(t), &mut row), format!("forward of token {i} alone"))?;
+        ok(
+            single.forward(std::slice::from_ref(t), &mut row),
+            format!("forward of token {i} alone"),
+        )?;
         if i > 0 {
             singles.extend_from_slice(&row);
         }
@@ -68,7 +80,10 @@ fn measure<T: TargetModel>(
     ok(multi.forward(&p[..1], &mut row), "forward(prompt[..1])")?;
     let mut rows = Vec::new();
     for (c, part) in p[1..].chunks(chunk).enumerate() {
-        ok(multi.forward(part, &mut row), format!("forward of rows {}..", 1 + c * chunk))?;
+        ok(
+            multi.forward(part, &mut row),
+            format!("forward of rows {}..", 1 + c * chunk),
+        )?;
         rows.extend_from_slice(&row);
     }
     if rows.len() != singles.len() || rows.len() != (p.len() - 1) * v {
@@ -83,7 +98,10 @@ fn measure<T: TargetModel>(
         ..Default::default()
     };
     for (a, b) in singles.chunks(v).zip(rows.chunks(v)) {
-        let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits() || x == y);
+        let same = a
+            .iter()
+            .zip(b)
+            .all(|(x, y)| x.to_bits() == y.to_bits() || x == y);
         m.identical_rows += same as usize;
         m.argmax_changes += (argmax(a) != argmax(b)) as usize;
         for (x, y) in a.iter().zip(b) {
@@ -118,4 +136,3 @@ fn judge(m: &Invariance, tol: Tolerance) -> std::result::Result<(), Fail> {
         _ => Err(f),
     }
 }
-

@@ -20,7 +20,11 @@ type Check = std::result::Result<(), Fail>;
 /// [`check_lossless_with`] with the kit's proposers only: a draft model made of a second
 /// engine from `make` with its logits scaled by 0.6 (a flatter law than the target's, so drafts
 /// are sometimes rejected when sampling), and random point-mass drafts (mostly rejected).
-pub fn check_lossless<T, P>(mut make: impl FnMut() -> T, prompts_in: &[P], cfg: &KitConfig) -> Report
+pub fn check_lossless<T, P>(
+    mut make: impl FnMut() -> T,
+    prompts_in: &[P],
+    cfg: &KitConfig,
+) -> Report
 where
     T: TargetModel,
     P: AsRef<[u32]>,
@@ -87,14 +91,38 @@ fn lossless<T: TargetModel, Q: Proposer, P: AsRef<[u32]>>(
         };
         let input = |what: &str| format!("{}, {what}", prompt_input(i, p));
         let m = make();
-        let r = same_greedy(make, DraftModelProposer::new(Tempered::new(m)), p, cfg, 0, &plain);
-        record(&mut report, "lossless.greedy", &input("the engine as its own draft model"), r);
+        let r = same_greedy(
+            make,
+            DraftModelProposer::new(Tempered::new(m)),
+            p,
+            cfg,
+            0,
+            &plain,
+        );
+        record(
+            &mut report,
+            "lossless.greedy",
+            &input("the engine as its own draft model"),
+            r,
+        );
         let r = same_greedy(make, RandomDrafts { vocab }, p, cfg, 0, &plain);
         record(&mut report, "lossless.greedy", &input("random drafts"), r);
         if tree {
             let m = make();
-            let r = same_greedy(make, DraftModelProposer::new(Tempered::new(m)), p, cfg, 2 * k, &plain);
-            record(&mut report, "lossless.greedy", &input(&format!("tree drafts of {} nodes", 2 * k)), r);
+            let r = same_greedy(
+                make,
+                DraftModelProposer::new(Tempered::new(m)),
+                p,
+                cfg,
+                2 * k,
+                &plain,
+            );
+            record(
+                &mut report,
+                "lossless.greedy",
+                &input(&format!("tree drafts of {} nodes", 2 * k)),
+                r,
+            );
         }
         if let Some(u) = user.as_mut() {
             let r = same_greedy(make, u(), p, cfg, 0, &plain);
@@ -102,7 +130,12 @@ fn lossless<T: TargetModel, Q: Proposer, P: AsRef<[u32]>>(
         }
     }
     let p = ps[0];
-    let input = format!("{}, {} samples, top-k {}", prompt_input(0, p), cfg.samples(), cfg.top_k());
+    let input = format!(
+        "{}, {} samples, top-k {}",
+        prompt_input(0, p),
+        cfg.samples(),
+        cfg.top_k()
+    );
     match exact_law(make, p, cfg) {
         Err(f) => report.push("lossless.sampled", &input, f.into_outcome()),
         Ok(law) => {
@@ -110,7 +143,14 @@ fn lossless<T: TargetModel, Q: Proposer, P: AsRef<[u32]>>(
                 Some(u) => sampled(make, u(), p, cfg, &law, "lossless.sampled"),
                 None => {
                     let m = make();
-                    sampled(make, DraftModelProposer::new(Tempered::new(m)), p, cfg, &law, "lossless.sampled")
+                    sampled(
+                        make,
+                        DraftModelProposer::new(Tempered::new(m)),
+                        p,
+                        cfg,
+                        &law,
+                        "lossless.sampled",
+                    )
                 }
             };
             push_fit(&mut report, "lossless.sampled", &input, r, true);
@@ -124,7 +164,13 @@ fn lossless<T: TargetModel, Q: Proposer, P: AsRef<[u32]>>(
     report
 }
 
-fn push_fit(report: &mut Report, check: &'static str, input: &str, r: std::result::Result<Fit, Fail>, positive: bool) {
+fn push_fit(
+    report: &mut Report,
+    check: &'static str,
+    input: &str,
+    r: std::result::Result<Fit, Fail>,
+    positive: bool,
+) {
     match r {
         Err(f) => record(report, check, input, Err(f)),
         Ok(fit) => {
@@ -132,10 +178,15 @@ fn push_fit(report: &mut Report, check: &'static str, input: &str, r: std::resul
             let r = if pass {
                 Ok(())
             } else if positive {
-                Err(Fail::new(format!("p >= {ALPHA:e} (the emitted tokens follow plain sampling)"), fit.to_string()))
+                Err(Fail::new(
+                    format!("p >= {ALPHA:e} (the emitted tokens follow plain sampling)"),
+                    fit.to_string(),
+                ))
             } else {
                 Err(Fail::new(
-                    format!("p < {ALPHA:e} (the test rejects a lying proposer; otherwise it has no power here)"),
+                    format!(
+                        "p < {ALPHA:e} (the test rejects a lying proposer; otherwise it has no power here)"
+                    ),
                     fit.to_string(),
                 ))
             };
@@ -178,11 +229,20 @@ fn same_greedy<T: TargetModel, Q: Proposer>(
     if got == plain {
         return Ok(());
     }
-    let at = got.iter().zip(plain).position(|(a, b)| a != b).unwrap_or(got.len().min(plain.len()));
-    let f = Fail::new(format!("{plain:?} (plain greedy)"), format!("{got:?} (first difference at token {at})"));
+    let at = got
+        .iter()
+        .zip(plain)
+        .position(|(a, b)| a != b)
+        .unwrap_or(got.len().min(plain.len()));
+    let f = Fail::new(
+        format!("{plain:?} (plain greedy)"),
+        format!("{got:?} (first difference at token {at})"),
+    );
     match cfg.tolerance() {
         Tolerance::Exact => Err(f),
-        Tolerance::Abs(_) => Err(f.tolerated("the engine does not claim batch invariance (Tolerance::Abs)")),
+        Tolerance::Abs(_) => {
+            Err(f.tolerated("the engine does not claim batch invariance (Tolerance::Abs)"))
+        }
     }
 }
 
@@ -196,7 +256,13 @@ struct Law {
 impl Law {
     /// The lying proposer of the negative control, when the first token has two candidates.
     fn liar(&self) -> Option<Liar> {
-        let mut ranked: Vec<(u32, f32)> = self.first.ids().iter().copied().zip(self.first.probs().iter().copied()).collect();
+        let mut ranked: Vec<(u32, f32)> = self
+            .first
+            .ids()
+            .iter()
+            .copied()
+            .zip(self.first.probs().iter().copied())
+            .collect();
         ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         let &(token, p) = ranked.get(1)?;
         (p > 1e-30).then(|| Liar {
@@ -208,16 +274,33 @@ impl Law {
 }
 
 fn sampling(cfg: &KitConfig) -> std::result::Result<SamplingConfig, Fail> {
-    ok(SamplingConfig::builder().temperature(1.0).top_k(cfg.top_k()).build(), "the sampling configuration")
+    ok(
+        SamplingConfig::builder()
+            .temperature(1.0)
+            .top_k(cfg.top_k())
+            .build(),
+        "the sampling configuration",
+    )
 }
 
-fn dist(proc: &mut RowProcessor, sc: &SamplingConfig, row: &[f32]) -> std::result::Result<TokenDist, Fail> {
+fn dist(
+    proc: &mut RowProcessor,
+    sc: &SamplingConfig,
+    row: &[f32],
+) -> std::result::Result<TokenDist, Fail> {
     let mut d = TokenDist::default();
-    ok(proc.distribution(sc, row, &History::default(), RowKind::Target, 0, &mut d), "processing a row")?;
+    ok(
+        proc.distribution(sc, row, &History::default(), RowKind::Target, 0, &mut d),
+        "processing a row",
+    )?;
     Ok(d)
 }
 
-fn exact_law<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], cfg: &KitConfig) -> std::result::Result<Law, Fail> {
+fn exact_law<T: TargetModel>(
+    make: &mut impl FnMut() -> T,
+    p: &[u32],
+    cfg: &KitConfig,
+) -> std::result::Result<Law, Fail> {
     let sc = sampling(cfg)?;
     let mut m = make();
     let v = m.vocab_size();
@@ -238,7 +321,11 @@ fn exact_law<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], cfg: &KitC
     for c in &mut cells {
         c.1 /= total;
     }
-    Ok(Law { cells, first, vocab: v })
+    Ok(Law {
+        cells,
+        first,
+        vocab: v,
+    })
 }
 
 fn sampled<T: TargetModel, Q: Proposer>(
@@ -249,7 +336,12 @@ fn sampled<T: TargetModel, Q: Proposer>(
     law: &Law,
     check: &'static str,
 ) -> std::result::Result<Fit, Fail> {
-    let index: BTreeMap<(u32, u32), usize> = law.cells.iter().enumerate().map(|(i, c)| (c.0, i)).collect();
+    let index: BTreeMap<(u32, u32), usize> = law
+        .cells
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.0, i))
+        .collect();
     let mut counts = vec![0u64; law.cells.len()];
     let mut extra = 0u64;
     let mut g = Generator::new(make(), q);
@@ -259,13 +351,21 @@ fn sampled<T: TargetModel, Q: Proposer>(
             draft: DraftLength::Fixed(cfg.draft_len()),
             ..GenerationParams::sampled(sc.clone(), cfg.seed().wrapping_add(s), 2)
         };
-        let out = ok(g.generate(p, &params).map_err(|e| e.error), format!("generate (seed {})", cfg.seed().wrapping_add(s)))?;
+        let out = ok(
+            g.generate(p, &params).map_err(|e| e.error),
+            format!("generate (seed {})", cfg.seed().wrapping_add(s)),
+        )?;
         match (out.tokens.first(), out.tokens.get(1)) {
             (Some(&a), Some(&b)) => match index.get(&(a, b)) {
                 Some(&i) => counts[i] += 1,
                 None => extra += 1,
             },
-            _ => return Err(Fail::new("2 tokens per generation", format!("{:?}", out.tokens))),
+            _ => {
+                return Err(Fail::new(
+                    "2 tokens per generation",
+                    format!("{:?}", out.tokens),
+                ));
+            }
         }
     }
     let expected: Vec<f64> = law.cells.iter().map(|c| c.1).collect();
@@ -379,10 +479,19 @@ impl<T: TargetModel> TreeTarget for Tempered<T> {
     fn max_tree_nodes(&self) -> usize {
         self.tree_cap
     }
-    fn forward_tree(&mut self, root: u32, block: &DraftBlock<'_>, logits: &mut Vec<f32>) -> Result<()> {
+    fn forward_tree(
+        &mut self,
+        root: u32,
+        block: &DraftBlock<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
         match self.inner.tree() {
             Some(t) => t.forward_tree(root, block, logits)?,
-            None => return Err(crate::Error::TargetContract { what: "tree() became None" }),
+            None => {
+                return Err(crate::Error::TargetContract {
+                    what: "tree() became None",
+                });
+            }
         }
         logits.iter_mut().for_each(|x| *x *= SCALE);
         Ok(())
@@ -390,7 +499,9 @@ impl<T: TargetModel> TreeTarget for Tempered<T> {
     fn commit_tree(&mut self, path: &[u32]) -> Result<()> {
         match self.inner.tree() {
             Some(t) => t.commit_tree(path),
-            None => Err(crate::Error::TargetContract { what: "tree() became None" }),
+            None => Err(crate::Error::TargetContract {
+                what: "tree() became None",
+            }),
         }
     }
 }

@@ -9,16 +9,36 @@
 //! [`conformance_tests!`](crate::conformance_tests) writes one `#[test]` per family:
 //!
 //! ```
-//! use speculative::test_util::ToyModel;
+//! // tests/conformance.rs of your engine's crate, with
+//! // speculative = { version = "0.1", features = ["conformance"] } in [dev-dependencies].
+//! use speculative::test_util::ToyModel; // stands for your engine here
 //!
 //! fn engine() -> ToyModel {
-//!     ToyModel::markov(16, 2, 2.0, 7).with_tree(8) // your engine's constructor
+//!     ToyModel::markov(16, 2, 2.0, 7).with_tree(8) // a fresh engine, empty sequence
 //! }
 //! const PROMPTS: &[&[u32]] = &[&[1, 2, 3, 4, 5], &[9, 8, 7]];
 //!
+//! // One #[test] per family: target_model, batch_invariance, tree_target, hidden_states,
+//! // target_features, lossless.
 //! speculative::conformance_tests!(my_engine, engine, PROMPTS);
-//! # fn main() {} // (in a doc test the generated #[test]s are not run; call a family instead:)
-//! # speculative::conformance::check_target(engine, PROMPTS, &Default::default()).assert_passed();
+//! # fn main() {
+//! #     // (a doc test does not run the generated #[test]s: run one family here)
+//! #     speculative::conformance::check_target(engine, PROMPTS, &Default::default()).assert_passed();
+//! # }
+//! ```
+//!
+//! With a tolerance and fewer samples (an engine that is not batch invariant, a real model on
+//! a CPU), and a family called directly, its report read by the test:
+//!
+//! ```
+//! use speculative::conformance::{KitConfig, Tolerance, check_invariance};
+//! use speculative::test_util::ToyModel;
+//!
+//! let cfg = KitConfig::builder().tolerance(Tolerance::Abs(1e-3)).samples(300).build()?;
+//! let report = check_invariance(ToyModel::c10, &[vec![1u32, 2, 3, 4]], &cfg);
+//! assert_eq!(report.invariance().unwrap().argmax_changes, 0);
+//! report.assert_passed();
+//! # Ok::<(), speculative::Error>(())
 //! ```
 //!
 //! # Families and checks
@@ -52,7 +72,7 @@
 //!   path the length is `seq_len + 1 + path.len()` and the next forward equals a chain's),
 //!   `tree.truncate` (truncate undoes an uncommitted tree), `tree.invalid` (a parent not before
 //!   its node, an id outside the vocabulary, more than `max_tree_nodes` nodes, duplicate
-//!   deterministic siblings are refused with [`Error::InvalidTree`](crate::Error::InvalidTree),
+//!   deterministic siblings are refused with [`Error::InvalidTree`],
 //!   an out-of-vocab root and an overflowing tree are refused, each without change; commit
 //!   without a pending tree or of a non-path is refused).
 //! - [`check_hidden`], [`HiddenStates`](crate::HiddenStates) (skipped when not offered):
@@ -65,7 +85,7 @@
 //!   draft model (skipped when not offered), with synthetic features: `features.set` (held
 //!   length and the sequence's truncation to `start + 1`), `features.errors` (start past the
 //!   held length and a ragged row buffer are refused with
-//!   [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) without change), `features.truncate`
+//!   [`Error::ShapeMismatch`] without change), `features.truncate`
 //!   (truncate keeps the held features), `features.causal` (a changed feature of position `j`
 //!   changes no row at positions `<= j` and changes the row at `j + 1`), `features.replace`
 //!   (replacing features from `start` gives the rows of a fresh model with the new features).
@@ -80,7 +100,7 @@
 //!   the drafted token), `proposer.tree` (trees within node, depth and branch limits),
 //!   `proposer.eos` (no token after an EOS id), `proposer.new_request` and `proposer.rollback`
 //!   (used directly on another prompt or on a shorter context, a valid draft, or
-//!   [`Error::StaleProposerState`](crate::Error::StaleProposerState); a draft different from a
+//!   [`Error::StaleProposerState`]; a draft different from a
 //!   fresh proposer's is [`Outcome::Tolerated`], fine for proposers that learn across requests).
 //! - [`check_lossless`] / [`check_lossless_with`], this engine + a proposer +
 //!   [`decode::Generator`](crate::decode::Generator): `lossless.greedy` (greedy output
@@ -283,7 +303,13 @@ impl KitConfigBuilder {
     /// or greedy token count of 0, fewer than 20 samples, a top-k outside `2 ..= 16`.
     pub fn build(self) -> Result<KitConfig> {
         let c = self.0;
-        let bad = |field, value: String, reason| Err(Error::InvalidConfig { field, value, reason });
+        let bad = |field, value: String, reason| {
+            Err(Error::InvalidConfig {
+                field,
+                value,
+                reason,
+            })
+        };
         if let Tolerance::Abs(t) = c.tolerance
             && !(t.is_finite() && t >= 0.0)
         {

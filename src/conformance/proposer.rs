@@ -14,7 +14,12 @@ type Check = std::result::Result<(), Fail>;
 /// Runs the [`Proposer`] checks (`proposer.*`, listed in [`crate::conformance`]) on fresh
 /// proposers from `make`, for every prompt as context, greedy and sampled (temperature 1, top-k
 /// [`KitConfig::top_k`]), seed 7. `vocab` is the target's vocabulary size.
-pub fn check_proposer<Q, P>(mut make: impl FnMut() -> Q, prompts_in: &[P], vocab: usize, cfg: &KitConfig) -> Report
+pub fn check_proposer<Q, P>(
+    mut make: impl FnMut() -> Q,
+    prompts_in: &[P],
+    vocab: usize,
+    cfg: &KitConfig,
+) -> Report
 where
     Q: Proposer,
     P: AsRef<[u32]>,
@@ -23,21 +28,52 @@ where
     let Some(ps) = prompts(&mut report, prompts_in, vocab, usize::MAX) else {
         return report;
     };
-    let sampled = SamplingConfig::builder().temperature(1.0).top_k(cfg.top_k()).build();
+    let sampled = SamplingConfig::builder()
+        .temperature(1.0)
+        .top_k(cfg.top_k())
+        .build();
     let configs = match sampled {
         Ok(s) => [("greedy", SamplingConfig::greedy()), ("sampled", s)],
-        Err(_) => [("greedy", SamplingConfig::greedy()), ("greedy", SamplingConfig::greedy())],
+        Err(_) => [
+            ("greedy", SamplingConfig::greedy()),
+            ("greedy", SamplingConfig::greedy()),
+        ],
     };
     let k = cfg.draft_len();
     for (i, p) in ps.iter().enumerate() {
         for (name, sc) in &configs {
             let input = format!("{}, {name}", prompt_input(i, p));
-            record(&mut report, "proposer.limits", &input, limits(&mut make, p, sc, vocab, k));
-            record(&mut report, "proposer.tree", &input, tree(&mut make, p, sc, vocab));
-            record(&mut report, "proposer.eos", &input, eos(&mut make, p, sc, vocab, k));
+            record(
+                &mut report,
+                "proposer.limits",
+                &input,
+                limits(&mut make, p, sc, vocab, k),
+            );
+            record(
+                &mut report,
+                "proposer.tree",
+                &input,
+                tree(&mut make, p, sc, vocab),
+            );
+            record(
+                &mut report,
+                "proposer.eos",
+                &input,
+                eos(&mut make, p, sc, vocab, k),
+            );
             let other = ps[(i + 1) % ps.len()];
-            record(&mut report, "proposer.new_request", &input, new_request(&mut make, p, other, sc, vocab, k));
-            record(&mut report, "proposer.rollback", &input, rollback(&mut make, p, sc, vocab, k));
+            record(
+                &mut report,
+                "proposer.new_request",
+                &input,
+                new_request(&mut make, p, other, sc, vocab, k),
+            );
+            record(
+                &mut report,
+                "proposer.rollback",
+                &input,
+                rollback(&mut make, p, sc, vocab, k),
+            );
         }
     }
     report
@@ -57,13 +93,19 @@ fn valid(d: &Draft, req: &ProposeRequest<'_>, vocab: usize) -> Check {
         return Err(Fail::new(format!("at most {} tokens", req.max_draft), what));
     }
     if let Some(t) = d.tokens.iter().find(|&&t| t as usize >= vocab) {
-        return Err(Fail::new(format!("ids below {vocab}"), format!("{t} in {what}")));
+        return Err(Fail::new(
+            format!("ids below {vocab}"),
+            format!("{t} in {what}"),
+        ));
     }
     let Some(q) = &d.q else { return Ok(()) };
     let qv = d.q_vocab;
     if qv == 0 || qv > vocab || q.len() != d.tokens.len() * qv {
         return Err(Fail::new(
-            format!("q of [{}, q_vocab] with 1 <= q_vocab <= {vocab}", d.tokens.len()),
+            format!(
+                "q of [{}, q_vocab] with 1 <= q_vocab <= {vocab}",
+                d.tokens.len()
+            ),
             format!("{} floats, q_vocab {qv}", q.len()),
         ));
     }
@@ -81,7 +123,13 @@ fn valid(d: &Draft, req: &ProposeRequest<'_>, vocab: usize) -> Check {
     Ok(())
 }
 
-fn limits<Q: Proposer>(make: &mut impl FnMut() -> Q, p: &[u32], sc: &SamplingConfig, vocab: usize, k: usize) -> Check {
+fn limits<Q: Proposer>(
+    make: &mut impl FnMut() -> Q,
+    p: &[u32],
+    sc: &SamplingConfig,
+    vocab: usize,
+    k: usize,
+) -> Check {
     for max in [0, 1, k] {
         let mut q = make();
         ok(q.begin(p), "begin(prompt)")?;
@@ -90,19 +138,30 @@ fn limits<Q: Proposer>(make: &mut impl FnMut() -> Q, p: &[u32], sc: &SamplingCon
         ok(q.propose(&req, &mut d), format!("propose(max_draft {max})"))?;
         valid(&d, &req, vocab)?;
         if !d.parents.is_empty() {
-            return Err(Fail::new("propose returns a chain (no parents)", format!("parents {:?}", d.parents)));
+            return Err(Fail::new(
+                "propose returns a chain (no parents)",
+                format!("parents {:?}", d.parents),
+            ));
         }
     }
     Ok(())
 }
 
-fn tree<Q: Proposer>(make: &mut impl FnMut() -> Q, p: &[u32], sc: &SamplingConfig, vocab: usize) -> Check {
+fn tree<Q: Proposer>(
+    make: &mut impl FnMut() -> Q,
+    p: &[u32],
+    sc: &SamplingConfig,
+    vocab: usize,
+) -> Check {
     let mut q = make();
     ok(q.begin(p), "begin(prompt)")?;
     let mut req = request(p, sc, 3);
     (req.max_nodes, req.max_branch) = (6, 2);
     let mut d = Draft::default();
-    ok(q.propose_tree(&req, &mut d), "propose_tree(max_draft 3, max_nodes 6, max_branch 2)")?;
+    ok(
+        q.propose_tree(&req, &mut d),
+        "propose_tree(max_draft 3, max_nodes 6, max_branch 2)",
+    )?;
     valid(&d, &req, vocab)?;
     if d.parents.is_empty() {
         return Ok(());
@@ -114,12 +173,21 @@ fn tree<Q: Proposer>(make: &mut impl FnMut() -> Q, p: &[u32], sc: &SamplingConfi
         max_branch: 2,
         dense_q: d.q.is_some(),
     };
-    d.block()
-        .validate(&limits)
-        .map_err(|e| Fail::new("a tree within 6 nodes, depth 3, 2 children per node", format!("{e} in {:?} / {:?}", d.tokens, d.parents)))
+    d.block().validate(&limits).map_err(|e| {
+        Fail::new(
+            "a tree within 6 nodes, depth 3, 2 children per node",
+            format!("{e} in {:?} / {:?}", d.tokens, d.parents),
+        )
+    })
 }
 
-fn eos<Q: Proposer>(make: &mut impl FnMut() -> Q, p: &[u32], sc: &SamplingConfig, vocab: usize, k: usize) -> Check {
+fn eos<Q: Proposer>(
+    make: &mut impl FnMut() -> Q,
+    p: &[u32],
+    sc: &SamplingConfig,
+    vocab: usize,
+    k: usize,
+) -> Check {
     let mut q = make();
     ok(q.begin(p), "begin(prompt)")?;
     let mut first = Draft::default();
@@ -131,27 +199,49 @@ fn eos<Q: Proposer>(make: &mut impl FnMut() -> Q, p: &[u32], sc: &SamplingConfig
         let mut req = request(p, sc, k);
         req.eos = &stop;
         let mut d = Draft::default();
-        ok(q.propose(&req, &mut d), format!("propose with EOS {}", stop[0]))?;
+        ok(
+            q.propose(&req, &mut d),
+            format!("propose with EOS {}", stop[0]),
+        )?;
         valid(&d, &req, vocab)?;
         if req.draft_len_to_eos(&d.tokens) != d.tokens.len() {
-            return Err(Fail::new(format!("no token after the EOS id {}", stop[0]), format!("draft {:?}", d.tokens)));
+            return Err(Fail::new(
+                format!("no token after the EOS id {}", stop[0]),
+                format!("draft {:?}", d.tokens),
+            ));
         }
     }
     Ok(())
 }
 
 /// The draft of a fresh proposer begun with `ctx`.
-fn fresh<Q: Proposer>(make: &mut impl FnMut() -> Q, ctx: &[u32], sc: &SamplingConfig, k: usize) -> std::result::Result<Draft, Fail> {
+fn fresh<Q: Proposer>(
+    make: &mut impl FnMut() -> Q,
+    ctx: &[u32],
+    sc: &SamplingConfig,
+    k: usize,
+) -> std::result::Result<Draft, Fail> {
     let mut q = make();
     ok(q.begin(ctx), "begin")?;
     let mut d = Draft::default();
-    ok(q.propose(&request(ctx, sc, k), &mut d), "propose on a fresh proposer")?;
+    ok(
+        q.propose(&request(ctx, sc, k), &mut d),
+        "propose on a fresh proposer",
+    )?;
     Ok(d)
 }
 
 /// A reused proposer's draft on `ctx`: valid, or StaleProposerState; a difference from a
 /// fresh proposer's draft is tolerated.
-fn reused<Q: Proposer>(q: &mut Q, make: &mut impl FnMut() -> Q, ctx: &[u32], sc: &SamplingConfig, vocab: usize, k: usize, what: &str) -> Check {
+fn reused<Q: Proposer>(
+    q: &mut Q,
+    make: &mut impl FnMut() -> Q,
+    ctx: &[u32],
+    sc: &SamplingConfig,
+    vocab: usize,
+    k: usize,
+    what: &str,
+) -> Check {
     let mut d = Draft::default();
     let req = request(ctx, sc, k);
     match q.propose(&req, &mut d) {
@@ -167,22 +257,54 @@ fn reused<Q: Proposer>(q: &mut Q, make: &mut impl FnMut() -> Q, ctx: &[u32], sc:
     Ok(())
 }
 
-fn new_request<Q: Proposer>(make: &mut impl FnMut() -> Q, p: &[u32], other: &[u32], sc: &SamplingConfig, vocab: usize, k: usize) -> Check {
+fn new_request<Q: Proposer>(
+    make: &mut impl FnMut() -> Q,
+    p: &[u32],
+    other: &[u32],
+    sc: &SamplingConfig,
+    vocab: usize,
+    k: usize,
+) -> Check {
     let mut q = make();
     ok(q.begin(p), "begin(prompt)")?;
     let mut d = Draft::default();
     ok(q.propose(&request(p, sc, k), &mut d), "propose(prompt)")?;
     let emitted = [d.tokens.first().copied().unwrap_or(p[0])];
     ok(q.observe(d.tokens.len().min(1), &emitted), "observe")?;
-    reused(&mut q, make, other, sc, vocab, k, "used directly on another prompt (no begin)")
+    reused(
+        &mut q,
+        make,
+        other,
+        sc,
+        vocab,
+        k,
+        "used directly on another prompt (no begin)",
+    )
 }
 
-fn rollback<Q: Proposer>(make: &mut impl FnMut() -> Q, p: &[u32], sc: &SamplingConfig, vocab: usize, k: usize) -> Check {
+fn rollback<Q: Proposer>(
+    make: &mut impl FnMut() -> Q,
+    p: &[u32],
+    sc: &SamplingConfig,
+    vocab: usize,
+    k: usize,
+) -> Check {
     let mut q = make();
     ok(q.begin(p), "begin(prompt)")?;
     let longer: Vec<u32> = [p, &p[..2]].concat();
     let mut d = Draft::default();
-    ok(q.propose(&request(&longer, sc, k), &mut d), "propose(prompt + 2 tokens)")?;
+    ok(
+        q.propose(&request(&longer, sc, k), &mut d),
+        "propose(prompt + 2 tokens)",
+    )?;
     ok(q.observe(0, &longer[p.len()..p.len() + 1]), "observe")?;
-    reused(&mut q, make, &p[..p.len() - 1], sc, vocab, k, "on a shorter context (a rollback)")
+    reused(
+        &mut q,
+        make,
+        &p[..p.len() - 1],
+        sc,
+        vocab,
+        k,
+        "on a shorter context (a rollback)",
+    )
 }

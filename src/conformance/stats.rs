@@ -32,9 +32,21 @@ pub(crate) fn fit(observed: &[u64], expected: &[f64], extra: u64) -> Test {
         }
     }
     let df = bins.saturating_sub(1).max(1);
-    let p_chi = if bins >= 2 { upper_gamma(df as f64 / 2.0, stat / 2.0) } else { 1.0 };
-    let p_pool = if pool_o == 0 { 1.0 } else { lower_gamma(pool_o as f64, pool_e) };
-    let p_value = if impossible > 0 { 0.0 } else { (2.0 * p_chi.min(p_pool)).min(1.0) };
+    let p_chi = if bins >= 2 {
+        upper_gamma(df as f64 / 2.0, stat / 2.0)
+    } else {
+        1.0
+    };
+    let p_pool = if pool_o == 0 {
+        1.0
+    } else {
+        lower_gamma(pool_o as f64, pool_e)
+    };
+    let p_value = if impossible > 0 {
+        0.0
+    } else {
+        (2.0 * p_chi.min(p_pool)).min(1.0)
+    };
     Test {
         statistic: stat,
         df,
@@ -86,7 +98,9 @@ fn lower_gamma(a: f64, x: f64) -> f64 {
                 break;
             }
         }
-        (sum.ln() + a * x.ln() - x - ln_gamma(a)).exp().clamp(0.0, 1.0)
+        (sum.ln() + a * x.ln() - x - ln_gamma(a))
+            .exp()
+            .clamp(0.0, 1.0)
     } else {
         1.0 - upper_gamma(a, x)
     }
@@ -125,7 +139,9 @@ fn upper_gamma(a: f64, x: f64) -> f64 {
             break;
         }
     }
-    (a * x.ln() - x - ln_gamma(a) + h.ln()).exp().clamp(0.0, 1.0)
+    (a * x.ln() - x - ln_gamma(a) + h.ln())
+        .exp()
+        .clamp(0.0, 1.0)
 }
 
 #[cfg(test)]

@@ -2,8 +2,7 @@
 
 use super::report::{Outcome, Report};
 use super::util::{
-    Fail, compare_rows, ok, prompt_input, prompts, record, refused, same_len,
-    seq_is, token,
+    Fail, compare_rows, ok, prompt_input, prompts, record, refused, same_len, seq_is, token,
 };
 use super::{KitConfig, Tolerance};
 use crate::model::TargetModel;
@@ -40,9 +39,24 @@ where
                 continue;
             }
         };
-        record(&mut report, "target.pieces", &input, pieces(&mut make, p, &reference, tol));
-        record(&mut report, "target.prefill", &input, prefill(&mut make, p, &reference, tol));
-        record(&mut report, "target.truncate", &input, truncate(&mut make, p, &reference, tol));
+        record(
+            &mut report,
+            "target.pieces",
+            &input,
+            pieces(&mut make, p, &reference, tol),
+        );
+        record(
+            &mut report,
+            "target.prefill",
+            &input,
+            prefill(&mut make, p, &reference, tol),
+        );
+        record(
+            &mut report,
+            "target.truncate",
+            &input,
+            truncate(&mut make, p, &reference, tol),
+        );
         for (case, r) in errors(&mut make, p, &reference, tol) {
             record(&mut report, "target.errors", &format!("{input}, {case}"), r);
         }
@@ -57,33 +71,59 @@ where
             },
         );
     } else {
-        record(&mut report, "target.max_context", &input, context(&mut make, ps[0]));
+        record(
+            &mut report,
+            "target.max_context",
+            &input,
+            context(&mut make, ps[0]),
+        );
     }
     report
 }
 
 /// A fresh engine is empty; forward appends `n` and gives `[n, vocab]` finite logits (returned).
-fn shape<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32]) -> std::result::Result<Vec<f32>, Fail> {
+fn shape<T: TargetModel>(
+    make: &mut impl FnMut() -> T,
+    p: &[u32],
+) -> std::result::Result<Vec<f32>, Fail> {
     let mut m = make();
     seq_is(&m, 0, "construction")?;
     let mut logits = vec![f32::NAN; 3];
     ok(m.forward(p, &mut logits), "forward(prompt)")?;
-    same_len("logits.len() ([n, vocab])", p.len() * m.vocab_size(), logits.len())?;
+    same_len(
+        "logits.len() ([n, vocab])",
+        p.len() * m.vocab_size(),
+        logits.len(),
+    )?;
     seq_is(&m, p.len(), "forward(prompt)")?;
     if let Some(i) = logits.iter().position(|x| !x.is_finite()) {
-        return Err(Fail::new("finite logits", format!("{} at row {}", logits[i], i / m.vocab_size())));
+        return Err(Fail::new(
+            "finite logits",
+            format!("{} at row {}", logits[i], i / m.vocab_size()),
+        ));
     }
     Ok(logits)
 }
 
 /// Forward in two pieces and one token per call equal one call.
-fn pieces<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], reference: &[f32], tol: Tolerance) -> Check {
+fn pieces<T: TargetModel>(
+    make: &mut impl FnMut() -> T,
+    p: &[u32],
+    reference: &[f32],
+    tol: Tolerance,
+) -> Check {
     let mut m = make();
     let v = m.vocab_size();
     let a = p.len() / 2;
     let (mut x, mut y) = (Vec::new(), Vec::new());
-    ok(m.forward(&p[..a], &mut x), format!("forward(prompt[..{a}])"))?;
-    ok(m.forward(&p[a..], &mut y), format!("forward(prompt[{a}..])"))?;
+    ok(
+        m.forward(&p[..a], &mut x),
+        format!("forward(prompt[..{a}])"),
+    )?;
+    ok(
+        m.forward(&p[a..], &mut y),
+        format!("forward(prompt[{a}..])"),
+    )?;
     seq_is(&m, p.len(), "two forwards")?;
     x.extend_from_slice(&y);
     compare_rows(reference, &x, v, 0, tol)
@@ -91,7 +131,10 @@ fn pieces<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], reference: &[
     let mut m = make();
     let mut rows = Vec::new();
     for (i, t) in p.iter().enumerate() {
-        ok(m.forward(std::slice::from_ref(t), &mut y), format!("forward of token {i} alone"))?;
+        ok(
+            m.forward(std::slice::from_ref(t), &mut y),
+            format!("forward of token {i} alone"),
+        )?;
         rows.extend_from_slice(&y);
     }
     compare_rows(reference, &rows, v, 0, tol)
@@ -100,15 +143,26 @@ fn pieces<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], reference: &[
 }
 
 /// Prefill of `n - 1` tokens (also after a forward), then forward of the last, equals one call.
-fn prefill<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], reference: &[f32], tol: Tolerance) -> Check {
+fn prefill<T: TargetModel>(
+    make: &mut impl FnMut() -> T,
+    p: &[u32],
+    reference: &[f32],
+    tol: Tolerance,
+) -> Check {
     let n = p.len();
     let v = reference.len() / n;
     let last = &reference[(n - 1) * v..];
     let mut row = Vec::new();
     let mut m = make();
-    ok(m.prefill(&p[..n - 1]), format!("prefill(prompt[..{}])", n - 1))?;
+    ok(
+        m.prefill(&p[..n - 1]),
+        format!("prefill(prompt[..{}])", n - 1),
+    )?;
     seq_is(&m, n - 1, "prefill")?;
-    ok(m.forward(&p[n - 1..], &mut row), "forward(last token) after prefill")?;
+    ok(
+        m.forward(&p[n - 1..], &mut row),
+        "forward(last token) after prefill",
+    )?;
     compare_rows(last, &row, v, n - 1, tol).map_err(|f| f.context("prefill + forward".into()))?;
     if n >= 3 {
         let mut m = make();
@@ -124,7 +178,12 @@ fn prefill<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], reference: &
 
 /// Truncate to the length is a no-op, truncate then forward equals a fresh forward (also after
 /// rejected tokens), truncate(0) restarts.
-fn truncate<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], reference: &[f32], tol: Tolerance) -> Check {
+fn truncate<T: TargetModel>(
+    make: &mut impl FnMut() -> T,
+    p: &[u32],
+    reference: &[f32],
+    tol: Tolerance,
+) -> Check {
     let n = p.len();
     let v = reference.len() / n;
     let a = n / 2;
@@ -136,20 +195,31 @@ fn truncate<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], reference: 
     seq_is(&m, n, "truncate(seq_len)")?;
     ok(m.truncate(a), format!("truncate({a})"))?;
     seq_is(&m, a, &format!("truncate({a})"))?;
-    ok(m.forward(&p[a..], &mut rows), format!("forward(prompt[{a}..]) after truncate"))?;
+    ok(
+        m.forward(&p[a..], &mut rows),
+        format!("forward(prompt[{a}..]) after truncate"),
+    )?;
     compare_rows(&reference[a * v..], &rows, v, a, tol)
         .map_err(|f| f.context(format!("forward, truncate({a}), forward")))?;
     let rejected: Vec<u32> = (0..3).map(|i| token(p, i + 5, vocab)).collect();
     ok(m.truncate(a), format!("truncate({a})"))?;
-    ok(m.forward(&rejected, &mut rows), "forward of 3 tokens to reject")?;
+    ok(
+        m.forward(&rejected, &mut rows),
+        "forward of 3 tokens to reject",
+    )?;
     ok(m.truncate(a), format!("truncate({a}) dropping them"))?;
-    ok(m.forward(&p[a..], &mut rows), format!("forward(prompt[{a}..])"))?;
+    ok(
+        m.forward(&p[a..], &mut rows),
+        format!("forward(prompt[{a}..])"),
+    )?;
     compare_rows(&reference[a * v..], &rows, v, a, tol)
         .map_err(|f| f.context(format!("3 tokens appended and truncated away at {a}")))?;
     ok(m.truncate(0), "truncate(0)")?;
     seq_is(&m, 0, "truncate(0)")?;
     ok(m.forward(p, &mut rows), "forward(prompt) after truncate(0)")?;
-    compare_rows(reference, &rows, v, 0, tol).map_err(|f| f.context("truncate(0), forward".into())).map(|_| ())
+    compare_rows(reference, &rows, v, 0, tol)
+        .map_err(|f| f.context("truncate(0), forward".into()))
+        .map(|_| ())
 }
 
 /// Each refused (or empty) call leaves the sequence as it was: the same length, and the rest of
@@ -188,7 +258,10 @@ fn error_case<T: TargetModel>(
     let v = m.vocab_size();
     let oov = v as u32;
     let mut rows = Vec::new();
-    ok(m.forward(&p[..a], &mut rows), format!("forward(prompt[..{a}])"))?;
+    ok(
+        m.forward(&p[..a], &mut rows),
+        format!("forward(prompt[..{a}])"),
+    )?;
     match case {
         "empty forward" => {
             if m.forward(&[], &mut rows).is_ok() {
@@ -198,17 +271,27 @@ fn error_case<T: TargetModel>(
         "empty prefill" => {
             let _ = m.prefill(&[]);
         }
-        "out-of-vocab id in forward" => refused(m.forward(&[oov], &mut rows), format!("forward([{oov}])"))?,
-        "valid id then out-of-vocab id in forward" => {
-            refused(m.forward(&[p[a], oov], &mut rows), format!("forward([{}, {oov}])", p[a]))?
+        "out-of-vocab id in forward" => {
+            refused(m.forward(&[oov], &mut rows), format!("forward([{oov}])"))?
         }
-        "valid id then out-of-vocab id in prefill" => {
-            refused(m.prefill(&[p[a], oov]), format!("prefill([{}, {oov}])", p[a]))?
-        }
-        _ => refused(m.truncate(a + 1), format!("truncate({}) at length {a}", a + 1))?,
+        "valid id then out-of-vocab id in forward" => refused(
+            m.forward(&[p[a], oov], &mut rows),
+            format!("forward([{}, {oov}])", p[a]),
+        )?,
+        "valid id then out-of-vocab id in prefill" => refused(
+            m.prefill(&[p[a], oov]),
+            format!("prefill([{}, {oov}])", p[a]),
+        )?,
+        _ => refused(
+            m.truncate(a + 1),
+            format!("truncate({}) at length {a}", a + 1),
+        )?,
     }
     seq_is(&m, a, case)?;
-    ok(m.forward(&p[a..], &mut rows), format!("forward(prompt[{a}..]) after the {case}"))?;
+    ok(
+        m.forward(&p[a..], &mut rows),
+        format!("forward(prompt[{a}..]) after the {case}"),
+    )?;
     compare_rows(&reference[a * v..], &rows, v, a, tol)
         .map_err(|f| f.context(format!("the rest of the prompt after the {case}")))?;
     Ok(())
@@ -221,18 +304,33 @@ fn context<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32]) -> Check {
     let mut rows = Vec::new();
     let fill: Vec<u32> = (0..max).map(|i| token(p, i, v)).collect();
     for (c, chunk) in fill[..max - 2].chunks(256).enumerate() {
-        ok(m.forward(chunk, &mut rows), format!("forward of fill chunk {c}"))?;
+        ok(
+            m.forward(chunk, &mut rows),
+            format!("forward of fill chunk {c}"),
+        )?;
     }
     seq_is(&m, max - 2, "filling to max_context - 2")?;
-    refused(m.forward(&fill[..3], &mut rows), "forward of 3 tokens at max_context - 2")?;
+    refused(
+        m.forward(&fill[..3], &mut rows),
+        "forward of 3 tokens at max_context - 2",
+    )?;
     seq_is(&m, max - 2, "the refused crossing forward")?;
-    ok(m.forward(&fill[max - 2..], &mut rows), "forward of the last 2 tokens")?;
+    ok(
+        m.forward(&fill[max - 2..], &mut rows),
+        "forward of the last 2 tokens",
+    )?;
     seq_is(&m, max, "filling to max_context")?;
-    refused(m.forward(&fill[..1], &mut rows), "forward of 1 token at max_context")?;
+    refused(
+        m.forward(&fill[..1], &mut rows),
+        "forward of 1 token at max_context",
+    )?;
     refused(m.prefill(&fill[..1]), "prefill of 1 token at max_context")?;
     seq_is(&m, max, "the refused calls")?;
     ok(m.truncate(max - 1), "truncate(max_context - 1)")?;
-    ok(m.forward(&fill[..1], &mut rows), "forward of 1 token at max_context - 1")?;
+    ok(
+        m.forward(&fill[..1], &mut rows),
+        "forward of 1 token at max_context - 1",
+    )?;
     same_len("logits of that forward", v, rows.len())?;
     seq_is(&m, max, "refilling to max_context")
 }

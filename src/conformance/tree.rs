@@ -1,7 +1,9 @@
 //! The [`TreeTarget`](crate::TreeTarget) family: node rows, commit, truncate, invalid trees.
 
 use super::report::{Outcome, Report};
-use super::util::{Fail, compare_rows, last_row, ok, prompt_input, prompts, record, same_len, seq_is, token};
+use super::util::{
+    Fail, compare_rows, last_row, ok, prompt_input, prompts, record, same_len, seq_is, token,
+};
 use super::{KitConfig, Tolerance};
 use crate::error::Error;
 use crate::model::TargetModel;
@@ -51,7 +53,9 @@ impl TestTree {
     /// The deepest node.
     pub(crate) fn deepest(&self) -> usize {
         let b = self.block();
-        (0..b.len()).max_by_key(|&i| (b.depth(i), usize::MAX - i)).unwrap_or(0)
+        (0..b.len())
+            .max_by_key(|&i| (b.depth(i), usize::MAX - i))
+            .unwrap_or(0)
     }
 }
 
@@ -71,8 +75,18 @@ where
     drop(probe);
     let cap = match cap {
         None | Some(0) => {
-            let reason = if cap.is_none() { "tree() is None" } else { "max_tree_nodes() is 0" };
-            report.push("tree.support", "the engine", Outcome::Skipped { reason: reason.into() });
+            let reason = if cap.is_none() {
+                "tree() is None"
+            } else {
+                "max_tree_nodes() is 0"
+            };
+            report.push(
+                "tree.support",
+                "the engine",
+                Outcome::Skipped {
+                    reason: reason.into(),
+                },
+            );
             return report;
         }
         Some(c) => c,
@@ -83,12 +97,36 @@ where
     let tol = cfg.tolerance();
     for (i, p) in ps.iter().enumerate() {
         let tree = TestTree::new(p, vocab, cap);
-        let input = format!("{}, tree of {} nodes", prompt_input(i, p), tree.tokens.len());
-        record(&mut report, "tree.rows", &input, rows(&mut make, p, &tree, tol));
-        record(&mut report, "tree.commit", &input, commit(&mut make, p, &tree, tol));
-        record(&mut report, "tree.truncate", &input, undo(&mut make, p, &tree, tol));
+        let input = format!(
+            "{}, tree of {} nodes",
+            prompt_input(i, p),
+            tree.tokens.len()
+        );
+        record(
+            &mut report,
+            "tree.rows",
+            &input,
+            rows(&mut make, p, &tree, tol),
+        );
+        record(
+            &mut report,
+            "tree.commit",
+            &input,
+            commit(&mut make, p, &tree, tol),
+        );
+        record(
+            &mut report,
+            "tree.truncate",
+            &input,
+            undo(&mut make, p, &tree, tol),
+        );
         for (case, r) in invalid(&mut make, p, cap, tol, cfg) {
-            record(&mut report, "tree.invalid", &format!("{}, {case}", prompt_input(i, p)), r);
+            record(
+                &mut report,
+                "tree.invalid",
+                &format!("{}, {case}", prompt_input(i, p)),
+                r,
+            );
         }
     }
     report
@@ -96,25 +134,47 @@ where
 
 /// A fresh engine holding the prompt but its last token, its tree forward of `tree` done;
 /// returns the logits.
-fn start<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], tree: &TestTree) -> std::result::Result<(T, Vec<f32>), Fail> {
+fn start<T: TargetModel>(
+    make: &mut impl FnMut() -> T,
+    p: &[u32],
+    tree: &TestTree,
+) -> std::result::Result<(T, Vec<f32>), Fail> {
     let mut m = make();
     let n = p.len();
     let mut logits = Vec::new();
-    ok(m.forward(&p[..n - 1], &mut logits), "forward(prompt[..n - 1])")?;
-    let t = m.tree().ok_or_else(|| Fail::new("tree() Some on every fresh engine", "None"))?;
-    ok(t.forward_tree(p[n - 1], &tree.block(), &mut logits), "forward_tree(last token, tree)")?;
+    ok(
+        m.forward(&p[..n - 1], &mut logits),
+        "forward(prompt[..n - 1])",
+    )?;
+    let t = m
+        .tree()
+        .ok_or_else(|| Fail::new("tree() Some on every fresh engine", "None"))?;
+    ok(
+        t.forward_tree(p[n - 1], &tree.block(), &mut logits),
+        "forward_tree(last token, tree)",
+    )?;
     Ok((m, logits))
 }
 
 /// Every node's row equals the chain logits of its path.
-fn rows<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], tree: &TestTree, tol: Tolerance) -> Check {
+fn rows<T: TargetModel>(
+    make: &mut impl FnMut() -> T,
+    p: &[u32],
+    tree: &TestTree,
+    tol: Tolerance,
+) -> Check {
     let (m, logits) = start(make, p, tree)?;
     let v = m.vocab_size();
     let nodes = tree.tokens.len();
-    same_len("logits.len() ([nodes + 1, vocab])", (nodes + 1) * v, logits.len())?;
+    same_len(
+        "logits.len() ([nodes + 1, vocab])",
+        (nodes + 1) * v,
+        logits.len(),
+    )?;
     seq_is(&m, p.len() + nodes, "forward_tree")?;
     let root = last_row(make, p)?;
-    compare_rows(&root, &logits[..v], v, 0, tol).map_err(|f| f.context("root row vs chain".into()))?;
+    compare_rows(&root, &logits[..v], v, 0, tol)
+        .map_err(|f| f.context("root row vs chain".into()))?;
     for i in 0..nodes {
         let (_, toks) = tree.path_tokens(i);
         let chain = [p, &toks].concat();
@@ -127,7 +187,12 @@ fn rows<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], tree: &TestTree
 
 /// After `commit_tree(path)` the length is `seq_len + 1 + path.len()` and the next row is a
 /// chain's.
-fn commit<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], tree: &TestTree, tol: Tolerance) -> Check {
+fn commit<T: TargetModel>(
+    make: &mut impl FnMut() -> T,
+    p: &[u32],
+    tree: &TestTree,
+    tol: Tolerance,
+) -> Check {
     let deep = tree.path_tokens(tree.deepest());
     let mut paths = vec![deep, (Vec::new(), Vec::new())];
     if tree.tokens.len() >= 2 {
@@ -138,19 +203,31 @@ fn commit<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], tree: &TestTr
         let v = m.vocab_size();
         let t = m.tree().ok_or_else(|| Fail::new("tree() Some", "None"))?;
         ok(t.commit_tree(&nodes), format!("commit_tree({nodes:?})"))?;
-        seq_is(&m, p.len() + nodes.len(), &format!("commit_tree({nodes:?})"))?;
+        seq_is(
+            &m,
+            p.len() + nodes.len(),
+            &format!("commit_tree({nodes:?})"),
+        )?;
         let x = token(p, 3, v);
         let mut row = Vec::new();
         ok(m.forward(&[x], &mut row), "forward after commit_tree")?;
         let expected = last_row(make, &[p, &toks, &[x]].concat())?;
-        compare_rows(&expected, &row, v, 0, tol)
-            .map_err(|f| f.context(format!("the row after committing path {nodes:?} vs a chain")))?;
+        compare_rows(&expected, &row, v, 0, tol).map_err(|f| {
+            f.context(format!(
+                "the row after committing path {nodes:?} vs a chain"
+            ))
+        })?;
     }
     Ok(())
 }
 
 /// Truncate undoes an uncommitted tree.
-fn undo<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], tree: &TestTree, tol: Tolerance) -> Check {
+fn undo<T: TargetModel>(
+    make: &mut impl FnMut() -> T,
+    p: &[u32],
+    tree: &TestTree,
+    tol: Tolerance,
+) -> Check {
     let n = p.len();
     let (mut m, _) = start(make, p, tree)?;
     let v = m.vocab_size();
@@ -158,10 +235,15 @@ fn undo<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], tree: &TestTree
     seq_is(&m, n - 1, "truncate")?;
     let x = token(p, 4, v);
     let mut rows = Vec::new();
-    ok(m.forward(&[p[n - 1], x], &mut rows), "forward([root, x]) after the truncate")?;
+    ok(
+        m.forward(&[p[n - 1], x], &mut rows),
+        "forward([root, x]) after the truncate",
+    )?;
     let chain = [p, &[x]].concat();
     let expected = last_row(make, &chain)?;
-    compare_rows(&expected, &rows[v..], v, 1, tol).map_err(|f| f.context("after undoing a tree".into())).map(|_| ())
+    compare_rows(&expected, &rows[v..], v, 1, tol)
+        .map_err(|f| f.context("after undoing a tree".into()))
+        .map(|_| ())
 }
 
 /// Invalid trees and commits are refused without change.
@@ -177,51 +259,87 @@ fn invalid<T: TargetModel>(
     let (v, max_context) = (probe.vocab_size(), probe.max_context());
     drop(probe);
     let a = token(p, 1, v);
-    let b = (a + 1) % v as u32;
-    let mut cases: Vec<(String, Vec<u32>, Vec<u32>, Option<SiblingScheme>, u32, bool)> = vec![
-        ("a parent not before its node".into(), vec![a], vec![1], None, p[n - 1], true),
-        ("a node id >= vocab_size".into(), vec![v as u32], vec![0], None, p[n - 1], true),
-        ("a root id >= vocab_size".into(), vec![a], vec![0], None, v as u32, false),
+    let root = p[n - 1];
+    let bad = |name: String, tokens: Vec<u32>, parents: Vec<u32>| BadTree {
+        name,
+        tokens,
+        parents,
+        scheme: None,
+        root,
+        invalid_tree: true,
+    };
+    let mut cases = vec![
+        bad("a parent not before its node".into(), vec![a], vec![1]),
+        bad("a node id >= vocab_size".into(), vec![v as u32], vec![0]),
+        BadTree {
+            root: v as u32,
+            invalid_tree: false,
+            ..bad("a root id >= vocab_size".into(), vec![a], vec![0])
+        },
     ];
     if cap <= 256 {
         let over: Vec<u32> = (0..cap as u32 + 1).map(|i| (a + i) % v as u32).collect();
         let parents = (0..over.len() as u32).collect();
-        cases.push((format!("{} nodes, above max_tree_nodes", cap + 1), over, parents, None, p[n - 1], true));
+        cases.push(bad(
+            format!("{} nodes, above max_tree_nodes", cap + 1),
+            over,
+            parents,
+        ));
     }
     if cap >= 2 {
-        cases.push(("duplicate deterministic siblings".into(), vec![a, a], vec![0, 0], Some(SiblingScheme::Deterministic), p[n - 1], true));
+        cases.push(BadTree {
+            scheme: Some(SiblingScheme::Deterministic),
+            ..bad(
+                "duplicate deterministic siblings".into(),
+                vec![a, a],
+                vec![0, 0],
+            )
+        });
     }
-    let _ = b;
     let mut out: Vec<(String, Check)> = cases
         .into_iter()
-        .map(|(name, toks, parents, scheme, root, tree_err)| {
-            let r = refused_tree(make, p, &toks, &parents, scheme, root, tree_err, tol);
-            (name, r)
+        .map(|c| {
+            let r = refused_tree(make, p, &c, tol);
+            (c.name, r)
         })
         .collect();
     if cap >= 2 && max_context <= cfg.context_budget() {
         out.push(("a tree crossing max_context".into(), overflow(make, p)));
     }
-    out.push(("commit_tree without a pending tree, and of a non-path".into(), bad_commit(make, p, cap)));
+    out.push((
+        "commit_tree without a pending tree, and of a non-path".into(),
+        bad_commit(make, p, cap),
+    ));
     out
 }
 
-#[allow(clippy::too_many_arguments)]
+/// An invalid tree forward: the block, its root, and whether the contract names the error
+/// ([`Error::InvalidTree`]) or only asks for one.
+struct BadTree {
+    name: String,
+    tokens: Vec<u32>,
+    parents: Vec<u32>,
+    scheme: Option<SiblingScheme>,
+    root: u32,
+    invalid_tree: bool,
+}
+
 fn refused_tree<T: TargetModel>(
     make: &mut impl FnMut() -> T,
     p: &[u32],
-    toks: &[u32],
-    parents: &[u32],
-    scheme: Option<SiblingScheme>,
-    root: u32,
-    tree_err: bool,
+    c: &BadTree,
     tol: Tolerance,
 ) -> Check {
+    let (toks, parents, scheme, root, tree_err) =
+        (&c.tokens, &c.parents, c.scheme, c.root, c.invalid_tree);
     let n = p.len();
     let mut m = make();
     let v = m.vocab_size();
     let mut logits = Vec::new();
-    ok(m.forward(&p[..n - 1], &mut logits), "forward(prompt[..n - 1])")?;
+    ok(
+        m.forward(&p[..n - 1], &mut logits),
+        "forward(prompt[..n - 1])",
+    )?;
     let schemes = scheme.map(|s| vec![s; toks.len()]);
     let mut block = DraftBlock::tree(toks, parents);
     if let Some(s) = &schemes {
@@ -231,14 +349,24 @@ fn refused_tree<T: TargetModel>(
     match t.forward_tree(root, &block, &mut logits) {
         Ok(()) => return Err(Fail::new("forward_tree: Err", "Ok")),
         Err(Error::InvalidTree(_)) => {}
-        Err(e) if tree_err => return Err(Fail::new("forward_tree: Err(InvalidTree(..))", format!("Err({e})"))),
+        Err(e) if tree_err => {
+            return Err(Fail::new(
+                "forward_tree: Err(InvalidTree(..))",
+                format!("Err({e})"),
+            ));
+        }
         Err(_) => {}
     }
     seq_is(&m, n - 1, "the refused tree")?;
     let mut row = Vec::new();
-    ok(m.forward(&p[n - 1..], &mut row), "forward(last token) after the refused tree")?;
+    ok(
+        m.forward(&p[n - 1..], &mut row),
+        "forward(last token) after the refused tree",
+    )?;
     let expected = last_row(make, p)?;
-    compare_rows(&expected, &row, v, n - 1, tol).map_err(|f| f.context("after the refused tree".into())).map(|_| ())
+    compare_rows(&expected, &row, v, n - 1, tol)
+        .map_err(|f| f.context("after the refused tree".into()))
+        .map(|_| ())
 }
 
 /// A tree crossing the context limit is refused without change.
@@ -253,7 +381,10 @@ fn overflow<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32]) -> Check {
     let toks = [token(p, 1, v), token(p, 2, v)];
     let t = m.tree().ok_or_else(|| Fail::new("tree() Some", "None"))?;
     match t.forward_tree(p[0], &DraftBlock::chain(&toks), &mut logits) {
-        Ok(()) => Err(Fail::new("forward_tree of 3 rows at max_context - 2: Err", "Ok")),
+        Ok(()) => Err(Fail::new(
+            "forward_tree of 3 rows at max_context - 2: Err",
+            "Ok",
+        )),
         Err(_) => seq_is(&m, max - 2, "the refused tree"),
     }
 }
@@ -263,7 +394,10 @@ fn bad_commit<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], cap: usiz
     let mut m = make();
     let t = m.tree().ok_or_else(|| Fail::new("tree() Some", "None"))?;
     if t.commit_tree(&[]).is_ok() {
-        return Err(Fail::new("commit_tree(&[]) without a pending tree: Err", "Ok"));
+        return Err(Fail::new(
+            "commit_tree(&[]) without a pending tree: Err",
+            "Ok",
+        ));
     }
     if cap < 3 {
         return Ok(());
@@ -273,7 +407,10 @@ fn bad_commit<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], cap: usiz
     let t = m.tree().ok_or_else(|| Fail::new("tree() Some", "None"))?;
     // Node 2's parent is node 0, so [2] alone is not a path from the root.
     match t.commit_tree(&[2]) {
-        Ok(()) => Err(Fail::new("commit_tree([2]) (node 2 is a child of node 0): Err", "Ok")),
+        Ok(()) => Err(Fail::new(
+            "commit_tree([2]) (node 2 is a child of node 0): Err",
+            "Ok",
+        )),
         Err(_) => Ok(()),
     }
 }

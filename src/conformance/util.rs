@@ -101,7 +101,10 @@ pub(crate) fn same_len(
     if expected == got {
         Ok(())
     } else {
-        Err(Fail::new(format!("{what} = {expected}"), format!("{what} = {got}")))
+        Err(Fail::new(
+            format!("{what} = {expected}"),
+            format!("{what} = {got}"),
+        ))
     }
 }
 
@@ -129,7 +132,9 @@ pub(crate) fn compare_rows(
         let diff = (e - g).abs();
         let bad = match tol {
             Tolerance::Exact => e.to_bits() != g.to_bits() && !(e == 0.0 && g == 0.0),
-            Tolerance::Abs(t) => !(diff <= t) && e != g,
+            Tolerance::Abs(t) => {
+                e != g && diff.partial_cmp(&t) != Some(std::cmp::Ordering::Less) && diff != t
+            }
         };
         if bad {
             let (row, tok) = (first_row + i / width.max(1), i % width.max(1));
@@ -174,12 +179,18 @@ pub(crate) fn prompts<'p, P: AsRef<[u32]>>(
         Some("at least one prompt".to_string())
     } else if let Some(i) = out.iter().position(|p| p.len() < 2) {
         Some(format!("prompt {i}: at least 2 tokens"))
-    } else if let Some(i) = out.iter().position(|p| p.iter().any(|&t| t as usize >= vocab)) {
+    } else if let Some(i) = out
+        .iter()
+        .position(|p| p.iter().any(|&t| t as usize >= vocab))
+    {
         Some(format!("prompt {i}: token ids below vocab_size {vocab}"))
     } else {
-        out.iter()
-            .position(|p| p.len() + 8 > max_context)
-            .map(|i| format!("prompt {i}: at most max_context - 8 = {} tokens", max_context.saturating_sub(8)))
+        out.iter().position(|p| p.len() + 8 > max_context).map(|i| {
+            format!(
+                "prompt {i}: at most max_context - 8 = {} tokens",
+                max_context.saturating_sub(8)
+            )
+        })
     };
     match bad {
         Some(need) => {
@@ -188,7 +199,11 @@ pub(crate) fn prompts<'p, P: AsRef<[u32]>>(
                 "the prompts given",
                 Outcome::Failed {
                     expected: need,
-                    got: format!("{} prompts of lengths {:?}", out.len(), out.iter().map(|p| p.len()).collect::<Vec<_>>()),
+                    got: format!(
+                        "{} prompts of lengths {:?}",
+                        out.len(),
+                        out.iter().map(|p| p.len()).collect::<Vec<_>>()
+                    ),
                 },
             );
             None
@@ -210,7 +225,10 @@ pub(crate) fn one_call<T: TargetModel>(
 ) -> std::result::Result<Vec<f32>, Fail> {
     let mut m = make();
     let mut logits = Vec::new();
-    ok(m.forward(tokens, &mut logits), format!("forward of {} tokens on a fresh engine", tokens.len()))?;
+    ok(
+        m.forward(tokens, &mut logits),
+        format!("forward of {} tokens on a fresh engine", tokens.len()),
+    )?;
     same_len("logits.len()", tokens.len() * m.vocab_size(), logits.len())?;
     Ok(logits)
 }
