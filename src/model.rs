@@ -82,7 +82,10 @@ pub trait TargetModel {
     ///
     /// # Errors
     /// Implementations return [`crate::Error::Model`] for engine failures and when the
-    /// sequence would exceed [`TargetModel::max_context`].
+    /// sequence would exceed [`TargetModel::max_context`], and an error (for example
+    /// [`crate::Error::TokenOutOfVocab`]) for a token id `>= vocab_size()`. On error the
+    /// sequence is left as it was (nothing of the call is appended). An empty `tokens` is
+    /// refused or changes nothing.
     fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()>;
 
     /// Drops every position at index `>= len` (KV-cache rollback). `len` greater than
