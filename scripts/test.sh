@@ -38,3 +38,7 @@ cargo test -p speculative --features serde --lib --test serde_config
 cargo test -p speculative --features serde --doc -- config ReadmeDoctests
 scripts/check-package.sh  # published files of each crate against scripts/package-allowlist-*.txt
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --exclude speculative-llama --no-deps  # docs build without a warning (broken links included)
+# The conformance kit (`conformance` feature; tests/conformance.rs ran above, in `cargo test`,
+# which turns the feature on through the dev-dependency): its lints and docs as a user builds it.
+cargo clippy -p speculative --all-targets --features conformance,test-util -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc -p speculative --features conformance --no-deps

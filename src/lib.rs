@@ -81,12 +81,17 @@
 //!   [`HiddenStates`] and [`TargetFeatures`] extensions), below `propose` and `decode`, which
 //!   both drive models.
 //! - [`decode`]: the decoding loop.
+//! - `conformance` (feature `conformance`): checks of an engine against the contract of
+//!   [`model`], above every other layer.
 //! - [`rng`]: the counter-based random stream.
 //! - [`gpu`]: the same verification on a GPU, where the logits are.
 //!
 //! ## Features
 //!
 //! - `test-util`: toy targets and proposers (module `test_util`) for your own tests.
+//! - `conformance`: the conformance kit (module `conformance`, macro `conformance_tests!`):
+//!   checks that an engine meets the contract of [`model`]'s traits and that it decodes
+//!   losslessly with a proposer and our loop, with a report of what differs.
 //! - `half`: logits and draft q in `half::f16` / `half::bf16` ([`sampling::Logit`]), read
 //!   without an `f32` copy. Off by default only to keep the default build small: `half` brings
 //!   `zerocopy-derive` and a second major version of `syn` (proc-macro crates) into the build.
@@ -120,6 +125,8 @@
 
 #[cfg(feature = "serde")]
 pub mod config;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 pub mod decode;
 pub mod error;
 pub mod gpu;

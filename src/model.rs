@@ -82,7 +82,10 @@ pub trait TargetModel {
     ///
     /// # Errors
     /// Implementations return [`crate::Error::Model`] for engine failures and when the
-    /// sequence would exceed [`TargetModel::max_context`].
+    /// sequence would exceed [`TargetModel::max_context`], and an error (for example
+    /// [`crate::Error::TokenOutOfVocab`]) for a token id `>= vocab_size()`. On error the
+    /// sequence is left as it was (nothing of the call is appended). An empty `tokens` is
+    /// refused or changes nothing.
     fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()>;
 
     /// Drops every position at index `>= len` (KV-cache rollback). `len` greater than
@@ -645,14 +648,15 @@ impl<T: TargetModel> BatchTarget for PerSlot<T> {
             })
     }
 
-    /// Runs the chunks in order. On an error in chunk `i`, chunks before `i` stay appended
-    /// (each model rolls back only its own failed call); the loop then truncates every listed
-    /// slot back.
+    /// Runs the chunks in order. On an error in chunk `i`, the slots of chunks before `i` are
+    /// truncated back to their lengths before the call (a tree they appended is dropped), so
+    /// the call changes no slot.
     fn forward_batch(&mut self, chunks: &[SlotChunk<'_>], logits: &mut Vec<f32>) -> Result<()> {
         check_slots(chunks, self.models.len())?;
         logits.clear();
         let mut rows = std::mem::take(&mut self.rows);
         let mut out = Ok(());
+        let mut done = 0;
         for c in chunks {
             let m = &mut self.models[c.slot];
             let r = match c.input {
@@ -671,8 +675,18 @@ impl<T: TargetModel> BatchTarget for PerSlot<T> {
                 out = Err(e);
                 break;
             }
+            done += 1;
         }
         self.rows = rows;
+        if out.is_err() {
+            logits.clear();
+            for c in &chunks[..done] {
+                let m = &mut self.models[c.slot];
+                // Every chunk appended exactly its rows; a failed rollback would only hide the
+                // original error, which is the one returned.
+                let _ = m.truncate(m.seq_len() - c.input.rows());
+            }
+        }
         out
     }
 

@@ -169,18 +169,19 @@ impl TargetModel for ToyModel {
                 self.max_context
             )));
         }
+        // Every id is checked before anything is appended: on error the sequence is as it was.
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(Error::TokenOutOfVocab {
+                what: "model input",
+                token: t,
+                vocab_size: self.vocab,
+            });
+        }
         self.forward_calls += 1;
         self.forward_tokens += tokens.len();
         logits.clear();
         self.last_hidden.clear();
         for &t in tokens {
-            if t as usize >= self.vocab {
-                return Err(Error::TokenOutOfVocab {
-                    what: "model input",
-                    token: t,
-                    vocab_size: self.vocab,
-                });
-            }
             self.tokens.push(t);
             logits.extend((self.f)(&self.tokens));
             if let Some((_, h)) = &self.hidden {
