@@ -1310,3 +1310,111 @@ fn check_proposal(d: &Draft, ask: Ask, vocab: usize, proposer: &'static str) -> 
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::{MeasuredCosts, StopConditions};
+    use crate::test_util::ScriptedProposer;
+    use crate::verify::Verifier;
+
+    const LIMITS: TargetLimits = TargetLimits {
+        vocab: 8,
+        max_context: 64,
+        max_tree_nodes: 0,
+    };
+
+    /// Logits rows `[rows, 8]` whose greedy choice is `next[i]` at row `i`.
+    fn one_hot(next: &[u32]) -> Vec<f32> {
+        next.iter()
+            .flat_map(|&t| (0..8).map(move |v| if v == t { 10.0 } else { 0.0 }))
+            .collect()
+    }
+
+    fn started(params: GenerationParams, p: &mut ScriptedProposer) -> Sequence {
+        let mut seq = Sequence::new();
+        seq.begin(Start {
+            prompt: &[1, 2],
+            params,
+            seed: 0,
+            detokenizer: None,
+            limits: LIMITS,
+            hidden_width: 0,
+            at: Instant::now(),
+        });
+        seq.start_proposer(p).unwrap();
+        seq
+    }
+
+    const TIMES: StepTimes = StepTimes {
+        forward: Duration::ZERO,
+        verify: Duration::ZERO,
+    };
+
+    #[test]
+    fn a_step_runs_on_plain_values() {
+        let mut p = ScriptedProposer::new(vec![vec![3, 4, 5]]);
+        let params = GenerationParams::greedy(10).with_draft(DraftLength::Fixed(3));
+        let mut seq = started(params, &mut p);
+        let plan = seq.plan(&mut p, LIMITS, None).unwrap().unwrap();
+        assert_eq!((plan.rows(), plan.drafted(), plan.is_tree()), (4, 3, false));
+        let SlotInput::Chain(rows) = seq.rows(&plan) else {
+            panic!("a chain draft feeds a chain");
+        };
+        assert_eq!(rows, &[2, 3, 4, 5]);
+        assert_eq!(seq.cache_len_after(&plan), 5);
+        // The target agrees with 3 and 4, then says 6.
+        let logits = one_hot(&[3, 4, 6, 7]);
+        let out = Verifier::new()
+            .verify(&seq.verify_request(&plan, &logits))
+            .unwrap();
+        let (cache, c) = seq.commit(&plan, &out, None).unwrap();
+        // Prompt 2 + 3 emitted: the cache keeps all but the last.
+        assert_eq!(cache, CacheOp::Keep(4));
+        seq.observe(&mut p, &MeasuredCosts, &plan, out, c, TIMES)
+            .unwrap();
+        assert_eq!(seq.tokens(), &[3, 4, 6]);
+        assert_eq!(seq.last_tokens(), &[3, 4, 6]);
+        assert_eq!(seq.last_step().accepted, 2);
+        assert_eq!(seq.finish_reason(), None);
+        assert_eq!(seq.draft_cap(), 6);
+    }
+
+    #[test]
+    fn a_draft_is_cut_at_its_end_and_a_failed_step_rolls_back() {
+        let mut p = ScriptedProposer::new(vec![vec![3, 4, 5], vec![3]]);
+        let params = GenerationParams::greedy(10)
+            .with_draft(DraftLength::Fixed(3))
+            .with_stop(StopConditions::eos(4));
+        let mut seq = started(params, &mut p);
+        let mark = seq.mark();
+        let plan = seq.plan(&mut p, LIMITS, None).unwrap().unwrap();
+        // EOS 4 ends the draft: no row follows it.
+        assert_eq!((plan.drafted(), plan.rows()), (2, 2));
+        let logits = one_hot(&[3, 4]);
+        let out = Verifier::new()
+            .verify(&seq.verify_request(&plan, &logits))
+            .unwrap();
+        assert_eq!(out.tokens, vec![3, 4]);
+        // The engine failed to apply the cache operation: the step is forgotten.
+        let (cache, _) = seq.commit(&plan, &out, None).unwrap();
+        assert_eq!(cache, CacheOp::Keep(3));
+        assert_eq!(seq.fail(mark), 1);
+        assert_eq!(seq.tokens(), &[] as &[u32]);
+        assert_eq!(seq.finish_reason(), Some(FinishReason::Error));
+        let g = seq.take_generation(&mut p);
+        assert_eq!((g.tokens.len(), g.finish), (0, FinishReason::Error));
+    }
+
+    #[test]
+    fn the_budget_ends_the_generation_at_the_plan() {
+        let mut p = ScriptedProposer::default();
+        let mut seq = started(GenerationParams::greedy(0), &mut p);
+        assert!(seq.plan(&mut p, LIMITS, None).unwrap().is_none());
+        assert_eq!(seq.finish_reason(), Some(FinishReason::MaxTokens));
+        let mut seq = started(GenerationParams::greedy(4), &mut p);
+        seq.cancel();
+        assert!(seq.plan(&mut p, LIMITS, None).unwrap().is_none());
+        assert_eq!(seq.finish_reason(), Some(FinishReason::Cancelled));
+    }
+}
