@@ -3,23 +3,23 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::ops::ControlFlow;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::StreamChunk;
 use super::costs::{MeasuredCosts, StepCosts};
-use super::generator::{Generation, GenerationError, Generator, Parked, Proposed, Session};
 use super::goodput::{BatchCost, DraftCandidate, GoodputConfig, choose_draft_lengths};
-use super::metrics::Metrics;
 use super::params::GenerationParams;
 use super::policy::DraftLength;
 use super::seed::SeedSource;
+use super::sequence::{
+    CacheOp, Generation, GenerationError, Plan, Sequence, Start, StepMark, StepTimes, StreamChunk,
+    TargetLimits, check_request,
+};
 use super::stop::{Detokenizer, FinishReason};
 use crate::error::{Error, Result};
-use crate::model::{BatchTarget, SlotChunk, SlotInput, TargetModel, TreeTarget};
+use crate::model::{BatchTarget, SlotChunk, SlotInput};
 use crate::propose::Proposer;
-use crate::tree::{DraftBlock, SiblingScheme};
-use crate::verify::{DraftQ, SequenceParams, StepOutput, Verifier, VerifyBatch};
+use crate::verify::{DraftQ, SequenceParams, StepOutput, Verifier, VerifyBatch, VerifyRequest};
 
 /// Identifies a request submitted to a [`BatchGenerator`] (ids count up from 0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -73,14 +73,14 @@ impl BatchRequest {
     }
 
     /// Adds a [`Detokenizer`]: the generation then reports its text, streams text, and may use
-    /// stop strings (as [`Generator::with_detokenizer`]).
+    /// stop strings (as [`Generator::with_detokenizer`](super::Generator::with_detokenizer)).
     pub fn with_detokenizer(mut self, detokenizer: Box<dyn Detokenizer + Send>) -> Self {
         self.detokenizer = Some(detokenizer);
         self
     }
 
     /// Calls `f` after every verified step of this request with the step's tokens,
-    /// log-probabilities and released text, as [`Generator::generate_stream`] does. Returning
+    /// log-probabilities and released text, as [`Generator::generate_stream`](super::Generator::generate_stream) does. Returning
     /// `ControlFlow::Break(())` cancels the request (it finishes with
     /// [`FinishReason::Cancelled`] and the tokens streamed so far).
     pub fn with_stream(
@@ -191,108 +191,41 @@ pub struct BatchMetrics {
     /// Wall time of all steps.
     pub step_time: Duration,
 }
-
-/// A [`TargetModel`] view of one slot of a shared [`BatchTarget`]: what each request's
-/// [`Generator`] drives for its truncations and tree commits (the batch loop runs the forwards
-/// itself, batched).
-struct SlotTarget<B> {
-    shared: Arc<Mutex<B>>,
-    slot: usize,
-    vocab: usize,
-    max_context: usize,
-    tree_nodes: usize,
-}
-
-fn lock<B>(m: &Mutex<B>) -> MutexGuard<'_, B> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl<B: BatchTarget> TargetModel for SlotTarget<B> {
-    fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-    fn max_context(&self) -> usize {
-        self.max_context
-    }
-    fn seq_len(&self) -> usize {
-        // An invalid slot reads as an impossible length, which the loop reports as a broken
-        // contract.
-        lock(&self.shared).seq_len(self.slot).unwrap_or(usize::MAX)
-    }
-    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
-        let chunk = SlotChunk {
-            slot: self.slot,
-            input: SlotInput::Chain(tokens),
-        };
-        lock(&self.shared).forward_batch(&[chunk], logits)
-    }
-    fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
-        let chunk = SlotChunk {
-            slot: self.slot,
-            input: SlotInput::Prefill(tokens),
-        };
-        lock(&self.shared).forward_batch(&[chunk], &mut Vec::new())
-    }
-    fn truncate(&mut self, len: usize) -> Result<()> {
-        lock(&self.shared).truncate(self.slot, len)
-    }
-    fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
-        (self.tree_nodes > 0).then_some(self as &mut dyn TreeTarget)
-    }
-}
-
-impl<B: BatchTarget> TreeTarget for SlotTarget<B> {
-    fn max_tree_nodes(&self) -> usize {
-        self.tree_nodes
-    }
-    fn forward_tree(
-        &mut self,
-        root: u32,
-        block: &DraftBlock<'_>,
-        logits: &mut Vec<f32>,
-    ) -> Result<()> {
-        let chunk = SlotChunk {
-            slot: self.slot,
-            input: SlotInput::Tree {
-                root,
-                block: *block,
-            },
-        };
-        lock(&self.shared).forward_batch(&[chunk], logits)
-    }
-    fn commit_tree(&mut self, path: &[u32]) -> Result<()> {
-        lock(&self.shared).commit_tree(self.slot, path)
-    }
-}
-
-type SeqGen<B> = Generator<SlotTarget<B>, Box<dyn Proposer + Send>>;
-
-/// Where a request is.
+/// Where a running request is.
 enum Phase {
-    /// Holding a slot, `done` of the `prompt.len() - 1` prefill tokens in its KV cache.
+    /// `done` of the `prompt.len() - 1` prefill tokens are in its slot's KV cache.
     Prefill { done: usize },
     /// Verifying one draft per step.
     Decoding,
 }
 
-/// A request holding a slot.
-struct Seq<B> {
+/// A request holding a slot: its sequence, and what the batch loop keeps beside it.
+struct Running {
     id: RequestId,
     slot: usize,
-    generator: SeqGen<B>,
-    params: GenerationParams,
-    prompt: Vec<u32>,
-    parked: Option<Parked>,
+    seq: Sequence,
+    proposer: Box<dyn Proposer + Send>,
+    /// Where its adaptive policy learns step costs from (the loop's when it was admitted).
+    costs: Arc<dyn StepCosts>,
     phase: Phase,
     stream: Option<StreamFn>,
     /// The step planned for this forward, with where the step started.
-    plan: Option<(Proposed, (usize, super::stop::TextMark))>,
-    /// Scratch for the chain rows fed.
-    feed: Vec<u32>,
+    plan: Option<(Plan, StepMark)>,
+    /// `false` when the request failed before its proposer started (its result is then an
+    /// empty generation).
+    started: bool,
     /// The error that ended the request, if any.
     error: Option<Error>,
     /// Steps this decoding sequence was left out of for want of rows (it goes first next).
     waited: u32,
+}
+
+/// A prefill chunk of a step: the running request's index, and the prompt range it appends.
+#[derive(Debug, Clone, Copy)]
+struct PrefillChunk {
+    index: usize,
+    from: usize,
+    to: usize,
 }
 
 /// Runs many generations at once (continuous batching) over a [`BatchTarget`]: each
@@ -301,16 +234,16 @@ struct Seq<B> {
 /// `[last, d_1 .. d_k]` chain or token tree) and **one** [`Verifier::verify_batch`], then
 /// commits, streams and ends each request on its own.
 ///
-/// Every request keeps the guarantees of [`Generator`] alone: the same validation, stop
+/// Every request keeps the guarantees of [`Generator`](super::Generator) alone: the same validation, stop
 /// conditions (EOS, stop sequences and strings inside accepted drafts, case C11), token budget,
 /// streaming chunks, cancellation, logprobs and metrics. Given batch-invariant logits (the
 /// [`BatchTarget`] contract), every greedy request's output is bit-identical to its output from
-/// a [`Generator`] alone, and a sampled request's tokens for its seed do not depend on the batch
+/// a [`Generator`](super::Generator) alone, and a sampled request's tokens for its seed do not depend on the batch
 /// (random draws are keyed by the request's seed and positions, C15) when its drafts are point
 /// masses (prompt lookup, suffix, recycling, heads, grammar-forced) or its draft length is
 /// fixed. A proposer that samples its drafts (dense q) under [`DraftLength::Adaptive`] keeps the
 /// output *distribution* exact, but its tokens for a seed depend on the draft lengths, which the
-/// goodput policy chooses from the whole batch (as the adaptive policy of a [`Generator`] alone
+/// goodput policy chooses from the whole batch (as the adaptive policy of a [`Generator`](super::Generator) alone
 /// chooses them from measured times). A request that fails (its proposer
 /// errs, a draft is invalid, its verification fails) ends alone with its error in
 /// [`Finished::result`]; the others go on.
@@ -322,12 +255,12 @@ struct Seq<B> {
 /// estimates and the step time by rows learned online (measured, or from the cost source of
 /// [`BatchGenerator::with_costs`]), so speculation backs off as the batch becomes
 /// compute-bound. Adaptive requests draft chains in a batch (the per-request tree-shape
-/// policy of [`Generator`] is not used); a request whose draft length is 0 for a while probes
+/// policy of [`Generator`](super::Generator) is not used); a request whose draft length is 0 for a while probes
 /// with [`super::AdaptiveConfig::probe_draft`] drafts at its probe intervals.
 ///
 /// **Scheduling**: requests take free slots in submission order; decode and draft rows are
 /// scheduled before prefill chunks (decoding sequences are never stalled by a long prompt);
-/// a slot is released when its request ends. Per-request [`Metrics`] count the batched
+/// a slot is released when its request ends. Per-request [`Metrics`](super::Metrics) count the batched
 /// forward's whole time as each request's forward time, and `prefill_time` stays 0 (the
 /// prefill is chunked into shared steps).
 ///
@@ -352,7 +285,7 @@ struct Seq<B> {
 /// assert!(done.iter().all(|f| f.result.as_ref().unwrap().tokens.len() == 16));
 /// ```
 pub struct BatchGenerator<B> {
-    shared: Arc<Mutex<B>>,
+    target: B,
     config: BatchConfig,
     vocab: usize,
     max_context: usize,
@@ -361,11 +294,12 @@ pub struct BatchGenerator<B> {
     tree_nodes: usize,
     next_id: u64,
     waiting: VecDeque<(RequestId, BatchRequest)>,
-    active: Vec<Seq<B>>,
+    active: Vec<Running>,
     free_slots: Vec<usize>,
     finished: Vec<Finished>,
     cost: BatchCost,
-    /// Where the goodput policy's step costs come from (shared with every request's generator).
+    /// Where the goodput policy's step costs come from (and every request's adaptive policy,
+    /// from its admission).
     costs: Arc<dyn StepCosts>,
     metrics: BatchMetrics,
     /// Slots whose release failed (never used again).
@@ -413,7 +347,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
             vocab: target.vocab_size(),
             max_context: target.max_context(),
             tree_nodes: target.max_tree_nodes(),
-            shared: Arc::new(Mutex::new(target)),
+            target,
             config,
             max_slots,
             max_rows,
@@ -440,7 +374,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
     }
 
     /// Sets where the goodput policy learns the step time by rows from, and every request's
-    /// adaptive policy its step costs ([`Generator::with_costs`]): [`MeasuredCosts`] (the
+    /// adaptive policy its step costs ([`Generator::with_costs`](super::Generator::with_costs)): [`MeasuredCosts`] (the
     /// measured times, the default) or, for example, a [`FixedCosts`](super::FixedCosts)
     /// curve, which makes the draft lengths it chooses reproducible whatever the machine's
     /// load. A step of `rows` rows with `d` draft rows is recorded as
@@ -466,23 +400,12 @@ impl<B: BatchTarget> BatchGenerator<B> {
     /// or a [`DraftLength::Fixed`] draft (`k + 1` rows, or `tree_nodes + 1` for trees) does not
     /// fit the row budget ([`BatchConfig::max_batch_tokens`] and the target's).
     pub fn submit(&mut self, mut req: BatchRequest) -> Result<RequestId> {
-        if req.prompt.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
-        if req.prompt.len() > self.max_context {
-            return Err(Error::PromptTooLong {
-                len: req.prompt.len(),
-                max_context: self.max_context,
-            });
-        }
-        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= self.vocab) {
-            return Err(Error::TokenOutOfVocab {
-                what: "prompt token",
-                token: t,
-                vocab_size: self.vocab,
-            });
-        }
-        req.params.validate(self.vocab, req.detokenizer.is_some())?;
+        check_request(
+            &req.prompt,
+            &req.params,
+            &self.limits(),
+            req.detokenizer.is_some(),
+        )?;
         if self.max_slots == 0 {
             return Err(Error::config(
                 "max_slots",
@@ -521,13 +444,13 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 .map_or(0, |(_, r)| r.params.seed.unwrap_or(0));
             self.finished.push(Finished {
                 id,
-                result: Ok(empty_generation(FinishReason::Cancelled, seed)),
+                result: Ok(Generation::empty(FinishReason::Cancelled, seed)),
             });
             return true;
         }
         if let Some(i) = self.active.iter().position(|s| s.id == id) {
-            let seq = self.active.swap_remove(i);
-            self.finish(seq, true);
+            let run = self.active.swap_remove(i);
+            self.finish(run);
             return true;
         }
         false
@@ -583,11 +506,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
     pub fn into_target(mut self) -> B {
         self.active.clear();
         self.waiting.clear();
-        match Arc::try_unwrap(self.shared) {
-            Ok(m) => m.into_inner().unwrap_or_else(|e| e.into_inner()),
-            // Every SlotTarget clone lived in a dropped request.
-            Err(_) => unreachable!("slot views outlived their requests"),
-        }
+        self.target
     }
 
     /// Runs one step: admits waiting requests into free slots, plans every decoding
@@ -610,234 +529,55 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 what: "BatchTarget::release failed for every slot: no slot is left for the waiting requests",
             });
         }
-        // Plan: draft lengths for the batch, then each sequence's propose phase.
         // Sequences left out of earlier forwards for want of rows go first, then by age.
         self.active
             .sort_by_key(|s| (std::cmp::Reverse(s.waited), s.id));
         let choice = self.choose_lengths();
         let mut rows_left = self.max_rows;
-        let mut i = 0;
-        while i < self.active.len() {
-            if !matches!(self.active[i].phase, Phase::Decoding) {
-                i += 1;
-                continue;
-            }
-            let id = self.active[i].id;
-            let k_override = choice.iter().find(|(cid, _)| *cid == id).map(|&(_, k)| k);
-            let bound = self.row_bound(&self.active[i], k_override);
-            if bound > rows_left {
-                // No room left in this forward: the sequence waits a step. (Every sequence fits
-                // an empty forward: `submit` refuses fixed drafts wider than the budget, and the
-                // goodput policy keeps adaptive drafts within it.)
-                self.active[i].waited += 1;
-                i += 1;
-                continue;
-            }
-            let seq = &mut self.active[i];
-            let parked = seq.parked.take().expect("a decoding sequence is parked");
-            let mut s = Session::resume(&mut seq.generator, &seq.params, parked);
-            let mark = s.mark();
-            match s.plan(k_override) {
-                Ok(Some(p)) => {
-                    rows_left = rows_left.saturating_sub(p.rows());
-                    seq.parked = Some(s.park());
-                    seq.plan = Some((p, mark));
-                    seq.waited = 0;
-                    i += 1;
-                }
-                Ok(None) => {
-                    seq.parked = Some(s.park());
-                    let seq = self.active.swap_remove(i);
-                    self.finish(seq, false);
-                    stats.finished += 1;
-                }
-                Err(e) => {
-                    s.fail(mark);
-                    seq.parked = Some(s.park());
-                    seq.error = Some(e);
-                    let seq = self.active.swap_remove(i);
-                    self.finish(seq, false);
-                    stats.finished += 1;
-                }
-            }
-        }
+        stats.finished += self.plan_all(&choice, &mut rows_left);
         // `swap_remove` may have moved planned sequences: find them by their plan.
         let decoding: Vec<usize> = (0..self.active.len())
             .filter(|&i| self.active[i].plan.is_some())
             .collect();
-        // Prefill chunks under what is left of the row budget, in submission order.
-        let mut prefill: Vec<(usize, usize, usize)> = Vec::new(); // (index, from, to)
-        let mut order: Vec<usize> = (0..self.active.len())
-            .filter(|&i| matches!(self.active[i].phase, Phase::Prefill { .. }))
-            .collect();
-        order.sort_by_key(|&i| self.active[i].id);
-        for i in order {
-            if rows_left == 0 {
-                break;
-            }
-            let s = &self.active[i];
-            let Phase::Prefill { done } = s.phase else {
-                continue;
-            };
-            let total = s.prompt.len() - 1;
-            let n = (total - done).min(self.config.prefill_chunk).min(rows_left);
-            if n > 0 {
-                prefill.push((i, done, done + n));
-                rows_left -= n;
-            }
-        }
+        let prefill = self.prefill_chunks(rows_left);
         if decoding.is_empty() && prefill.is_empty() {
             stats.step_time = t0.elapsed();
             return Ok(stats);
         }
-
-        // One batched forward.
-        let mut chunks: Vec<SlotChunk<'_>> = Vec::with_capacity(decoding.len() + prefill.len());
-        let mut feeds: Vec<Vec<u32>> = decoding
-            .iter()
-            .map(|&i| std::mem::take(&mut self.active[i].feed))
-            .collect();
-        let plans: Vec<(Proposed, (usize, super::stop::TextMark))> = decoding
-            .iter()
-            .map(|&i| self.active[i].plan.take().expect("planned"))
-            .collect();
         let t_fwd = Instant::now();
-        for ((&i, feed), (p, _)) in decoding.iter().zip(feeds.iter_mut()).zip(&plans) {
-            let seq = &self.active[i];
-            let parked = seq.parked.as_ref().expect("parked");
-            chunks.push(SlotChunk {
-                slot: seq.slot,
-                input: parked.feed(&seq.generator, p, feed),
-            });
+        let (rows, forward) = self.forward(&decoding, &prefill);
+        stats.rows = rows;
+        stats.forward_time = t_fwd.elapsed();
+        stats.prefill_rows = prefill.iter().map(|c| c.to - c.from).sum();
+        if let Err(e) = forward {
+            return Err(self.fail_forward(e, &decoding, &prefill));
         }
-        for &(i, from, to) in &prefill {
-            let s = &self.active[i];
-            chunks.push(SlotChunk {
-                slot: s.slot,
-                input: SlotInput::Prefill(&s.prompt[from..to]),
-            });
-        }
-        let logit_rows: usize = chunks.iter().map(|c| c.input.logit_rows()).sum();
-        let forward_result = lock(&self.shared)
-            .forward_batch(&chunks, &mut self.logits)
-            .and_then(|()| {
-                if self.logits.len() == logit_rows * self.vocab {
-                    Ok(())
-                } else {
-                    Err(Error::TargetContract {
-                        what: "BatchTarget::forward_batch wrote logits of the wrong size ([sum of logit rows, vocab])",
-                    })
-                }
-            });
-        stats.rows = chunks.iter().map(|c| c.input.rows()).sum();
-        drop(chunks);
-        let forward_time = t_fwd.elapsed();
-        for (j, &i) in decoding.iter().enumerate() {
-            self.active[i].feed = std::mem::take(&mut feeds[j]);
-        }
-        stats.forward_time = forward_time;
-        stats.prefill_rows = prefill.iter().map(|&(_, a, b)| b - a).sum();
-        if let Err(e) = forward_result {
-            return Err(self.fail_forward(e, &decoding, plans, &prefill));
-        }
-
-        // One verify_batch over every decoding sequence.
         let t_ver = Instant::now();
-        let mut outs = self.verify_all(&decoding, &plans);
-        // Each slot must hold its context but the last token plus the rows it was fed (the
-        // check `Generator` makes after its own forward).
-        for ((o, &i), (p, _)) in outs.iter_mut().zip(&decoding).zip(&plans) {
-            let seq = &self.active[i];
-            let want = seq.parked.as_ref().map_or(0, |c| c.len()) - 1 + p.rows();
-            if lock(&self.shared).seq_len(seq.slot).ok() != Some(want) {
-                *o = Err(Error::TargetContract {
-                    what: "BatchTarget::seq_len(slot) after forward_batch is not the slot's context plus its rows",
-                });
-            }
-        }
-        let verify_time = t_ver.elapsed();
-
-        // Commit, observe, stream, end.
-        let mut done: Vec<usize> = Vec::new();
-        for ((j, &i), out) in decoding.iter().enumerate().zip(outs) {
-            let (p, mark) = &plans[j];
-            let seq = &mut self.active[i];
-            stats.sequences += 1;
-            stats.draft_rows += p.k;
-            let parked = seq.parked.take().expect("parked");
-            let mut s = Session::resume(&mut seq.generator, &seq.params, parked);
-            let r = out.and_then(|out| s.finish_step(p, out, forward_time, verify_time));
-            match r {
-                Ok(()) => {
-                    let chunk = s.last_chunk();
-                    stats.emitted += chunk.tokens.len();
-                    if let Some(f) = seq.stream.as_mut()
-                        && f(chunk).is_break()
-                    {
-                        s.cancel();
-                    }
-                    let ended = s.finish_reason().is_some() || s.is_cancelled();
-                    seq.parked = Some(s.park());
-                    if ended {
-                        done.push(i);
-                    }
-                }
-                Err(e) => {
-                    s.fail(mark.clone());
-                    seq.parked = Some(s.park());
-                    seq.error = Some(e);
-                    done.push(i);
-                }
-            }
-        }
-        // Prefill progress.
-        for &(i, _, to) in &prefill {
-            let seq = &mut self.active[i];
-            let total = seq.prompt.len() - 1;
-            seq.phase = Phase::Prefill { done: to };
-            if to == total {
-                let have = lock(&self.shared).seq_len(seq.slot);
-                if have.ok() != Some(total) {
-                    seq.error = Some(Error::TargetContract {
-                        what: "seq_len after the prefill chunks",
-                    });
-                    done.push(i);
-                } else {
-                    seq.phase = Phase::Decoding;
-                }
-            }
-        }
-        done.sort_unstable();
-        done.dedup();
-        for &i in done.iter().rev() {
-            let seq = self.active.swap_remove(i);
-            let cancelled =
-                seq.error.is_none() && seq.parked.as_ref().is_some_and(|p| !p.finished());
-            self.finish(seq, cancelled);
-            stats.finished += 1;
-        }
+        let outs = self.verify_all(&decoding);
+        let times = StepTimes {
+            forward: stats.forward_time,
+            verify: t_ver.elapsed(),
+        };
+        let mut done = self.commit_all(&decoding, outs, times, &mut stats);
+        self.prefill_progress(&prefill, &mut done);
+        stats.finished += self.finish_all(done);
         stats.step_time = t0.elapsed();
-        // The goodput policy learns the step's cost from the cost source (measured by default:
-        // the forward plus the rest of the step, that is the step time).
-        let step_secs = self.costs.forward_secs(stats.rows, stats.forward_time)
-            + self.costs.propose_secs(
-                stats.draft_rows,
-                stats.step_time.saturating_sub(stats.forward_time),
-            );
-        self.cost.observe(stats.rows, step_secs);
-        let m = &mut self.metrics;
-        m.steps += 1;
-        m.rows += stats.rows as u64;
-        m.prefill_rows += stats.prefill_rows as u64;
-        m.draft_rows += stats.draft_rows as u64;
-        m.emitted += stats.emitted as u64;
-        m.forward_time += stats.forward_time;
-        m.step_time += stats.step_time;
+        self.learn(&stats);
         Ok(stats)
     }
 
-    /// Moves waiting requests into free slots: starts their sessions (validation, slot reset,
-    /// the proposer's `begin`); prompts of one token start decoding at once.
+    /// The limits every sequence plans with.
+    fn limits(&self) -> TargetLimits {
+        TargetLimits {
+            vocab: self.vocab,
+            max_context: self.max_context,
+            max_tree_nodes: self.tree_nodes,
+        }
+    }
+
+    /// Moves waiting requests into free slots: resets the slot, starts the sequence and its
+    /// proposer (`begin`); prompts of one token start decoding at once. Returns how many
+    /// ended here.
     fn admit(&mut self) -> usize {
         let mut ended_here = 0;
         while !self.waiting.is_empty() {
@@ -847,77 +587,71 @@ impl<B: BatchTarget> BatchGenerator<B> {
             let Some((id, req)) = self.waiting.pop_front() else {
                 break;
             };
-            let target = SlotTarget {
-                shared: Arc::clone(&self.shared),
-                slot,
-                vocab: self.vocab,
-                max_context: self.max_context,
-                tree_nodes: self.tree_nodes,
-            };
-            let mut generator =
-                Generator::new(target, req.proposer).with_shared_costs(Arc::clone(&self.costs));
-            if let Some(d) = req.detokenizer {
-                generator = generator.with_detokenizer(d);
-            }
-            let mut seq = Seq {
-                id,
-                slot,
-                generator,
-                params: req.params,
-                prompt: req.prompt,
-                parked: None,
-                phase: Phase::Prefill { done: 0 },
-                stream: req.stream,
-                plan: None,
-                feed: Vec::new(),
-                error: None,
-                waited: 0,
-            };
-            let started = match seq.generator.start(&seq.prompt, &seq.params, false) {
-                Ok(s) => Ok(s.park()),
-                Err(e) => Err(e),
-            };
-            match started {
-                Ok(p) => {
-                    let ended = p.finished();
-                    seq.parked = Some(p);
-                    // A one-token prompt has nothing to prefill; a request with no token to
-                    // generate ends at its first plan, with nothing prefilled.
-                    if seq.prompt.len() == 1 || seq.params.max_new_tokens == 0 {
-                        seq.phase = Phase::Decoding;
-                    }
-                    if ended {
-                        self.finish(seq, false);
-                        ended_here += 1;
-                    } else {
-                        self.active.push(seq);
-                    }
+            let mut run = self.start(id, slot, req);
+            let ended = run.error.is_some() || run.seq.finish_reason().is_some();
+            if ended {
+                self.finish(run);
+                ended_here += 1;
+            } else {
+                // A one-token prompt has nothing to prefill; a request with no token to
+                // generate ends at its first plan, with nothing prefilled.
+                if run.seq.prompt().len() == 1 || run.seq.params().max_new_tokens == 0 {
+                    run.phase = Phase::Decoding;
                 }
-                Err(e) => {
-                    seq.error = Some(e);
-                    self.finish(seq, false);
-                    ended_here += 1;
-                }
+                self.active.push(run);
             }
         }
         ended_here
     }
 
+    /// A request of the queue, started in `slot` (validated at [`BatchGenerator::submit`]);
+    /// a failure to reset the slot or start the proposer is in its `error`.
+    fn start(&mut self, id: RequestId, slot: usize, req: BatchRequest) -> Running {
+        let at = Instant::now();
+        let mut seq = Sequence::new();
+        seq.begin(Start {
+            prompt: &req.prompt,
+            seed: req.params.seed.unwrap_or(0),
+            params: req.params,
+            detokenizer: req.detokenizer.map(|d| Arc::new(d) as Arc<dyn Detokenizer>),
+            limits: self.limits(),
+            hidden_width: 0,
+            at,
+        });
+        let mut run = Running {
+            id,
+            slot,
+            seq,
+            proposer: req.proposer,
+            costs: Arc::clone(&self.costs),
+            phase: Phase::Prefill { done: 0 },
+            stream: req.stream,
+            plan: None,
+            started: false,
+            error: None,
+            waited: 0,
+        };
+        let started = self
+            .target
+            .truncate(slot, 0)
+            .and_then(|()| run.seq.start_proposer(&mut *run.proposer));
+        match started {
+            Ok(()) => run.started = true,
+            Err(e) => run.error = Some(e),
+        }
+        run
+    }
+
     /// Ends the requests still prefilling whose [`GenerationParams::cancel`] flag is set (a
-    /// decoding request sees it in its next plan, as with [`Generator`]).
+    /// decoding request sees it in its next plan, as with [`Generator`](super::Generator)).
     fn cancel_prefilling(&mut self) -> usize {
         let mut n = 0;
         let mut i = 0;
         while i < self.active.len() {
             let s = &self.active[i];
-            let flagged = s
-                .params
-                .cancel
-                .as_ref()
-                .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed));
-            if flagged && matches!(s.phase, Phase::Prefill { .. }) {
-                let seq = self.active.swap_remove(i);
-                self.finish(seq, true);
+            if s.seq.cancel_flagged() && matches!(s.phase, Phase::Prefill { .. }) {
+                let run = self.active.swap_remove(i);
+                self.finish(run);
                 n += 1;
             } else {
                 i += 1;
@@ -929,41 +663,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
     /// The draft lengths of the decoding adaptive sequences for this step: the goodput policy
     /// over the batch (module [`super::goodput`]), then each sequence's probe schedule.
     fn choose_lengths(&mut self) -> Vec<(RequestId, usize)> {
-        let mut decode_rows = 0usize;
-        let mut prefill_rows = 0usize;
-        let mut fixed_tokens = 0.0f64;
-        let mut acc: Vec<Vec<f64>> = Vec::new();
-        let mut ids: Vec<usize> = Vec::new();
-        for (i, seq) in self.active.iter().enumerate() {
-            match seq.phase {
-                Phase::Prefill { done } => {
-                    let left = seq.prompt.len() - 1 - done;
-                    prefill_rows += left.min(self.config.prefill_chunk);
-                }
-                Phase::Decoding => {
-                    decode_rows += 1;
-                    fixed_tokens += 1.0;
-                    match &seq.params.draft {
-                        DraftLength::Adaptive(a) => {
-                            let cap = seq
-                                .parked
-                                .as_ref()
-                                .map_or(0, |p| p.draft_cap(&seq.params, self.max_context));
-                            let n = cap.min(a.max_draft).min(self.config.goodput.max_draft);
-                            let st = seq.generator.adaptive_state();
-                            acc.push((0..n).map(|j| st.acceptance(j)).collect());
-                            ids.push(i);
-                        }
-                        DraftLength::Fixed(k) => {
-                            // Unknown acceptance: count the rows, not their tokens.
-                            let rows = fixed_draft_rows(&seq.params, *k, self.tree_nodes);
-                            decode_rows += rows;
-                        }
-                        DraftLength::Off => {}
-                    }
-                }
-            }
-        }
+        let (ids, acc, decode_rows, prefill_rows) = self.goodput_inputs();
         if ids.is_empty() {
             return Vec::new();
         }
@@ -978,6 +678,12 @@ impl<B: BatchTarget> BatchGenerator<B> {
         // still fit beside them.
         let extra = self.max_rows.saturating_sub(decode_rows);
         let max_rows = self.max_rows;
+        // One emitted token per decoding sequence whatever the drafts.
+        let fixed_tokens = self
+            .active
+            .iter()
+            .filter(|s| matches!(s.phase, Phase::Decoding))
+            .count() as f64;
         let k = choose_draft_lengths(&cands, decode_rows, fixed_tokens, extra, |r| {
             let prefill = prefill_rows.min(max_rows.saturating_sub(r));
             cost.policy_cost(r + prefill, prior)
@@ -985,118 +691,207 @@ impl<B: BatchTarget> BatchGenerator<B> {
         // Probes take draft rows the policy left over.
         let mut left = extra.saturating_sub(k.iter().sum());
         let mut out = Vec::with_capacity(ids.len());
-        for (&i, &ki) in ids.iter().zip(&k) {
-            let seq = &mut self.active[i];
-            let DraftLength::Adaptive(a) = &seq.params.draft else {
+        for ((&i, &ki), a) in ids.iter().zip(&k).zip(&acc) {
+            let s = &mut self.active[i];
+            let DraftLength::Adaptive(cfg) = &s.seq.params().draft else {
                 continue;
             };
-            let a = a.clone();
-            let cap = acc[out.len()].len();
-            let probe = seq.generator.adaptive_mut().probe_now(&a, ki == 0);
+            let cfg = cfg.clone();
+            let probe = s.seq.adaptive_mut().probe_now(&cfg, ki == 0);
             let k = if probe {
-                let kp = a.probe_draft.min(cap).min(left);
+                let kp = cfg.probe_draft.min(a.len()).min(left);
                 left -= kp;
                 kp
             } else {
                 ki
             };
-            out.push((seq.id, k));
+            out.push((s.id, k));
         }
         out
     }
 
-    /// An upper bound of the rows sequence `seq` appends this step.
-    fn row_bound(&self, seq: &Seq<B>, k_override: Option<usize>) -> usize {
-        1 + match &seq.params.draft {
-            DraftLength::Off => 0,
-            DraftLength::Adaptive(_) => k_override.unwrap_or(0),
-            DraftLength::Fixed(k) => fixed_draft_rows(&seq.params, *k, self.tree_nodes),
+    /// What the goodput policy needs of the batch: the indices of the decoding adaptive
+    /// sequences and their acceptance estimates (as many as drafts they may take), the rows
+    /// the other decoding sequences take (one each, plus fixed drafts), and the prefill rows
+    /// wanted.
+    fn goodput_inputs(&self) -> (Vec<usize>, Vec<Vec<f64>>, usize, usize) {
+        let mut decode_rows = 0usize;
+        let mut prefill_rows = 0usize;
+        let mut acc: Vec<Vec<f64>> = Vec::new();
+        let mut ids: Vec<usize> = Vec::new();
+        for (i, s) in self.active.iter().enumerate() {
+            let Phase::Prefill { done } = s.phase else {
+                decode_rows += 1;
+                match &s.seq.params().draft {
+                    DraftLength::Adaptive(a) => {
+                        let cap = if s.started { s.seq.draft_cap() } else { 0 };
+                        let n = cap.min(a.max_draft).min(self.config.goodput.max_draft);
+                        let st = s.seq.adaptive();
+                        acc.push((0..n).map(|j| st.acceptance(j)).collect());
+                        ids.push(i);
+                    }
+                    DraftLength::Fixed(k) => {
+                        // Unknown acceptance: count the rows, not their tokens.
+                        decode_rows += fixed_draft_rows(s.seq.params(), *k, self.tree_nodes);
+                    }
+                    DraftLength::Off => {}
+                }
+                continue;
+            };
+            let left = s.seq.prompt().len() - 1 - done;
+            prefill_rows += left.min(self.config.prefill_chunk);
         }
+        (ids, acc, decode_rows, prefill_rows)
+    }
+
+    /// The plan phase of every decoding sequence that fits what is left of the row budget
+    /// (`k_override` from `choice` for adaptive ones); the others wait a step. Returns how
+    /// many requests ended here.
+    fn plan_all(&mut self, choice: &[(RequestId, usize)], rows_left: &mut usize) -> usize {
+        let limits = self.limits();
+        let mut ended = 0;
+        let mut i = 0;
+        while i < self.active.len() {
+            let s = &mut self.active[i];
+            if !matches!(s.phase, Phase::Decoding) {
+                i += 1;
+                continue;
+            }
+            let k_override = choice.iter().find(|(id, _)| *id == s.id).map(|&(_, k)| k);
+            if row_bound(s.seq.params(), k_override, self.tree_nodes) > *rows_left {
+                // No room left in this forward: the sequence waits a step. (Every sequence fits
+                // an empty forward: `submit` refuses fixed drafts wider than the budget, and the
+                // goodput policy keeps adaptive drafts within it.)
+                s.waited += 1;
+                i += 1;
+                continue;
+            }
+            let mark = s.seq.mark();
+            match s.seq.plan(&mut *s.proposer, limits, k_override) {
+                Ok(Some(p)) => {
+                    *rows_left = rows_left.saturating_sub(p.rows());
+                    s.plan = Some((p, mark));
+                    s.waited = 0;
+                    i += 1;
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    let len = s.seq.fail(mark);
+                    let _ = self.target.truncate(s.slot, len);
+                    s.error = Some(e);
+                }
+            }
+            let run = self.active.swap_remove(i);
+            self.finish(run);
+            ended += 1;
+        }
+        ended
+    }
+
+    /// Prefill chunks under what is left of the row budget, in submission order.
+    fn prefill_chunks(&self, mut rows_left: usize) -> Vec<PrefillChunk> {
+        let mut chunks = Vec::new();
+        let mut order: Vec<usize> = (0..self.active.len())
+            .filter(|&i| matches!(self.active[i].phase, Phase::Prefill { .. }))
+            .collect();
+        order.sort_by_key(|&i| self.active[i].id);
+        for index in order {
+            if rows_left == 0 {
+                break;
+            }
+            let s = &self.active[index];
+            let Phase::Prefill { done } = s.phase else {
+                continue;
+            };
+            let total = s.seq.prompt().len() - 1;
+            let n = (total - done).min(self.config.prefill_chunk).min(rows_left);
+            if n > 0 {
+                chunks.push(PrefillChunk {
+                    index,
+                    from: done,
+                    to: done + n,
+                });
+                rows_left -= n;
+            }
+        }
+        chunks
+    }
+
+    /// One batched forward over the planned rows of `decoding` (first, in that order) and the
+    /// prefill chunks; checks the logits' size. Returns the rows fed and the result.
+    fn forward(&mut self, decoding: &[usize], prefill: &[PrefillChunk]) -> (usize, Result<()>) {
+        let mut chunks: Vec<SlotChunk<'_>> = Vec::with_capacity(decoding.len() + prefill.len());
+        for &i in decoding {
+            let s = &self.active[i];
+            let (plan, _) = s.plan.as_ref().expect("a decoding sequence is planned");
+            chunks.push(SlotChunk {
+                slot: s.slot,
+                input: s.seq.rows(plan),
+            });
+        }
+        for c in prefill {
+            let s = &self.active[c.index];
+            chunks.push(SlotChunk {
+                slot: s.slot,
+                input: SlotInput::Prefill(&s.seq.prompt()[c.from..c.to]),
+            });
+        }
+        let logit_rows: usize = chunks.iter().map(|c| c.input.logit_rows()).sum();
+        let rows = chunks.iter().map(|c| c.input.rows()).sum();
+        let result = self
+            .target
+            .forward_batch(&chunks, &mut self.logits)
+            .and_then(|()| {
+                if self.logits.len() == logit_rows * self.vocab {
+                    Ok(())
+                } else {
+                    Err(Error::TargetContract {
+                        what: "BatchTarget::forward_batch wrote logits of the wrong size ([sum of logit rows, vocab])",
+                    })
+                }
+            });
+        (rows, result)
     }
 
     /// Verifies every planned sequence in one [`Verifier::verify_batch`] over the forward's
-    /// logits (decode chunks first, in `decoding` order). Per-sequence results.
-    fn verify_all(
-        &mut self,
-        decoding: &[usize],
-        plans: &[(Proposed, (usize, super::stop::TextMark))],
-    ) -> Vec<Result<StepOutput>> {
+    /// logits (decode chunks first, in `decoding` order), then checks each slot holds its
+    /// context but the last token plus the rows it was fed (the check
+    /// [`Generator`](super::Generator) makes after its own forward). Per-sequence results.
+    fn verify_all(&mut self, decoding: &[usize]) -> Vec<Result<StepOutput>> {
         let n = decoding.len();
         if n == 0 {
             return Vec::new();
         }
-        let mut tokens: Vec<u32> = Vec::new();
-        let mut offsets: Vec<usize> = vec![0];
-        let mut parents: Vec<u32> = Vec::new();
-        let mut schemes: Vec<SiblingScheme> = Vec::new();
-        let mut ends: Vec<bool> = Vec::new();
-        let any_tree = plans.iter().any(|(p, _)| p.tree);
-        let any_schemes = decoding
+        // The requests as the sequences would verify them alone.
+        let reqs: Vec<VerifyRequest<'_>> = decoding
             .iter()
-            .zip(plans)
-            .any(|(&i, (p, _))| p.tree && self.active[i].generator.draft_schemes().len() == p.k);
-        let mut sessions: Vec<SequenceParams<'_>> = Vec::with_capacity(n);
-        // The requests as the sessions would build them alone.
-        let reqs: Vec<_> = decoding
-            .iter()
-            .zip(plans)
-            .map(|(&i, (p, _))| {
-                let seq = &self.active[i];
-                let parked = seq.parked.as_ref().expect("parked");
-                parked.verify_request(&seq.generator, &seq.params, p)
+            .map(|&i| {
+                let s = &self.active[i];
+                let (plan, _) = s.plan.as_ref().expect("a decoding sequence is planned");
+                s.seq.verify_request(plan, &[])
             })
             .collect();
-        for (r, (p, _)) in reqs.iter().zip(plans) {
-            tokens.extend_from_slice(r.draft_tokens);
-            offsets.push(tokens.len());
-            if any_tree {
-                match r.parents {
-                    Some(par) => parents.extend_from_slice(par),
-                    None => parents.extend(0..p.k as u32),
-                }
-                ends.extend((0..p.k).map(|j| r.ends.get(j).copied().unwrap_or(false)));
-            }
-            if any_schemes {
-                let default = crate::tree::TreeLimits {
-                    dense_q: !matches!(r.draft_probs, DraftQ::PointMass),
-                    ..crate::tree::TreeLimits::vocab(0)
-                }
-                .default_scheme();
-                match r.schemes {
-                    Some(sc) => schemes.extend_from_slice(sc),
-                    None => schemes.extend(std::iter::repeat_n(default, p.k)),
-                }
-            }
-            let mut sp = SequenceParams::new(r.config, r.seed)
-                .context(r.context)
-                .prompt_len(r.prompt_len)
-                .suppress(r.suppress, r.suppress_rows)
-                .draft_probs(r.draft_probs)
-                .final_draft_ends(r.final_draft_ends)
-                .row_top_k(r.row_top_k);
-            if let Some(pos) = r.position {
-                sp = sp.position(pos);
-            }
-            sessions.push(sp);
-        }
+        let flat = FlatDrafts::of(&reqs);
+        let sessions: Vec<SequenceParams<'_>> = reqs.iter().map(sequence_params).collect();
         let mut batch = VerifyBatch {
             vocab_size: self.vocab,
             target_logits: &self.logits,
-            draft_tokens: &tokens,
-            draft_offsets: &offsets,
+            draft_tokens: &flat.tokens,
+            draft_offsets: &flat.offsets,
             draft_probs: DraftQ::PointMass,
             sequences: &sessions,
             parents: None,
             schemes: None,
             ends: &[],
         };
-        if any_tree {
-            batch = batch.tree(&parents).node_ends(&ends);
+        if flat.any_tree {
+            batch = batch.tree(&flat.parents).node_ends(&flat.ends);
         }
-        if any_schemes {
-            batch = batch.schemes(&schemes);
+        if flat.any_schemes {
+            batch = batch.schemes(&flat.schemes);
         }
-        match self.verifier.verify_batch(&batch) {
+        let mut outs = match self.verifier.verify_batch(&batch) {
             Ok(v) => v,
             Err(e) => {
                 // A malformed batch is the loop's own bug; report it on every sequence.
@@ -1105,84 +900,267 @@ impl<B: BatchTarget> BatchGenerator<B> {
                     .map(|_| Err(Error::Model(msg.clone().into())))
                     .collect()
             }
+        };
+        for (o, &i) in outs.iter_mut().zip(decoding) {
+            let s = &self.active[i];
+            let (plan, _) = s.plan.as_ref().expect("a decoding sequence is planned");
+            if self.target.seq_len(s.slot).ok() != Some(s.seq.cache_len_after(plan)) {
+                *o = Err(Error::TargetContract {
+                    what: "BatchTarget::seq_len(slot) after forward_batch is not the slot's context plus its rows",
+                });
+            }
         }
+        outs
+    }
+
+    /// The commit and observe phases of every verified sequence, and its stream callback.
+    /// Returns the indices of the requests that ended.
+    fn commit_all(
+        &mut self,
+        decoding: &[usize],
+        outs: Vec<Result<StepOutput>>,
+        times: StepTimes,
+        stats: &mut BatchStepStats,
+    ) -> Vec<usize> {
+        let mut done: Vec<usize> = Vec::new();
+        for (&i, out) in decoding.iter().zip(outs) {
+            let s = &mut self.active[i];
+            let (plan, mark) = s.plan.take().expect("a decoding sequence is planned");
+            stats.sequences += 1;
+            stats.draft_rows += plan.drafted();
+            match out.and_then(|out| commit_one(&mut self.target, s, &plan, out, times)) {
+                Ok(()) => {
+                    let chunk = s.seq.last_chunk();
+                    stats.emitted += chunk.tokens.len();
+                    if let Some(f) = s.stream.as_mut()
+                        && f(chunk).is_break()
+                    {
+                        s.seq.cancel();
+                    }
+                    if s.seq.finish_reason().is_some() || s.seq.is_cancelled() {
+                        done.push(i);
+                    }
+                }
+                Err(e) => {
+                    let len = s.seq.fail(mark);
+                    let _ = self.target.truncate(s.slot, len);
+                    s.error = Some(e);
+                    done.push(i);
+                }
+            }
+        }
+        done
+    }
+
+    /// Records the prefill chunks fed; a request whose prompt is in starts decoding (after a
+    /// check of its slot's length; one that fails it is added to `done`).
+    fn prefill_progress(&mut self, prefill: &[PrefillChunk], done: &mut Vec<usize>) {
+        for c in prefill {
+            let s = &mut self.active[c.index];
+            let total = s.seq.prompt().len() - 1;
+            s.phase = Phase::Prefill { done: c.to };
+            if c.to == total {
+                if self.target.seq_len(s.slot).ok() != Some(total) {
+                    s.error = Some(Error::TargetContract {
+                        what: "seq_len after the prefill chunks",
+                    });
+                    done.push(c.index);
+                } else {
+                    s.phase = Phase::Decoding;
+                }
+            }
+        }
+    }
+
+    /// Ends the requests at `done` (indices into the running requests); returns how many.
+    fn finish_all(&mut self, mut done: Vec<usize>) -> usize {
+        done.sort_unstable();
+        done.dedup();
+        for &i in done.iter().rev() {
+            let run = self.active.swap_remove(i);
+            self.finish(run);
+        }
+        done.len()
+    }
+
+    /// The goodput policy learns the step's cost from the cost source (measured by default:
+    /// the forward plus the rest of the step, that is the step time); the totals.
+    fn learn(&mut self, stats: &BatchStepStats) {
+        let step_secs = self.costs.forward_secs(stats.rows, stats.forward_time)
+            + self.costs.propose_secs(
+                stats.draft_rows,
+                stats.step_time.saturating_sub(stats.forward_time),
+            );
+        self.cost.observe(stats.rows, step_secs);
+        let m = &mut self.metrics;
+        m.steps += 1;
+        m.rows += stats.rows as u64;
+        m.prefill_rows += stats.prefill_rows as u64;
+        m.draft_rows += stats.draft_rows as u64;
+        m.emitted += stats.emitted as u64;
+        m.forward_time += stats.forward_time;
+        m.step_time += stats.step_time;
     }
 
     /// Ends every request of a failed forward with an error naming the target's and returns
     /// the target's error for [`BatchGenerator::step`].
-    fn fail_forward(
-        &mut self,
-        e: Error,
-        decoding: &[usize],
-        plans: Vec<(Proposed, (usize, super::stop::TextMark))>,
-        prefill: &[(usize, usize, usize)],
-    ) -> Error {
+    fn fail_forward(&mut self, e: Error, decoding: &[usize], prefill: &[PrefillChunk]) -> Error {
         let msg = e.to_string();
+        let failed = || Error::Model(format!("the batched forward failed: {msg}").into());
         let mut hit: Vec<usize> = Vec::new();
-        for (&i, (_, mark)) in decoding.iter().zip(plans) {
-            let seq = &mut self.active[i];
-            let parked = seq.parked.take().expect("parked");
-            let mut s = Session::resume(&mut seq.generator, &seq.params, parked);
-            s.fail(mark);
-            seq.parked = Some(s.park());
-            seq.error = Some(Error::Model(
-                format!("the batched forward failed: {msg}").into(),
-            ));
+        for &i in decoding {
+            let s = &mut self.active[i];
+            if let Some((_, mark)) = s.plan.take() {
+                let len = s.seq.fail(mark);
+                let _ = self.target.truncate(s.slot, len);
+            }
+            s.error = Some(failed());
             hit.push(i);
         }
-        for &(i, _, _) in prefill {
-            self.active[i].error = Some(Error::Model(
-                format!("the batched forward failed: {msg}").into(),
-            ));
-            hit.push(i);
+        for c in prefill {
+            self.active[c.index].error = Some(failed());
+            hit.push(c.index);
         }
-        hit.sort_unstable();
-        hit.dedup();
-        for &i in hit.iter().rev() {
-            let seq = self.active.swap_remove(i);
-            self.finish(seq, false);
-        }
+        self.finish_all(hit);
         e
     }
 
-    /// Ends a request: its generation (cancelled when `cancel`), its slot released.
-    fn finish(&mut self, mut seq: Seq<B>, cancel: bool) {
-        let result = match seq.parked.take() {
-            Some(p) => {
-                let mut s = Session::resume(&mut seq.generator, &seq.params, p);
-                if cancel {
-                    s.cancel();
-                }
-                let generation = s.into_generation();
-                match seq.error.take() {
-                    Some(error) => Err(GenerationError {
-                        error,
-                        partial: Box::new(Generation {
-                            finish: FinishReason::Error,
-                            ..generation
-                        }),
+    /// Ends a request: its generation (cancelled when still running), its slot released.
+    fn finish(&mut self, mut run: Running) {
+        let result = if run.started {
+            let generation = run.seq.take_generation(&mut *run.proposer);
+            match run.error.take() {
+                Some(error) => Err(GenerationError {
+                    error,
+                    partial: Box::new(Generation {
+                        finish: FinishReason::Error,
+                        ..generation
                     }),
-                    None => Ok(generation),
-                }
+                }),
+                None => Ok(generation),
             }
-            None => Err(GenerationError {
-                error: seq.error.take().unwrap_or(Error::TargetContract {
+        } else {
+            Err(GenerationError {
+                error: run.error.take().unwrap_or(Error::TargetContract {
                     what: "a request ended before it started",
                 }),
-                partial: Box::new(empty_generation(
-                    FinishReason::Error,
-                    seq.params.seed.unwrap_or(0),
-                )),
-            }),
+                partial: Box::new(Generation::empty(FinishReason::Error, run.seq.seed())),
+            })
         };
         // A slot whose release fails is not used again (its state is unknown); `step` reports
         // when no usable slot is left for the waiting requests.
-        if lock(&self.shared).release(seq.slot).is_ok() {
-            self.free_slots.push(seq.slot);
+        if self.target.release(run.slot).is_ok() {
+            self.free_slots.push(run.slot);
         } else {
             self.retired_slots += 1;
         }
-        self.finished.push(Finished { id: seq.id, result });
+        self.finished.push(Finished { id: run.id, result });
+    }
+}
+
+/// The commit phase of one verified sequence, its cache operation on its slot, and its observe
+/// phase.
+fn commit_one<B: BatchTarget>(
+    target: &mut B,
+    s: &mut Running,
+    plan: &Plan,
+    out: StepOutput,
+    times: StepTimes,
+) -> Result<()> {
+    let (cache, committed) = s.seq.commit(plan, &out, None)?;
+    match cache {
+        CacheOp::Keep(n) => target.truncate(s.slot, n)?,
+        CacheOp::CommitTree { path, len } => {
+            target.commit_tree(s.slot, path)?;
+            // An invalid slot reads as an impossible length, which is a broken contract.
+            if target.seq_len(s.slot).unwrap_or(usize::MAX) != len {
+                return Err(Error::TargetContract {
+                    what: "seq_len after commit_tree",
+                });
+            }
+        }
+    }
+    s.seq
+        .observe(&mut *s.proposer, &*s.costs, plan, out, committed, times)
+}
+
+/// The drafts of a step's verify requests, flattened for one [`VerifyBatch`]: tokens and
+/// offsets, and (when any sequence drafts a tree) parents and node ends for every sequence, a
+/// chain as the tree of its parents, and (when any tree has its own schemes) schemes.
+struct FlatDrafts {
+    tokens: Vec<u32>,
+    offsets: Vec<usize>,
+    parents: Vec<u32>,
+    schemes: Vec<crate::SiblingScheme>,
+    ends: Vec<bool>,
+    any_tree: bool,
+    any_schemes: bool,
+}
+
+impl FlatDrafts {
+    fn of(reqs: &[VerifyRequest<'_>]) -> Self {
+        let any_tree = reqs.iter().any(|r| r.parents.is_some());
+        let any_schemes = reqs
+            .iter()
+            .any(|r| r.schemes.is_some_and(|s| s.len() == r.draft_tokens.len()));
+        let mut f = FlatDrafts {
+            tokens: Vec::new(),
+            offsets: vec![0],
+            parents: Vec::new(),
+            schemes: Vec::new(),
+            ends: Vec::new(),
+            any_tree,
+            any_schemes,
+        };
+        for r in reqs {
+            let k = r.draft_tokens.len();
+            f.tokens.extend_from_slice(r.draft_tokens);
+            f.offsets.push(f.tokens.len());
+            if any_tree {
+                match r.parents {
+                    Some(par) => f.parents.extend_from_slice(par),
+                    None => f.parents.extend(0..k as u32),
+                }
+                f.ends
+                    .extend((0..k).map(|j| r.ends.get(j).copied().unwrap_or(false)));
+            }
+            if any_schemes {
+                let default = crate::tree::TreeLimits {
+                    dense_q: !matches!(r.draft_probs, DraftQ::PointMass),
+                    ..crate::tree::TreeLimits::vocab(0)
+                }
+                .default_scheme();
+                match r.schemes {
+                    Some(sc) => f.schemes.extend_from_slice(sc),
+                    None => f.schemes.extend(std::iter::repeat_n(default, k)),
+                }
+            }
+        }
+        f
+    }
+}
+
+/// The per-sequence part of a verify request, for a [`VerifyBatch`].
+fn sequence_params<'a>(r: &VerifyRequest<'a>) -> SequenceParams<'a> {
+    let mut sp = SequenceParams::new(r.config, r.seed)
+        .context(r.context)
+        .prompt_len(r.prompt_len)
+        .suppress(r.suppress, r.suppress_rows)
+        .draft_probs(r.draft_probs)
+        .final_draft_ends(r.final_draft_ends)
+        .row_top_k(r.row_top_k);
+    if let Some(pos) = r.position {
+        sp = sp.position(pos);
+    }
+    sp
+}
+
+/// An upper bound of the rows a decoding sequence with `params` appends this step.
+fn row_bound(params: &GenerationParams, k_override: Option<usize>, tree_nodes: usize) -> usize {
+    1 + match &params.draft {
+        DraftLength::Off => 0,
+        DraftLength::Adaptive(_) => k_override.unwrap_or(0),
+        DraftLength::Fixed(k) => fixed_draft_rows(params, *k, tree_nodes),
     }
 }
 
@@ -1194,17 +1172,5 @@ fn fixed_draft_rows(params: &GenerationParams, k: usize, target_tree_nodes: usiz
         k.max(params.tree_nodes.min(target_tree_nodes))
     } else {
         k
-    }
-}
-
-/// A generation that emitted nothing, with the request's `seed`.
-fn empty_generation(finish: FinishReason, seed: u64) -> Generation {
-    Generation {
-        tokens: Vec::new(),
-        finish,
-        metrics: Metrics::default(),
-        logprobs: None,
-        text: None,
-        seed,
     }
 }

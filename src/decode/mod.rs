@@ -13,6 +13,13 @@
 //! the whole batch by the goodput policy ([`goodput`]). Engines that run one sequence at a time
 //! use it through [`crate::PerSlot`].
 //!
+//! Both loops are thin drivers over one per-sequence state machine (`decode/sequence.rs`): a
+//! sequence plans its step (budget, draft length or tree shape, propose, cut at the first
+//! stop), names the rows to feed and the verify request of the logits the engine returned,
+//! commits the verified tokens (saying what the engine must do to its cache: keep `n`
+//! positions, or commit a tree path) and observes the step, without ever calling the engine;
+//! so every request of a [`BatchGenerator`] runs the same phase code as a [`Generator`].
+//!
 //! # Stop rules
 //!
 //! Every stop rule of both loops, in one place; chains, trees and commits run the same scan.
@@ -80,6 +87,7 @@ mod metrics;
 mod params;
 mod policy;
 mod seed;
+mod sequence;
 mod stop;
 
 pub use crate::model::TargetModel;
@@ -87,10 +95,11 @@ pub use batch::{
     BatchConfig, BatchGenerator, BatchMetrics, BatchRequest, BatchStepStats, Finished, RequestId,
 };
 pub use costs::{FixedCosts, MeasuredCosts, StepCosts};
-pub use generator::{Generation, GenerationError, Generator, Session, StepStats, StreamChunk};
+pub use generator::{Generator, Session};
 pub use goodput::GoodputConfig;
 pub use metrics::Metrics;
 pub use params::GenerationParams;
 pub use policy::{AdaptiveConfig, AdaptiveState, DraftLength, PlannedNode, TreeShape};
 pub use seed::SeedSource;
+pub use sequence::{Generation, GenerationError, StepStats, StreamChunk};
 pub use stop::{Detokenizer, FinishReason, StopConditions};
