@@ -431,6 +431,40 @@ fn stale_state_equals_a_fresh_proposer() {
     }
 }
 
+/// A random walk of contexts (extensions, rollbacks of any depth, EOS tokens inside): the
+/// incremental translation always equals the one computed from scratch.
+#[test]
+fn translation_follows_any_walk_of_contexts() {
+    let cfg = SamplingConfig::greedy();
+    let mut state = 0x1234_5678_9abc_def0u64;
+    let mut next = |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    for sync in configs_for_sync() {
+        let mut p = tli().with_config(sync).unwrap();
+        let mut ctx: Vec<u32> = vec![0];
+        for _ in 0..400 {
+            if next(3) == 0 {
+                let keep = 1 + next(ctx.len() as u64) as usize;
+                ctx.truncate(keep);
+            } else {
+                for _ in 0..1 + next(4) {
+                    ctx.push(next(TARGET.len() as u64) as u32);
+                }
+            }
+            let mut d = Draft::default();
+            p.propose(&ProposeRequest::new(&ctx, &cfg, 2), &mut d)
+                .unwrap();
+            let want = expected_draft_context(&ctx, sync.sync);
+            assert_eq!(p.draft_context(), &want[..], "{ctx:?} {sync:?}");
+            assert!(p.model().tokens().starts_with(&want));
+        }
+    }
+}
+
 #[test]
 fn encoder_that_breaks_its_contract_is_an_error() {
     let bad: Arc<dyn BytesEncoder> = Arc::new(|_: &[u8]| -> Result<Vec<u32>> { Ok(vec![0]) });
