@@ -145,9 +145,9 @@ pub use model::{
     TreeTarget,
 };
 pub use propose::{
-    Draft, DraftModelProposer, MergedProposer, NoProposer, PromptLookup, PromptLookupConfig,
-    ProposeRequest, Proposer, RecyclingConfig, SuffixConfig, SuffixProposer, TokenRecycling,
-    VerifiedRows,
+    CrossVocabProposer, Draft, DraftModelProposer, MergedProposer, NoProposer, PromptLookup,
+    PromptLookupConfig, ProposeRequest, Proposer, RecyclingConfig, SuffixConfig, SuffixProposer,
+    TokenRecycling, VerifiedRows,
 };
 pub use sampling::{SamplingConfig, SamplingConfigBuilder, TokenDist, TokenMask};
 pub use tree::{DraftBlock, SiblingScheme, TreeFault, TreeLimits};

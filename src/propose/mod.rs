@@ -12,6 +12,9 @@
 //! - [`DraftModelProposer`]: a smaller model implementing [`crate::TargetModel`] samples the draft
 //!   (Leviathan et al. 2023; Chen et al. 2023); with the draft model's tree support it grows
 //!   EAGLE-2 style trees ([`DraftTreeConfig`]).
+//! - [`CrossVocabProposer`]: a draft model with another tokenizer than the target's, related by a
+//!   [`VocabMap`] of the two vocabularies' byte strings: TLI (lossless for any request) or the
+//!   draft's greedy text re-tokenised for the target (Timor et al. 2025).
 //! - [`HeadsProposer`]: MTP / Medusa heads on the target's last hidden state (Cai et al. 2024),
 //!   chains or Medusa trees.
 //! - [`MergedProposer`]: any set of proposers, their drafts merged into one prefix tree per step
@@ -24,6 +27,7 @@ use crate::sampling::SamplingConfig;
 use crate::tree::{DraftBlock, SiblingScheme};
 use crate::verify::RowCandidates;
 
+mod cross_vocab;
 mod draft_model;
 mod heads;
 mod merged;
@@ -32,13 +36,19 @@ mod prompt_lookup;
 mod recycling;
 mod sampler;
 mod suffix;
+mod vocab_map;
 
+pub use cross_vocab::{
+    BytesEncoder, ContextSync, CrossVocabConfig, CrossVocabMode, CrossVocabProposer,
+    EncodingMismatch,
+};
 pub use draft_model::{DraftModelProposer, DraftTreeConfig};
 pub use heads::{DraftHeads, HeadsInput, HeadsProposer};
 pub use merged::{DEFAULT_MERGE_DECAY, MAX_MERGED_PROPOSERS, MergedProposer};
 pub use prompt_lookup::{PromptLookup, PromptLookupConfig};
 pub use recycling::{RecyclingConfig, TableFileError, TemplateNode, TokenRecycling, TreeTemplate};
 pub use suffix::{SharedCorpus, SuffixConfig, SuffixProposer};
+pub use vocab_map::{VocabMap, VocabMapBuilder, VocabMapError, VocabSide};
 
 /// What a proposer is asked for at one step.
 #[derive(Debug, Clone, Copy)]
@@ -332,7 +342,7 @@ pub trait Proposer {
     ///
     /// The default is [`std::any::type_name`] of the implementing type (for example
     /// `my_crate::Repeat`); the shipped proposers return `"prompt-lookup"`, `"suffix"`,
-    /// `"draft-model"`, `"heads"`, `"merged"`, `"recycling"` and `"none"`. `Box<P>` and `&mut P`
+    /// `"draft-model"`, `"cross-vocab"`, `"heads"`, `"merged"`, `"recycling"` and `"none"`. `Box<P>` and `&mut P`
     /// forward to `P`, so a `Box<dyn Proposer>` reports the boxed proposer's name.
     fn name(&self) -> &'static str {
         std::any::type_name::<Self>()
