@@ -212,3 +212,50 @@ fn kit_reports_logits_that_depend_on_the_call_size() {
     assert!(r.failed("lossless.sampled"), "{r}");
     assert!(!r.failed("lossless.negative_control"), "{r}");
 }
+
+/// A toy whose logits are overwritten: `-inf` for the upper half of the vocabulary (a restricted
+/// output, allowed), or NaN / a row of only `-inf` (never allowed).
+struct Poisoned(ToyModel, f32, bool);
+
+impl TargetModel for Poisoned {
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        self.0.max_context()
+    }
+    fn seq_len(&self) -> usize {
+        self.0.seq_len()
+    }
+    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        self.0.forward(tokens, logits)?;
+        let v = self.vocab_size();
+        let from = if self.2 { 0 } else { v / 2 };
+        for row in logits.chunks_mut(v) {
+            row[from..].iter_mut().for_each(|x| *x = self.1);
+        }
+        Ok(())
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.0.truncate(len)
+    }
+}
+
+#[test]
+fn banned_tokens_pass_but_nan_and_empty_rows_fail_the_shape_check() {
+    let cfg = KitConfig::default();
+    let banned = conformance::check_target(
+        || Poisoned(markov(), f32::NEG_INFINITY, false),
+        PROMPTS,
+        &cfg,
+    );
+    assert!(!banned.failed("target.shape"), "{banned}");
+    for (x, whole) in [
+        (f32::NAN, false),
+        (f32::INFINITY, false),
+        (f32::NEG_INFINITY, true),
+    ] {
+        let r = conformance::check_target(|| Poisoned(markov(), x, whole), PROMPTS, &cfg);
+        assert!(r.failed("target.shape"), "{x} {whole}: {r}");
+    }
+}

@@ -50,7 +50,7 @@
 //!
 //! - [`check_target`], [`TargetModel`](crate::TargetModel):
 //!   `target.shape` (a fresh engine holds 0 tokens; forward appends `n` and gives `[n, vocab]`
-//!   finite logits), `target.pieces` (forward in two calls and one token per call equal one
+//!   logits without NaN or `+inf`, `-inf` banning a token, each row with a finite logit), `target.pieces` (forward in two calls and one token per call equal one
 //!   call), `target.prefill` (prefill of `n - 1` tokens, also after a forward, then forward of
 //!   the last equals one call), `target.truncate` (truncate to the length is a no-op; truncate
 //!   then forward equals a fresh forward, also after rejected tokens; truncate(0) restarts),

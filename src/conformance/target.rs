@@ -81,7 +81,8 @@ where
     report
 }
 
-/// A fresh engine is empty; forward appends `n` and gives `[n, vocab]` finite logits (returned).
+/// A fresh engine is empty; forward appends `n` and gives `[n, vocab]` logits (returned) without
+/// NaN or `+inf` (`-inf` bans a token), each row with a finite logit.
 fn shape<T: TargetModel>(
     make: &mut impl FnMut() -> T,
     p: &[u32],
@@ -96,10 +97,24 @@ fn shape<T: TargetModel>(
         logits.len(),
     )?;
     seq_is(&m, p.len(), "forward(prompt)")?;
-    if let Some(i) = logits.iter().position(|x| !x.is_finite()) {
+    // `-inf` bans a token (a draft model's restricted output, a mask): the verifier takes it.
+    if let Some(i) = logits
+        .iter()
+        .position(|&x| x.is_nan() || x == f32::INFINITY)
+    {
         return Err(Fail::new(
-            "finite logits",
+            "logits without NaN or +inf",
             format!("{} at row {}", logits[i], i / m.vocab_size()),
+        ));
+    }
+    let v = m.vocab_size().max(1);
+    if let Some(r) = logits
+        .chunks(v)
+        .position(|row| !row.iter().any(|x| x.is_finite()))
+    {
+        return Err(Fail::new(
+            "a finite logit in every row",
+            format!("row {r} all -inf"),
         ));
     }
     Ok(logits)
