@@ -48,8 +48,8 @@ fn real_prompts() -> Vec<Vec<u32>> {
 fn real_config(tolerance: Tolerance) -> KitConfig {
     KitConfig::builder()
         .tolerance(tolerance)
-        .samples(300)
-        .greedy_tokens(12)
+        .samples(200)
+        .greedy_tokens(8)
         .build()
         .unwrap()
 }
@@ -86,8 +86,9 @@ fn candle_target_within_a_tolerance() {
     // candle's quantized matmul accumulates differently for different row counts (GUIDE.md
     // section 4: 7 of 200 argmax changes), so rows are compared within 0.05 and the invariance
     // check reports the measured differences as tolerated.
+    // One short prompt: candle's ops cost several times the fast forward per row.
     let make = || CandleTarget::new(weights(WeightFormat::Q8_0));
-    let prompts = real_prompts();
+    let prompts = vec![vec![1u32, 2, 3, 4, 5, 6]];
     let cfg = real_config(Tolerance::Abs(0.05));
     let mut r = conformance::check_target(make, &prompts, &cfg);
     r.merge(conformance::check_invariance(make, &prompts, &cfg));
