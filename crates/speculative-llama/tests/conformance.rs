@@ -18,8 +18,8 @@ fn prompts() -> Vec<Vec<u32>> {
 fn config() -> KitConfig {
     KitConfig::builder()
         .tolerance(Tolerance::Exact)
-        .samples(300)
-        .greedy_tokens(12)
+        .samples(200)
+        .greedy_tokens(8)
         .build()
         .unwrap()
 }
