@@ -178,7 +178,7 @@ pub(crate) struct TextMark {
 }
 
 impl TextMark {
-    /// The length of the text that resets to this mark keep.
+    /// The length of text that a reset to this mark keeps.
     pub fn keep(&self) -> usize {
         self.keep
     }
