@@ -264,14 +264,8 @@ impl Proposer for Checked {
 fn configs_for_sync() -> [CrossVocabConfig; 3] {
     [
         CrossVocabConfig::default(),
-        CrossVocabConfig {
-            sync: ContextSync::PerToken,
-            ..Default::default()
-        },
-        CrossVocabConfig {
-            sync: ContextSync::Reencode { look_behind: 2 },
-            ..Default::default()
-        },
+        CrossVocabConfig::default().with_sync(ContextSync::PerToken),
+        CrossVocabConfig::default().with_sync(ContextSync::Reencode { look_behind: 2 }),
     ]
 }
 
@@ -494,10 +488,7 @@ fn encoder_that_breaks_its_contract_is_an_error() {
     assert!(CrossVocabProposer::tli(narrow, map(), draft_encoder()).is_err());
     assert!(
         tli()
-            .with_config(CrossVocabConfig {
-                extra_draft_tokens: 65,
-                ..Default::default()
-            })
+            .with_config(CrossVocabConfig::default().with_extra_draft_tokens(65))
             .is_err()
     );
 }

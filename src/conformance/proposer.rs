@@ -188,10 +188,7 @@ fn eos<Q: Proposer>(
     vocab: usize,
     k: usize,
 ) -> Check {
-    let mut q = make();
-    ok(q.begin(p), "begin(prompt)")?;
-    let mut first = Draft::default();
-    ok(q.propose(&request(p, sc, k), &mut first), "propose")?;
+    let first = fresh(make, p, sc, k)?;
     for j in 0..first.tokens.len() {
         let mut q = make();
         ok(q.begin(p), "begin(prompt)")?;

@@ -96,7 +96,10 @@ pub enum ContextSync {
 /// | `sync` | `Reencode { look_behind: 8 }` | `look_behind <= 1024` |
 /// | `target_look_behind` | 8 | `0 ..= 1024` |
 /// | `extra_draft_tokens` | 1 | `0 ..= 64` |
+///
+/// `#[non_exhaustive]`: build it from [`CrossVocabConfig::default`] and the `with_` setters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CrossVocabConfig {
     /// How the target context becomes the draft model's context.
     pub sync: ContextSync,
@@ -121,6 +124,26 @@ impl Default for CrossVocabConfig {
 }
 
 impl CrossVocabConfig {
+    /// Sets [`CrossVocabConfig::sync`] (checked by [`CrossVocabProposer::with_config`]).
+    pub fn with_sync(mut self, sync: ContextSync) -> Self {
+        self.sync = sync;
+        self
+    }
+
+    /// Sets [`CrossVocabConfig::target_look_behind`] (checked by
+    /// [`CrossVocabProposer::with_config`]).
+    pub fn with_target_look_behind(mut self, tokens: usize) -> Self {
+        self.target_look_behind = tokens;
+        self
+    }
+
+    /// Sets [`CrossVocabConfig::extra_draft_tokens`] (checked by
+    /// [`CrossVocabProposer::with_config`]).
+    pub fn with_extra_draft_tokens(mut self, tokens: usize) -> Self {
+        self.extra_draft_tokens = tokens;
+        self
+    }
+
     /// Checks every field against the table of [`CrossVocabConfig`]. `O(1)`.
     ///
     /// # Errors
@@ -200,6 +223,7 @@ fn check_encoding(
 /// A [`BytesEncoder`] broke its contract: its tokens' pieces do not spell the bytes it was
 /// given (or it returned a special token).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 #[error(
     "{what}: the tokens do not spell the encoded bytes (at token {token}; u32::MAX: too short)"
 )]
