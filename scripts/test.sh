@@ -22,23 +22,26 @@ for example in examples/*.rs; do
     cargo run --quiet -p speculative --profile test --example "$name" >/dev/null
 done
 
-# GPU backends: lints of the `wgpu` and `cuda` builds (cudarc loads CUDA at run time, so the
-# `cuda` build needs no CUDA here), then tests/gpu.rs: the wgpu backend on any Vulkan / Metal /
-# DX12 adapter (Mesa's software Vulkan driver lavapipe in CI), compared with the CPU verifier.
-# Without an adapter the tests print why and skip, unless SPECULATIVE_REQUIRE_WGPU=1 (set by
-# .ci/run).
-cargo clippy -p speculative --all-targets --features wgpu -- -D warnings
-cargo clippy -p speculative --all-targets --features cuda -- -D warnings
+# The default build (no feature at all: the tests above turn on the dev-dependency features
+# `test-util`, `half`, `conformance` and `serde`), as a user's `cargo add speculative` builds it.
+cargo check -p speculative --lib
+
+# GPU backends: lints of the `wgpu` and `cuda` builds, each alone (the library) and together with
+# every test, bench and example (cudarc loads CUDA at run time, so the `cuda` build needs no CUDA
+# here), then tests/gpu.rs: the wgpu backend on any Vulkan / Metal / DX12 adapter (Mesa's software
+# Vulkan driver lavapipe in CI), compared with the CPU verifier. Without an adapter the tests print
+# why and skip, unless SPECULATIVE_REQUIRE_WGPU=1 (set by .ci/run).
+cargo clippy -p speculative --lib --features wgpu -- -D warnings
+cargo clippy -p speculative --lib --features cuda -- -D warnings
+cargo clippy -p speculative --all-targets --features wgpu,cuda -- -D warnings
 cargo test -p speculative --features wgpu --lib --test gpu
 
-# The `serde` feature (configs from HF / vLLM JSON): lints, the unit tests, tests/serde_config.rs,
-# and the doc tests that use it (the `config` module's and the README's).
-cargo clippy -p speculative --all-targets --features serde -- -D warnings
-cargo test -p speculative --features serde --lib --test serde_config
-cargo test -p speculative --features serde --doc -- config ReadmeDoctests
+# The `serde` feature (configs from HF / vLLM JSON) and the `conformance` kit are dev-dependency
+# features of the core crate, so `cargo test` above ran tests/serde_config.rs, tests/conformance.rs,
+# their unit tests and their doc tests (the `config` module's and the README's), and .ci/run's
+# clippy linted them. The library alone with `serde`:
+cargo clippy -p speculative --lib --features serde -- -D warnings
 scripts/check-package.sh  # published files of each crate against scripts/package-allowlist-*.txt
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --exclude speculative-llama --no-deps  # docs build without a warning (broken links included)
-# The conformance kit (`conformance` feature; tests/conformance.rs ran above, in `cargo test`,
-# which turns the feature on through the dev-dependency): its lints and docs as a user builds it.
-cargo clippy -p speculative --all-targets --features conformance,test-util -- -D warnings
-RUSTDOCFLAGS="-D warnings" cargo doc -p speculative --features conformance --no-deps
+# Docs build without a warning (broken links included), the optional modules included.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --exclude speculative-llama --no-deps \
+    --features speculative/conformance,speculative/serde
