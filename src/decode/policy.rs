@@ -100,6 +100,11 @@ impl Default for DraftLength {
 /// | `max_probe_interval` | 256 | any (below `probe_interval`: a fixed interval) |
 /// | `probe_draft` | 2 | any (capped by `max_draft`) |
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(remote = "Self", default, deny_unknown_fields)
+)]
 pub struct AdaptiveConfig {
     /// Largest draft length `k` considered.
     pub max_draft: usize,

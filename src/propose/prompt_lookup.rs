@@ -337,10 +337,17 @@ impl CandidateTrie {
 /// # Ok::<(), speculative::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(remote = "Self", default, deny_unknown_fields)
+)]
 pub struct PromptLookupConfig {
     /// Smallest n-gram size matched, in tokens.
+    #[cfg_attr(feature = "serde", serde(rename = "prompt_lookup_min"))]
     pub min_n: usize,
     /// Largest n-gram size matched, in tokens.
+    #[cfg_attr(feature = "serde", serde(rename = "prompt_lookup_max"))]
     pub max_n: usize,
     /// Periodic extension on (see [`PromptLookup::periodic_extension`]).
     pub periodic: bool,

@@ -54,6 +54,11 @@ const MAX_CORPUS_NODES: usize = 1 << 31;
 /// | `max_corpus_tokens` | 65,536 | `max_corpus_tokens * max_depth <= 2^31` (0 disables the corpus) |
 /// | `corpus_outputs_only` | `true` | any |
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(remote = "Self", default, deny_unknown_fields)
+)]
 pub struct SuffixConfig {
     /// Longest token string indexed, in tokens: the depth bound of both tries. A draft can reach
     /// at most `max_depth - m` tokens past a match of `m` tokens. Memory grows linearly with it
