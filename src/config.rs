@@ -55,8 +55,8 @@
 //! | `include_stop_str_in_output` | bool | false | vLLM |
 //! | `num_speculative_tokens` | integer | fixed 4 | vLLM `speculative_config`: fixed draft length; 0 = no speculation ([`DraftLength::Off`]) |
 //! | `adaptive_draft` | [`AdaptiveConfig`] object | - | [`DraftLength::Adaptive`]; not together with `num_speculative_tokens` |
-//! | `tree_nodes` | integer | 0 (chains) | node budget of tree drafts ([`GenerationParams::tree_nodes`]) |
-//! | `tree_branch` | integer | 0 (no limit) | most children per node of tree drafts ([`GenerationParams::tree_branch`]) |
+//! | `tree_nodes` | integer | 0 (chains) | node budget of tree drafts ([`GenerationParams::tree`], [`TreeDrafts::nodes`]) |
+//! | `tree_branch` | integer | 0 (no limit) | most children per node of tree drafts ([`TreeDrafts::with_branch`]) |
 //!
 //! An absent field takes this crate's default (the builder's, [`GenerationParams::default`]),
 //! not another engine's: HF transformers applies `top_k = 50` when sampling and vLLM samples at
@@ -137,7 +137,7 @@ use serde::de::{
 use serde::ser::{SerializeMap, Serializer};
 use serde::{Deserialize, Serialize};
 
-use crate::decode::{AdaptiveConfig, DraftLength, GenerationParams, StopConditions};
+use crate::decode::{AdaptiveConfig, DraftLength, GenerationParams, StopConditions, TreeDrafts};
 use crate::error::{Error, Result};
 use crate::propose::{PromptLookupConfig, SuffixConfig};
 use crate::sampling::{PenaltyScope, SamplingConfig};
@@ -339,14 +339,14 @@ pub struct RequestConfig {
         deserialize_with = "rq::adaptive_draft"
     )]
     pub adaptive_draft: Option<AdaptiveConfig>,
-    /// Node budget of tree drafts ([`GenerationParams::tree_nodes`]); 0 = chains.
+    /// Node budget of tree drafts ([`TreeDrafts::nodes`]); 0 = chains ([`TreeDrafts::Off`]).
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
         deserialize_with = "rq::tree_nodes"
     )]
     pub tree_nodes: Option<usize>,
-    /// Branching limit of tree drafts ([`GenerationParams::tree_branch`]); 0 = none.
+    /// Branching limit of tree drafts ([`TreeDrafts::with_branch`]); 0 = none.
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -616,8 +616,8 @@ impl RequestConfig {
             min_tokens,
             stop: self.stop_conditions()?,
             draft: self.draft_length()?,
-            tree_nodes: self.tree_nodes.unwrap_or(d.tree_nodes),
-            tree_branch: self.tree_branch.unwrap_or(d.tree_branch),
+            tree: TreeDrafts::nodes(self.tree_nodes.unwrap_or(d.tree.node_budget()))
+                .with_branch(self.tree_branch.unwrap_or(d.tree.branch())),
             cancel: None,
         })
     }
@@ -687,14 +687,13 @@ impl RequestConfig {
             min_tokens,
             stop,
             draft,
-            tree_nodes,
-            tree_branch,
+            tree,
             cancel: _,
         } = params;
         RequestConfig {
             seed: *seed,
-            tree_nodes: Some(*tree_nodes),
-            tree_branch: Some(*tree_branch),
+            tree_nodes: Some(tree.node_budget()),
+            tree_branch: Some(tree.branch()),
             max_new_tokens: Some(*max_new_tokens),
             min_tokens: Some(*min_tokens),
             ..RequestConfig::from_sampling(sampling)

@@ -24,7 +24,7 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestError, TestRunner};
 use speculative::decode::{
     BatchGenerator, BatchRequest, DraftLength, FinishReason, GenerationError, GenerationParams,
-    Generator, StopConditions, StreamChunk,
+    Generator, StopConditions, StreamChunk, TreeDrafts,
 };
 use speculative::test_util::{LogitsFn, ToyModel};
 use speculative::{Draft, Error, PerSlot, ProposeRequest, Proposer, Result};
@@ -322,12 +322,9 @@ struct Request {
 fn resolve(world: &World, spec: &RequestSpec) -> Request {
     let n = world.pieces.len() as u32;
     let prompt: Vec<u32> = spec.prompt.iter().map(|&t| t % n).collect();
-    let mut stop = StopConditions {
-        eos: spec.eos.iter().map(|&t| t % n).collect(),
-        stop_sequences: spec.singles.iter().map(|&t| vec![t % n]).collect(),
-        stop_strings: Vec::new(),
-        include_stop_str_in_output: spec.include,
-    };
+    let mut stop = StopConditions::default().include_stop_string(spec.include);
+    stop.eos = spec.eos.iter().map(|&t| t % n).collect();
+    stop.stop_sequences = spec.singles.iter().map(|&t| vec![t % n]).collect();
     let logits = world.logits();
     let bans = floor_bans(&stop);
     let output = greedy_output(&*logits, &prompt, &bans, spec.min_tokens, spec.max_new);
@@ -338,14 +335,14 @@ fn resolve(world: &World, spec: &RequestSpec) -> Request {
     for s in &spec.strings {
         stop.stop_strings.extend(stop_strings(s, &text));
     }
-    let params = GenerationParams {
-        min_tokens: spec.min_tokens,
-        stop,
-        draft: spec.k.map_or(DraftLength::Off, DraftLength::Fixed),
-        tree_nodes: spec.tree_nodes,
-        tree_branch: spec.tree_branch,
-        ..GenerationParams::greedy(spec.max_new)
-    };
+    let params = GenerationParams::greedy(spec.max_new)
+        .to_builder()
+        .min_tokens(spec.min_tokens)
+        .stop(stop)
+        .draft(spec.k.map_or(DraftLength::Off, DraftLength::Fixed))
+        .tree(TreeDrafts::nodes(spec.tree_nodes).with_branch(spec.tree_branch))
+        .build()
+        .unwrap();
     Request {
         prompt,
         params,
@@ -625,12 +622,12 @@ fn describe(world: &World, req: &Request) -> String {
         req.prompt,
         req.output,
         world.vocab().text(&req.output),
-        p.stop,
-        p.min_tokens,
-        p.max_new_tokens,
-        p.draft,
-        p.tree_nodes,
-        p.tree_branch,
+        p.stop(),
+        p.min_tokens(),
+        p.max_new_tokens(),
+        p.draft(),
+        p.tree().node_budget(),
+        p.tree().branch(),
         req.follow,
     )
 }
@@ -660,8 +657,8 @@ fn failures(case: &Case, rule: Rule) -> Vec<Failure> {
     let batched = run_batched(world, &reqs);
     let mut out = Vec::new();
     for (req, in_batch) in reqs.iter().zip(batched) {
-        let stop = &req.params.stop;
-        let want = reference(&req.output, &vocab, stop, req.params.min_tokens, rule);
+        let stop = &req.params.stop();
+        let want = reference(&req.output, &vocab, stop, req.params.min_tokens(), rule);
         for (how, got) in [("alone", run_alone(world, req)), ("in a batch", in_batch)] {
             if let Err(why) = compare(&want, &got, &vocab, &stop.stop_strings) {
                 let (req, want) = (req.clone(), want.clone());
@@ -725,7 +722,7 @@ fn reference_outcomes(n: u32) -> std::collections::HashMap<String, u32> {
         let c = case().new_tree(&mut runner).expect("a case").current();
         for spec in &c.requests {
             let req = resolve(&c.world, spec);
-            let (stop, m) = (&req.params.stop, req.params.min_tokens);
+            let (stop, m) = (&req.params.stop(), req.params.min_tokens());
             let key = match reference(&req.output, &c.world.vocab(), stop, m, Rule::Contract) {
                 Expected::Invalid => "invalid".to_owned(),
                 Expected::Done(o) => format!("{:?}", o.finish),
@@ -781,7 +778,7 @@ fn fresh_stop(vocab: &ByteVocab, stop: &StopConditions, got: &Outcome) -> bool {
 /// 7 and 9).
 fn kind(world: &World, f: &Failure) -> &'static str {
     let vocab = world.vocab();
-    let stop = &f.req.params.stop;
+    let stop = &f.req.params.stop();
     let (want, got) = match (&f.want, &f.got.result) {
         (Expected::Invalid, _) if stop.stop_sequences.iter().any(Vec::is_empty) => {
             return "rule 9: an empty stop sequence is not refused";

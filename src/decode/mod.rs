@@ -2,7 +2,7 @@
 //!
 //! [`Generator`] runs speculative decoding over any [`TargetModel`] (re-exported here from
 //! [`crate::model`]) and [`crate::Proposer`]: propose, one target forward over
-//! `[last token, d_1 .. d_k]` (or over a token tree, [`GenerationParams::tree_nodes`]), verify,
+//! `[last token, d_1 .. d_k]` (or over a token tree, [`GenerationParams::tree`]), verify,
 //! commit (truncate, or keep the accepted path of a tree), observe.
 //!
 //! [`BatchGenerator`] runs many generations at once over a [`crate::BatchTarget`] (continuous
@@ -98,7 +98,7 @@ pub use costs::{FixedCosts, MeasuredCosts, StepCosts};
 pub use generator::{Generator, Session};
 pub use goodput::GoodputConfig;
 pub use metrics::Metrics;
-pub use params::GenerationParams;
+pub use params::{GenerationParams, GenerationParamsBuilder, TreeDrafts};
 pub use policy::{AdaptiveConfig, AdaptiveState, DraftLength, PlannedNode, TreeShape};
 pub use seed::SeedSource;
 pub use sequence::{Generation, GenerationError, StepStats, StreamChunk};

@@ -16,6 +16,7 @@ use crate::error::Result;
 ///
 /// The default stops on nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StopConditions {
     /// End-of-sequence token ids. The EOS token itself is emitted (it is the last token).
     pub eos: Vec<u32>,
