@@ -131,7 +131,20 @@ proptest! {
         if let Some(e) = eos {
             stop = stop.with_eos(e);
         }
-        let params = GenerationParams::builder().sampling(SamplingConfig::builder().temperature(temperature).top_p(top_p).build().unwrap()).seed(seed).max_new_tokens(max_new).min_tokens(min_tokens).stop(stop).draft(k.map_or(DraftLength::Off, DraftLength::Fixed)).build().unwrap();
+        let sampling = SamplingConfig::builder()
+            .temperature(temperature)
+            .top_p(top_p)
+            .build()
+            .unwrap();
+        let params = GenerationParams::builder()
+            .sampling(sampling)
+            .seed(seed)
+            .max_new_tokens(max_new)
+            .min_tokens(min_tokens)
+            .stop(stop)
+            .draft(k.map_or(DraftLength::Off, DraftLength::Fixed))
+            .build()
+            .unwrap();
         let mut g = Generator::new(target, Rogue { steps, next: 0 });
         let mut streamed = Vec::new();
         let r = g.generate_with(&prompt, &params, |t| {

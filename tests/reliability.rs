@@ -455,18 +455,24 @@ fn min_tokens_suppresses_eos_at_every_draft_position() {
         assert!(out.tokens.len() >= 7, "{:?}", out.tokens);
         assert!(!out.tokens[..6].contains(&2), "{:?}", out.tokens);
     }
-    // min_tokens above the budget is a typed error naming the field.
-    let bad = GenerationParams::greedy(4).with_min_tokens(5).unwrap();
-    let e = Generator::new(target(), NoProposer)
-        .generate(&prompt, &bad)
-        .unwrap_err();
-    assert!(matches!(
-        e.error,
-        Error::InvalidConfig {
-            field: "min_tokens",
-            ..
-        }
-    ));
+    // min_tokens above the budget is a typed error naming the field, when the parameters are
+    // built (the setter and the builder alike).
+    for e in [
+        GenerationParams::greedy(4).with_min_tokens(5).unwrap_err(),
+        GenerationParams::builder()
+            .max_new_tokens(4)
+            .min_tokens(5)
+            .build()
+            .unwrap_err(),
+    ] {
+        assert!(matches!(
+            e,
+            Error::InvalidConfig {
+                field: "min_tokens",
+                ..
+            }
+        ));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -99,6 +99,8 @@ impl BatchRequest {
 /// | `max_batch_tokens` | 512 | `>= 1` (capped by [`BatchTarget::max_batch_tokens`]) |
 /// | `prefill_chunk` | 256 | `>= 1` |
 /// | `goodput` | [`GoodputConfig::default`] | see there |
+///
+/// `#[non_exhaustive]`: build it from [`BatchConfig::default`] and the `with_` setters.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct BatchConfig {
@@ -159,6 +161,8 @@ impl BatchConfig {
 }
 
 /// A request that ended, with its generation or its error.
+///
+/// `#[non_exhaustive]`: returned by the loop, read its fields.
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct Finished {
@@ -170,6 +174,8 @@ pub struct Finished {
 }
 
 /// What one [`BatchGenerator::step`] did.
+///
+/// `#[non_exhaustive]`: returned by the loop, read its fields.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct BatchStepStats {
@@ -195,6 +201,8 @@ pub struct BatchStepStats {
 }
 
 /// Totals over every step of a [`BatchGenerator`].
+///
+/// `#[non_exhaustive]`: returned by the loop, read its fields.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct BatchMetrics {

@@ -33,6 +33,8 @@ use crate::error::{Error, Result};
 /// |---|---|---|
 /// | `max_draft` | 8 | any (also capped by each request's [`super::AdaptiveConfig::max_draft`]) |
 /// | `prior_row_cost` | 0.05 | `>= 0` |
+///
+/// `#[non_exhaustive]`: build it from [`GoodputConfig::default`] and the `with_` setters.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct GoodputConfig {
@@ -149,6 +151,8 @@ impl BatchCost {
 }
 
 /// One sequence's input to [`choose_draft_lengths`].
+///
+/// `#[non_exhaustive]`: build one with [`DraftCandidate::new`].
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct DraftCandidate<'a> {

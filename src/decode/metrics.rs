@@ -20,6 +20,9 @@ use std::time::Duration;
 /// token): the metrics of a generation that has not started.
 ///
 /// `Metrics` is `Send + Sync` (plain counters and durations).
+///
+/// `#[non_exhaustive]`: returned by the loops, read its fields ([`Metrics::default`] and
+/// [`Metrics::merge`] to add up several).
 #[derive(Debug, Clone, Default, PartialEq)]
 #[non_exhaustive]
 pub struct Metrics {

@@ -59,9 +59,10 @@
 //!    end (scanned exactly as rules 1-5 scan a commit) and the target processes no row after it;
 //!    a tree node at which it would end keeps no children (case C11).
 //! 9. **Validation.** An empty stop string or stop sequence is refused with
-//!    [`crate::Error::InvalidConfig`] when the generation starts (or at
-//!    [`BatchGenerator::submit`]), whether it came from [`StopConditions`]' builder methods, its
-//!    public fields or serde (which refuses it while loading).
+//!    [`crate::Error::InvalidConfig`] when the [`GenerationParams`] are built
+//!    ([`GenerationParamsBuilder::build`], [`GenerationParams::with_stop`]; serde refuses it
+//!    while loading), whether it came from [`StopConditions`]' builder methods or its public
+//!    fields; the generation's start (and [`BatchGenerator::submit`]) checks it again.
 //!
 //! `tests/text_reference.rs` checks both loops against a brute-force reference of these rules
 //! (whole-output decoding) on random byte-level vocabularies, stops, floors, drafts and trees.

@@ -100,6 +100,10 @@ impl Default for DraftLength {
 /// | `probe_interval` | 16 | `>= 1` |
 /// | `max_probe_interval` | 256 | any (below `probe_interval`: a fixed interval) |
 /// | `probe_draft` | 2 | any (capped by `max_draft`) |
+///
+/// `#[non_exhaustive]`: build it from [`AdaptiveConfig::default`] and the `with_` setters (checked
+/// by [`AdaptiveConfig::validate`], which
+/// [`GenerationParamsBuilder::build`](crate::decode::GenerationParamsBuilder::build) calls).
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct AdaptiveConfig {
@@ -196,6 +200,8 @@ impl AdaptiveConfig {
 
 /// The shape of a token tree: node budget, depth and branching. [`AdaptiveState::choose_tree`]
 /// takes one as its limits and returns the chosen one.
+///
+/// `#[non_exhaustive]`: build one with [`TreeShape::new`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TreeShape {
@@ -222,6 +228,8 @@ impl TreeShape {
 
 /// One node of the tree the policy plans ([`AdaptiveState::plan_tree`]), in the order the
 /// greedy expansion added it.
+///
+/// `#[non_exhaustive]`: returned by the policy, read its fields.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct PlannedNode {

@@ -39,6 +39,8 @@ use crate::tree::TreeLimits;
 use crate::verify::{DraftProbs, StepEnd, StepOutput, TokenLogprob, VerifyRequest};
 
 /// The result of a generation.
+///
+/// `#[non_exhaustive]`: returned by the loops, read its fields.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct Generation {
@@ -81,6 +83,8 @@ impl Generation {
 /// every token the generation emitted, and streamed, before the failure. The target's KV cache
 /// was rolled back to the emitted tokens, so the [`Generator`](super::Generator) can run the
 /// next request, which gives the same output as on a fresh generator.
+///
+/// `#[non_exhaustive]`: returned by the loops, read its fields.
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct GenerationError {
@@ -116,6 +120,8 @@ impl From<GenerationError> for Error {
 
 /// One streamed step: what [`Generator::generate_stream`](super::Generator::generate_stream)
 /// hands the callback.
+///
+/// `#[non_exhaustive]`: passed to stream callbacks, read its fields.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct StreamChunk<'a> {
@@ -133,6 +139,8 @@ pub struct StreamChunk<'a> {
 
 /// What one verify step drafted and accepted ([`StreamChunk::step`],
 /// [`Session::last_step`](super::Session::last_step)).
+///
+/// `#[non_exhaustive]`: returned by the loops, read its fields.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct StepStats {
