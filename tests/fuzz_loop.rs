@@ -136,15 +136,27 @@ proptest! {
             .top_p(top_p)
             .build()
             .unwrap();
-        let params = GenerationParams::builder()
+        let built = GenerationParams::builder()
             .sampling(sampling)
             .seed(seed)
             .max_new_tokens(max_new)
             .min_tokens(min_tokens)
             .stop(stop)
             .draft(k.map_or(DraftLength::Off, DraftLength::Fixed))
-            .build()
-            .unwrap();
+            .build();
+        // The builder refuses a floor above the budget (the only invalid value drawn here).
+        prop_assert_eq!(built.is_err(), min_tokens > max_new);
+        let params = match built {
+            Ok(p) => p,
+            Err(e) => {
+                prop_assert!(
+                    matches!(e, Error::InvalidConfig { field: "min_tokens", .. }),
+                    "{:?}",
+                    e
+                );
+                return Ok(());
+            }
+        };
         let mut g = Generator::new(target, Rogue { steps, next: 0 });
         let mut streamed = Vec::new();
         let r = g.generate_with(&prompt, &params, |t| {
