@@ -76,12 +76,13 @@ fn bench_loop(c: &mut Criterion) {
             ),
         ] {
             let steps = 64usize;
-            let params = GenerationParams {
-                sampling,
-                seed: Some(0),
-                draft: DraftLength::Fixed(4),
-                ..GenerationParams::greedy(steps * 5)
-            };
+            let params = GenerationParams::greedy(steps * 5)
+                .to_builder()
+                .sampling(sampling)
+                .seed(0)
+                .draft(DraftLength::Fixed(4))
+                .build()
+                .unwrap();
             group.throughput(Throughput::Elements(steps as u64 * 5));
             group.bench_with_input(BenchmarkId::new(name, vocab), &vocab, |b, &v| {
                 let mut g = Generator::new(ZeroCost::new(v), PromptLookup::new(1, 3).unwrap());

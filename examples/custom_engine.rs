@@ -151,15 +151,14 @@ pub fn run(out: &mut dyn Write) -> std::result::Result<(), Box<dyn Error>> {
     let prompt = encode("the cat sat on the mat. the dog");
     let eos = encode("\n")[0];
     // Greedy, with the log-probability of each token (0 alternatives).
-    let params = GenerationParams {
-        sampling: SamplingConfig::builder().logprobs(0).build()?,
-        max_new_tokens: 120,
+    let params = GenerationParams::builder()
+        .sampling(SamplingConfig::builder().logprobs(0).build()?)
+        .max_new_tokens(120)
         // The first "cat." is ignored: stops (and EOS) only count after 40 new tokens.
-        min_tokens: 40,
-        stop: StopConditions::eos(eos).with_stop_string("cat."),
-        draft: DraftLength::Fixed(6),
-        ..Default::default()
-    };
+        .min_tokens(40)
+        .stop(StopConditions::eos(eos).with_stop_string("cat."))
+        .draft(DraftLength::Fixed(6))
+        .build()?;
     let mut generator =
         Generator::new(NgramEngine::new(), PromptLookup::new(2, 6)?).with_detokenizer(Chars);
 
@@ -212,7 +211,7 @@ pub fn run(out: &mut dyn Write) -> std::result::Result<(), Box<dyn Error>> {
     assert_eq!(streamed_tokens, spec.tokens);
     assert_eq!(streamed_text, text);
     assert_eq!(spec.finish, FinishReason::StopString);
-    assert!(spec.tokens.len() >= params.min_tokens);
+    assert!(spec.tokens.len() >= params.min_tokens());
     assert_eq!(
         spec.logprobs.as_ref().map(Vec::len),
         Some(spec.tokens.len())
@@ -225,7 +224,7 @@ pub fn run(out: &mut dyn Write) -> std::result::Result<(), Box<dyn Error>> {
     assert!(spec.metrics.mean_accepted_length() > 1.5);
 
     // Without min_tokens the first "cat." ends the generation.
-    let early = generator.generate(&prompt, &params.clone().with_min_tokens(0))?;
+    let early = generator.generate(&prompt, &params.clone().with_min_tokens(0)?)?;
     writeln!(
         out,
         "without min_tokens: finish {}, {} tokens, text {:?}",
@@ -234,7 +233,7 @@ pub fn run(out: &mut dyn Write) -> std::result::Result<(), Box<dyn Error>> {
         early.text.as_deref().unwrap_or_default()
     )?;
     assert_eq!(early.finish, FinishReason::StopString);
-    assert!(early.tokens.len() < params.min_tokens);
+    assert!(early.tokens.len() < params.min_tokens());
 
     // Greedy speculative decoding is lossless: plain greedy decoding gives the same tokens.
     generator.target_mut().forwards = 0;

@@ -68,8 +68,8 @@
 //!   ([`DraftBlock`]; nodes with the target row of their parent, the root being the last
 //!   committed token). A chain is the tree with one node per depth. For a tree, `k` counts its
 //!   **nodes**, its **depth** is the longest path, and the accepted length is that of the
-//!   accepted path ([`StepOutput::path`]); [`decode::GenerationParams::tree_nodes`] turns tree
-//!   steps on.
+//!   accepted path ([`StepOutput::path`]); [`decode::TreeDrafts`] ([`decode::GenerationParams::tree`])
+//!   turns tree steps on.
 //!
 //! ## Layers
 //!

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use speculative::decode::{
     AdaptiveConfig, BatchConfig, BatchGenerator, BatchRequest, DraftLength, FinishReason,
-    FixedCosts, Generation, GenerationParams, Generator, RequestId, StopConditions,
+    FixedCosts, Generation, GenerationParams, Generator, RequestId, StopConditions, TreeDrafts,
 };
 use speculative::propose::{DraftModelProposer, PromptLookup, SuffixConfig, SuffixProposer};
 use speculative::test_util::ToyModel;
@@ -68,15 +68,16 @@ fn cases(sampled: bool) -> Vec<Case> {
             0 => params.with_draft(DraftLength::Fixed(4)),
             1 => params.with_draft(DraftLength::Adaptive(AdaptiveConfig::default())),
             2 => params.with_draft(DraftLength::Off),
-            3 => params.with_draft(DraftLength::Fixed(3)).with_tree_nodes(8),
+            3 => params
+                .with_draft(DraftLength::Fixed(3))
+                .with_tree(TreeDrafts::nodes(8)),
             _ => params.with_draft(DraftLength::Fixed(6)),
         };
         if matches!(i, 3 | 5 | 7 | 9) {
             // Drafts cut at an EOS (chains: one row less) next to trees in one verify_batch.
-            params = params.with_stop(StopConditions {
-                eos: vec![(i % 4) as u32 + 4],
-                ..StopConditions::default()
-            });
+            params = params
+                .with_stop(StopConditions::eos((i % 4) as u32 + 4))
+                .unwrap();
         }
         out.push(Case {
             prompt: prompt(i, len),
@@ -140,11 +141,9 @@ fn greedy_batch_equals_each_request_alone() {
     let cases = cases(false);
     let want: Vec<Generation> = cases.iter().map(alone).collect();
     for (slots, join, rows, chunk) in [(4, 3, 512, 256), (10, 0, 512, 256), (3, 5, 24, 7)] {
-        let cfg = BatchConfig {
-            max_batch_tokens: rows,
-            prefill_chunk: chunk,
-            ..BatchConfig::default()
-        };
+        let cfg = BatchConfig::default()
+            .with_max_batch_tokens(rows)
+            .with_prefill_chunk(chunk);
         let got = batched(&cases, slots, cfg, join);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_same(g, w, &format!("case {i}, {slots} slots"));
@@ -160,7 +159,7 @@ fn sampled_batch_equals_each_request_alone_for_its_seed() {
         let got = batched(&cases, slots, BatchConfig::default(), join);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             let c = &cases[i];
-            if matches!(c.params.draft, DraftLength::Adaptive(_)) && c.proposer % 4 == 2 {
+            if matches!(c.params.draft(), DraftLength::Adaptive(_)) && c.proposer % 4 == 2 {
                 // A draft model samples its drafts (dense q): its tokens for a seed depend on
                 // the draft lengths (GUIDE C15 holds for point-mass drafts), which the goodput
                 // policy chooses per batch. Same length and end, not the same tokens.
@@ -177,10 +176,9 @@ fn sampled_batch_equals_each_request_alone_for_its_seed() {
 /// step and the learned cost curve. Checks each output against plain greedy decoding.
 fn adaptive_batch(costs: &FixedCosts) -> (Vec<usize>, Vec<(usize, f64)>) {
     let mut b = BatchGenerator::new(batch_target(4)).with_costs(costs.clone());
-    let params = GenerationParams::greedy(48).with_draft(DraftLength::Adaptive(AdaptiveConfig {
-        max_draft: 6,
-        ..AdaptiveConfig::default()
-    }));
+    let params = GenerationParams::greedy(48).with_draft(DraftLength::Adaptive(
+        AdaptiveConfig::default().with_max_draft(6),
+    ));
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(i, 6 + 3 * i)).collect();
     for p in &prompts {
         let proposer = Box::new(DraftModelProposer::new(target()));
@@ -380,18 +378,18 @@ fn bad_requests_are_refused_at_submit() {
         b.submit(BatchRequest::new(long, greedy.clone(), p())),
         Err(Error::PromptTooLong { .. })
     ));
-    let mut bad = greedy.clone();
-    bad.sampling = SamplingConfig::builder().temperature(0.5).build().unwrap();
-    bad.stop.eos = vec![VOCAB as u32 + 3];
+    let bad = greedy
+        .to_builder()
+        .sampling(SamplingConfig::builder().temperature(0.5).build().unwrap())
+        .stop(StopConditions::eos(VOCAB as u32 + 3))
+        .build()
+        .unwrap();
     assert!(b.submit(BatchRequest::new(vec![1, 2], bad, p())).is_err());
     assert!(b.is_idle());
     assert!(
         BatchGenerator::with_config(
             batch_target(1),
-            BatchConfig {
-                max_batch_tokens: 0,
-                ..BatchConfig::default()
-            }
+            BatchConfig::default().with_max_batch_tokens(0)
         )
         .is_err()
     );
@@ -414,11 +412,9 @@ fn one_forward_per_step_and_stats_add_up() {
         calls: Some(Arc::clone(&calls)),
         ..Probe::new(6)
     };
-    let cfg = BatchConfig {
-        max_batch_tokens: 40,
-        prefill_chunk: 16,
-        ..BatchConfig::default()
-    };
+    let cfg = BatchConfig::default()
+        .with_max_batch_tokens(40)
+        .with_prefill_chunk(16);
     let mut b = BatchGenerator::with_config(t, cfg).unwrap();
     let mut mix = cases(false);
     // A fixed draft longer than its node budget, from a chain-only proposer: up to k rows.
@@ -426,7 +422,7 @@ fn one_forward_per_step_and_stats_add_up() {
         prompt: prompt(3, 20),
         params: GenerationParams::greedy(40)
             .with_draft(DraftLength::Fixed(8))
-            .with_tree_nodes(4),
+            .with_tree(TreeDrafts::nodes(4)),
         proposer: 0,
     });
     for c in mix {
@@ -475,10 +471,7 @@ fn batch_generator_is_send() {
 
 #[test]
 fn requests_the_batch_cannot_run_are_refused_and_edge_requests_end_cleanly() {
-    let cfg = BatchConfig {
-        max_batch_tokens: 8,
-        ..BatchConfig::default()
-    };
+    let cfg = BatchConfig::default().with_max_batch_tokens(8);
     let mut b = BatchGenerator::with_config(batch_target(2), cfg).unwrap();
     let p = || -> Box<dyn Proposer + Send> { Box::new(PromptLookup::new(1, 4).unwrap()) };
     // k + 1 = 9 rows do not fit 8; neither does a 12-node tree.
@@ -489,7 +482,7 @@ fn requests_the_batch_cannot_run_are_refused_and_edge_requests_end_cleanly() {
     ));
     let tree = GenerationParams::greedy(8)
         .with_draft(DraftLength::Fixed(2))
-        .with_tree_nodes(12);
+        .with_tree(TreeDrafts::nodes(12));
     assert!(b.submit(BatchRequest::new(vec![1, 2], tree, p())).is_err());
     // No token to generate: ends at once with nothing prefilled.
     let none = b
@@ -501,8 +494,7 @@ fn requests_the_batch_cannot_run_are_refused_and_edge_requests_end_cleanly() {
         .unwrap();
     // Cancelled by its flag while still prefilling (a 1-token prefill chunk per step).
     let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut params = GenerationParams::greedy(8);
-    params.cancel = Some(Arc::clone(&flag));
+    let params = GenerationParams::greedy(8).with_cancel(Arc::clone(&flag));
     let cancelled = b
         .submit(BatchRequest::new(vec![2; 60], params, p()))
         .unwrap();

@@ -147,11 +147,10 @@ fn retok() -> CrossVocabProposer<ToyModel> {
 const PROMPTS: [&[u32]; 4] = [&[0, 1, 2], &[4, 3, 6, 1], &[7], &[2, 2, 5, 0, 1, 3, 4]];
 
 fn greedy(n: usize, k: usize) -> GenerationParams {
-    GenerationParams {
-        draft: DraftLength::Fixed(k),
-        ..GenerationParams::greedy(n)
-    }
-    .with_stop(StopConditions::eos(T_EOS))
+    GenerationParams::greedy(n)
+        .with_draft(DraftLength::Fixed(k))
+        .with_stop(StopConditions::eos(T_EOS))
+        .unwrap()
 }
 
 /// The draft context the proposer must hold for `ctx`, computed from the definitions.
@@ -556,11 +555,10 @@ fn counts<P: Proposer>(mut g: Generator<ToyModel, P>, cfg: &SamplingConfig) -> V
     let v = TARGET.len();
     let mut c = vec![0u64; v * (v + 1)];
     for seed in 0..N {
-        let params = GenerationParams {
-            draft: DraftLength::Fixed(3),
-            ..GenerationParams::sampled(cfg.clone(), seed, 2)
-        }
-        .with_stop(StopConditions::eos(T_EOS));
+        let params = GenerationParams::sampled(cfg.clone(), seed, 2)
+            .with_draft(DraftLength::Fixed(3))
+            .with_stop(StopConditions::eos(T_EOS))
+            .unwrap();
         let out = g.generate(&PROMPT, &params).unwrap();
         let a = out.tokens[0] as usize;
         let b = out.tokens.get(1).map_or(NONE, |&t| t as usize);

@@ -25,7 +25,9 @@
 mod common;
 
 use common::chi_square;
-use speculative::decode::{AdaptiveConfig, DraftLength, FixedCosts, GenerationParams, Generator};
+use speculative::decode::{
+    AdaptiveConfig, DraftLength, FixedCosts, GenerationParams, Generator, TreeDrafts,
+};
 use speculative::propose::{DraftModelProposer, DraftTreeConfig};
 use speculative::sampling::{History, RowProcessor, TokenCounts, TokenDist};
 use speculative::test_util::{FeatureSource, HiddenFn, ToyFeatureDraft, ToyModel, ToyRnn};
@@ -198,11 +200,10 @@ fn sampled() -> SamplingConfig {
 }
 
 fn plain(r: &ToyRnn, prompt: &[u32], params: &GenerationParams) -> Vec<u32> {
-    let plain = GenerationParams {
-        draft: DraftLength::Off,
-        tree_nodes: 0,
-        ..params.clone()
-    };
+    let plain = params
+        .clone()
+        .with_draft(DraftLength::Off)
+        .with_tree(TreeDrafts::nodes(0));
     Generator::new(target(r), NoProposer)
         .generate(prompt, &plain)
         .unwrap()
@@ -219,11 +220,11 @@ fn costs() -> FixedCosts {
 
 #[test]
 fn the_head_holds_the_targets_true_features_at_every_proposal() {
-    let adaptive = DraftLength::Adaptive(AdaptiveConfig {
-        max_draft: 4,
-        probe_interval: 2,
-        ..AdaptiveConfig::default()
-    });
+    let adaptive = DraftLength::Adaptive(
+        AdaptiveConfig::default()
+            .with_max_draft(4)
+            .with_probe_interval(2),
+    );
     let mut total = (0, 0, 0, 0);
     for seed in 1..=3u64 {
         let r = rnn(V, seed);
@@ -242,14 +243,14 @@ fn the_head_holds_the_targets_true_features_at_every_proposal() {
                 // choices, and the counts below, are the same on any machine.
                 let mut g = Generator::new(target(&r), checked).with_costs(costs());
                 for (i, prompt) in prompts().iter().enumerate() {
-                    let params = GenerationParams {
-                        sampling: cfg.clone(),
-                        seed: Some(i as u64),
-                        max_new_tokens: 30,
-                        draft: draft.clone(),
-                        tree_nodes: nodes,
-                        ..Default::default()
-                    };
+                    let params = GenerationParams::builder()
+                        .sampling(cfg.clone())
+                        .seed(i as u64)
+                        .max_new_tokens(30)
+                        .draft(draft.clone())
+                        .tree(TreeDrafts::nodes(nodes))
+                        .build()
+                        .unwrap();
                     let out = g.generate(prompt, &params).unwrap();
                     assert_eq!(out.tokens.len(), 30);
                     if cfg.is_greedy() {
@@ -286,7 +287,7 @@ fn tokens_per_call(r: &ToyRnn, nodes: usize, features: bool) -> f64 {
     for prompt in prompts() {
         let params = GenerationParams::greedy(40)
             .with_draft(DraftLength::Fixed(4))
-            .with_tree_nodes(nodes);
+            .with_tree(TreeDrafts::nodes(nodes));
         let want = plain(r, &prompt, &params);
         let out = if features {
             Generator::new(target(r), head(r, 0.3, nodes > 0))
@@ -545,14 +546,14 @@ fn p_value<P: Proposer>(name: &str, proposer: P, nodes: usize) -> f64 {
     let mut counts = vec![0u64; VS.pow(LEN as u32)];
     let (mut tree_steps, mut accepted) = (0, 0);
     for seed in 0..N {
-        let params = GenerationParams {
-            sampling: cfg.clone(),
-            seed: Some(seed),
-            max_new_tokens: LEN,
-            draft: DraftLength::Fixed(3),
-            tree_nodes: nodes,
-            ..Default::default()
-        };
+        let params = GenerationParams::builder()
+            .sampling(cfg.clone())
+            .seed(seed)
+            .max_new_tokens(LEN)
+            .draft(DraftLength::Fixed(3))
+            .tree(TreeDrafts::nodes(nodes))
+            .build()
+            .unwrap();
         let out = g.generate(&PROMPT, &params).unwrap();
         assert_eq!(out.tokens.len(), LEN);
         tree_steps += out.metrics.tree_steps;

@@ -131,14 +131,31 @@ proptest! {
         if let Some(e) = eos {
             stop = stop.with_eos(e);
         }
-        let params = GenerationParams {
-            sampling: SamplingConfig::builder().temperature(temperature).top_p(top_p).build().unwrap(),
-            seed: Some(seed),
-            max_new_tokens: max_new,
-            min_tokens,
-            stop,
-            draft: k.map_or(DraftLength::Off, DraftLength::Fixed),
-            ..Default::default()
+        let sampling = SamplingConfig::builder()
+            .temperature(temperature)
+            .top_p(top_p)
+            .build()
+            .unwrap();
+        let built = GenerationParams::builder()
+            .sampling(sampling)
+            .seed(seed)
+            .max_new_tokens(max_new)
+            .min_tokens(min_tokens)
+            .stop(stop)
+            .draft(k.map_or(DraftLength::Off, DraftLength::Fixed))
+            .build();
+        // The builder refuses a floor above the budget (the only invalid value drawn here).
+        prop_assert_eq!(built.is_err(), min_tokens > max_new);
+        let params = match built {
+            Ok(p) => p,
+            Err(e) => {
+                prop_assert!(
+                    matches!(e, Error::InvalidConfig { field: "min_tokens", .. }),
+                    "{:?}",
+                    e
+                );
+                return Ok(());
+            }
         };
         let mut g = Generator::new(target, Rogue { steps, next: 0 });
         let mut streamed = Vec::new();
@@ -182,10 +199,7 @@ proptest! {
                 // The generator stays usable: a valid request runs.
                 if !prompt.is_empty() && prompt.iter().all(|&t| (t as usize) < vocab) && prompt.len() <= max_ctx {
                     g.target_mut().poison.clear();
-                    let ok = g.generate(&prompt, &GenerationParams {
-                        draft: DraftLength::Off,
-                        ..GenerationParams::greedy(max_new.min(max_ctx - prompt.len()))
-                    });
+                    let ok = g.generate(&prompt, &GenerationParams::greedy(max_new.min(max_ctx - prompt.len())).with_draft(DraftLength::Off));
                     prop_assert!(ok.is_ok(), "{:?}", ok.err().map(|e| e.error));
                 }
             }

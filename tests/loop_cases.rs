@@ -38,12 +38,13 @@ impl<P: Proposer> Proposer for ForgetsBans<P> {
 
 /// C19's request: temperature 1, `min_tokens = max_new_tokens = 40`, k = 4, seeded.
 fn c19_params(stop: StopConditions, seed: u64) -> GenerationParams {
-    GenerationParams {
-        min_tokens: 40,
-        stop,
-        draft: DraftLength::Fixed(4),
-        ..GenerationParams::sampled(SamplingConfig::sampling(1.0).unwrap(), seed, 40)
-    }
+    GenerationParams::sampled(SamplingConfig::sampling(1.0).unwrap(), seed, 40)
+        .to_builder()
+        .min_tokens(40)
+        .stop(stop)
+        .draft(DraftLength::Fixed(4))
+        .build()
+        .unwrap()
 }
 
 /// Proposed and accepted drafts of C19's request over several seeds.
@@ -94,13 +95,12 @@ fn c20_model() -> ToyModel {
 
 /// A sampled request of 32 tokens without a seed (temperature 1, prompt lookup drafts).
 fn unseeded() -> GenerationParams {
-    let mut params = GenerationParams {
-        sampling: SamplingConfig::sampling(1.0).unwrap(),
-        max_new_tokens: 32,
-        ..GenerationParams::default()
-    };
-    params.seed = None;
-    params
+    GenerationParams::builder()
+        .sampling(SamplingConfig::sampling(1.0).unwrap())
+        .max_new_tokens(32)
+        .seed(None)
+        .build()
+        .unwrap()
 }
 
 const PROMPT: [u32; 6] = [1, 2, 3, 1, 2, 3];

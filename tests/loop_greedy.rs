@@ -48,10 +48,7 @@ fn run<P: Proposer>(
     n: usize,
 ) -> (Vec<u32>, speculative::decode::Metrics) {
     let mut g = Generator::new(ToyModel::c10(), proposer);
-    let params = GenerationParams {
-        draft,
-        ..GenerationParams::greedy(n)
-    };
+    let params = GenerationParams::greedy(n).with_draft(draft);
     let out = g.generate(prompt, &params).unwrap();
     assert_eq!(out.finish, FinishReason::MaxTokens);
     assert_eq!(
@@ -218,10 +215,11 @@ fn c02_eos_inside_an_accepted_block_ends_the_generation() {
     let cont = [5u32, 9, 2, 7, 8, 1, 1, 1];
     let target = ToyModel::deterministic(10, 100, move |p: &[u32]| cont[(p.len() - 1).min(7)]);
     let mut g = Generator::new(target, ScriptedProposer::new(vec![vec![5, 9, 2, 7]]));
-    let params = GenerationParams {
-        stop: StopConditions::default().with_eos(2),
-        ..GenerationParams::greedy(50)
-    };
+    let params = GenerationParams::greedy(50)
+        .to_builder()
+        .stop(StopConditions::default().with_eos(2))
+        .build()
+        .unwrap();
     let mut streamed = Vec::new();
     let out = g
         .generate_with(&[0], &params, |t| {
@@ -238,10 +236,11 @@ fn c02_eos_inside_an_accepted_block_ends_the_generation() {
     // The same for a stop sequence completed inside the block.
     let target = ToyModel::deterministic(10, 100, move |p: &[u32]| cont[(p.len() - 1).min(7)]);
     let mut g = Generator::new(target, ScriptedProposer::new(vec![vec![5, 9, 2, 7]]));
-    let params = GenerationParams {
-        stop: StopConditions::default().with_stop_sequence(vec![9, 2]),
-        ..GenerationParams::greedy(50)
-    };
+    let params = GenerationParams::greedy(50)
+        .to_builder()
+        .stop(StopConditions::default().with_stop_sequence(vec![9, 2]))
+        .build()
+        .unwrap();
     let out = g.generate(&[0], &params).unwrap();
     assert_eq!(out.tokens, vec![5, 9, 2]);
     assert_eq!(out.finish, FinishReason::StopSequence);
@@ -257,10 +256,7 @@ fn c03_never_more_new_tokens_than_the_budget() {
         ToyModel::deterministic(5, 1000, next),
         PromptLookup::new(1, 3).unwrap(),
     );
-    let params = GenerationParams {
-        draft: DraftLength::Fixed(3),
-        ..GenerationParams::greedy(2)
-    };
+    let params = GenerationParams::greedy(2).with_draft(DraftLength::Fixed(3));
     let out = g.generate(&prompt, &params).unwrap();
     assert_eq!(out.tokens, plain);
     assert_eq!(out.tokens.len(), 2);
@@ -275,10 +271,7 @@ fn context_limit_caps_drafts_and_ends_generation() {
         ToyModel::deterministic(5, 20, next),
         ScriptedProposer::new(vec![vec![1, 2, 3, 4, 0, 1, 2, 3, 4]; 10]),
     );
-    let params = GenerationParams {
-        draft: DraftLength::Fixed(8),
-        ..GenerationParams::greedy(100)
-    };
+    let params = GenerationParams::greedy(100).with_draft(DraftLength::Fixed(8));
     let out = g.generate(&[0; 15], &params).unwrap();
     assert_eq!(out.tokens.len(), 5);
     assert_eq!(out.finish, FinishReason::ContextFull);
@@ -289,10 +282,7 @@ fn context_limit_caps_drafts_and_ends_generation() {
 fn cancellation_by_flag_and_by_callback() {
     let flag = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let mut g = Generator::new(ToyModel::c10(), NoProposer);
-    let params = GenerationParams {
-        cancel: Some(flag.clone()),
-        ..GenerationParams::greedy(10)
-    };
+    let params = GenerationParams::greedy(10).with_cancel(flag.clone());
     let out = g.generate(&[1, 2], &params).unwrap();
     assert_eq!((out.tokens.len(), out.finish), (0, FinishReason::Cancelled));
     let mut calls = 0;
@@ -328,19 +318,23 @@ fn bad_requests_are_typed_errors() {
             max_context: 4
         })
     ));
-    let bad = GenerationParams {
-        sampling: SamplingConfig::builder()
-            .banned_tokens([77])
-            .build()
-            .unwrap(),
-        ..GenerationParams::greedy(4)
-    };
+    let bad = GenerationParams::greedy(4)
+        .to_builder()
+        .sampling(
+            SamplingConfig::builder()
+                .banned_tokens([77])
+                .build()
+                .unwrap(),
+        )
+        .build()
+        .unwrap();
     assert!(g.generate(&[0], &bad).is_err());
     // An EOS id from the wrong tokenizer is caught before any work.
-    let wrong_eos = GenerationParams {
-        stop: StopConditions::default().with_eos(999),
-        ..GenerationParams::greedy(4)
-    };
+    let wrong_eos = GenerationParams::greedy(4)
+        .to_builder()
+        .stop(StopConditions::default().with_eos(999))
+        .build()
+        .unwrap();
     assert!(matches!(
         g.generate(&[0], &wrong_eos).map_err(|e| e.error),
         Err(speculative::Error::TokenOutOfVocab { token: 999, .. })

@@ -48,14 +48,7 @@ proptest! {
         let mut stop = StopConditions::default();
         if !stop_seq.is_empty() { stop = stop.with_stop_sequence(stop_seq.clone()); }
         if let Some(e) = eos { stop = stop.with_eos(e); }
-        let params = GenerationParams {
-            sampling: if greedy { SamplingConfig::greedy() } else { SamplingConfig::sampling(0.8).unwrap() },
-            seed: Some(seed),
-            max_new_tokens: max_new,
-            stop,
-            draft: DraftLength::Fixed(k),
-            ..Default::default()
-        };
+        let params = GenerationParams::builder().sampling(if greedy { SamplingConfig::greedy() } else { SamplingConfig::sampling(0.8).unwrap() }).seed(seed).max_new_tokens(max_new).stop(stop).draft(DraftLength::Fixed(k)).build().unwrap();
         let mut g = Generator::new(target, RandomProposer::new(vocab, seed));
         let mut streamed = Vec::new();
         let out = g.generate_with(&prompt, &params, |t| { streamed.extend_from_slice(t); std::ops::ControlFlow::Continue(()) }).unwrap();

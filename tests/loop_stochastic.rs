@@ -97,13 +97,13 @@ fn sequence_counts<P: Proposer, T: TargetModel>(
 ) -> Vec<u64> {
     let mut counts = vec![0u64; VOCAB.pow(LEN as u32)];
     for seed in 0..N {
-        let params = GenerationParams {
-            sampling: cfg.clone(),
-            seed: Some(seed),
-            max_new_tokens: LEN,
-            draft: DraftLength::Fixed(k),
-            ..Default::default()
-        };
+        let params = GenerationParams::builder()
+            .sampling(cfg.clone())
+            .seed(seed)
+            .max_new_tokens(LEN)
+            .draft(DraftLength::Fixed(k))
+            .build()
+            .unwrap();
         let out = g.generate(&PROMPT, &params).unwrap();
         assert_eq!(out.tokens.len(), LEN);
         let cell = out

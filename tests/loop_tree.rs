@@ -3,7 +3,7 @@
 //! token budget and context cap, invalid trees, and the fallback to chains for targets without
 //! tree support.
 
-use speculative::decode::{FinishReason, GenerationParams, Generator, StopConditions};
+use speculative::decode::{FinishReason, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::error::ProposalFault;
 use speculative::rng::Stream;
 use speculative::test_util::{CallLog, ToyModel};
@@ -95,11 +95,10 @@ impl Proposer for OracleTree {
 }
 
 fn plain(target: ToyModel, prompt: &[u32], params: &GenerationParams) -> Vec<u32> {
-    let params = GenerationParams {
-        draft: speculative::decode::DraftLength::Off,
-        tree_nodes: 0,
-        ..params.clone()
-    };
+    let params = params
+        .clone()
+        .with_draft(speculative::decode::DraftLength::Off)
+        .with_tree(TreeDrafts::nodes(0));
     Generator::new(target, NoProposer)
         .generate(prompt, &params)
         .unwrap()
@@ -112,7 +111,7 @@ fn greedy_tree_output_equals_plain_greedy() {
         let prompt: Vec<u32> = (0..5).map(|i| ((i * 3 + salt) % 7) as u32).collect();
         let params = GenerationParams::greedy(60)
             .with_draft(speculative::decode::DraftLength::Fixed(5))
-            .with_tree_nodes(12);
+            .with_tree(TreeDrafts::nodes(12));
         let want = plain(ToyModel::c10(), &prompt, &params);
         let mut g = Generator::new(
             CallLog::new(ToyModel::c10().with_tree(16)),
@@ -143,7 +142,7 @@ fn greedy_tree_output_equals_plain_greedy() {
 #[test]
 fn a_target_without_tree_support_verifies_chains() {
     let prompt = [1u32, 2, 3];
-    let params = GenerationParams::greedy(40).with_tree_nodes(12);
+    let params = GenerationParams::greedy(40).with_tree(TreeDrafts::nodes(12));
     let want = plain(ToyModel::c10(), &prompt, &params);
     let mut g = Generator::new(CallLog::new(ToyModel::c10()), OracleTree::new(3, 7));
     let out = g.generate(&prompt, &params).unwrap();
@@ -229,7 +228,7 @@ fn seeded_point_mass_trees_reproduce_plain_sampling() {
         let prompt = [1u32, 2, 3, 4];
         let params = GenerationParams::sampled(cfg.clone(), seed, 48)
             .with_draft(speculative::decode::DraftLength::Fixed(4))
-            .with_tree_nodes(10);
+            .with_tree(TreeDrafts::nodes(10));
         let want = plain(model.clone(), &prompt, &params);
         let mut g = Generator::new(
             model.with_tree(10),
@@ -258,8 +257,9 @@ fn an_eos_inside_a_tree_prunes_its_subtree_and_ends_there() {
     let eos = ctx[prompt.len() + 2];
     let params = GenerationParams::greedy(40)
         .with_draft(speculative::decode::DraftLength::Fixed(6))
-        .with_tree_nodes(20)
-        .with_stop(StopConditions::default().with_eos(eos));
+        .with_tree(TreeDrafts::nodes(20))
+        .with_stop(StopConditions::default().with_eos(eos))
+        .unwrap();
     let want = plain(ToyModel::c10(), &prompt, &params);
     let mut g = Generator::new(
         CallLog::new(ToyModel::c10().with_tree(32)),
@@ -293,7 +293,7 @@ fn the_budget_and_the_context_cap_count_the_tree_depth() {
     for budget in 1..12 {
         let params = GenerationParams::greedy(budget)
             .with_draft(speculative::decode::DraftLength::Fixed(6))
-            .with_tree_nodes(16);
+            .with_tree(TreeDrafts::nodes(16));
         let mut g = Generator::new(ToyModel::c10().with_tree(16), OracleTree::new(2, 5));
         let out = g.generate(&[1, 2], &params).unwrap();
         assert_eq!(out.tokens.len(), budget);
@@ -302,7 +302,7 @@ fn the_budget_and_the_context_cap_count_the_tree_depth() {
     for max_ctx in 4..14 {
         let params = GenerationParams::greedy(100)
             .with_draft(speculative::decode::DraftLength::Fixed(6))
-            .with_tree_nodes(16);
+            .with_tree(TreeDrafts::nodes(16));
         let target = ToyModel::deterministic(7, max_ctx, c10_next).with_tree(16);
         let mut g = Generator::new(target, OracleTree::new(3, 2));
         let out = g.generate(&[1, 2, 3], &params).unwrap();
@@ -374,7 +374,7 @@ fn invalid_trees_never_reach_the_target() {
     for (d, nodes, want) in cases {
         let params = GenerationParams::greedy(8)
             .with_draft(speculative::decode::DraftLength::Fixed(4))
-            .with_tree_nodes(nodes);
+            .with_tree(TreeDrafts::nodes(nodes));
         let mut g = Generator::new(CallLog::new(ToyModel::c10().with_tree(16)), Fixed(d));
         let e = g.generate(&[1, 2], &params).unwrap_err();
         match &e.error {
@@ -417,7 +417,7 @@ fn invalid_trees_never_reach_the_target() {
 fn streaming_reports_each_tree_step() {
     let params = GenerationParams::greedy(30)
         .with_draft(speculative::decode::DraftLength::Fixed(4))
-        .with_tree_nodes(9);
+        .with_tree(TreeDrafts::nodes(9));
     let mut g = Generator::new(ToyModel::c10().with_tree(9), OracleTree::new(3, 3));
     let mut steps = Vec::new();
     let out = g
@@ -441,7 +441,7 @@ fn streaming_reports_each_tree_step() {
 fn the_kv_cache_after_tree_steps_is_the_emitted_sequence() {
     let params = GenerationParams::greedy(25)
         .with_draft(speculative::decode::DraftLength::Fixed(5))
-        .with_tree_nodes(12);
+        .with_tree(TreeDrafts::nodes(12));
     let prompt = [6u32, 0, 5];
     let mut g = Generator::new(ToyModel::c10().with_tree(12), OracleTree::new(3, 8));
     let out = g.generate(&prompt, &params).unwrap();
@@ -476,19 +476,19 @@ fn the_node_budget_and_the_target_capacity_bound_a_branching_tree() {
     let cases = [
         // Budget 3 nodes, depth 6: a 6-node tree is over the budget, not "within the depth".
         (
-            depth6.clone().with_tree_nodes(3),
+            depth6.clone().with_tree(TreeDrafts::nodes(3)),
             16,
             TreeFault::TooManyNodes { nodes: 6, max: 3 },
         ),
         // The target holds 4 nodes: the same tree never reaches its forward.
         (
-            depth6.clone().with_tree_nodes(32),
+            depth6.clone().with_tree(TreeDrafts::nodes(32)),
             4,
             TreeFault::TooManyNodes { nodes: 6, max: 4 },
         ),
         // A branching limit of 2: six children of the root are too many.
         (
-            depth6.with_tree_nodes(32).with_tree_branch(2),
+            depth6.with_tree(TreeDrafts::nodes(32).with_branch(2)),
             16,
             TreeFault::TooManyChildren { row: 0, max: 2 },
         ),
@@ -516,8 +516,7 @@ fn the_branching_limit_reaches_the_proposers() {
         .collect();
     let params = GenerationParams::greedy(40)
         .with_draft(speculative::decode::DraftLength::Fixed(4))
-        .with_tree_nodes(12)
-        .with_tree_branch(2);
+        .with_tree(TreeDrafts::nodes(12).with_branch(2));
     let want = plain(ToyModel::c10(), &prompt, &params);
     let mut g = Generator::new(
         CallLog::new(ToyModel::c10().with_tree(16)),
@@ -575,7 +574,7 @@ fn sampled_trees_with_repeated_tokens_reach_a_tree_target() {
     let model = ToyModel::markov(8, 1, 1.5, 3);
     let params = GenerationParams::sampled(cfg, 5, 60)
         .with_draft(speculative::decode::DraftLength::Fixed(1))
-        .with_tree_nodes(4);
+        .with_tree(TreeDrafts::nodes(4));
     let mut g = Generator::new(CallLog::new(model.with_tree(8)), Sampled { width: 4 });
     let out = g.generate(&[1, 2, 3], &params).unwrap();
     assert_eq!(out.tokens.len(), 60);
@@ -595,7 +594,7 @@ fn adaptive_depth_turns_unprofitable_trees_off() {
         .with_draft(speculative::decode::DraftLength::Adaptive(
             speculative::decode::AdaptiveConfig::default(),
         ))
-        .with_tree_nodes(24);
+        .with_tree(TreeDrafts::nodes(24));
     // The policy learns from a fixed cost curve, not the clock: 4 ms + 1 ms per row, so a
     // forward of 25 rows costs 5.8 plain steps.
     let costs = speculative::decode::FixedCosts::linear(0.004, 0.001).unwrap();

@@ -22,7 +22,7 @@ mod common;
 
 use common::tree::{DetChoice, LawCalc, Models, Shape};
 use common::{Fit, chi_square};
-use speculative::decode::{DraftLength, GenerationParams, Generator};
+use speculative::decode::{DraftLength, GenerationParams, Generator, TreeDrafts};
 use speculative::propose::{SuffixConfig, SuffixProposer};
 use speculative::test_util::{RandomProposer, ToyModel, WrongProposer};
 use speculative::{
@@ -55,11 +55,10 @@ fn merge(vocab: usize, salt: u64, junk: bool) -> MergedProposer {
 }
 
 fn plain(model: &ToyModel, prompt: &[u32], params: &GenerationParams) -> Vec<u32> {
-    let params = GenerationParams {
-        draft: DraftLength::Off,
-        tree_nodes: 0,
-        ..params.clone()
-    };
+    let params = params
+        .clone()
+        .with_draft(DraftLength::Off)
+        .with_tree(TreeDrafts::nodes(0));
     Generator::new(model.clone(), NoProposer)
         .generate(prompt, &params)
         .unwrap()
@@ -100,8 +99,7 @@ fn greedy_merged_output_equals_plain_greedy() {
                     let prompt = prompt(100 * model_seed + 10 * s as u64 + p, vocab as u32);
                     let params = GenerationParams::greedy(40)
                         .with_draft(DraftLength::Fixed(k))
-                        .with_tree_nodes(nodes)
-                        .with_tree_branch(branch);
+                        .with_tree(TreeDrafts::nodes(nodes).with_branch(branch));
                     let want = plain(&model, &prompt, &params);
                     let out = g.generate(&prompt, &params).unwrap();
                     assert_eq!(
@@ -144,8 +142,7 @@ fn seeded_sampling_with_merged_trees_reproduces_plain_sampling() {
         let prompt = prompt(seed, vocab as u32);
         let params = GenerationParams::sampled(cfg.clone(), seed, 32)
             .with_draft(DraftLength::Fixed(k))
-            .with_tree_nodes(nodes)
-            .with_tree_branch(branch);
+            .with_tree(TreeDrafts::nodes(nodes).with_branch(branch));
         let want = plain(&model, &prompt, &params);
         let out = g.generate(&prompt, &params).unwrap();
         assert_eq!(out.tokens, want, "seed {seed}");
@@ -236,7 +233,7 @@ fn fit<P: Proposer>(cfg: &SamplingConfig, proposer: P, n: u64, seed0: u64) -> (V
     for seed in seed0..seed0 + n {
         let params = GenerationParams::sampled(cfg.clone(), seed, len)
             .with_draft(DraftLength::Fixed(3))
-            .with_tree_nodes(8);
+            .with_tree(TreeDrafts::nodes(8));
         let out = g.generate(&PROMPT, &params).unwrap();
         tree_steps += out.metrics.tree_steps;
         for (l, c) in counts.iter_mut().enumerate() {
@@ -414,7 +411,7 @@ fn the_learned_ranking_keeps_the_proposer_that_is_right() {
     let mut g = Generator::new(model.clone().with_tree(8), merged);
     let params = GenerationParams::greedy(60)
         .with_draft(DraftLength::Fixed(4))
-        .with_tree_nodes(4);
+        .with_tree(TreeDrafts::nodes(4));
     let out = g.generate(&[1, 2, 3], &params).unwrap();
     assert_eq!(out.tokens, plain(&model, &[1, 2, 3], &params));
     assert!(

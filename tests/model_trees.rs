@@ -21,7 +21,7 @@
 mod common;
 
 use common::chi_square;
-use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
+use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::propose::{
     DraftHeads, DraftModelProposer, DraftTreeConfig, HeadsInput, HeadsProposer,
 };
@@ -179,11 +179,10 @@ impl DraftHeads for MarkovHeads {
 }
 
 fn plain_greedy(t: ToyModel, prompt: &[u32], params: &GenerationParams) -> Vec<u32> {
-    let plain = GenerationParams {
-        draft: DraftLength::Off,
-        tree_nodes: 0,
-        ..params.clone()
-    };
+    let plain = params
+        .clone()
+        .with_draft(DraftLength::Off)
+        .with_tree(TreeDrafts::nodes(0));
     let mut g = Generator::new(t, NoProposer);
     g.generate(prompt, &plain).unwrap().tokens
 }
@@ -207,10 +206,9 @@ fn draft_model_trees_give_plain_greedy_output() {
         for (nodes, branch, eos) in [(12, 0, None), (16, 2, None), (10, 0, Some(3u32))] {
             let mut params = GenerationParams::greedy(40)
                 .with_draft(DraftLength::Fixed(4))
-                .with_tree_nodes(nodes)
-                .with_tree_branch(branch);
+                .with_tree(TreeDrafts::nodes(nodes).with_branch(branch));
             if let Some(e) = eos {
-                params = params.with_stop(StopConditions::eos(e));
+                params = params.with_stop(StopConditions::eos(e)).unwrap();
             }
             let want = plain_greedy(target(V, seed), &prompt, &params);
             let draft = DraftModelProposer::new(noisy_draft(V, seed, 1.2))
@@ -248,7 +246,7 @@ fn draft_model_trees_beat_chains_of_the_same_depth_in_accepted_length() {
         for (nodes, acc) in [(16, &mut tree), (0, &mut chain)] {
             let params = GenerationParams::greedy(40)
                 .with_draft(DraftLength::Fixed(4))
-                .with_tree_nodes(nodes);
+                .with_tree(TreeDrafts::nodes(nodes));
             let mut g = Generator::new(
                 target(V, seed),
                 DraftModelProposer::new(noisy_draft(V, seed, 1.2)),
@@ -275,8 +273,7 @@ fn heads_trees_give_plain_greedy_output() {
         for (nodes, branch) in [(12, 0), (16, 3), (6, 2)] {
             let params = GenerationParams::greedy(40)
                 .with_draft(DraftLength::Fixed(4))
-                .with_tree_nodes(nodes)
-                .with_tree_branch(branch);
+                .with_tree(TreeDrafts::nodes(nodes).with_branch(branch));
             let want = plain_greedy(target(V, seed), &prompt, &params);
             let heads = HeadsProposer::new(MarkovHeads::new(V, seed, 1.5, 4))
                 .with_tree_top_k(3)
@@ -365,14 +362,14 @@ fn sequence_counts<T: TargetModel, P: Proposer>(
     let mut counts = vec![0u64; VS.pow(LEN as u32)];
     let mut tree_steps = 0;
     for seed in 0..N {
-        let params = GenerationParams {
-            sampling: cfg.clone(),
-            seed: Some(seed),
-            max_new_tokens: LEN,
-            draft: DraftLength::Fixed(3),
-            tree_nodes: 8,
-            ..Default::default()
-        };
+        let params = GenerationParams::builder()
+            .sampling(cfg.clone())
+            .seed(seed)
+            .max_new_tokens(LEN)
+            .draft(DraftLength::Fixed(3))
+            .tree(TreeDrafts::nodes(8))
+            .build()
+            .unwrap();
         let out = g.generate(&PROMPT, &params).unwrap();
         assert_eq!(out.tokens.len(), LEN);
         tree_steps += out.metrics.tree_steps;

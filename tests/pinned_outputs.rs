@@ -14,7 +14,7 @@ mod common;
 use common::text::ByteVocab;
 use speculative::decode::{
     AdaptiveConfig, BatchGenerator, BatchRequest, DraftLength, FinishReason, FixedCosts,
-    Generation, GenerationParams, Generator, StopConditions,
+    Generation, GenerationParams, Generator, StopConditions, TreeDrafts,
 };
 use speculative::propose::{
     DraftModelProposer, DraftTreeConfig, PromptLookup, SuffixConfig, SuffixProposer,
@@ -119,12 +119,10 @@ struct Case {
 fn cases() -> Vec<Case> {
     let adaptive = DraftLength::Adaptive(AdaptiveConfig::default());
     // "d." ends the greedy case (a stop string), "aca" the sampled tree case.
-    let stops = StopConditions {
-        eos: vec![5],
-        stop_sequences: vec![vec![10, 10]],
-        stop_strings: vec!["d.".into(), "é".into()],
-        include_stop_str_in_output: false,
-    };
+    let stops = StopConditions::eos(5)
+        .with_stop_sequence(vec![10, 10])
+        .with_stop_string("d.")
+        .with_stop_string("é");
     vec![
         Case {
             name: "greedy prompt lookup chain",
@@ -145,7 +143,7 @@ fn cases() -> Vec<Case> {
             prompt: prompt(2, 30),
             params: GenerationParams::sampled(sampling(), 6, 40)
                 .with_draft(DraftLength::Fixed(3))
-                .with_tree_nodes(8),
+                .with_tree(TreeDrafts::nodes(8)),
             proposer: || Box::new(SuffixProposer::new(SuffixConfig::default()).unwrap()),
             text: false,
         },
@@ -154,7 +152,7 @@ fn cases() -> Vec<Case> {
             prompt: prompt(3, 12),
             params: GenerationParams::sampled(sampling(), 7, 40)
                 .with_draft(DraftLength::Fixed(3))
-                .with_tree_nodes(10),
+                .with_tree(TreeDrafts::nodes(10)),
             proposer: || Box::new(draft_model()),
             text: false,
         },
@@ -170,7 +168,7 @@ fn cases() -> Vec<Case> {
             prompt: prompt(5, 6),
             params: GenerationParams::sampled(sampling(), 9, 48)
                 .with_draft(adaptive.clone())
-                .with_tree_nodes(12),
+                .with_tree(TreeDrafts::nodes(12)),
             proposer: || Box::new(draft_model()),
             text: false,
         },
@@ -179,7 +177,9 @@ fn cases() -> Vec<Case> {
             prompt: prompt(6, 5),
             params: GenerationParams::greedy(60)
                 .with_min_tokens(3)
-                .with_stop(stops.clone()),
+                .unwrap()
+                .with_stop(stops.clone())
+                .unwrap(),
             proposer: || Box::new(PromptLookup::new(1, 3).unwrap()),
             text: true,
         },
@@ -188,14 +188,17 @@ fn cases() -> Vec<Case> {
             prompt: prompt(7, 14),
             params: GenerationParams::sampled(sampling(), 10, 60)
                 .with_min_tokens(2)
-                .with_stop(StopConditions {
-                    eos: vec![7],
-                    stop_strings: vec!["aca".into(), "é".into()],
-                    include_stop_str_in_output: true,
-                    ..stops
-                })
+                .unwrap()
+                .with_stop(
+                    StopConditions::eos(7)
+                        .with_stop_sequence(vec![10, 10])
+                        .with_stop_string("aca")
+                        .with_stop_string("é")
+                        .include_stop_string(true),
+                )
+                .unwrap()
                 .with_draft(DraftLength::Fixed(3))
-                .with_tree_nodes(8),
+                .with_tree(TreeDrafts::nodes(8)),
             proposer: || Box::new(draft_model()),
             text: true,
         },
@@ -467,7 +470,7 @@ fn feature_draft_outputs_are_pinned() {
         let mut params = GenerationParams::sampled(sampling(), 12 + i as u64, 40)
             .with_draft(DraftLength::Fixed(3));
         if tree {
-            params = params.with_tree_nodes(9);
+            params = params.with_tree(TreeDrafts::nodes(9));
         }
         let out = g.generate(&prompt(8 + i, 10), &params).unwrap();
         let want = FEATURES.get(i).unwrap_or(&Pin {

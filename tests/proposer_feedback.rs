@@ -8,7 +8,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
+use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::propose::{
     DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig,
     SuffixProposer, TokenRecycling,
@@ -196,12 +196,16 @@ fn params(sampled: bool, seed: u64, nodes: usize) -> GenerationParams {
     } else {
         GenerationParams::greedy(40)
     };
-    p.with_draft(DraftLength::Fixed(4)).with_tree_nodes(nodes)
+    p.with_draft(DraftLength::Fixed(4))
+        .with_tree(TreeDrafts::nodes(nodes))
 }
 
 /// Plain decoding's tokens.
 fn plain(prompt: &[u32], p: &GenerationParams) -> Vec<u32> {
-    let p = p.clone().with_draft(DraftLength::Off).with_tree_nodes(0);
+    let p = p
+        .clone()
+        .with_draft(DraftLength::Off)
+        .with_tree(TreeDrafts::nodes(0));
     Generator::new(target(), NoProposer)
         .generate(prompt, &p)
         .unwrap()
@@ -232,7 +236,11 @@ fn merged_subproposer_feedback_is_consistent() {
                 for (i, prompt) in prompts.iter().enumerate() {
                     let mut p = params(sampled, 7 + i as u64, nodes);
                     if let Some(e) = eos {
-                        p = p.with_stop(StopConditions::eos(e)).with_min_tokens(2);
+                        p = p
+                            .with_stop(StopConditions::eos(e))
+                            .unwrap()
+                            .with_min_tokens(2)
+                            .unwrap();
                     }
                     let out = g.generate(prompt, &p).unwrap();
                     tree_steps += out.metrics.tree_steps;
@@ -263,7 +271,9 @@ fn recycling_alone_in_the_loop() {
             for prompt in [&[1u32, 2, 3][..], &[1, 2, 3, 1, 2]] {
                 let p = params(sampled, 5, nodes)
                     .with_stop(StopConditions::eos(0))
-                    .with_min_tokens(3);
+                    .unwrap()
+                    .with_min_tokens(3)
+                    .unwrap();
                 let out = g.generate(prompt, &p).unwrap();
                 assert_eq!(out.tokens, plain(prompt, &p));
             }
@@ -284,7 +294,9 @@ fn draft_model_trees_in_the_loop() {
             for prompt in [&[1u32, 2, 3][..], &[1, 2, 3, 1, 2]] {
                 let p = params(sampled, 5, nodes)
                     .with_stop(StopConditions::eos(0))
-                    .with_min_tokens(2);
+                    .unwrap()
+                    .with_min_tokens(2)
+                    .unwrap();
                 let out = g.generate(prompt, &p);
                 let out = out.unwrap();
                 if !sampled {
@@ -398,15 +410,14 @@ fn randomised_loop_configurations_keep_the_contract() {
         let mut g = Generator::new(make_target(), proposer);
         for req in 0..3 {
             let sampled = rnd(2) == 1;
-            let mut p = params(sampled, rnd(1000), rnd(12) as usize);
-            p.max_new_tokens = 1 + rnd(20) as usize;
-            p.tree_branch = rnd(4) as usize;
-            p.draft = match rnd(3) {
+            let p = params(sampled, rnd(1000), rnd(12) as usize);
+            let max_new_tokens = 1 + rnd(20) as usize;
+            let tree = p.tree().with_branch(rnd(4) as usize);
+            let draft = match rnd(3) {
                 0 => DraftLength::Fixed(rnd(6) as usize),
-                1 => DraftLength::Adaptive(AdaptiveConfig {
-                    max_draft: 1 + rnd(6) as usize,
-                    ..AdaptiveConfig::default()
-                }),
+                1 => DraftLength::Adaptive(
+                    AdaptiveConfig::default().with_max_draft(1 + rnd(6) as usize),
+                ),
                 _ => DraftLength::Fixed(1 + rnd(3) as usize),
             };
             let mut stop = StopConditions::default();
@@ -417,8 +428,16 @@ fn randomised_loop_configurations_keep_the_contract() {
                 stop = stop
                     .with_stop_sequence(vec![rnd(VOCAB as u64) as u32, rnd(VOCAB as u64) as u32]);
             }
-            let min = (rnd(3) as usize).min(p.max_new_tokens);
-            p = p.with_stop(stop).with_min_tokens(min);
+            let min = (rnd(3) as usize).min(max_new_tokens);
+            let p = p
+                .to_builder()
+                .max_new_tokens(max_new_tokens)
+                .tree(tree)
+                .draft(draft)
+                .stop(stop)
+                .min_tokens(min)
+                .build()
+                .unwrap();
             let plen = 1 + rnd(4) as usize;
             let prompt: Vec<u32> = (0..plen).map(|_| rnd(VOCAB as u64) as u32).collect();
             let out = g.generate(&prompt, &p);
@@ -430,7 +449,9 @@ fn randomised_loop_configurations_keep_the_contract() {
                 let plain = Generator::new(make_target(), NoProposer)
                     .generate(
                         &prompt,
-                        &p.clone().with_draft(DraftLength::Off).with_tree_nodes(0),
+                        &p.clone()
+                            .with_draft(DraftLength::Off)
+                            .with_tree(TreeDrafts::nodes(0)),
                     )
                     .unwrap();
                 assert_eq!(
@@ -531,10 +552,9 @@ fn feedback_rows_are_labelled_with_their_inputs_under_stops() {
             for prompt in [&[1u32, 2, 3, 1, 2, 3][..], &[4, 5, 4, 5, 4]] {
                 let params = GenerationParams::greedy(30)
                     .with_draft(DraftLength::Fixed(4))
-                    .with_tree_nodes(nodes)
-                    .with_stop(
-                        StopConditions::eos(eos).with_stop_sequence(vec![(eos + 1) % 12, 3]),
-                    );
+                    .with_tree(TreeDrafts::nodes(nodes))
+                    .with_stop(StopConditions::eos(eos).with_stop_sequence(vec![(eos + 1) % 12, 3]))
+                    .unwrap();
                 g.generate(prompt, &params).unwrap();
             }
             let p = g.proposer();
@@ -634,7 +654,9 @@ fn heads_trees_and_merged_heads_keep_the_contract() {
                 };
                 let mut g = Generator::new(OneHotHidden::new(model.clone()), proposer);
                 for prompt in [&[1u32, 2][..], &[7, 7, 7]] {
-                    let p = params(false, 1, nodes).with_stop(StopConditions::eos(4));
+                    let p = params(false, 1, nodes)
+                        .with_stop(StopConditions::eos(4))
+                        .unwrap();
                     let out = g.generate(prompt, &p).unwrap();
                     let plain = Generator::new(model.clone(), NoProposer)
                         .generate(prompt, &p.clone().with_draft(DraftLength::Off))
@@ -676,7 +698,7 @@ fn carried_table_with_tokens_a_later_request_bans() {
             ] {
                 let p = GenerationParams::sampled(cfg, 9, 30)
                     .with_draft(DraftLength::Fixed(4))
-                    .with_tree_nodes(nodes);
+                    .with_tree(TreeDrafts::nodes(nodes));
                 let out = g.generate(&prompt, &p).unwrap();
                 assert_eq!(
                     out.tokens,

@@ -65,10 +65,7 @@ fn c13_run(
             drafts: Vec::new(),
         },
     );
-    let params = GenerationParams {
-        draft: DraftLength::Fixed(3),
-        ..GenerationParams::greedy(40)
-    };
+    let params = GenerationParams::greedy(40).with_draft(DraftLength::Fixed(3));
     let out = g.generate(prompt, &params).unwrap();
     let rec = g.proposer();
     (
@@ -192,12 +189,13 @@ fn c11_draft_model_in_the_loop_ends_at_eos() {
         (p.len() as u32).saturating_sub(2) % 3 + 1
     });
     let mut g = Generator::new(target, DraftModelProposer::new(c11_draft_model()));
-    let params = GenerationParams {
-        sampling: c11_config(0.0),
-        stop: StopConditions::eos(3),
-        draft: DraftLength::Fixed(5),
-        ..GenerationParams::greedy(20)
-    };
+    let params = GenerationParams::greedy(20)
+        .to_builder()
+        .sampling(c11_config(0.0))
+        .stop(StopConditions::eos(3))
+        .draft(DraftLength::Fixed(5))
+        .build()
+        .unwrap();
     let out = g.generate(&[0, 0], &params).unwrap();
     assert_eq!(out.tokens, [1, 2, 3]);
     assert_eq!(out.finish, FinishReason::Eos);

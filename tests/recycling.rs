@@ -16,7 +16,7 @@ mod common;
 
 use common::tree::{Fault, Instance, LawCalc, Models, QForm, Shape, StepRule, outcome_tokens};
 use common::{Fit, Masking, chi_square, penalty_config};
-use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
+use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::propose::{RecyclingConfig, TokenRecycling};
 use speculative::test_util::ToyModel;
 use speculative::{
@@ -162,13 +162,14 @@ fn check_feedback(sampling: SamplingConfig, tree_nodes: usize, seed: u64) -> usi
     let prompt: Vec<u32> = (0..6)
         .map(|i| ((i * 5 + seed as usize) % V) as u32)
         .collect();
-    let params = GenerationParams {
-        sampling,
-        seed: Some(seed),
-        ..GenerationParams::greedy(40)
-    }
-    .with_draft(DraftLength::Fixed(3))
-    .with_tree_nodes(tree_nodes);
+    let params = GenerationParams::greedy(40)
+        .to_builder()
+        .sampling(sampling)
+        .seed(seed)
+        .build()
+        .unwrap()
+        .with_draft(DraftLength::Fixed(3))
+        .with_tree(TreeDrafts::nodes(tree_nodes));
     let mut g = Generator::new(model.clone().with_tree(16), Recorder::new(recycling(V, N)));
     let out = g.generate(&prompt, &params).unwrap();
     let steps = &g.proposer().steps;
@@ -257,7 +258,9 @@ fn greedy_output_equals_plain_greedy() {
         let eos = (seed % 3 == 0).then_some(5u32);
         let mut params = GenerationParams::greedy(60);
         if let Some(e) = eos {
-            params = params.with_stop(StopConditions::default().with_eos(e));
+            params = params
+                .with_stop(StopConditions::default().with_eos(e))
+                .unwrap();
         }
         let want = Generator::new(model.clone(), NoProposer)
             .generate(&prompt, &params)
@@ -267,7 +270,7 @@ fn greedy_output_equals_plain_greedy() {
             let p = params
                 .clone()
                 .with_draft(DraftLength::Fixed(4))
-                .with_tree_nodes(nodes);
+                .with_tree(TreeDrafts::nodes(nodes));
             let mut g = Generator::new(model.clone().with_tree(16), recycling(vocab, 8));
             // Two requests with the same proposer: the second starts from a warm table.
             for _ in 0..2 {
@@ -451,13 +454,14 @@ fn loop_fits(cfg: &SamplingConfig, len: usize, seed0: u64) -> (Vec<Fit>, f64) {
         .collect();
     let (mut steps, mut nodes) = (0usize, 0usize);
     for seed in seed0..seed0 + GENS {
-        let params = GenerationParams {
-            sampling: cfg.clone(),
-            seed: Some(seed),
-            ..GenerationParams::greedy(len)
-        }
-        .with_draft(DraftLength::Fixed(3))
-        .with_tree_nodes(8);
+        let params = GenerationParams::greedy(len)
+            .to_builder()
+            .sampling(cfg.clone())
+            .seed(seed)
+            .build()
+            .unwrap()
+            .with_draft(DraftLength::Fixed(3))
+            .with_tree(TreeDrafts::nodes(8));
         let out = g.generate(&PROMPT, &params).unwrap();
         steps += out.metrics.tree_steps;
         nodes += out.metrics.tree_nodes;
@@ -545,7 +549,7 @@ fn table_carries_over_and_warms() {
         for nodes in [0usize, 12] {
             let params = GenerationParams::greedy(48)
                 .with_draft(DraftLength::Fixed(4))
-                .with_tree_nodes(nodes);
+                .with_tree(TreeDrafts::nodes(nodes));
             let mut g = Generator::new(model.clone().with_tree(16), recycling(vocab, 4));
             let first = g.generate(&prompt, &params).unwrap();
             let filled = g.proposer().filled_rows();

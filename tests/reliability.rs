@@ -54,14 +54,14 @@ fn c11_drafts_past_an_accepted_eos_are_never_processed() {
             CallLog::new(c11_target()),
             ScriptedProposer::new(vec![vec![1, 2, 3, 1, 2]]),
         );
-        let params = GenerationParams {
-            sampling,
-            seed: Some(seed),
-            max_new_tokens: 16,
-            stop: StopConditions::eos(3),
-            draft: DraftLength::Fixed(5),
-            ..Default::default()
-        };
+        let params = GenerationParams::builder()
+            .sampling(sampling)
+            .seed(seed)
+            .max_new_tokens(16)
+            .stop(StopConditions::eos(3))
+            .draft(DraftLength::Fixed(5))
+            .build()
+            .unwrap();
         let out = g.generate(&[0, 0], &params).unwrap();
         assert_eq!(out.tokens, vec![1, 2, 3]);
         assert_eq!(out.finish, FinishReason::Eos);
@@ -78,12 +78,12 @@ fn c11_a_stop_sequence_completed_inside_a_draft_cuts_it() {
         CallLog::new(c11_target()),
         ScriptedProposer::new(vec![vec![1, 2, 3, 4, 5]]),
     );
-    let params = GenerationParams {
-        max_new_tokens: 16,
-        stop: StopConditions::default().with_stop_sequence(vec![2, 3]),
-        draft: DraftLength::Fixed(5),
-        ..Default::default()
-    };
+    let params = GenerationParams::builder()
+        .max_new_tokens(16)
+        .stop(StopConditions::default().with_stop_sequence(vec![2, 3]))
+        .draft(DraftLength::Fixed(5))
+        .build()
+        .unwrap();
     let out = g.generate(&[0, 0], &params).unwrap();
     assert_eq!(out.tokens, vec![1, 2, 3]);
     assert_eq!(out.finish, FinishReason::StopSequence);
@@ -94,13 +94,13 @@ fn c11_a_stop_sequence_completed_inside_a_draft_cuts_it() {
 fn c11_a_draft_model_ends_its_draft_at_its_own_eos() {
     let cfg = SamplingConfig::builder().mask(c11_mask()).build().unwrap();
     let mut g = Generator::new(c11_target(), DraftModelProposer::new(c11_target()));
-    let params = GenerationParams {
-        sampling: cfg,
-        max_new_tokens: 16,
-        stop: StopConditions::eos(3),
-        draft: DraftLength::Fixed(5),
-        ..Default::default()
-    };
+    let params = GenerationParams::builder()
+        .sampling(cfg)
+        .max_new_tokens(16)
+        .stop(StopConditions::eos(3))
+        .draft(DraftLength::Fixed(5))
+        .build()
+        .unwrap();
     let out = g.generate(&[0, 0], &params).unwrap();
     assert_eq!(out.tokens, vec![1, 2, 3]);
     assert_eq!(out.finish, FinishReason::Eos);
@@ -141,12 +141,12 @@ fn c11_verifier_final_draft_ends_needs_no_row_after_it() {
 fn c12(cfg: SamplingConfig, n: usize, drafts: usize) -> Vec<u32> {
     let target = ToyModel::new(3, 100, Arc::new(|_: &[u32]| vec![2.0, 1.9, 0.0]));
     let mut g = Generator::new(target, RandomProposer::new(3, 9));
-    let params = GenerationParams {
-        sampling: cfg,
-        max_new_tokens: n,
-        draft: DraftLength::Fixed(drafts),
-        ..Default::default()
-    };
+    let params = GenerationParams::builder()
+        .sampling(cfg)
+        .max_new_tokens(n)
+        .draft(DraftLength::Fixed(drafts))
+        .build()
+        .unwrap();
     g.generate(&[0, 0, 0], &params).unwrap().tokens
 }
 
@@ -323,12 +323,14 @@ fn plain_sampling(seed: u64, n: usize) -> Vec<u32> {
 #[test]
 fn c15_seeded_output_is_the_same_for_every_draft_length_policy_and_proposer() {
     let expected = plain_sampling(42, 48);
-    let params = |draft| GenerationParams {
-        sampling: c15_config(),
-        seed: Some(42),
-        max_new_tokens: 48,
-        draft,
-        ..Default::default()
+    let params = |draft| {
+        GenerationParams::builder()
+            .sampling(c15_config())
+            .seed(42)
+            .max_new_tokens(48)
+            .draft(draft)
+            .build()
+            .unwrap()
     };
     let mut g = Generator::new(c15_target(), PromptLookup::new(1, 3).unwrap());
     let policies = [
@@ -426,13 +428,13 @@ fn min_tokens_suppresses_eos_at_every_draft_position() {
             })
             .collect();
         let mut g = Generator::new(target(), ScriptedProposer::new(scripted));
-        let params = GenerationParams {
-            max_new_tokens: 20,
-            min_tokens: 6,
-            stop: StopConditions::eos(2),
-            draft: DraftLength::Fixed(k),
-            ..Default::default()
-        };
+        let params = GenerationParams::builder()
+            .max_new_tokens(20)
+            .min_tokens(6)
+            .stop(StopConditions::eos(2))
+            .draft(DraftLength::Fixed(k))
+            .build()
+            .unwrap();
         let out = g.generate(&prompt, &params).unwrap();
         assert_eq!(out.tokens, expected, "k = {k}");
         assert_eq!(out.finish, FinishReason::Eos);
@@ -440,31 +442,37 @@ fn min_tokens_suppresses_eos_at_every_draft_position() {
     // Sampled, with a draft model that would draft EOS: never before min_tokens.
     for seed in 0..20 {
         let mut g = Generator::new(target(), DraftModelProposer::new(target()));
-        let params = GenerationParams {
-            sampling: SamplingConfig::sampling(1.0).unwrap(),
-            seed: Some(seed),
-            max_new_tokens: 20,
-            min_tokens: 6,
-            stop: StopConditions::eos(2),
-            draft: DraftLength::Fixed(4),
-            ..Default::default()
-        };
+        let params = GenerationParams::builder()
+            .sampling(SamplingConfig::sampling(1.0).unwrap())
+            .seed(seed)
+            .max_new_tokens(20)
+            .min_tokens(6)
+            .stop(StopConditions::eos(2))
+            .draft(DraftLength::Fixed(4))
+            .build()
+            .unwrap();
         let out = g.generate(&prompt, &params).unwrap();
         assert!(out.tokens.len() >= 7, "{:?}", out.tokens);
         assert!(!out.tokens[..6].contains(&2), "{:?}", out.tokens);
     }
-    // min_tokens above the budget is a typed error naming the field.
-    let bad = GenerationParams::greedy(4).with_min_tokens(5);
-    let e = Generator::new(target(), NoProposer)
-        .generate(&prompt, &bad)
-        .unwrap_err();
-    assert!(matches!(
-        e.error,
-        Error::InvalidConfig {
-            field: "min_tokens",
-            ..
-        }
-    ));
+    // min_tokens above the budget is a typed error naming the field, when the parameters are
+    // built (the setter and the builder alike).
+    for e in [
+        GenerationParams::greedy(4).with_min_tokens(5).unwrap_err(),
+        GenerationParams::builder()
+            .max_new_tokens(4)
+            .min_tokens(5)
+            .build()
+            .unwrap_err(),
+    ] {
+        assert!(matches!(
+            e,
+            Error::InvalidConfig {
+                field: "min_tokens",
+                ..
+            }
+        ));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -498,14 +506,16 @@ fn stop_strings_across_tokens_and_steps_are_never_streamed_when_excluded() {
         for include in [false, true] {
             let mut g = Generator::new(script_target(&SCRIPT), PromptLookup::new(1, 3).unwrap())
                 .with_detokenizer(Pieces);
-            let params = GenerationParams {
-                max_new_tokens: 30,
-                stop: StopConditions::default()
-                    .with_stop_string("c<end>")
-                    .include_stop_string(include),
-                draft: DraftLength::Fixed(k),
-                ..Default::default()
-            };
+            let params = GenerationParams::builder()
+                .max_new_tokens(30)
+                .stop(
+                    StopConditions::default()
+                        .with_stop_string("c<end>")
+                        .include_stop_string(include),
+                )
+                .draft(DraftLength::Fixed(k))
+                .build()
+                .unwrap();
             let mut streamed = String::new();
             let mut held_back_ok = true;
             let out = g
@@ -527,8 +537,9 @@ fn stop_strings_across_tokens_and_steps_are_never_streamed_when_excluded() {
     }
     // Stop strings without a detokenizer are refused before any work.
     let mut g = Generator::new(CallLog::new(script_target(&SCRIPT)), NoProposer);
-    let params =
-        GenerationParams::greedy(5).with_stop(StopConditions::default().with_stop_string("x"));
+    let params = GenerationParams::greedy(5)
+        .with_stop(StopConditions::default().with_stop_string("x"))
+        .unwrap();
     let e = g.generate(&prompt, &params).unwrap_err();
     assert!(
         matches!(e.error, Error::InvalidConfig { .. }),
@@ -646,13 +657,13 @@ impl<P: Proposer> Proposer for FailingProposer<P> {
 }
 
 fn fault_params() -> GenerationParams {
-    GenerationParams {
-        sampling: c15_config(),
-        seed: Some(7),
-        max_new_tokens: 40,
-        draft: DraftLength::Fixed(3),
-        ..Default::default()
-    }
+    GenerationParams::builder()
+        .sampling(c15_config())
+        .seed(7)
+        .max_new_tokens(40)
+        .draft(DraftLength::Fixed(3))
+        .build()
+        .unwrap()
 }
 
 /// Runs `g` (whose fault fires during the first generation), checks the error and the partial
@@ -748,12 +759,7 @@ fn faults_return_every_emitted_token_and_leave_the_generator_usable() {
 fn default_params_are_valid() {
     let mut g = Generator::new(ToyModel::c10(), PromptLookup::new(1, 3).unwrap());
     let out = g
-        .generate(
-            &[1, 2, 3],
-            &GenerationParams {
-                ..Default::default()
-            },
-        )
+        .generate(&[1, 2, 3], &GenerationParams::builder().build().unwrap())
         .unwrap();
     assert_eq!(out.tokens.len(), 256);
     assert!(SamplingConfig::default().is_greedy());

@@ -10,7 +10,9 @@ use proptest::prelude::*;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use speculative::config::{Lenient, RequestConfig};
-use speculative::decode::{AdaptiveConfig, DraftLength, GenerationParams, StopConditions};
+use speculative::decode::{
+    AdaptiveConfig, DraftLength, GenerationParams, StopConditions, TreeDrafts,
+};
 use speculative::propose::{PromptLookup, PromptLookupConfig, SuffixConfig};
 use speculative::sampling::PenaltyScope;
 use speculative::{Error, SamplingConfig};
@@ -93,24 +95,26 @@ fn round_trip<T: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug>(v: 
 
 #[test]
 fn hf_generation_config_loads_like_the_builder() {
-    let want = GenerationParams {
-        sampling: SamplingConfig::builder()
-            .temperature(0.7)
-            .top_p(0.8)
-            .top_k(20)
-            .repetition_penalty(1.05)
-            .build()
-            .unwrap(),
-        stop: StopConditions::eos(151645).with_eos(151643),
-        ..GenerationParams::default()
-    };
+    let want = GenerationParams::builder()
+        .sampling(
+            SamplingConfig::builder()
+                .temperature(0.7)
+                .top_p(0.8)
+                .top_k(20)
+                .repetition_penalty(1.05)
+                .build()
+                .unwrap(),
+        )
+        .stop(StopConditions::eos(151645).with_eos(151643))
+        .build()
+        .unwrap();
     let got = json::<Lenient<GenerationParams>>(HF_QWEN).unwrap().0;
     assert_eq!(got, want);
     // The same file through the typed path.
     let req = json::<Lenient<RequestConfig>>(HF_QWEN).unwrap().0;
     assert_eq!(req.generation_params().unwrap(), want);
     assert_eq!(GenerationParams::try_from(&req).unwrap(), want);
-    assert_eq!(SamplingConfig::try_from(&req).unwrap(), want.sampling);
+    assert_eq!(&SamplingConfig::try_from(&req).unwrap(), want.sampling());
     // Strict: the HF keys we do not use are unknown fields.
     let err = json::<GenerationParams>(HF_QWEN).unwrap_err();
     assert!(err.contains("unknown field `bos_token_id`"), "{err}");
@@ -118,21 +122,23 @@ fn hf_generation_config_loads_like_the_builder() {
 
 #[test]
 fn hf_llama_style_config_with_neutral_keys_loads_like_the_builder() {
-    let want = GenerationParams {
-        sampling: SamplingConfig::builder()
-            .temperature(0.6)
-            .top_p(0.9)
-            .banned_tokens([3, 0])
-            .build()
-            .unwrap(),
-        max_new_tokens: 512,
-        min_tokens: 4,
-        stop: StopConditions::eos(2).with_stop_string("</s>"),
-        ..GenerationParams::default()
-    };
+    let want = GenerationParams::builder()
+        .sampling(
+            SamplingConfig::builder()
+                .temperature(0.6)
+                .top_p(0.9)
+                .banned_tokens([3, 0])
+                .build()
+                .unwrap(),
+        )
+        .max_new_tokens(512)
+        .min_tokens(4)
+        .stop(StopConditions::eos(2).with_stop_string("</s>"))
+        .build()
+        .unwrap();
     let got = json::<Lenient<GenerationParams>>(HF_LLAMA).unwrap().0;
     assert_eq!(got, want);
-    assert_eq!(got.sampling.banned_tokens(), &[0, 3]);
+    assert_eq!(got.sampling().banned_tokens(), &[0, 3]);
 }
 
 #[test]
@@ -151,20 +157,21 @@ fn vllm_sampling_params_load_like_the_builder() {
         .logprobs(5)
         .build()
         .unwrap();
-    let want = GenerationParams {
-        sampling,
-        seed: Some(1234),
-        max_new_tokens: 200,
-        min_tokens: 4,
-        stop: StopConditions::default()
-            .with_stop_sequence(vec![128009])
-            .with_stop_string("\n\nUser:")
-            .with_stop_string("Observation:"),
-        draft: DraftLength::Fixed(3),
-        tree_nodes: 0,
-        tree_branch: 0,
-        cancel: None,
-    };
+    let want = GenerationParams::builder()
+        .sampling(sampling)
+        .seed(1234)
+        .max_new_tokens(200)
+        .min_tokens(4)
+        .stop(
+            StopConditions::default()
+                .with_stop_sequence(vec![128009])
+                .with_stop_string("\n\nUser:")
+                .with_stop_string("Observation:"),
+        )
+        .draft(DraftLength::Fixed(3))
+        .tree(TreeDrafts::Off)
+        .build()
+        .unwrap();
     let got: GenerationParams = json(VLLM).unwrap();
     assert_eq!(got, want);
     // Lenient changes nothing for a file without HF keys.
@@ -174,8 +181,8 @@ fn vllm_sampling_params_load_like_the_builder() {
         "presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.1,
         "logit_bias": {"1734": -5.0, "9906": 2.5, "13": "-inf"}, "logprobs": 5}"#;
     assert_eq!(
-        json::<SamplingConfig>(sampling_only).unwrap(),
-        want.sampling
+        &json::<SamplingConfig>(sampling_only).unwrap(),
+        want.sampling()
     );
 }
 
@@ -230,17 +237,11 @@ fn c20_a_null_or_absent_seed_means_a_fresh_seed_per_request() {
         r#"{"temperature": 1.0}"#,
     ] {
         let p: GenerationParams = json(text).unwrap();
-        assert_eq!(p.seed, None, "{text}");
-        assert_eq!(
-            p,
-            GenerationParams {
-                seed: None,
-                ..p.clone()
-            }
-        );
+        assert_eq!(p.seed(), None, "{text}");
+        assert_eq!(p, p.clone().to_builder().seed(None).build().unwrap());
     }
     let p: GenerationParams = json(r#"{"seed": 0}"#).unwrap();
-    assert_eq!(p.seed, Some(0));
+    assert_eq!(p.seed(), Some(0));
     // Round trips keep both forms.
     round_trip(&p);
     round_trip(&GenerationParams::default());
@@ -251,17 +252,20 @@ fn empty_stops_are_refused_the_same_way_from_serde_and_the_builder() {
     // serde refuses them while loading.
     invalid_value(r#"{"stop": [""]}"#, "stop");
     invalid_value(r#"{"stop_token_sequences": [[]]}"#, "stop_token_sequences");
-    // The builder and the public fields: refused when the generation starts.
+    // The builder and the public fields: refused when the parameters are built.
+    let mut fields = StopConditions::default();
+    fields.stop_sequences = vec![vec![]];
     for stop in [
         StopConditions::default().with_stop_string(""),
         StopConditions::default().with_stop_sequence(vec![]),
-        StopConditions {
-            stop_sequences: vec![vec![]],
-            ..StopConditions::default()
-        },
+        fields,
     ] {
-        let params = GenerationParams::greedy(4).with_stop(stop);
-        let err = params.validate(8, true).unwrap_err();
+        let err = GenerationParams::greedy(4)
+            .with_stop(stop.clone())
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
+        let built = GenerationParams::builder().stop(stop).build();
+        let err = built.unwrap_err();
         assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
     }
 }
@@ -279,10 +283,7 @@ fn draft_length_names() {
     );
     assert_eq!(
         json::<DraftLength>(r#"{"adaptive_draft": {"max_draft": 5}}"#).unwrap(),
-        DraftLength::Adaptive(AdaptiveConfig {
-            max_draft: 5,
-            ..AdaptiveConfig::default()
-        })
+        DraftLength::Adaptive(AdaptiveConfig::default().with_max_draft(5))
     );
     // Fixed(0) acts as Off and is written as 0, which loads as Off.
     let s = serde_json::to_string(&DraftLength::Fixed(0)).unwrap();
@@ -553,10 +554,7 @@ fn invalid_adaptive_draft() {
     // AdaptiveConfig validates while loading, so the typed error comes from a RequestConfig
     // built in code: AdaptiveConfig::validate's.
     let req = RequestConfig {
-        adaptive_draft: Some(AdaptiveConfig {
-            decay: 0.0,
-            ..AdaptiveConfig::default()
-        }),
+        adaptive_draft: Some(AdaptiveConfig::default().with_decay(0.0)),
         ..RequestConfig::default()
     };
     assert!(matches!(
@@ -643,7 +641,7 @@ fn lenient_skips_only_the_documented_hf_keys() {
     )
     .unwrap()
     .into_inner();
-    assert_eq!(p.seed, Some(3));
+    assert_eq!(p.seed(), Some(3));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -683,6 +681,7 @@ fn sampling_config_round_trips() {
 fn generation_params_round_trip() {
     let mut p = GenerationParams::sampled(full_sampling(), 77, 300)
         .with_min_tokens(5)
+        .unwrap()
         .with_stop(
             StopConditions::eos(2)
                 .with_eos(5)
@@ -690,27 +689,29 @@ fn generation_params_round_trip() {
                 .with_stop_sequence(vec![8, 9, 10])
                 .with_stop_string("\n\n")
                 .include_stop_string(true),
-        );
+        )
+        .unwrap();
     round_trip(&p);
     for draft in [
         DraftLength::Off,
         DraftLength::Fixed(7),
-        DraftLength::Adaptive(AdaptiveConfig {
-            max_draft: 6,
-            decay: 0.9,
-            time_smoothing: 0.5,
-            probe_interval: 8,
-            max_probe_interval: 64,
-            probe_draft: 1,
-        }),
+        DraftLength::Adaptive(
+            AdaptiveConfig::default()
+                .with_max_draft(6)
+                .with_decay(0.9)
+                .with_time_smoothing(0.5)
+                .with_probe_interval(8)
+                .with_max_probe_interval(64)
+                .with_probe_draft(1),
+        ),
     ] {
-        p.draft = draft.clone();
+        p = p.with_draft(draft.clone());
         round_trip(&p);
         round_trip(&draft);
     }
     round_trip(&GenerationParams::default());
     round_trip(&StopConditions::default());
-    round_trip(&p.stop);
+    round_trip(p.stop());
     round_trip(&AdaptiveConfig::default());
     round_trip(&SuffixConfig {
         max_depth: 40,
@@ -736,16 +737,19 @@ fn runtime_only_fields_are_skipped() {
         .mask(mask.clone())
         .build()
         .unwrap();
-    let mut p = GenerationParams::sampled(sampling.clone(), 1, 10);
-    p.cancel = Some(Arc::new(AtomicBool::new(false)));
+    let p = GenerationParams::sampled(sampling.clone(), 1, 10)
+        .with_cancel(Arc::new(AtomicBool::new(false)));
     let s = serde_json::to_string(&p).unwrap();
     let back: GenerationParams = serde_json::from_str(&s).unwrap();
-    assert!(back.cancel.is_none() && back.sampling.mask().is_none());
+    assert!(back.cancel().is_none() && back.sampling().mask().is_none());
     assert_ne!(back, p);
     // Re-attaching the same mask and flag gives back an equal value.
-    let mut again = back.clone();
-    again.sampling = back.sampling.to_builder().mask(mask).build().unwrap();
-    again.cancel = p.cancel.clone();
+    let again = back
+        .to_builder()
+        .sampling(back.sampling().to_builder().mask(mask).build().unwrap())
+        .cancel(p.cancel().cloned())
+        .build()
+        .unwrap();
     assert_eq!(again, p);
 }
 
@@ -778,13 +782,7 @@ proptest! {
             Just(DraftLength::Off),
             (1usize..64).prop_map(DraftLength::Fixed),
             (0usize..16, 0.01f64..=1.0, 0.01f64..=1.0, 1usize..100).prop_map(|(m, d, t, i)| {
-                DraftLength::Adaptive(AdaptiveConfig {
-                    max_draft: m,
-                    decay: d,
-                    time_smoothing: t,
-                    probe_interval: i,
-                    ..AdaptiveConfig::default()
-                })
+                DraftLength::Adaptive(AdaptiveConfig::default().with_max_draft(m).with_decay(d).with_time_smoothing(t).with_probe_interval(i))
             }),
         ],
     ) {
@@ -808,27 +806,25 @@ proptest! {
             b = b.logprobs(n);
         }
         let sampling = b.build().unwrap();
-        let p = GenerationParams {
-            sampling,
-            seed: Some(seed),
-            max_new_tokens,
-            min_tokens: (max_new_tokens as f64 * min_frac) as usize,
-            stop: StopConditions {
-                eos,
-                stop_sequences: seqs,
-                stop_strings: strings,
-                include_stop_str_in_output: include,
-            },
-            draft,
-            tree_nodes: (seed % 3) as usize * 16,
-            tree_branch: (seed % 5) as usize,
-            cancel: None,
-        };
+        let mut stop = StopConditions::default().include_stop_string(include);
+        stop.eos = eos;
+        stop.stop_sequences = seqs;
+        stop.stop_strings = strings;
+        let p = GenerationParams::builder()
+            .sampling(sampling)
+            .seed(seed)
+            .max_new_tokens(max_new_tokens)
+            .min_tokens((max_new_tokens as f64 * min_frac) as usize)
+            .stop(stop)
+            .draft(draft)
+            .tree(TreeDrafts::nodes((seed % 3) as usize * 16).with_branch((seed % 5) as usize))
+            .build()
+            .unwrap();
         let s = serde_json::to_string(&p).unwrap();
         let back: GenerationParams = serde_json::from_str(&s).unwrap();
         prop_assert_eq!(&back, &p);
         let sampling_back: SamplingConfig =
-            serde_json::from_str(&serde_json::to_string(&p.sampling).unwrap()).unwrap();
-        prop_assert_eq!(&sampling_back, &p.sampling);
+            serde_json::from_str(&serde_json::to_string(&p.sampling()).unwrap()).unwrap();
+        prop_assert_eq!(&sampling_back, p.sampling());
     }
 }

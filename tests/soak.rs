@@ -120,7 +120,7 @@ fn ten_thousand_generations_one_generator_shared_suffix_corpus() {
         let p = prompt(&mut rng, &tails);
         let params = GenerationParams::greedy(rng.random_range(NEW_TOKENS));
         let out = generator.generate(&p, &params).unwrap();
-        assert_eq!(out.tokens.len(), params.max_new_tokens, "generation {i}");
+        assert_eq!(out.tokens.len(), params.max_new_tokens(), "generation {i}");
         proposed += out.metrics.proposed;
         accepted += out.metrics.accepted;
         emitted += out.tokens.len();

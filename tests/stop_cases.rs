@@ -64,12 +64,13 @@ fn run(
 
 /// Greedy parameters with `stop`, `min_tokens`, `max_new_tokens` and draft length `k`.
 fn params(stop: StopConditions, min_tokens: usize, max_new: usize, k: usize) -> GenerationParams {
-    GenerationParams {
-        min_tokens,
-        stop,
-        draft: draft(k),
-        ..GenerationParams::greedy(max_new)
-    }
+    GenerationParams::greedy(max_new)
+        .to_builder()
+        .min_tokens(min_tokens)
+        .stop(stop)
+        .draft(draft(k))
+        .build()
+        .unwrap()
 }
 
 /// Stop conditions of the given stop strings.

@@ -24,7 +24,7 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestError, TestRunner};
 use speculative::decode::{
     BatchGenerator, BatchRequest, DraftLength, FinishReason, GenerationError, GenerationParams,
-    Generator, StopConditions, StreamChunk,
+    Generator, StopConditions, StreamChunk, TreeDrafts,
 };
 use speculative::test_util::{LogitsFn, ToyModel};
 use speculative::{Draft, Error, PerSlot, ProposeRequest, Proposer, Result};
@@ -311,7 +311,14 @@ impl World {
 #[derive(Debug, Clone)]
 struct Request {
     prompt: Vec<u32>,
-    params: GenerationParams,
+    /// The parameters, or `GenerationParamsBuilder::build`'s refusal (rule 9: an empty stop
+    /// string or sequence is refused when the parameters are built).
+    params: std::result::Result<GenerationParams, Refusal>,
+    /// The stop conditions and floor the parameters were built from (the reference's input).
+    stop: StopConditions,
+    min_tokens: usize,
+    /// The other settings, for failure reports.
+    settings: String,
     output: Vec<u32>,
     follow: u64,
     salt: u64,
@@ -322,12 +329,9 @@ struct Request {
 fn resolve(world: &World, spec: &RequestSpec) -> Request {
     let n = world.pieces.len() as u32;
     let prompt: Vec<u32> = spec.prompt.iter().map(|&t| t % n).collect();
-    let mut stop = StopConditions {
-        eos: spec.eos.iter().map(|&t| t % n).collect(),
-        stop_sequences: spec.singles.iter().map(|&t| vec![t % n]).collect(),
-        stop_strings: Vec::new(),
-        include_stop_str_in_output: spec.include,
-    };
+    let mut stop = StopConditions::default().include_stop_string(spec.include);
+    stop.eos = spec.eos.iter().map(|&t| t % n).collect();
+    stop.stop_sequences = spec.singles.iter().map(|&t| vec![t % n]).collect();
     let logits = world.logits();
     let bans = floor_bans(&stop);
     let output = greedy_output(&*logits, &prompt, &bans, spec.min_tokens, spec.max_new);
@@ -338,17 +342,28 @@ fn resolve(world: &World, spec: &RequestSpec) -> Request {
     for s in &spec.strings {
         stop.stop_strings.extend(stop_strings(s, &text));
     }
-    let params = GenerationParams {
-        min_tokens: spec.min_tokens,
-        stop,
-        draft: spec.k.map_or(DraftLength::Off, DraftLength::Fixed),
-        tree_nodes: spec.tree_nodes,
-        tree_branch: spec.tree_branch,
-        ..GenerationParams::greedy(spec.max_new)
-    };
+    let draft = spec.k.map_or(DraftLength::Off, DraftLength::Fixed);
+    let settings = format!(
+        "max_new_tokens {}, draft {draft:?}, tree_nodes {}, tree_branch {}",
+        spec.max_new, spec.tree_nodes, spec.tree_branch
+    );
+    let params = GenerationParams::builder()
+        .max_new_tokens(spec.max_new)
+        .min_tokens(spec.min_tokens)
+        .stop(stop.clone())
+        .draft(draft)
+        .tree(TreeDrafts::nodes(spec.tree_nodes).with_branch(spec.tree_branch))
+        .build()
+        .map_err(|e| Refusal {
+            invalid_config: matches!(e, Error::InvalidConfig { .. }),
+            message: e.to_string(),
+        });
     Request {
         prompt,
         params,
+        stop,
+        min_tokens: spec.min_tokens,
+        settings,
         output,
         follow: spec.follow,
         salt: spec.salt,
@@ -536,14 +551,34 @@ impl Observed {
         self.invalid_config = matches!(e, Error::InvalidConfig { .. });
         self.result = Some(Err(e.to_string()));
     }
+
+    /// The request never ran: its parameters were refused when built.
+    fn refused(r: &Refusal) -> Observed {
+        Observed {
+            result: Some(Err(r.message.clone())),
+            invalid_config: r.invalid_config,
+            chunks: Vec::new(),
+        }
+    }
+}
+
+/// Why `GenerationParamsBuilder::build` refused a request's parameters.
+#[derive(Debug, Clone)]
+struct Refusal {
+    invalid_config: bool,
+    message: String,
 }
 
 /// Runs `req` alone on a [`Generator`].
 fn run_alone(world: &World, req: &Request) -> Observed {
+    let params = match &req.params {
+        Ok(p) => p,
+        Err(r) => return Observed::refused(r),
+    };
     let proposer = Follower::new(req, world.pieces.len());
     let mut g = Generator::new(world.target(), proposer).with_detokenizer(world.vocab());
     let mut seen = Observed::default();
-    let r = g.generate_stream(&req.prompt, &req.params, |c| {
+    let r = g.generate_stream(&req.prompt, params, |c| {
         seen.record(&c);
         ControlFlow::Continue(())
     });
@@ -558,9 +593,16 @@ fn run_batched(world: &World, reqs: &[Request]) -> Vec<Observed> {
     let seen: Vec<Arc<Mutex<Observed>>> = reqs.iter().map(|_| Arc::default()).collect();
     let mut ids = Vec::new();
     for (req, seen) in reqs.iter().zip(&seen) {
+        let params = match &req.params {
+            Ok(p) => p.clone(),
+            Err(r) => {
+                *seen.lock().unwrap() = Observed::refused(r);
+                continue;
+            }
+        };
         let proposer = Follower::new(req, world.pieces.len());
         let sink = Arc::clone(seen);
-        let r = BatchRequest::new(req.prompt.clone(), req.params.clone(), proposer)
+        let r = BatchRequest::new(req.prompt.clone(), params, proposer)
             .with_detokenizer(Box::new(world.vocab()))
             .with_stream(move |c| {
                 sink.lock().unwrap().record(&c);
@@ -618,19 +660,15 @@ fn describe(world: &World, req: &Request) -> String {
         .iter()
         .map(|p| p.escape_ascii().to_string())
         .collect();
-    let p = &req.params;
     format!(
         "pieces {pieces:?}\nprompt {:?}, target output {:?} = {:?}\nstop {:?}\nmin_tokens {}, \
-         max_new_tokens {}, draft {:?}, tree_nodes {}, tree_branch {}, follow {}%",
+         {}, follow {}%",
         req.prompt,
         req.output,
         world.vocab().text(&req.output),
-        p.stop,
-        p.min_tokens,
-        p.max_new_tokens,
-        p.draft,
-        p.tree_nodes,
-        p.tree_branch,
+        req.stop,
+        req.min_tokens,
+        req.settings,
         req.follow,
     )
 }
@@ -660,8 +698,8 @@ fn failures(case: &Case, rule: Rule) -> Vec<Failure> {
     let batched = run_batched(world, &reqs);
     let mut out = Vec::new();
     for (req, in_batch) in reqs.iter().zip(batched) {
-        let stop = &req.params.stop;
-        let want = reference(&req.output, &vocab, stop, req.params.min_tokens, rule);
+        let stop = &req.stop;
+        let want = reference(&req.output, &vocab, stop, req.min_tokens, rule);
         for (how, got) in [("alone", run_alone(world, req)), ("in a batch", in_batch)] {
             if let Err(why) = compare(&want, &got, &vocab, &stop.stop_strings) {
                 let (req, want) = (req.clone(), want.clone());
@@ -725,7 +763,7 @@ fn reference_outcomes(n: u32) -> std::collections::HashMap<String, u32> {
         let c = case().new_tree(&mut runner).expect("a case").current();
         for spec in &c.requests {
             let req = resolve(&c.world, spec);
-            let (stop, m) = (&req.params.stop, req.params.min_tokens);
+            let (stop, m) = (&req.stop, req.min_tokens);
             let key = match reference(&req.output, &c.world.vocab(), stop, m, Rule::Contract) {
                 Expected::Invalid => "invalid".to_owned(),
                 Expected::Done(o) => format!("{:?}", o.finish),
@@ -781,7 +819,7 @@ fn fresh_stop(vocab: &ByteVocab, stop: &StopConditions, got: &Outcome) -> bool {
 /// 7 and 9).
 fn kind(world: &World, f: &Failure) -> &'static str {
     let vocab = world.vocab();
-    let stop = &f.req.params.stop;
+    let stop = &f.req.stop;
     let (want, got) = match (&f.want, &f.got.result) {
         (Expected::Invalid, _) if stop.stop_sequences.iter().any(Vec::is_empty) => {
             return "rule 9: an empty stop sequence is not refused";

@@ -13,7 +13,7 @@
 //! build, and need no lock against each other.
 
 use speculative::decode::{
-    AdaptiveConfig, DraftLength, FinishReason, FixedCosts, GenerationParams, Generator,
+    AdaptiveConfig, DraftLength, FinishReason, FixedCosts, GenerationParams, Generator, TreeDrafts,
 };
 use speculative::rng::Stream;
 use speculative::test_util::{CallLog, ToyModel, WrongProposer};
@@ -166,7 +166,7 @@ fn branching(parents: &[u32]) -> usize {
 fn every_draft_rejected_gives_plain_decoding_with_backed_off_probes() {
     let params = GenerationParams::greedy(400)
         .with_draft(adaptive())
-        .with_tree_nodes(16);
+        .with_tree(TreeDrafts::nodes(16));
     // A chain proposer (the default `propose_tree`) that is always wrong, and a tree proposer
     // whose siblings are all wrong.
     let proposers: Vec<Box<dyn Proposer>> = vec![
@@ -215,7 +215,7 @@ fn run_with(
 ) -> (Vec<Asked>, f64) {
     let params = GenerationParams::greedy(n)
         .with_draft(adaptive())
-        .with_tree_nodes(tree_nodes);
+        .with_tree(TreeDrafts::nodes(tree_nodes));
     let mut g = Generator::new(ToyModel::c10().with_tree(64), proposer).with_costs(costs);
     let prompt = [3, 1, 4];
     let out = g.generate(&prompt, &params).unwrap();
@@ -341,8 +341,7 @@ fn the_policy_respects_the_node_budget_branching_token_budget_and_context_room()
     ] {
         let params = GenerationParams::greedy(budget)
             .with_draft(adaptive())
-            .with_tree_nodes(tree_nodes)
-            .with_tree_branch(tree_branch);
+            .with_tree(TreeDrafts::nodes(tree_nodes).with_branch(tree_branch));
         let target = ToyModel::deterministic(7, max_ctx, c10_next).with_tree(64);
         let mut g = Generator::new(CallLog::new(target), Siblings::new(0.9, 1.0, 5));
         let prompt = [2u32, 5, 1];
@@ -396,7 +395,7 @@ fn greedy_output_with_the_policy_equals_plain_greedy() {
         for (p0, p1) in [(0.9, 1.0), (0.6, 0.5), (0.3, 0.0)] {
             let params = GenerationParams::greedy(120)
                 .with_draft(adaptive())
-                .with_tree_nodes(24);
+                .with_tree(TreeDrafts::nodes(24));
             let mut g = Generator::new(
                 CallLog::new(ToyModel::c10().with_tree(24)),
                 Siblings::new(p0, p1, salt),
@@ -457,7 +456,9 @@ fn seeded_sampling_with_the_policy_equals_plain_sampling() {
             .generate(&prompt, &params.clone().with_draft(DraftLength::Off))
             .unwrap()
             .tokens;
-        let params = params.with_draft(adaptive()).with_tree_nodes(12);
+        let params = params
+            .with_draft(adaptive())
+            .with_tree(TreeDrafts::nodes(12));
         let mut g = Generator::new(model.with_tree(12), RandomTree { salt: seed });
         let out = g.generate(&prompt, &params).unwrap();
         assert_eq!(out.tokens, want, "seed {seed}");

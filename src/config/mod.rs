@@ -55,8 +55,8 @@
 //! | `include_stop_str_in_output` | bool | false | vLLM |
 //! | `num_speculative_tokens` | integer | fixed 4 | vLLM `speculative_config`: fixed draft length; 0 = no speculation ([`DraftLength::Off`]) |
 //! | `adaptive_draft` | [`AdaptiveConfig`] object | - | [`DraftLength::Adaptive`]; not together with `num_speculative_tokens` |
-//! | `tree_nodes` | integer | 0 (chains) | node budget of tree drafts ([`GenerationParams::tree_nodes`]) |
-//! | `tree_branch` | integer | 0 (no limit) | most children per node of tree drafts ([`GenerationParams::tree_branch`]) |
+//! | `tree_nodes` | integer | 0 (chains) | node budget of tree drafts ([`GenerationParams::tree`], [`TreeDrafts::nodes`](crate::decode::TreeDrafts::nodes)) |
+//! | `tree_branch` | integer | 0 (no limit) | most children per node of tree drafts ([`TreeDrafts::with_branch`](crate::decode::TreeDrafts::with_branch)) |
 //!
 //! An absent field takes this crate's default (the builder's, [`GenerationParams::default`]),
 //! not another engine's: HF transformers applies `top_k = 50` when sampling and vLLM samples at

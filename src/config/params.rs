@@ -6,7 +6,7 @@ use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
 
 use super::RequestConfig;
-use crate::decode::GenerationParams;
+use crate::decode::{GenerationParams, TreeDrafts};
 use crate::error::{Error, Result};
 
 impl RequestConfig {
@@ -36,8 +36,8 @@ impl RequestConfig {
             min_tokens,
             stop: self.stop_conditions()?,
             draft: self.draft_length()?,
-            tree_nodes: self.tree_nodes.unwrap_or(d.tree_nodes),
-            tree_branch: self.tree_branch.unwrap_or(d.tree_branch),
+            tree: TreeDrafts::nodes(self.tree_nodes.unwrap_or(d.tree.node_budget()))
+                .with_branch(self.tree_branch.unwrap_or(d.tree.branch())),
             cancel: None,
         })
     }
@@ -51,14 +51,13 @@ impl RequestConfig {
             min_tokens,
             stop,
             draft,
-            tree_nodes,
-            tree_branch,
+            tree,
             cancel: _,
         } = params;
         RequestConfig {
             seed: *seed,
-            tree_nodes: Some(*tree_nodes),
-            tree_branch: Some(*tree_branch),
+            tree_nodes: Some(tree.node_budget()),
+            tree_branch: Some(tree.branch()),
             max_new_tokens: Some(*max_new_tokens),
             min_tokens: Some(*min_tokens),
             ..RequestConfig::from_sampling(sampling)

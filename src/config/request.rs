@@ -117,10 +117,10 @@ pub struct RequestConfig {
     /// Adaptive draft length (not together with `num_speculative_tokens`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub adaptive_draft: Option<AdaptiveConfig>,
-    /// Node budget of tree drafts ([`GenerationParams::tree_nodes`]); 0 = chains.
+    /// Node budget of tree drafts ([`TreeDrafts::nodes`](crate::decode::TreeDrafts::nodes)); 0 = chains ([`TreeDrafts::Off`](crate::decode::TreeDrafts::Off)).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tree_nodes: Option<usize>,
-    /// Branching limit of tree drafts ([`GenerationParams::tree_branch`]); 0 = none.
+    /// Branching limit of tree drafts ([`TreeDrafts::with_branch`](crate::decode::TreeDrafts::with_branch)); 0 = none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tree_branch: Option<usize>,
 }

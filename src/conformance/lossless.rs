@@ -7,7 +7,7 @@ use super::report::{Fit, Report};
 use super::stats;
 use super::util::{Fail, ok, prompt_input, prompts, record};
 use super::{ALPHA, KitConfig, Tolerance};
-use crate::decode::{DraftLength, GenerationParams, Generator};
+use crate::decode::{DraftLength, GenerationParams, Generator, TreeDrafts};
 use crate::error::{Result, RowKind};
 use crate::model::{HiddenStates, TargetModel, TreeTarget};
 use crate::propose::{Draft, DraftModelProposer, NoProposer, ProposeRequest, Proposer};
@@ -197,12 +197,9 @@ fn push_fit(
 }
 
 fn greedy_params(cfg: &KitConfig, tree_nodes: usize) -> GenerationParams {
-    GenerationParams {
-        max_new_tokens: cfg.greedy_tokens(),
-        draft: DraftLength::Fixed(cfg.draft_len()),
-        tree_nodes,
-        ..GenerationParams::greedy(cfg.greedy_tokens())
-    }
+    GenerationParams::greedy(cfg.greedy_tokens())
+        .with_draft(DraftLength::Fixed(cfg.draft_len()))
+        .with_tree(TreeDrafts::nodes(tree_nodes))
 }
 
 fn run_greedy<T: TargetModel, Q: Proposer>(

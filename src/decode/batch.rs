@@ -99,7 +99,10 @@ impl BatchRequest {
 /// | `max_batch_tokens` | 512 | `>= 1` (capped by [`BatchTarget::max_batch_tokens`]) |
 /// | `prefill_chunk` | 256 | `>= 1` |
 /// | `goodput` | [`GoodputConfig::default`] | see there |
+///
+/// `#[non_exhaustive]`: build it from [`BatchConfig::default`] and the `with_` setters.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct BatchConfig {
     /// Most rows one step's forward takes (decode and draft rows first, then prefill chunks
     /// in submission order), in tokens.
@@ -123,6 +126,24 @@ impl Default for BatchConfig {
 }
 
 impl BatchConfig {
+    /// Sets [`BatchConfig::max_batch_tokens`] (checked by [`BatchGenerator::with_config`]).
+    pub fn with_max_batch_tokens(mut self, max_batch_tokens: usize) -> Self {
+        self.max_batch_tokens = max_batch_tokens;
+        self
+    }
+
+    /// Sets [`BatchConfig::prefill_chunk`] (checked by [`BatchGenerator::with_config`]).
+    pub fn with_prefill_chunk(mut self, prefill_chunk: usize) -> Self {
+        self.prefill_chunk = prefill_chunk;
+        self
+    }
+
+    /// Sets [`BatchConfig::goodput`] (checked by [`BatchGenerator::with_config`]).
+    pub fn with_goodput(mut self, goodput: GoodputConfig) -> Self {
+        self.goodput = goodput;
+        self
+    }
+
     /// Checks the ranges of the table above.
     ///
     /// # Errors
@@ -140,7 +161,10 @@ impl BatchConfig {
 }
 
 /// A request that ended, with its generation or its error.
+///
+/// `#[non_exhaustive]`: returned by the loop, read its fields.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Finished {
     /// The request.
     pub id: RequestId,
@@ -150,7 +174,10 @@ pub struct Finished {
 }
 
 /// What one [`BatchGenerator::step`] did.
+///
+/// `#[non_exhaustive]`: returned by the loop, read its fields.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BatchStepStats {
     /// Sequences that verified a draft (or decoded one token) in this step.
     pub sequences: usize,
@@ -174,7 +201,10 @@ pub struct BatchStepStats {
 }
 
 /// Totals over every step of a [`BatchGenerator`].
+///
+/// `#[non_exhaustive]`: returned by the loop, read its fields.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BatchMetrics {
     /// Steps run (batched forwards).
     pub steps: u64,
@@ -249,7 +279,7 @@ struct PrefillChunk {
 /// [`Finished::result`]; the others go on.
 ///
 /// **Draft lengths**: requests with [`DraftLength::Fixed`] draft what they ask (chains, or
-/// trees when `tree_nodes > 0` and the target has tree support); [`DraftLength::Off`] decodes
+/// trees with [`TreeDrafts::Tree`](super::TreeDrafts::Tree) and a target has tree support); [`DraftLength::Off`] decodes
 /// one token per step; the draft lengths of [`DraftLength::Adaptive`] requests are chosen for
 /// the whole batch by the goodput policy ([`super::goodput`]) from each request's acceptance
 /// estimates and the step time by rows learned online (measured, or from the cost source of
@@ -397,7 +427,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
     /// Checked here, before anything is queued: [`Error::EmptyPrompt`],
     /// [`Error::PromptTooLong`], [`Error::TokenOutOfVocab`] for a prompt token, the errors of
     /// [`GenerationParams::validate`], and [`Error::InvalidConfig`] when the target has no slot
-    /// or a [`DraftLength::Fixed`] draft (`k + 1` rows, or `tree_nodes + 1` for trees) does not
+    /// or a [`DraftLength::Fixed`] draft (`k + 1` rows, or the tree's node budget + 1) does not
     /// fit the row budget ([`BatchConfig::max_batch_tokens`] and the target's).
     pub fn submit(&mut self, mut req: BatchRequest) -> Result<RequestId> {
         check_request(
@@ -419,7 +449,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 return Err(Error::config(
                     "draft",
                     format!("{rows} rows per step (row budget {})", self.max_rows),
-                    "a fixed draft (k + 1 rows, or tree_nodes + 1) must fit the batch's row \
+                    "a fixed draft (k + 1 rows, or the tree's node budget + 1) must fit the batch's row \
                      budget (BatchConfig::max_batch_tokens and the target's max_batch_tokens)",
                 ));
             }
@@ -1168,8 +1198,8 @@ fn row_bound(params: &GenerationParams, k_override: Option<usize>, tree_nodes: u
 /// node budget when it drafts trees (the target has tree support), never fewer than `k` (a
 /// proposer without trees returns a chain of up to `k` drafts).
 fn fixed_draft_rows(params: &GenerationParams, k: usize, target_tree_nodes: usize) -> usize {
-    if params.tree_nodes > 0 && target_tree_nodes > 0 {
-        k.max(params.tree_nodes.min(target_tree_nodes))
+    if params.tree.is_on() && target_tree_nodes > 0 {
+        k.max(params.tree.node_budget().min(target_tree_nodes))
     } else {
         k
     }

@@ -266,7 +266,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
     /// One step's phases on the sequence: plan, forward, verify, commit (and the cache
     /// operation), observe. `Ok(false)` when the generation ended before doing anything.
     fn run_step(&mut self) -> Result<bool> {
-        let limits = self.limits(self.seq.params().tree_nodes > 0);
+        let limits = self.limits(self.seq.params().tree.is_on());
         let Some(plan) = self.seq.plan(&mut self.proposer, limits, None)? else {
             return Ok(false);
         };

@@ -33,7 +33,10 @@ use crate::error::{Error, Result};
 /// |---|---|---|
 /// | `max_draft` | 8 | any (also capped by each request's [`super::AdaptiveConfig::max_draft`]) |
 /// | `prior_row_cost` | 0.05 | `>= 0` |
+///
+/// `#[non_exhaustive]`: build it from [`GoodputConfig::default`] and the `with_` setters.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct GoodputConfig {
     /// Largest draft length considered for one sequence.
     pub max_draft: usize,
@@ -54,6 +57,18 @@ impl Default for GoodputConfig {
 }
 
 impl GoodputConfig {
+    /// Sets [`GoodputConfig::max_draft`] (any value is valid).
+    pub fn with_max_draft(mut self, max_draft: usize) -> Self {
+        self.max_draft = max_draft;
+        self
+    }
+
+    /// Sets [`GoodputConfig::prior_row_cost`] (checked by [`GoodputConfig::validate`]).
+    pub fn with_prior_row_cost(mut self, prior_row_cost: f64) -> Self {
+        self.prior_row_cost = prior_row_cost;
+        self
+    }
+
     /// Checks the ranges of the table above.
     ///
     /// # Errors
@@ -136,11 +151,21 @@ impl BatchCost {
 }
 
 /// One sequence's input to [`choose_draft_lengths`].
+///
+/// `#[non_exhaustive]`: build one with [`DraftCandidate::new`].
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct DraftCandidate<'a> {
     /// Estimated acceptance of draft positions `1, 2, ..` given the ones before were
     /// accepted, each in `[0, 1]`; its length is the most drafts the sequence may take now.
     pub acceptance: &'a [f64],
+}
+
+impl<'a> DraftCandidate<'a> {
+    /// A sequence whose draft positions `1, 2, ..` are accepted with `acceptance`.
+    pub fn new(acceptance: &'a [f64]) -> Self {
+        DraftCandidate { acceptance }
+    }
 }
 
 /// Per sequence, the draft length maximising the batch's goodput (module docs):

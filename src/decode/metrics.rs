@@ -20,7 +20,11 @@ use std::time::Duration;
 /// token): the metrics of a generation that has not started.
 ///
 /// `Metrics` is `Send + Sync` (plain counters and durations).
+///
+/// `#[non_exhaustive]`: returned by the loops, read its fields ([`Metrics::default`] and
+/// [`Metrics::merge`] to add up several).
 #[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
 pub struct Metrics {
     /// Draft tokens proposed and verified.
     pub proposed: usize,
@@ -40,7 +44,7 @@ pub struct Metrics {
     /// `accepted_at[i]`: steps in which draft position `i` was accepted.
     pub accepted_at: Vec<usize>,
     /// Tree steps: verify steps whose draft was a branching token tree
-    /// ([`GenerationParams::tree_nodes`](crate::decode::GenerationParams::tree_nodes)). Their
+    /// ([`GenerationParams::tree`](crate::decode::GenerationParams::tree)). Their
     /// nodes count in `proposed`; their positions in `reached_at` / `accepted_at` are depths
     /// (position `i` is depth `i + 1`: reached when the accepted path's node at depth `i` has
     /// children).

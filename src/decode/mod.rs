@@ -2,7 +2,7 @@
 //!
 //! [`Generator`] runs speculative decoding over any [`TargetModel`] (re-exported here from
 //! [`crate::model`]) and [`crate::Proposer`]: propose, one target forward over
-//! `[last token, d_1 .. d_k]` (or over a token tree, [`GenerationParams::tree_nodes`]), verify,
+//! `[last token, d_1 .. d_k]` (or over a token tree, [`GenerationParams::tree`]), verify,
 //! commit (truncate, or keep the accepted path of a tree), observe.
 //!
 //! [`BatchGenerator`] runs many generations at once over a [`crate::BatchTarget`] (continuous
@@ -59,9 +59,10 @@
 //!    end (scanned exactly as rules 1-5 scan a commit) and the target processes no row after it;
 //!    a tree node at which it would end keeps no children (case C11).
 //! 9. **Validation.** An empty stop string or stop sequence is refused with
-//!    [`crate::Error::InvalidConfig`] when the generation starts (or at
-//!    [`BatchGenerator::submit`]), whether it came from [`StopConditions`]' builder methods, its
-//!    public fields or serde (which refuses it while loading).
+//!    [`crate::Error::InvalidConfig`] when the [`GenerationParams`] are built
+//!    ([`GenerationParamsBuilder::build`], [`GenerationParams::with_stop`]; serde refuses it
+//!    while loading), whether it came from [`StopConditions`]' builder methods or its public
+//!    fields; the generation's start (and [`BatchGenerator::submit`]) checks it again.
 //!
 //! `tests/text_reference.rs` checks both loops against a brute-force reference of these rules
 //! (whole-output decoding) on random byte-level vocabularies, stops, floors, drafts and trees.
@@ -98,7 +99,7 @@ pub use costs::{FixedCosts, MeasuredCosts, StepCosts};
 pub use generator::{Generator, Session};
 pub use goodput::GoodputConfig;
 pub use metrics::Metrics;
-pub use params::GenerationParams;
+pub use params::{GenerationParams, GenerationParamsBuilder, TreeDrafts};
 pub use policy::{AdaptiveConfig, AdaptiveState, DraftLength, PlannedNode, TreeShape};
 pub use seed::SeedSource;
 pub use sequence::{Generation, GenerationError, StepStats, StreamChunk};

@@ -55,9 +55,10 @@ impl Default for DraftLength {
 /// (a draft model rejected everywhere, whose catch-up over the skipped tokens is costly) costs
 /// a vanishing share of the time; the first step that speculates again resets the wait.
 ///
-/// **With token trees** ([`GenerationParams::tree_nodes`](crate::decode::GenerationParams::tree_nodes)
-/// above 0 and a target with tree support) the policy chooses each step's node budget and
-/// shape instead of `k` ([`AdaptiveState::choose_tree`]):
+/// **With token trees** ([`TreeDrafts::Tree`](crate::decode::TreeDrafts::Tree) in
+/// [`GenerationParams::tree`](crate::decode::GenerationParams::tree) and a target with tree
+/// support) the policy chooses each step's node budget and shape instead of `k`
+/// ([`AdaptiveState::choose_tree`]):
 ///
 /// - Estimates: per depth `d >= 1` and sibling rank `r` (a node's index among its parent's
 ///   children in draft order; every node of a chain has rank 0), `a(d, r)`, the probability
@@ -82,7 +83,7 @@ impl Default for DraftLength {
 ///   nodes holds the `n` highest reach probabilities, built greedily from the root (add the
 ///   frontier node with the highest reach probability; optimal when the values do not grow with
 ///   rank, since reach probabilities never grow down a path), within the depth (`max_draft`, the
-///   token budget and context room) and branching (`tree_branch`) limits. With `E(n) = 1 + sum of
+///   token budget and context room) and branching ([`TreeDrafts::branch`](crate::decode::TreeDrafts::branch)) limits. With `E(n) = 1 + sum of
 ///   those n reach probabilities`, the policy picks the `n` in `0..=node budget` maximising
 ///   `E(n) / (t(n + 1) + n * t_propose)` and asks the proposer for `n` nodes with the depth and
 ///   largest branching of that tree. A chain is the case where every rank above 0 is worthless;
@@ -99,12 +100,17 @@ impl Default for DraftLength {
 /// | `probe_interval` | 16 | `>= 1` |
 /// | `max_probe_interval` | 256 | any (below `probe_interval`: a fixed interval) |
 /// | `probe_draft` | 2 | any (capped by `max_draft`) |
+///
+/// `#[non_exhaustive]`: build it from [`AdaptiveConfig::default`] and the `with_` setters (checked
+/// by [`AdaptiveConfig::validate`], which
+/// [`GenerationParamsBuilder::build`](crate::decode::GenerationParamsBuilder::build) calls).
 #[derive(Debug, Clone, PartialEq)]
 #[cfg_attr(
     feature = "serde",
     derive(serde::Serialize, serde::Deserialize),
     serde(remote = "Self", default, deny_unknown_fields)
 )]
+#[non_exhaustive]
 pub struct AdaptiveConfig {
     /// Largest draft length `k` considered.
     pub max_draft: usize,
@@ -138,6 +144,42 @@ impl Default for AdaptiveConfig {
 }
 
 impl AdaptiveConfig {
+    /// Sets [`AdaptiveConfig::max_draft`] (any value is valid).
+    pub fn with_max_draft(mut self, max_draft: usize) -> Self {
+        self.max_draft = max_draft;
+        self
+    }
+
+    /// Sets [`AdaptiveConfig::decay`] (checked by [`AdaptiveConfig::validate`]).
+    pub fn with_decay(mut self, decay: f64) -> Self {
+        self.decay = decay;
+        self
+    }
+
+    /// Sets [`AdaptiveConfig::time_smoothing`] (checked by [`AdaptiveConfig::validate`]).
+    pub fn with_time_smoothing(mut self, time_smoothing: f64) -> Self {
+        self.time_smoothing = time_smoothing;
+        self
+    }
+
+    /// Sets [`AdaptiveConfig::probe_interval`] (checked by [`AdaptiveConfig::validate`]).
+    pub fn with_probe_interval(mut self, probe_interval: usize) -> Self {
+        self.probe_interval = probe_interval;
+        self
+    }
+
+    /// Sets [`AdaptiveConfig::max_probe_interval`] (any value is valid).
+    pub fn with_max_probe_interval(mut self, max_probe_interval: usize) -> Self {
+        self.max_probe_interval = max_probe_interval;
+        self
+    }
+
+    /// Sets [`AdaptiveConfig::probe_draft`] (any value is valid).
+    pub fn with_probe_draft(mut self, probe_draft: usize) -> Self {
+        self.probe_draft = probe_draft;
+        self
+    }
+
     /// Checks the ranges documented on each field.
     ///
     /// # Errors
@@ -163,7 +205,10 @@ impl AdaptiveConfig {
 
 /// The shape of a token tree: node budget, depth and branching. [`AdaptiveState::choose_tree`]
 /// takes one as its limits and returns the chosen one.
+///
+/// `#[non_exhaustive]`: build one with [`TreeShape::new`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TreeShape {
     /// Number of nodes (the node budget; 0 = plain decoding).
     pub nodes: usize,
@@ -174,9 +219,24 @@ pub struct TreeShape {
     pub branch: usize,
 }
 
+impl TreeShape {
+    /// A shape (or limits) of `nodes` nodes, depth `depth` and at most `branch` children per
+    /// node.
+    pub fn new(nodes: usize, depth: usize, branch: usize) -> Self {
+        TreeShape {
+            nodes,
+            depth,
+            branch,
+        }
+    }
+}
+
 /// One node of the tree the policy plans ([`AdaptiveState::plan_tree`]), in the order the
 /// greedy expansion added it.
+///
+/// `#[non_exhaustive]`: returned by the policy, read its fields.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct PlannedNode {
     /// Depth (1 for a child of the root).
     pub depth: usize,
@@ -334,6 +394,38 @@ impl Ord for Candidate {
 }
 
 /// Decays a count pair and adds one observation.
+/// How many nodes of `path` (node indices, the root's child first) follow `block`: each a
+/// child of the one before (the first a child of the root); reading stops at the first that
+/// does not.
+fn accepted_prefix(block: &DraftBlock<'_>, path: &[u32]) -> usize {
+    let n = block.len();
+    let mut accepted = 0;
+    let mut row = 0;
+    for &j in path {
+        let j = j as usize;
+        if j >= n || block.parent_row(j) != row {
+            break;
+        }
+        accepted += 1;
+        row = j + 1;
+    }
+    accepted
+}
+
+/// The largest sibling rank (index among its parent's children, in draft order) a node of
+/// `block` has; 0 for a chain or an empty block.
+fn max_sibling_rank(block: &DraftBlock<'_>) -> usize {
+    let n = block.len();
+    let mut children = vec![0usize; n + 1];
+    let mut max_rank = 0;
+    for i in 0..n {
+        let r = block.parent_row(i).min(n);
+        max_rank = max_rank.max(children[r]);
+        children[r] += 1;
+    }
+    max_rank
+}
+
 fn count(acc: &mut f64, seen: &mut f64, decay: f64, hit: bool) {
     *acc *= decay;
     *seen *= decay;
@@ -740,60 +832,57 @@ impl AdaptiveState {
     ) {
         let n = block.len();
         let requested = self.pending.take();
-        // The accepted path as far as it follows the block.
-        let mut accepted = 0;
-        let mut row = 0;
-        for &j in path {
-            let j = j as usize;
-            if j >= n || block.parent_row(j) != row {
-                break;
-            }
-            accepted += 1;
-            row = j + 1;
-        }
+        let accepted = accepted_prefix(block, path);
         if block.is_chain() {
             self.observe(cfg, n, accepted, forward_secs, propose_secs);
         } else {
             self.record(cfg, n, 0, 0, forward_secs, propose_secs);
-            let mut row = 0;
-            for depth in 1..=accepted + 1 {
-                let next = path
-                    .get(depth - 1)
-                    .map(|&j| j as usize)
-                    .filter(|_| depth <= accepted);
-                for (rank, c) in block.children(row).enumerate() {
-                    self.tree_count(cfg, depth, rank, Some(c) == next);
-                }
-                match next {
-                    Some(j) => row = j + 1,
-                    None => break,
-                }
-            }
+            self.count_reached_children(cfg, block, &path[..accepted]);
         }
         if let Some(req) = requested
             && n > 0
             && req.branch > 1
         {
-            // The largest sibling rank the draft holds.
-            let mut children = vec![0usize; n + 1];
-            let mut max_rank = 0;
-            for i in 0..n {
-                let r = block.parent_row(i).min(n);
-                max_rank = max_rank.max(children[r]);
-                children[r] += 1;
+            self.count_filled_ranks(cfg, block, req.branch);
+        }
+    }
+
+    /// Counts every child of the root and of each node of `path` (a path of `block` from the
+    /// root) as tested at its depth and sibling rank, the one on the path as accepted.
+    fn count_reached_children(
+        &mut self,
+        cfg: &AdaptiveConfig,
+        block: &DraftBlock<'_>,
+        path: &[u32],
+    ) {
+        let mut row = 0;
+        for depth in 1..=path.len() + 1 {
+            let next = path.get(depth - 1).map(|&j| j as usize);
+            for (rank, c) in block.children(row).enumerate() {
+                self.tree_count(cfg, depth, rank, Some(c) == next);
             }
-            if self.offered.len() < req.branch {
-                self.offered.resize(req.branch, 0.0);
-                self.filled.resize(req.branch, 0.0);
+            match next {
+                Some(j) => row = j + 1,
+                None => break,
             }
-            for r in 1..req.branch {
-                count(
-                    &mut self.filled[r],
-                    &mut self.offered[r],
-                    cfg.decay,
-                    max_rank >= r,
-                );
-            }
+        }
+    }
+
+    /// Counts the sibling ranks `1..branch` the last plan asked for as offered, and as filled
+    /// when `block` holds a node of that rank.
+    fn count_filled_ranks(&mut self, cfg: &AdaptiveConfig, block: &DraftBlock<'_>, branch: usize) {
+        let max_rank = max_sibling_rank(block);
+        if self.offered.len() < branch {
+            self.offered.resize(branch, 0.0);
+            self.filled.resize(branch, 0.0);
+        }
+        for r in 1..branch {
+            count(
+                &mut self.filled[r],
+                &mut self.offered[r],
+                cfg.decay,
+                max_rank >= r,
+            );
         }
     }
 

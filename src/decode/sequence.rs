@@ -39,7 +39,10 @@ use crate::tree::TreeLimits;
 use crate::verify::{DraftProbs, StepEnd, StepOutput, TokenLogprob, VerifyRequest};
 
 /// The result of a generation.
+///
+/// `#[non_exhaustive]`: returned by the loops, read its fields.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct Generation {
     /// The new tokens (the prompt is not included).
     pub tokens: Vec<u32>,
@@ -80,7 +83,10 @@ impl Generation {
 /// every token the generation emitted, and streamed, before the failure. The target's KV cache
 /// was rolled back to the emitted tokens, so the [`Generator`](super::Generator) can run the
 /// next request, which gives the same output as on a fresh generator.
+///
+/// `#[non_exhaustive]`: returned by the loops, read its fields.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct GenerationError {
     /// What failed.
     pub error: Error,
@@ -114,7 +120,10 @@ impl From<GenerationError> for Error {
 
 /// One streamed step: what [`Generator::generate_stream`](super::Generator::generate_stream)
 /// hands the callback.
+///
+/// `#[non_exhaustive]`: passed to stream callbacks, read its fields.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct StreamChunk<'a> {
     /// The tokens this step emitted (1 to k + 1, cut at a stop).
     pub tokens: &'a [u32],
@@ -130,7 +139,10 @@ pub struct StreamChunk<'a> {
 
 /// What one verify step drafted and accepted ([`StreamChunk::step`],
 /// [`Session::last_step`](super::Session::last_step)).
+///
+/// `#[non_exhaustive]`: returned by the loops, read its fields.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StepStats {
     /// Draft tokens verified: the draft length k of a chain, the node count of a tree.
     pub drafted: usize,
@@ -676,12 +688,11 @@ impl Sequence {
         let params = &self.params;
         // Tree drafts: every node holds a KV slot until the commit, so the node budget is also
         // capped by the context room (the depth, like a chain's k, by `cap`).
-        let tree_room = if params.tree_nodes > 0 {
-            params.tree_nodes.min(self.limits.max_tree_nodes).min(room)
-        } else {
-            0
+        let tree_room = match params.tree.node_budget() {
+            0 => 0,
+            n => n.min(self.limits.max_tree_nodes).min(room),
         };
-        let user_branch = match params.tree_branch {
+        let user_branch = match params.tree.branch() {
             0 => usize::MAX,
             b => b,
         };
@@ -1385,7 +1396,8 @@ mod tests {
         let mut p = ScriptedProposer::new(vec![vec![3, 4, 5], vec![3]]);
         let params = GenerationParams::greedy(10)
             .with_draft(DraftLength::Fixed(3))
-            .with_stop(StopConditions::eos(4));
+            .with_stop(StopConditions::eos(4))
+            .unwrap();
         let mut seq = started(params, &mut p);
         let mark = seq.mark();
         let plan = seq.plan(&mut p, LIMITS, None).unwrap().unwrap();

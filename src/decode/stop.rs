@@ -15,7 +15,11 @@ use crate::error::Result;
 /// characters, streaming) are in [`crate::decode`]'s "Stop rules".
 ///
 /// The default stops on nothing.
+///
+/// `#[non_exhaustive]`: build it with [`StopConditions::eos`] or [`Default`] and the `with_`
+/// methods; the fields stay public to read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StopConditions {
     /// End-of-sequence token ids. The EOS token itself is emitted (it is the last token).
     pub eos: Vec<u32>,
@@ -45,14 +49,16 @@ impl StopConditions {
         self
     }
 
-    /// Adds a stop token sequence (an empty one is refused when the generation starts, as an
-    /// empty stop string is, whether it came from here, the public field or serde).
+    /// Adds a stop token sequence (an empty one is refused when the
+    /// [`GenerationParams`](crate::decode::GenerationParams) are built, as an empty stop string
+    /// is, whether it came from here, the public field or serde).
     pub fn with_stop_sequence(mut self, seq: Vec<u32>) -> Self {
         self.stop_sequences.push(seq);
         self
     }
 
-    /// Adds a stop string (an empty string is refused when the generation starts).
+    /// Adds a stop string (an empty string is refused when the
+    /// [`GenerationParams`](crate::decode::GenerationParams) are built).
     pub fn with_stop_string(mut self, stop: impl Into<String>) -> Self {
         self.stop_strings.push(stop.into());
         self

@@ -33,7 +33,7 @@ use spec_bench::report::{
 use spec_bench::run::{ConfigSpec, DraftSpec, RunRecord, token_hash};
 use spec_bench::sim::{AcceptanceModel, CostTable, default_batches, simulate};
 use spec_bench::{BenchError, Result, workload};
-use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
+use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::propose::{
     DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SharedCorpus, SuffixConfig,
     SuffixProposer, TokenRecycling, TreeTemplate,
@@ -958,13 +958,12 @@ fn warm_recycling(a: WarmArgs) -> Result<()> {
     for r in &requests {
         let text = tok.apply_chat_template(&[ChatMessage::user(r.prompt.clone())])?;
         let prompt = tok.encode(&text)?;
-        let params = GenerationParams {
-            max_new_tokens: r.max_tokens.unwrap_or(a.max_tokens),
-            stop: StopConditions::default().with_eos(tok.eos_id()),
-            draft: DraftLength::Fixed(a.k),
-            tree_nodes: a.tree_nodes,
-            ..GenerationParams::greedy(a.max_tokens)
-        };
+        let params = GenerationParams::builder()
+            .max_new_tokens(r.max_tokens.unwrap_or(a.max_tokens))
+            .stop(StopConditions::default().with_eos(tok.eos_id()))
+            .draft(DraftLength::Fixed(a.k))
+            .tree(TreeDrafts::nodes(a.tree_nodes))
+            .build()?;
         let mut g = Generator::new(&mut *target, &mut table);
         let out = g
             .generate(&prompt, &params)
@@ -1204,11 +1203,10 @@ fn serve(a: ServeArgs) -> Result<()> {
     };
     let max_ctx = target.max_context();
     let defaults = BatchConfig::default();
-    let config = BatchConfig {
-        max_batch_tokens: a.max_batch_tokens.unwrap_or(defaults.max_batch_tokens),
-        prefill_chunk: a.prefill_chunk.unwrap_or(defaults.prefill_chunk),
-        ..defaults
-    };
+    let config = defaults
+        .clone()
+        .with_max_batch_tokens(a.max_batch_tokens.unwrap_or(defaults.max_batch_tokens))
+        .with_prefill_chunk(a.prefill_chunk.unwrap_or(defaults.prefill_chunk));
     let requests = workload::load(&a.workload)?;
     let base: Vec<ServeRequest> = requests
         .iter()

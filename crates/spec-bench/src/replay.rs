@@ -613,10 +613,7 @@ mod tests {
             }
         });
         let prompt: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7];
-        let params = GenerationParams {
-            draft: DraftLength::Fixed(4),
-            ..GenerationParams::greedy(60)
-        };
+        let params = GenerationParams::greedy(60).with_draft(DraftLength::Fixed(4));
         let real = {
             let mut g = Generator::new(&mut model, PromptLookup::new(1, 3).unwrap());
             g.generate(&prompt, &params).unwrap()
@@ -910,11 +907,12 @@ mod tests {
     #[test]
     fn tree_rows_pair_with_chains_of_the_same_budget() {
         let stats = |calls: usize, emitted: usize| ReplayStats {
-            metrics: Metrics {
-                target_calls: calls,
-                emitted,
-                proposed: 10,
-                ..Metrics::default()
+            metrics: {
+                let mut m = Metrics::default();
+                m.target_calls = calls;
+                m.emitted = emitted;
+                m.proposed = 10;
+                m
             },
             cost: calls as f64,
             by_rank: Vec::new(),

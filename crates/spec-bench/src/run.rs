@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use speculative::decode::{
-    AdaptiveConfig, DraftLength, GenerationParams, Generator, StopConditions,
+    AdaptiveConfig, DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts,
 };
 use speculative::{Draft, NoProposer, ProposeRequest, Proposer, SamplingConfig, TargetModel};
 
@@ -50,10 +50,9 @@ impl DraftSpec {
     fn to_length(self) -> DraftLength {
         match self {
             DraftSpec::Fixed(k) => DraftLength::Fixed(k),
-            DraftSpec::Adaptive(max_draft) => DraftLength::Adaptive(AdaptiveConfig {
-                max_draft,
-                ..Default::default()
-            }),
+            DraftSpec::Adaptive(max_draft) => {
+                DraftLength::Adaptive(AdaptiveConfig::default().with_max_draft(max_draft))
+            }
         }
     }
 }
@@ -71,11 +70,11 @@ pub struct ConfigSpec {
     pub top_p: f32,
     /// Seed.
     pub seed: u64,
-    /// Node budget of tree drafts ([`GenerationParams::tree_nodes`]); 0 = chains. Absent in
+    /// Node budget of tree drafts ([`TreeDrafts::nodes`]); 0 = chains. Absent in
     /// files written before trees: 0.
     #[serde(default)]
     pub tree_nodes: usize,
-    /// Branching limit of tree drafts ([`GenerationParams::tree_branch`]); 0 = none. Absent in
+    /// Branching limit of tree drafts ([`TreeDrafts::with_branch`]); 0 = none. Absent in
     /// older files: 0.
     #[serde(default)]
     pub tree_branch: usize,
@@ -318,19 +317,21 @@ pub fn run_one(
     for &e in input.eos {
         stop = stop.with_eos(e);
     }
-    let params = GenerationParams {
-        sampling: sampling.clone(),
-        seed: Some(seed),
-        max_new_tokens: input.max_tokens,
-        stop,
-        draft: config
-            .map(|c| c.draft.to_length())
-            .unwrap_or(DraftLength::Off),
-        tree_nodes: config.map_or(0, |c| c.tree_nodes),
-        tree_branch: config.map_or(0, |c| c.tree_branch),
-        ..Default::default()
-    };
-    let mut params = params;
+    let mut params = GenerationParams::builder()
+        .sampling(sampling.clone())
+        .seed(seed)
+        .max_new_tokens(input.max_tokens)
+        .stop(stop)
+        .draft(
+            config
+                .map(|c| c.draft.to_length())
+                .unwrap_or(DraftLength::Off),
+        )
+        .tree(
+            TreeDrafts::nodes(config.map_or(0, |c| c.tree_nodes))
+                .with_branch(config.map_or(0, |c| c.tree_branch)),
+        )
+        .build()?;
     let mut no = NoProposer;
     let mut inner: &mut dyn Proposer = if config.is_some() { proposer } else { &mut no };
     let mut forced;
@@ -339,7 +340,10 @@ pub fn run_one(
             GrammarMask::new(c.vocab, c.grammar, input.prompt.len())
                 .map_err(speculative::Error::from)?,
         );
-        params.sampling = sampling.to_builder().mask(mask.clone()).build()?;
+        params = params
+            .to_builder()
+            .sampling(sampling.to_builder().mask(mask.clone()).build()?)
+            .build()?;
         if c.forced_drafts && config.is_some() {
             forced = ForcedDrafts::new(mask, inner);
             inner = &mut forced;

@@ -92,10 +92,9 @@ impl ServeMode {
         match *self {
             ServeMode::Plain => DraftLength::Off,
             ServeMode::Fixed(k) => DraftLength::Fixed(k),
-            ServeMode::Goodput(max_draft) => DraftLength::Adaptive(AdaptiveConfig {
-                max_draft,
-                ..AdaptiveConfig::default()
-            }),
+            ServeMode::Goodput(max_draft) => {
+                DraftLength::Adaptive(AdaptiveConfig::default().with_max_draft(max_draft))
+            }
         }
     }
 
@@ -106,11 +105,10 @@ impl ServeMode {
         for &e in eos {
             stop = stop.with_eos(e);
         }
-        GenerationParams {
-            stop,
-            draft: self.draft(),
-            ..GenerationParams::greedy(max_tokens)
-        }
+        GenerationParams::greedy(max_tokens)
+            .with_draft(self.draft())
+            .with_stop(stop)
+            .expect("EOS ids alone are valid stop conditions")
     }
 }
 

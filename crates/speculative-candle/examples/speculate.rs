@@ -25,7 +25,7 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 use speculative::decode::{
     AdaptiveConfig, DraftLength, Generation, GenerationParams, Generator, SeedSource,
-    StopConditions,
+    StopConditions, TreeDrafts,
 };
 use speculative::propose::{
     DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig,
@@ -264,10 +264,9 @@ fn draft_length(s: &str) -> Result<DraftLength, String> {
             None if rest.is_empty() => 8,
             None => return Err(bad()),
         };
-        return Ok(DraftLength::Adaptive(AdaptiveConfig {
-            max_draft,
-            ..Default::default()
-        }));
+        return Ok(DraftLength::Adaptive(
+            AdaptiveConfig::default().with_max_draft(max_draft),
+        ));
     }
     Ok(DraftLength::Fixed(s.parse().map_err(|_| bad())?))
 }
@@ -384,22 +383,21 @@ fn run() -> Result<(), DynError> {
     if a.temperature > 0.0 {
         eprintln!("seed {seed}");
     }
-    let params = GenerationParams {
-        sampling,
-        seed: Some(seed),
-        max_new_tokens: a.max_tokens,
-        min_tokens: a.min_tokens,
-        stop: a
-            .stop
-            .iter()
-            .fold(StopConditions::eos(tok.eos_id()), |s, t| {
-                s.with_stop_string(t.as_str())
-            }),
-        draft,
-        tree_nodes: a.tree_nodes,
-        tree_branch: a.tree_branch,
-        ..Default::default()
-    };
+    let params = GenerationParams::builder()
+        .sampling(sampling)
+        .seed(seed)
+        .max_new_tokens(a.max_tokens)
+        .min_tokens(a.min_tokens)
+        .stop(
+            a.stop
+                .iter()
+                .fold(StopConditions::eos(tok.eos_id()), |s, t| {
+                    s.with_stop_string(t.as_str())
+                }),
+        )
+        .draft(draft)
+        .tree(TreeDrafts::nodes(a.tree_nodes).with_branch(a.tree_branch))
+        .build()?;
     let proposer: Box<dyn Proposer> = match a.proposer {
         ProposerKind::PromptLookup => Box::new(PromptLookup::new(1, 4)?),
         ProposerKind::Suffix => Box::new(SuffixProposer::new(SuffixConfig::default())?),
@@ -432,7 +430,7 @@ fn run() -> Result<(), DynError> {
         "prompt: {} tokens; proposer {:?}, draft {:?}, temperature {}",
         prompt.len(),
         a.proposer,
-        params.draft,
+        params.draft(),
         a.temperature
     );
 
@@ -477,10 +475,7 @@ fn run() -> Result<(), DynError> {
     report("speculative", &spec);
 
     if a.compare {
-        let plain_params = GenerationParams {
-            draft: DraftLength::Off,
-            ..params.clone()
-        };
+        let plain_params = params.clone().with_draft(DraftLength::Off);
         let mut g = Generator::new(&mut *target, NoProposer);
         let plain = g.generate(&prompt, &plain_params)?;
         report("plain", &plain);

@@ -216,16 +216,14 @@ fn run() -> Result<(), DynError> {
                                 .top_p(if temp == 0.0 { 1.0 } else { cfg.top_p })
                                 .build()
                                 .map_err(|e| e.to_string())?;
-                            let params = GenerationParams {
-                                sampling,
-                                seed: Some(
-                                    cfg.seed.wrapping_mul(1_000_003).wrapping_add(gi as u64),
-                                ),
-                                max_new_tokens: cfg.max_tokens,
-                                stop: StopConditions::eos(tok.eos_id()),
-                                draft: DraftLength::Off,
-                                ..Default::default()
-                            };
+                            let params = GenerationParams::builder()
+                                .sampling(sampling)
+                                .seed(cfg.seed.wrapping_mul(1_000_003).wrapping_add(gi as u64))
+                                .max_new_tokens(cfg.max_tokens)
+                                .stop(StopConditions::eos(tok.eos_id()))
+                                .draft(DraftLength::Off)
+                                .build()
+                                .map_err(|e| e.to_string())?;
                             let r = Generator::new(&mut target, NoProposer)
                                 .generate(&prompt, &params)
                                 .map_err(|e| e.to_string())?;

@@ -9,7 +9,7 @@ mod common;
 
 use speculative::decode::{
     AdaptiveConfig, BatchConfig, BatchGenerator, BatchRequest, DraftLength, Generation,
-    GenerationParams, Generator, RequestId, StopConditions,
+    GenerationParams, Generator, RequestId, StopConditions, TreeDrafts,
 };
 use speculative::propose::{
     MergedProposer, PromptLookup, SharedCorpus, SuffixConfig, SuffixProposer,
@@ -74,14 +74,13 @@ fn requests(sampled: bool) -> Vec<Req> {
             } else {
                 GenerationParams::greedy(max_new)
             };
-            p = p.with_stop(StopConditions {
-                eos: vec![eos],
-                ..StopConditions::default()
-            });
+            p = p.with_stop(StopConditions::eos(eos)).unwrap();
             p = match i % 4 {
                 0 => p.with_draft(DraftLength::Fixed(6)),
                 1 => p.with_draft(DraftLength::Adaptive(AdaptiveConfig::default())),
-                2 => p.with_draft(DraftLength::Fixed(4)).with_tree_nodes(12),
+                2 => p
+                    .with_draft(DraftLength::Fixed(4))
+                    .with_tree(TreeDrafts::nodes(12)),
                 _ => p.with_draft(DraftLength::Off),
             };
             Req {
@@ -102,11 +101,9 @@ fn alone(r: &Req) -> Generation {
 /// steps; with fewer slots than requests some wait for a slot.
 fn batched<B: BatchTarget>(target: B, reqs: &[Req], join: usize, shared: bool) -> Vec<Generation> {
     let corpus = shared.then(|| SharedCorpus::new(1 << 16));
-    let cfg = BatchConfig {
-        max_batch_tokens: 96,
-        prefill_chunk: 32,
-        ..BatchConfig::default()
-    };
+    let cfg = BatchConfig::default()
+        .with_max_batch_tokens(96)
+        .with_prefill_chunk(32);
     let mut b = BatchGenerator::with_config(target, cfg).unwrap();
     let mut ids: Vec<RequestId> = Vec::new();
     let submit = |b: &mut BatchGenerator<B>, r: &Req| {

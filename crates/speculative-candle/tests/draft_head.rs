@@ -11,7 +11,7 @@ use common::{chat, fast_weights, tokenizer};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
+use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::propose::{
     DraftModelProposer, MergedProposer, PromptLookup, SuffixConfig, SuffixProposer,
 };
@@ -260,7 +260,9 @@ fn training_first_steps_reproduce_the_committed_losses() {
     };
     for p in prompts {
         let prompt = chat(p);
-        let params = GenerationParams::greedy(24).with_stop(StopConditions::eos(eos));
+        let params = GenerationParams::greedy(24)
+            .with_stop(StopConditions::eos(eos))
+            .unwrap();
         let out = Generator::new(&mut target, speculative::NoProposer)
             .generate(&prompt, &params)
             .unwrap();
@@ -331,7 +333,9 @@ fn head_proposer() -> DraftModelProposer<DraftHead> {
 fn greedy_output_with_the_head_equals_plain_greedy() {
     let w = fast_weights();
     let eos = tokenizer().eos_id();
-    let base = GenerationParams::greedy(64).with_stop(StopConditions::eos(eos));
+    let base = GenerationParams::greedy(64)
+        .with_stop(StopConditions::eos(eos))
+        .unwrap();
     let mut accepted = 0;
     for q in PROMPTS {
         let prompt = chat(q);
@@ -345,7 +349,7 @@ fn greedy_output_with_the_head_equals_plain_greedy() {
                 "tree 16",
                 base.clone()
                     .with_draft(DraftLength::Fixed(6))
-                    .with_tree_nodes(16),
+                    .with_tree(TreeDrafts::nodes(16)),
             ),
             (
                 "adaptive",
@@ -374,7 +378,7 @@ fn greedy_output_with_the_head_equals_plain_greedy() {
         let params = base
             .clone()
             .with_draft(DraftLength::Fixed(6))
-            .with_tree_nodes(24);
+            .with_tree(TreeDrafts::nodes(24));
         let out = Generator::new(&mut t, merged)
             .generate(&prompt, &params)
             .unwrap();

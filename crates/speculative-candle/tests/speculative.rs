@@ -31,11 +31,12 @@ fn prompts() -> Vec<Vec<u32>> {
 
 fn params(draft: DraftLength) -> GenerationParams {
     // No EOS: every run generates exactly NEW_TOKENS tokens, even past the end of the answer.
-    GenerationParams {
-        max_new_tokens: NEW_TOKENS,
-        draft,
-        ..GenerationParams::greedy(NEW_TOKENS)
-    }
+    GenerationParams::greedy(NEW_TOKENS)
+        .to_builder()
+        .max_new_tokens(NEW_TOKENS)
+        .draft(draft)
+        .build()
+        .unwrap()
 }
 
 #[test]

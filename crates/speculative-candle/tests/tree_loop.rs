@@ -8,7 +8,7 @@ mod common;
 
 use common::{chat, fast_weights, tokenizer};
 
-use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
+use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::propose::{
     DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig,
     SuffixProposer, TokenRecycling,
@@ -30,13 +30,13 @@ fn tree_drafts_give_plain_greedy_output_on_the_real_model() {
     let eos = tokenizer().eos_id();
     let params = GenerationParams::greedy(64)
         .with_draft(DraftLength::Fixed(8))
-        .with_tree_nodes(16)
-        .with_stop(StopConditions::eos(eos));
-    let plain_params = GenerationParams {
-        draft: DraftLength::Off,
-        tree_nodes: 0,
-        ..params.clone()
-    };
+        .with_tree(TreeDrafts::nodes(16))
+        .with_stop(StopConditions::eos(eos))
+        .unwrap();
+    let plain_params = params
+        .clone()
+        .with_draft(DraftLength::Off)
+        .with_tree(TreeDrafts::nodes(0));
     let mut tree_steps = [0usize; 2];
     for q in PROMPTS {
         let prompt = chat(q);
@@ -85,13 +85,13 @@ fn a_merged_tree_gives_plain_greedy_output_on_the_real_model() {
     let eos = tokenizer().eos_id();
     let params = GenerationParams::greedy(40)
         .with_draft(DraftLength::Fixed(6))
-        .with_tree_nodes(12)
-        .with_stop(StopConditions::eos(eos));
-    let plain_params = GenerationParams {
-        draft: DraftLength::Off,
-        tree_nodes: 0,
-        ..params.clone()
-    };
+        .with_tree(TreeDrafts::nodes(12))
+        .with_stop(StopConditions::eos(eos))
+        .unwrap();
+    let plain_params = params
+        .clone()
+        .with_draft(DraftLength::Off)
+        .with_tree(TreeDrafts::nodes(0));
     let prompt = chat(PROMPTS[0]);
     let mut plain = Generator::new(FastTarget::new(w.clone()), speculative::NoProposer);
     let want = plain.generate(&prompt, &plain_params).unwrap().tokens;
@@ -122,11 +122,9 @@ fn recycling_gives_plain_greedy_output_on_the_real_model() {
     let prompt = chat(PROMPTS[0]);
     let chain = GenerationParams::greedy(40)
         .with_draft(DraftLength::Fixed(4))
-        .with_stop(StopConditions::eos(eos));
-    let plain_params = GenerationParams {
-        draft: DraftLength::Off,
-        ..chain.clone()
-    };
+        .with_stop(StopConditions::eos(eos))
+        .unwrap();
+    let plain_params = chain.clone().with_draft(DraftLength::Off);
     let want = Generator::new(FastTarget::new(w.clone()), speculative::NoProposer)
         .generate(&prompt, &plain_params)
         .unwrap()
@@ -135,23 +133,28 @@ fn recycling_gives_plain_greedy_output_on_the_real_model() {
     let p = TokenRecycling::new(vocab, RecyclingConfig::default()).unwrap();
     // One proposer for both runs: the tree run starts from the table the chain run left.
     let mut g = Generator::new(FastTarget::new(w.clone()), p);
-    for params in [chain.clone(), chain.with_tree_nodes(16)] {
+    for params in [chain.clone(), chain.with_tree(TreeDrafts::nodes(16))] {
         let out = g.generate(&prompt, &params).unwrap();
         let m = &out.metrics;
         println!(
             "recycling, tree nodes {}: {} calls, {} tree steps, {} of {} drafts accepted, table \
              {} rows",
-            params.tree_nodes,
+            params.tree().node_budget(),
             m.target_calls,
             m.tree_steps,
             m.accepted,
             m.proposed,
             g.proposer().filled_rows()
         );
-        assert_eq!(out.tokens, want, "tree nodes {}", params.tree_nodes);
+        assert_eq!(
+            out.tokens,
+            want,
+            "tree nodes {}",
+            params.tree().node_budget()
+        );
         assert_eq!(g.target().seq_len(), prompt.len() + out.tokens.len() - 1);
         assert!(m.proposed > 0);
-        if params.tree_nodes > 0 {
+        if params.tree().node_budget() > 0 {
             assert!(m.tree_steps > 0);
         }
     }
@@ -165,13 +168,13 @@ fn draft_model_trees_give_plain_greedy_output_on_the_real_model() {
     let prompt = chat(PROMPTS[2]);
     let params = GenerationParams::greedy(30)
         .with_draft(DraftLength::Fixed(4))
-        .with_tree_nodes(12)
-        .with_stop(StopConditions::eos(tokenizer().eos_id()));
-    let plain_params = GenerationParams {
-        draft: DraftLength::Off,
-        tree_nodes: 0,
-        ..params.clone()
-    };
+        .with_tree(TreeDrafts::nodes(12))
+        .with_stop(StopConditions::eos(tokenizer().eos_id()))
+        .unwrap();
+    let plain_params = params
+        .clone()
+        .with_draft(DraftLength::Off)
+        .with_tree(TreeDrafts::nodes(0));
     let mut plain = Generator::new(FastTarget::new(w.clone()), speculative::NoProposer);
     let want = plain.generate(&prompt, &plain_params).unwrap().tokens;
     let draft = DraftModelProposer::new(FastTarget::new(w.clone()));

@@ -28,13 +28,12 @@
 //! let prompt = [0u32, 2, 3, 1, 0, 2];
 //! // One mask per request: the grammar starts after the prompt.
 //! let mask = Arc::new(GrammarMask::regex(&vocab, r"\{(ab)+\}", prompt.len())?);
-//! let params = GenerationParams {
-//!     sampling: SamplingConfig::builder().mask(mask.clone()).build()?,
-//!     max_new_tokens: 12,
-//!     draft: DraftLength::Fixed(4),
-//!     stop: StopConditions::eos(4),
-//!     ..Default::default()
-//! };
+//! let params = GenerationParams::builder()
+//!     .sampling(SamplingConfig::builder().mask(mask.clone()).build()?)
+//!     .max_new_tokens(12)
+//!     .draft(DraftLength::Fixed(4))
+//!     .stop(StopConditions::eos(4))
+//!     .build()?;
 //! let target = speculative::test_util::ToyModel::markov(5, 2, 1.0, 7);
 //! let mut g = Generator::new(target, ForcedDrafts::new(mask, PromptLookup::new(1, 3)?));
 //! let out = g.generate(&prompt, &params)?;

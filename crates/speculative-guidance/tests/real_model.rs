@@ -7,7 +7,9 @@
 use std::sync::{Arc, OnceLock};
 
 use serde_json::{Value, json};
-use speculative::decode::{DraftLength, FinishReason, GenerationParams, Generator, StopConditions};
+use speculative::decode::{
+    DraftLength, FinishReason, GenerationParams, Generator, StopConditions, TreeDrafts,
+};
 use speculative::propose::{PromptLookup, SuffixConfig, SuffixProposer};
 use speculative::{Proposer, SamplingConfig};
 use speculative_candle::{
@@ -188,14 +190,14 @@ fn params(mask: Arc<GrammarMask>, temperature: f32, seed: u64) -> GenerationPara
         .mask(mask)
         .build()
         .unwrap();
-    GenerationParams {
-        sampling,
-        seed: Some(seed),
-        max_new_tokens: 160,
-        draft: DraftLength::Fixed(8),
-        stop: StopConditions::eos(tokenizer().eos_id()),
-        ..Default::default()
-    }
+    GenerationParams::builder()
+        .sampling(sampling)
+        .seed(seed)
+        .max_new_tokens(160)
+        .draft(DraftLength::Fixed(8))
+        .stop(StopConditions::eos(tokenizer().eos_id()))
+        .build()
+        .unwrap()
 }
 
 /// Checks that `tokens` end at EOS and spell JSON valid against `schema`; returns the text.
@@ -223,10 +225,7 @@ fn constrained_outputs_validate_and_speculation_keeps_greedy_output() {
         let new_mask =
             || Arc::new(GrammarMask::json_schema(vocab(), schema, prompt.len()).unwrap());
         // Plain constrained greedy.
-        let plain_params = GenerationParams {
-            draft: DraftLength::Off,
-            ..params(new_mask(), 0.0, 0)
-        };
+        let plain_params = params(new_mask(), 0.0, 0).with_draft(DraftLength::Off);
         let mut plain = Generator::new(FastTarget::new(w.clone()), speculative::NoProposer);
         let want = plain.generate(&prompt, &plain_params).unwrap();
         let text = check_output(&want.tokens, want.finish, schema, q);
@@ -259,10 +258,7 @@ fn constrained_outputs_validate_and_speculation_keeps_greedy_output() {
                     SuffixProposer::new(SuffixConfig::default()).unwrap(),
                 ),
             );
-            let p = GenerationParams {
-                tree_nodes: 16,
-                ..params(m, 0.0, 0)
-            };
+            let p = params(m, 0.0, 0).with_tree(TreeDrafts::nodes(16));
             let out = g.generate(&prompt, &p).unwrap();
             assert_eq!(
                 out.tokens, want.tokens,

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
+use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::propose::{DraftModelProposer, PromptLookup};
 use speculative::rng::Stream;
 use speculative::sampling::{History, RowProcessor, TokenDist};
@@ -146,18 +146,18 @@ fn a_bad_grammar_is_a_typed_error() {
 }
 
 fn params(cfg: SamplingConfig, seed: u64, k: usize) -> GenerationParams {
-    GenerationParams {
-        sampling: cfg,
-        seed: Some(seed),
-        max_new_tokens: LEN,
-        draft: if k == 0 {
+    GenerationParams::builder()
+        .sampling(cfg)
+        .seed(seed)
+        .max_new_tokens(LEN)
+        .draft(if k == 0 {
             DraftLength::Off
         } else {
             DraftLength::Fixed(k)
-        },
-        stop: StopConditions::eos(EOS),
-        ..Default::default()
-    }
+        })
+        .stop(StopConditions::eos(EOS))
+        .build()
+        .unwrap()
 }
 
 #[test]
@@ -166,8 +166,11 @@ fn greedy_constrained_speculation_equals_plain_constrained_greedy() {
         let t = || ToyModel::markov(VOCAB, 3, 2.0, 100 + seed).with_tree(16);
         let m = mask();
         let cfg = SamplingConfig::builder().mask(m.clone()).build().unwrap();
-        let mut pp = params(cfg.clone(), 0, 0);
-        pp.max_new_tokens = 24;
+        let pp = params(cfg.clone(), 0, 0)
+            .to_builder()
+            .max_new_tokens(24)
+            .build()
+            .unwrap();
         let want = Generator::new(t(), speculative::NoProposer)
             .generate(&PROMPT, &pp)
             .unwrap()
@@ -190,10 +193,13 @@ fn greedy_constrained_speculation_equals_plain_constrained_greedy() {
         for p in props {
             let name = p.name();
             let mut g = Generator::new(t(), p);
-            let mut sp = params(cfg.clone(), 0, 4);
-            sp.max_new_tokens = 24;
+            let sp = params(cfg.clone(), 0, 4)
+                .to_builder()
+                .max_new_tokens(24)
+                .build()
+                .unwrap();
             assert_eq!(g.generate(&PROMPT, &sp).unwrap().tokens, want, "{name}");
-            sp.tree_nodes = 8;
+            let sp = sp.with_tree(TreeDrafts::nodes(8));
             assert_eq!(
                 g.generate(&PROMPT, &sp).unwrap().tokens,
                 want,
@@ -322,8 +328,7 @@ fn law_of<P: Proposer, T: TargetModel>(
     let mut counts = HashMap::new();
     for seed in 0..N {
         let cfg = rebuild(base, make_mask());
-        let mut p = params(cfg, seed, k);
-        p.tree_nodes = tree_nodes;
+        let p = params(cfg, seed, k).with_tree(TreeDrafts::nodes(tree_nodes));
         let out = g.generate(&PROMPT, &p).unwrap();
         *counts.entry(out.tokens).or_insert(0) += 1;
     }

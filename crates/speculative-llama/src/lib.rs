@@ -28,7 +28,7 @@
 //! let mut generator =
 //!     Generator::new(target, PromptLookup::new(1, 4)?).with_detokenizer(engine.clone());
 //! let stop = engine.eog_ids().iter().fold(StopConditions::default(), |s, &t| s.with_eos(t));
-//! let params = GenerationParams::greedy(64).with_stop(stop);
+//! let params = GenerationParams::greedy(64).with_stop(stop)?;
 //! let out = generator.generate(&prompt, &params)?;
 //! println!("{}", engine.decode(&out.tokens, true)?);
 //! // Plain greedy decoding for comparison: the same params with `DraftLength::Off`, or the

@@ -35,7 +35,10 @@ fn params(k: DraftLength) -> GenerationParams {
         .eog_ids()
         .iter()
         .fold(StopConditions::default(), |s, &t| s.with_eos(t));
-    GenerationParams::greedy(64).with_stop(stop).with_draft(k)
+    GenerationParams::greedy(64)
+        .with_stop(stop)
+        .unwrap()
+        .with_draft(k)
 }
 
 fn first_difference(a: &[u32], b: &[u32]) -> Option<usize> {
