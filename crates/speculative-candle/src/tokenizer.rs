@@ -409,7 +409,7 @@ impl GgufTokenizer {
 }
 
 /// The text a reader sees: control tokens (`<|im_end|>`, ...) are skipped, as in
-/// [`GgufTokenizer::decode`] with `skip_special = true` and the `speculate` example's stream.
+/// [`GgufTokenizer::decode`] with `skip_special = true` and the `speculate` command's stream.
 /// Use [`GgufDetokenizer`] to keep them in the text.
 ///
 /// Stateless and exact for any slice: the text of `tokens` is the lossy UTF-8 decode of the
