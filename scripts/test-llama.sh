@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The llama.cpp adapter (crates/speculative-llama) and the `llama` features of spec-bench and
-# the `speculate` example. Building llama-cpp-sys-2 compiles llama.cpp from source with cmake
+# the `speculate` command (crates/speculate). Building llama-cpp-sys-2 compiles llama.cpp from source with cmake
 # (needs cmake, a C++ compiler and libclang; about 4-8 minutes per cargo profile on 2 cores), so
 # it runs apart from scripts/test.sh. Every step uses the `test` profile, so llama.cpp is
 # compiled once (each profile has its own build of it).
@@ -14,8 +14,8 @@ done
 scripts/fetch-model.sh
 P=(--profile test)
 cargo clippy "${P[@]}" -p speculative-llama --all-targets -- -D warnings
-cargo clippy "${P[@]}" -p spec-bench -p speculative-candle \
-    --features spec-bench/llama,speculative-candle/llama --all-targets -- -D warnings
+cargo clippy "${P[@]}" -p spec-bench -p speculate \
+    --features spec-bench/llama,speculate/llama --all-targets -- -D warnings
 # Contract tests, greedy identity and batch invariance on the real GGUF; the doc tests.
 cargo test "${P[@]}" -p speculative-llama
 # spec-bench's tests with the engine compiled in, then both engines in one run and one cost
@@ -31,8 +31,8 @@ grep -q "llama: prompt-lookup" "$OUT/run.md"
 bench cost-table --backend fast,llama --batch 1 --tokens 1,2 --reps 1 --prefix 16 \
     --out "$OUT/cost.json" > "$OUT/cost.md"
 test -s "$OUT/cost-llama.json" && test -s "$OUT/cost-fast.json"
-# The speculate example on llama.cpp (greedy, compared with plain decoding in the same run).
-cargo run "${P[@]}" -q -p speculative-candle --features llama --example speculate -- \
+# The speculate command on llama.cpp (greedy, compared with plain decoding in the same run).
+cargo run "${P[@]}" -q -p speculate --features llama -- \
     --engine llama --prompt "Repeat exactly: the cat sat on the mat." --max-tokens 24 --compare \
     > "$OUT/speculate.txt"
 grep -q "greedy outputs identical: yes" "$OUT/speculate.txt"

@@ -60,7 +60,9 @@
 
 #![deny(missing_docs)]
 
+mod engine;
 mod error;
+mod gguf;
 mod model;
 mod tokenizer;
 mod tree;
@@ -68,7 +70,8 @@ mod tree;
 use std::path::PathBuf;
 
 pub use error::{CandleError, Result};
-pub use model::{CandleTarget, LlamaConfig, LlamaWeights, LoadOptions, WeightFormat};
+pub use gguf::LlamaConfig;
+pub use model::{CandleTarget, LlamaWeights, LoadOptions, WeightFormat};
 pub use tokenizer::{ChatMessage, GgufDetokenizer, GgufTokenizer, StreamDecoder};
 
 /// File name of the default model, SmolLM2-135M-Instruct quantised to Q4_1.

@@ -23,18 +23,17 @@
 //! [`speculative::HiddenStates::last_hidden`]) and `logits = hidden · output^T` (`[n, vocab]`;
 //! `output.weight` falls back to `token_embd.weight` when the file ties them).
 
-use std::fs::File;
-use std::io::{BufReader, Read, Seek};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{D, DType, Device, Module, Tensor};
-use speculative::{DraftBlock, TreeLimits};
+use speculative::DraftBlock;
 
+use crate::engine::{DEFAULT_MAX_TREE_NODES, Engine, check_append, target_glue};
 use crate::error::{CandleError, Result};
-use crate::tree::{PendingTree, Rows};
+use crate::gguf::{self, LlamaConfig, TensorReader, block_tensor, open_gguf};
+use crate::tree::{PendingTree, Rows, take_for_commit, tree_tokens};
 
 /// How the layer weights are stored in memory after loading.
 ///
@@ -102,32 +101,6 @@ impl LoadOptions {
     }
 }
 
-/// Hyper-parameters read from the GGUF metadata (`llama.*` keys).
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub struct LlamaConfig {
-    /// Number of transformer blocks (`llama.block_count`).
-    pub n_layers: usize,
-    /// Hidden size (`llama.embedding_length`).
-    pub hidden_size: usize,
-    /// MLP inner size (`llama.feed_forward_length`).
-    pub ffn_size: usize,
-    /// Query heads (`llama.attention.head_count`).
-    pub n_heads: usize,
-    /// Key/value heads (`llama.attention.head_count_kv`; defaults to `n_heads`).
-    pub n_kv_heads: usize,
-    /// Per-head width, `hidden_size / n_heads`.
-    pub head_dim: usize,
-    /// Maximum context in tokens (`llama.context_length`).
-    pub context_length: usize,
-    /// RoPE base frequency (`llama.rope.freq_base`; default 10000).
-    pub rope_theta: f32,
-    /// RMSNorm epsilon (`llama.attention.layer_norm_rms_epsilon`; default 1e-5).
-    pub rms_eps: f64,
-    /// Vocabulary size (rows of `token_embd.weight`).
-    pub vocab_size: usize,
-}
-
 struct Layer {
     attn_norm: Tensor,
     /// Fused `[q; k; v]` projection, `[(heads + 2 kv_heads) * d, h]`.
@@ -165,207 +138,39 @@ impl std::fmt::Debug for LlamaWeights {
     }
 }
 
-pub(crate) fn open_gguf(path: &Path) -> Result<(gguf_file::Content, BufReader<File>)> {
-    let file = File::open(path).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::NotFound {
-            CandleError::ModelNotFound {
-                path: path.to_path_buf(),
-            }
-        } else {
-            CandleError::Io(e)
-        }
-    })?;
-    let mut reader = BufReader::new(file);
-    let content = gguf_file::Content::read(&mut reader).map_err(|e| CandleError::CorruptModel {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
-    Ok((content, reader))
+/// Reads the layer matrices of a GGUF file in a [`WeightFormat`].
+struct Loader<'a> {
+    rd: TensorReader<'a>,
 }
 
-pub(crate) fn meta<'a>(content: &'a gguf_file::Content, key: &str) -> Result<&'a Value> {
-    content
-        .metadata
-        .get(key)
-        .ok_or_else(|| CandleError::Metadata {
-            key: key.to_string(),
-            reason: "missing".into(),
-        })
-}
-
-fn meta_usize(content: &gguf_file::Content, key: &str) -> Result<usize> {
-    let v = meta(content, key)?;
-    let bad = |reason: &str| CandleError::Metadata {
-        key: key.to_string(),
-        reason: reason.to_string(),
-    };
-    let n: u64 = match v {
-        Value::U8(x) => u64::from(*x),
-        Value::U16(x) => u64::from(*x),
-        Value::U32(x) => u64::from(*x),
-        Value::U64(x) => *x,
-        Value::I8(x) => u64::try_from(*x).map_err(|_| bad("negative"))?,
-        Value::I16(x) => u64::try_from(*x).map_err(|_| bad("negative"))?,
-        Value::I32(x) => u64::try_from(*x).map_err(|_| bad("negative"))?,
-        Value::I64(x) => u64::try_from(*x).map_err(|_| bad("negative"))?,
-        _ => return Err(bad("not an integer")),
-    };
-    usize::try_from(n).map_err(|_| bad("too large"))
-}
-
-fn meta_f64_or(content: &gguf_file::Content, key: &str, default: f64) -> Result<f64> {
-    match content.metadata.get(key) {
-        None => Ok(default),
-        Some(Value::F32(x)) => Ok(f64::from(*x)),
-        Some(Value::F64(x)) => Ok(*x),
-        Some(_) => Err(CandleError::Metadata {
-            key: key.to_string(),
-            reason: "not a float".into(),
-        }),
-    }
-}
-
-impl LlamaConfig {
-    /// Reads the configuration from GGUF metadata; `vocab_size` comes from `token_embd.weight`.
-    ///
-    /// # Errors
-    /// [`CandleError::Metadata`] when `general.architecture` is not `llama`, a required key is
-    /// missing or sizes are inconsistent (hidden size not divisible by heads, heads not divisible
-    /// by kv heads, partial RoPE); [`CandleError::Tensor`] when `token_embd.weight` is missing.
-    pub fn from_gguf(content: &gguf_file::Content) -> Result<Self> {
-        let arch = meta(content, "general.architecture")?
-            .to_string()
-            .map_err(|e| CandleError::Metadata {
-                key: "general.architecture".into(),
-                reason: e.to_string(),
-            })?;
-        if arch != "llama" {
-            return Err(CandleError::Metadata {
-                key: "general.architecture".into(),
-                reason: format!("`{arch}` is not supported (only `llama`)"),
-            });
-        }
-        let n_layers = meta_usize(content, "llama.block_count")?;
-        let hidden_size = meta_usize(content, "llama.embedding_length")?;
-        let ffn_size = meta_usize(content, "llama.feed_forward_length")?;
-        let n_heads = meta_usize(content, "llama.attention.head_count")?;
-        let n_kv_heads = if content
-            .metadata
-            .contains_key("llama.attention.head_count_kv")
-        {
-            meta_usize(content, "llama.attention.head_count_kv")?
-        } else {
-            n_heads
-        };
-        let context_length = meta_usize(content, "llama.context_length")?;
-        let rope_theta = meta_f64_or(content, "llama.rope.freq_base", 10_000.0)? as f32;
-        let rms_eps = meta_f64_or(content, "llama.attention.layer_norm_rms_epsilon", 1e-5)?;
-        let inconsistent = |key: &str, reason: String| CandleError::Metadata {
-            key: key.to_string(),
-            reason,
-        };
-        if n_layers == 0 || hidden_size == 0 || ffn_size == 0 || context_length == 0 {
-            return Err(inconsistent(
-                "llama.*",
-                "block_count, embedding_length, feed_forward_length and context_length must be > 0"
-                    .into(),
-            ));
-        }
-        if n_heads == 0
-            || n_kv_heads == 0
-            || hidden_size % n_heads != 0
-            || n_heads % n_kv_heads != 0
-        {
-            return Err(inconsistent(
-                "llama.attention.head_count",
-                format!(
-                    "hidden {hidden_size}, heads {n_heads}, kv heads {n_kv_heads} are inconsistent"
-                ),
-            ));
-        }
-        let head_dim = hidden_size / n_heads;
-        if head_dim % 2 != 0 {
-            return Err(inconsistent(
-                "llama.attention.head_count",
-                format!("head dim {head_dim} is odd"),
-            ));
-        }
-        if content.metadata.contains_key("llama.rope.dimension_count") {
-            let rope_dim = meta_usize(content, "llama.rope.dimension_count")?;
-            if rope_dim != head_dim {
-                return Err(inconsistent(
-                    "llama.rope.dimension_count",
-                    format!("partial RoPE ({rope_dim} of {head_dim}) is not supported"),
-                ));
-            }
-        }
-        let embd = content
-            .tensor_infos
-            .get("token_embd.weight")
-            .ok_or_else(|| CandleError::Tensor {
-                name: "token_embd.weight".into(),
-                reason: "missing".into(),
-            })?;
-        let dims = embd.shape.dims();
-        if dims.len() != 2 || dims[1] != hidden_size {
-            return Err(CandleError::Tensor {
-                name: "token_embd.weight".into(),
-                reason: format!("shape {dims:?}, expected [vocab, {hidden_size}]"),
-            });
-        }
-        Ok(LlamaConfig {
-            n_layers,
-            hidden_size,
-            ffn_size,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            context_length,
-            rope_theta,
-            rms_eps,
-            vocab_size: dims[0],
-        })
-    }
-}
-
-struct Loader<'a, R> {
-    content: &'a gguf_file::Content,
-    reader: &'a mut R,
-    device: &'a Device,
-    path: &'a Path,
-}
-
-impl<R: Read + Seek> Loader<'_, R> {
-    fn qtensor(&mut self, name: &str, dims: &[usize]) -> Result<QTensor> {
-        let info = self
-            .content
-            .tensor_infos
-            .get(name)
-            .ok_or_else(|| CandleError::Tensor {
-                name: name.into(),
-                reason: "missing".into(),
-            })?;
-        if info.shape.dims() != dims {
-            return Err(CandleError::Tensor {
-                name: name.into(),
-                reason: format!("shape {:?}, expected {dims:?}", info.shape.dims()),
-            });
-        }
-        self.content
-            .tensor(self.reader, name, self.device)
-            .map_err(|e| CandleError::CorruptModel {
-                path: self.path.to_path_buf(),
-                reason: format!("reading `{name}`: {e}"),
-            })
-    }
-
+impl Loader<'_> {
+    /// The f32 vector or matrix `name` of shape `dims`, dequantised.
     fn f32_tensor(&mut self, name: &str, dims: &[usize]) -> Result<Tensor> {
-        let q = self.qtensor(name, dims)?;
-        Ok(q.dequantize(self.device)?)
+        let q = self.rd.qtensor(name, dims)?;
+        Ok(q.dequantize(&Device::Cpu)?)
+    }
+
+    /// Block `i` of a model of `cfg` in `format` (`q`, `k`, `v` fused, `gate` and `up` fused).
+    fn layer(&mut self, cfg: &LlamaConfig, i: usize, format: WeightFormat) -> Result<Layer> {
+        let (h, d, ffn) = (cfg.hidden_size, cfg.head_dim, cfg.ffn_size);
+        let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
+        let p = |s: &str| block_tensor(i, s);
+        let (q, k, v) = (p("attn_q"), p("attn_k"), p("attn_v"));
+        let (g, u) = (p("ffn_gate"), p("ffn_up"));
+        Ok(Layer {
+            attn_norm: self.f32_tensor(&p("attn_norm"), &[h])?,
+            wqkv: self.matmul(&[(&q, nh * d), (&k, nkv * d), (&v, nkv * d)], h, format)?,
+            wo: self.matmul(&[(&p("attn_output"), h)], nh * d, format)?,
+            ffn_norm: self.f32_tensor(&p("ffn_norm"), &[h])?,
+            w_gate_up: self.matmul(&[(&g, ffn), (&u, ffn)], h, format)?,
+            w_down: self.matmul(&[(&p("ffn_down"), h)], ffn, format)?,
+        })
     }
 
     /// Loads the named `[rows_i, cols]` matrices, concatenates them along rows and converts
-    /// the result to `format`.
+    /// the result to `format`: kept as stored when `format` allows it (one part, or block-
+    /// quantised parts of one type under [`WeightFormat::AsStored`]), else dequantised (and
+    /// re-quantised to Q8_0 under [`WeightFormat::Q8_0`]).
     fn matmul(
         &mut self,
         names: &[(&str, usize)],
@@ -374,7 +179,7 @@ impl<R: Read + Seek> Loader<'_, R> {
     ) -> Result<QMatMul> {
         let mut parts = Vec::with_capacity(names.len());
         for &(name, rows) in names {
-            parts.push(self.qtensor(name, &[rows, cols])?);
+            parts.push(self.rd.qtensor(name, &[rows, cols])?);
         }
         let all_q8 = parts.iter().all(|q| q.dtype() == GgmlDType::Q8_0);
         let keep = match format {
@@ -393,37 +198,48 @@ impl<R: Read + Seek> Loader<'_, R> {
             .iter()
             .all(|q| matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16));
         if format == WeightFormat::AsStored && same_dtype && !is_float {
-            // Rows of a GGUF block-quantised matrix are whole blocks, so stacking matrices
-            // along rows is a concatenation of their bytes.
-            let dtype = parts[0].dtype();
             let rows: usize = names.iter().map(|&(_, r)| r).sum();
-            let mut bytes = Vec::new();
-            for q in &parts {
-                bytes.extend_from_slice(&q.data()?);
-            }
-            let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), self.device, dtype)?;
-            let q = QTensor::new(storage, (rows, cols))?;
-            return Ok(QMatMul::from_arc(Arc::new(q))?);
+            return concat_quantized(&parts, rows, cols);
         }
-        let deq = parts
-            .iter()
-            .map(|q| q.dequantize(self.device))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let full = if deq.len() == 1 {
-            deq.into_iter()
-                .next()
-                .ok_or_else(|| CandleError::InvalidArgument("no part".into()))?
-        } else {
-            Tensor::cat(&deq, 0)?
-        };
-        match format {
-            WeightFormat::F32 | WeightFormat::AsStored => Ok(QMatMul::Tensor(full)),
-            WeightFormat::Q8_0 if is_float => Ok(QMatMul::Tensor(full)),
-            WeightFormat::Q8_0 => Ok(QMatMul::from_arc(Arc::new(QTensor::quantize(
-                &full,
-                GgmlDType::Q8_0,
-            )?))?),
-        }
+        dequantized(&parts, format, is_float)
+    }
+}
+
+/// Block-quantised `parts` of one type stacked along rows into one `[rows, cols]` matrix, as
+/// stored. Rows of a GGUF block-quantised matrix are whole blocks, so stacking matrices along
+/// rows is a concatenation of their bytes.
+fn concat_quantized(parts: &[QTensor], rows: usize, cols: usize) -> Result<QMatMul> {
+    let dtype = parts[0].dtype();
+    let mut bytes = Vec::new();
+    for q in parts {
+        bytes.extend_from_slice(&q.data()?);
+    }
+    let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &Device::Cpu, dtype)?;
+    let q = QTensor::new(storage, (rows, cols))?;
+    Ok(QMatMul::from_arc(Arc::new(q))?)
+}
+
+/// `parts` dequantised and stacked along rows: f32 for [`WeightFormat::F32`] /
+/// [`WeightFormat::AsStored`] and float parts (`is_float`), else re-quantised to Q8_0.
+fn dequantized(parts: &[QTensor], format: WeightFormat, is_float: bool) -> Result<QMatMul> {
+    let deq = parts
+        .iter()
+        .map(|q| q.dequantize(&Device::Cpu))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let full = if deq.len() == 1 {
+        deq.into_iter()
+            .next()
+            .ok_or_else(|| CandleError::InvalidArgument("no part".into()))?
+    } else {
+        Tensor::cat(&deq, 0)?
+    };
+    match format {
+        WeightFormat::F32 | WeightFormat::AsStored => Ok(QMatMul::Tensor(full)),
+        WeightFormat::Q8_0 if is_float => Ok(QMatMul::Tensor(full)),
+        WeightFormat::Q8_0 => Ok(QMatMul::from_arc(Arc::new(QTensor::quantize(
+            &full,
+            GgmlDType::Q8_0,
+        )?))?),
     }
 }
 
@@ -460,37 +276,28 @@ impl LlamaWeights {
         let device = Device::Cpu;
         let format = opts.format;
         let h = config.hidden_size;
-        let d = config.head_dim;
-        let (nh, nkv, ffn) = (config.n_heads, config.n_kv_heads, config.ffn_size);
         let mut ld = Loader {
-            content: &content,
-            reader: &mut reader,
-            device: &device,
-            path,
+            rd: TensorReader {
+                content: &content,
+                reader: &mut reader,
+                path,
+            },
         };
-        let embed = Arc::new(ld.qtensor("token_embd.weight", &[config.vocab_size, h])?);
+        let embed = Arc::new(
+            ld.rd
+                .qtensor("token_embd.weight", &[config.vocab_size, h])?,
+        );
         if h % embed.dtype().block_size() != 0 {
             return Err(CandleError::Tensor {
                 name: "token_embd.weight".into(),
                 reason: "hidden size not divisible by the quantisation block".into(),
             });
         }
-        let mut layers = Vec::with_capacity(config.n_layers);
-        for i in 0..config.n_layers {
-            let p = |s: &str| format!("blk.{i}.{s}.weight");
-            let (q, k, v) = (p("attn_q"), p("attn_k"), p("attn_v"));
-            let (g, u) = (p("ffn_gate"), p("ffn_up"));
-            layers.push(Layer {
-                attn_norm: ld.f32_tensor(&p("attn_norm"), &[h])?,
-                wqkv: ld.matmul(&[(&q, nh * d), (&k, nkv * d), (&v, nkv * d)], h, format)?,
-                wo: ld.matmul(&[(&p("attn_output"), h)], nh * d, format)?,
-                ffn_norm: ld.f32_tensor(&p("ffn_norm"), &[h])?,
-                w_gate_up: ld.matmul(&[(&g, ffn), (&u, ffn)], h, format)?,
-                w_down: ld.matmul(&[(&p("ffn_down"), h)], ffn, format)?,
-            });
-        }
+        let layers = (0..config.n_layers)
+            .map(|i| ld.layer(&config, i, format))
+            .collect::<Result<Vec<_>>>()?;
         let output_norm = ld.f32_tensor("output_norm.weight", &[h])?;
-        let head_name = if content.tensor_infos.contains_key("output.weight") {
+        let head_name = if ld.rd.has("output.weight") {
             "output.weight"
         } else {
             "token_embd.weight"
@@ -527,21 +334,10 @@ impl LlamaWeights {
     }
 }
 
-/// `cos` and `sin` of `pos * theta^(-2i/d)`, each `[context_length, d / 2]`.
+/// The RoPE tables of [`gguf::rope_tables`] as `[context_length, d / 2]` tensors.
 fn rope_tables(cfg: &LlamaConfig, device: &Device) -> Result<(Tensor, Tensor)> {
     let half = cfg.head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
-        .collect();
-    let mut cos = Vec::with_capacity(cfg.context_length * half);
-    let mut sin = Vec::with_capacity(cfg.context_length * half);
-    for pos in 0..cfg.context_length {
-        for &f in &inv_freq {
-            let a = pos as f32 * f;
-            cos.push(a.cos());
-            sin.push(a.sin());
-        }
-    }
+    let (cos, sin) = gguf::rope_tables(cfg);
     Ok((
         Tensor::from_vec(cos, (cfg.context_length, half), device)?,
         Tensor::from_vec(sin, (cfg.context_length, half), device)?,
@@ -775,7 +571,7 @@ impl CandleTarget {
             cache: (0..n_layers).map(|_| None).collect(),
             seq_len: 0,
             hidden: Vec::new(),
-            max_tree_nodes: crate::fast::DEFAULT_MAX_TREE_NODES,
+            max_tree_nodes: DEFAULT_MAX_TREE_NODES,
             pending: None,
             tree_kv: vec![None; n_layers],
         }
@@ -900,7 +696,7 @@ impl CandleTarget {
         layout: Option<&Rows>,
         head: bool,
     ) -> Result<Option<Tensor>> {
-        crate::fast::forward::check_append(
+        check_append(
             &self.weights.config,
             self.pending.is_some(),
             self.seq_len,
@@ -1043,9 +839,7 @@ impl CandleTarget {
     /// trees") and returns the `[n + 1, vocab]` logits; the tree is pending afterwards. On
     /// error the sequence is unchanged.
     fn forward_tree_tensor(&mut self, root: u32, block: &DraftBlock<'_>) -> Result<Tensor> {
-        let mut tokens = Vec::with_capacity(block.rows());
-        tokens.push(root);
-        tokens.extend_from_slice(block.tokens());
+        let tokens = tree_tokens(root, block);
         let rows = Rows::of(block);
         let base = self.seq_len;
         let logits = self
@@ -1119,122 +913,52 @@ impl CandleTarget {
     }
 }
 
-impl speculative::TargetModel for CandleTarget {
-    fn vocab_size(&self) -> usize {
-        self.weights.config.vocab_size
+impl Engine for CandleTarget {
+    fn model_config(&self) -> &LlamaConfig {
+        &self.weights.config
     }
 
-    fn max_context(&self) -> usize {
-        self.weights.config.context_length
-    }
-
-    fn seq_len(&self) -> usize {
+    fn positions(&self) -> usize {
         self.seq_len
     }
 
-    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> speculative::Result<()> {
-        logits.clear();
-        let t = self.forward_tensor(tokens)?;
-        let v = t
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(CandleError::from)?;
-        logits.extend_from_slice(&v);
-        Ok(())
-    }
-
-    fn truncate(&mut self, len: usize) -> speculative::Result<()> {
-        Ok(self.truncate_to(len)?)
-    }
-
-    fn prefill(&mut self, tokens: &[u32]) -> speculative::Result<()> {
-        Ok(self.prefill_tokens(tokens)?)
-    }
-
-    fn hidden_states(&self) -> Option<&dyn speculative::HiddenStates> {
-        Some(self)
-    }
-
-    fn tree(&mut self) -> Option<&mut dyn speculative::TreeTarget> {
-        if self.max_tree_nodes == 0 {
-            None
-        } else {
-            Some(self)
-        }
-    }
-}
-
-impl speculative::TreeTarget for CandleTarget {
-    fn max_tree_nodes(&self) -> usize {
+    fn tree_capacity(&self) -> usize {
         self.max_tree_nodes
     }
 
-    /// See [`speculative::TreeTarget::forward_tree`] and the "Token trees" section of
-    /// [`CandleTarget`]. The block is checked with [`DraftBlock::validate`] against the
-    /// vocabulary and [`speculative::TreeTarget::max_tree_nodes`] (any sibling scheme).
-    ///
-    /// # Errors
-    /// [`speculative::Error::InvalidTree`] for an invalid block;
-    /// [`speculative::Error::Model`] (source [`CandleError`]) for a root outside the
-    /// vocabulary, `seq_len + n + 1 > context_length`, a tree forward not yet committed or a
-    /// failed tensor operation. On error the sequence is unchanged.
-    fn forward_tree(
+    fn append_logits(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        let t = self.forward_tensor(tokens)?;
+        logits.extend_from_slice(&t.flatten_all()?.to_vec1::<f32>()?);
+        Ok(())
+    }
+
+    fn append_prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        self.prefill_tokens(tokens)
+    }
+
+    fn truncate_positions(&mut self, len: usize) -> Result<()> {
+        self.truncate_to(len)
+    }
+
+    fn append_tree(
         &mut self,
         root: u32,
         block: &DraftBlock<'_>,
         logits: &mut Vec<f32>,
-    ) -> speculative::Result<()> {
-        let limits = TreeLimits::target(self.weights.config.vocab_size, self.max_tree_nodes);
-        block
-            .validate(&limits)
-            .map_err(speculative::Error::InvalidTree)?;
-        logits.clear();
+    ) -> Result<()> {
         let t = self.forward_tree_tensor(root, block)?;
-        let v = t
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(CandleError::from)?;
-        logits.extend_from_slice(&v);
+        logits.extend_from_slice(&t.flatten_all()?.to_vec1::<f32>()?);
         Ok(())
     }
 
-    /// See [`speculative::TreeTarget::commit_tree`].
-    ///
-    /// # Errors
-    /// [`speculative::Error::TargetContract`] when no tree forward is pending or `path` is not
-    /// a path of its block (the tree stays pending); [`speculative::Error::Model`] when a
-    /// tensor copy fails, after which the tree is dropped and the sequence ends with the root.
-    fn commit_tree(&mut self, path: &[u32]) -> speculative::Result<()> {
-        let Some(t) = self.pending.take() else {
-            return Err(speculative::Error::TargetContract {
-                what: "commit_tree without a pending tree forward",
-            });
-        };
-        if !t.is_path(path) {
-            self.pending = Some(t);
-            return Err(speculative::Error::TargetContract {
-                what: "commit_tree path is not a path of the pending tree block",
-            });
-        }
-        let base = t.base;
+    fn commit_path(&mut self, path: &[u32]) -> speculative::Result<()> {
+        let t = take_for_commit(&mut self.pending, path, |t| t)?;
         self.commit_rows(&t, path).map_err(|e| {
             // Slots past the root may hold part of the path: keep only what is certain.
-            self.seq_len = base + 1;
+            self.seq_len = t.base + 1;
             e.into()
         })
     }
 }
 
-impl speculative::HiddenStates for CandleTarget {
-    fn hidden_size(&self) -> usize {
-        self.weights.config.hidden_size
-    }
-
-    fn last_hidden(&self) -> Option<&[f32]> {
-        if self.hidden.is_empty() {
-            None
-        } else {
-            Some(&self.hidden)
-        }
-    }
-}
+target_glue!(CandleTarget, hidden_states = hidden);

@@ -25,7 +25,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, Tokenizer};
 
 use crate::error::{CandleError, Result};
-use crate::model::{meta, open_gguf};
+use crate::gguf::{meta, open_gguf};
 
 /// GGUF `token_type` of control tokens (`<|im_start|>`, `<|endoftext|>`, ...).
 const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -122,6 +122,110 @@ fn token_id(content: &gguf_file::Content, key: &str) -> Result<Option<u32>> {
     }
 }
 
+/// Checks `tokenizer.ggml.model` (when present) is `gpt2`, byte-level BPE.
+fn check_model(content: &gguf_file::Content) -> Result<()> {
+    if let Some(v) = content.metadata.get("tokenizer.ggml.model") {
+        let model = v.to_string().map_err(|e| CandleError::Metadata {
+            key: "tokenizer.ggml.model".into(),
+            reason: e.to_string(),
+        })?;
+        if model != "gpt2" {
+            return Err(CandleError::Metadata {
+                key: "tokenizer.ggml.model".into(),
+                reason: format!("`{model}` is not supported (only byte-level BPE `gpt2`)"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `tokenizer.ggml.token_type`, one entry per token (all normal, `1`, when absent).
+fn token_types(content: &gguf_file::Content, n_tokens: usize) -> Result<Vec<i32>> {
+    let types: Vec<i32> = match content.metadata.get("tokenizer.ggml.token_type") {
+        None => vec![1; n_tokens],
+        Some(v) => v
+            .to_vec()
+            .and_then(|a| a.iter().map(|x| x.to_i32()).collect())
+            .map_err(|e| CandleError::Metadata {
+                key: "tokenizer.ggml.token_type".into(),
+                reason: e.to_string(),
+            })?,
+    };
+    if types.len() != n_tokens {
+        return Err(CandleError::Metadata {
+            key: "tokenizer.ggml.token_type".into(),
+            reason: format!("{} entries for {n_tokens} tokens", types.len()),
+        });
+    }
+    Ok(types)
+}
+
+/// The byte-level BPE tokenizer of `tokens` and `merges` (`"a b"` each), with the GPT-2
+/// pre-tokenizer (digits split, byte level) and the `special` tokens as added special tokens.
+fn bpe_tokenizer(tokens: &[String], merges: &[String], special: &[bool]) -> Result<Tokenizer> {
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let merges: Vec<(String, String)> = merges
+        .iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| CandleError::Metadata {
+                    key: "tokenizer.ggml.merges".into(),
+                    reason: format!("merge `{m}` has no space"),
+                })
+        })
+        .collect::<Result<_>>()?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| CandleError::Tokenizer(e.to_string()))?;
+    let mut tokenizer = Tokenizer::new(bpe);
+    let pre = Sequence::new(vec![
+        PreTokenizerWrapper::Digits(Digits::new(true)),
+        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
+    ]);
+    tokenizer.with_pre_tokenizer(Some(pre));
+    tokenizer.with_decoder(Some(ByteLevelDecoder::new(false, true, true)));
+    let added: Vec<AddedToken> = tokens
+        .iter()
+        .zip(special)
+        .filter(|&(_, &s)| s)
+        .map(|(t, _)| AddedToken::from(t.clone(), true))
+        .collect();
+    tokenizer.add_special_tokens(&added);
+    Ok(tokenizer)
+}
+
+/// The bytes of each token: a special token's text as it is, a normal token's byte-level
+/// characters mapped back to bytes (a character outside the table as its UTF-8).
+fn byte_strings(tokens: &[String], special: &[bool]) -> Vec<Vec<u8>> {
+    let table = byte_level_decode_table();
+    tokens
+        .iter()
+        .zip(special)
+        .map(|(t, &s)| {
+            if s {
+                return t.as_bytes().to_vec();
+            }
+            let mut out = Vec::with_capacity(t.len());
+            for c in t.chars() {
+                match table.get(&c) {
+                    Some(&b) => out.push(b),
+                    None => {
+                        let mut buf = [0u8; 4];
+                        out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                    }
+                }
+            }
+            out
+        })
+        .collect()
+}
+
 impl GgufTokenizer {
     /// Reads the tokenizer from the metadata of a GGUF file (the tensors are not read).
     ///
@@ -140,94 +244,13 @@ impl GgufTokenizer {
     /// or malformed, or the eos id is outside the vocabulary; [`CandleError::Tokenizer`] when
     /// the BPE model cannot be built.
     pub fn from_gguf(content: &gguf_file::Content) -> Result<Self> {
-        if let Some(v) = content.metadata.get("tokenizer.ggml.model") {
-            let model = v.to_string().map_err(|e| CandleError::Metadata {
-                key: "tokenizer.ggml.model".into(),
-                reason: e.to_string(),
-            })?;
-            if model != "gpt2" {
-                return Err(CandleError::Metadata {
-                    key: "tokenizer.ggml.model".into(),
-                    reason: format!("`{model}` is not supported (only byte-level BPE `gpt2`)"),
-                });
-            }
-        }
+        check_model(content)?;
         let tokens = string_array(content, "tokenizer.ggml.tokens")?;
         let merges = string_array(content, "tokenizer.ggml.merges")?;
-        let types: Vec<i32> = match content.metadata.get("tokenizer.ggml.token_type") {
-            None => vec![1; tokens.len()],
-            Some(v) => v
-                .to_vec()
-                .and_then(|a| a.iter().map(|x| x.to_i32()).collect())
-                .map_err(|e| CandleError::Metadata {
-                    key: "tokenizer.ggml.token_type".into(),
-                    reason: e.to_string(),
-                })?,
-        };
-        if types.len() != tokens.len() {
-            return Err(CandleError::Metadata {
-                key: "tokenizer.ggml.token_type".into(),
-                reason: format!("{} entries for {} tokens", types.len(), tokens.len()),
-            });
-        }
-        let vocab: Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let merges: Vec<(String, String)> = merges
-            .iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| CandleError::Metadata {
-                        key: "tokenizer.ggml.merges".into(),
-                        reason: format!("merge `{m}` has no space"),
-                    })
-            })
-            .collect::<Result<_>>()?;
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| CandleError::Tokenizer(e.to_string()))?;
-        let mut tokenizer = Tokenizer::new(bpe);
-        let pre = Sequence::new(vec![
-            PreTokenizerWrapper::Digits(Digits::new(true)),
-            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
-        ]);
-        tokenizer.with_pre_tokenizer(Some(pre));
-        tokenizer.with_decoder(Some(ByteLevelDecoder::new(false, true, true)));
+        let types = token_types(content, tokens.len())?;
         let special: Vec<bool> = types.iter().map(|&t| t == TOKEN_TYPE_CONTROL).collect();
-        let added: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&special)
-            .filter(|&(_, &s)| s)
-            .map(|(t, _)| AddedToken::from(t.clone(), true))
-            .collect();
-        tokenizer.add_special_tokens(&added);
-
-        let table = byte_level_decode_table();
-        let token_bytes = tokens
-            .iter()
-            .zip(&special)
-            .map(|(t, &s)| {
-                if s {
-                    t.as_bytes().to_vec()
-                } else {
-                    let mut out = Vec::with_capacity(t.len());
-                    for c in t.chars() {
-                        match table.get(&c) {
-                            Some(&b) => out.push(b),
-                            None => {
-                                let mut buf = [0u8; 4];
-                                out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
-                            }
-                        }
-                    }
-                    out
-                }
-            })
-            .collect();
+        let tokenizer = bpe_tokenizer(&tokens, &merges, &special)?;
+        let token_bytes = byte_strings(&tokens, &special);
         let eos_id = token_id(content, "tokenizer.ggml.eos_token_id")?.ok_or_else(|| {
             CandleError::Metadata {
                 key: "tokenizer.ggml.eos_token_id".into(),
@@ -409,7 +432,7 @@ impl GgufTokenizer {
 }
 
 /// The text a reader sees: control tokens (`<|im_end|>`, ...) are skipped, as in
-/// [`GgufTokenizer::decode`] with `skip_special = true` and the `speculate` example's stream.
+/// [`GgufTokenizer::decode`] with `skip_special = true` and the `speculate` command's stream.
 /// Use [`GgufDetokenizer`] to keep them in the text.
 ///
 /// Stateless and exact for any slice: the text of `tokens` is the lossy UTF-8 decode of the

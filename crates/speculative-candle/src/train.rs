@@ -402,6 +402,32 @@ fn smooth_l1(x: &Tensor) -> candle_core::Result<Tensor> {
     q.mul(&(a - (&q * 0.5)?)?)
 }
 
+/// The causal mask of a `t`-row window, `[t, t]`: 0 on and below the diagonal, `-inf` above.
+fn causal_mask(t: usize) -> Vec<f32> {
+    let mut causal = vec![0f32; t * t];
+    for i in 0..t {
+        for j in i + 1..t {
+            causal[i * t + j] = f32::NEG_INFINITY;
+        }
+    }
+    causal
+}
+
+/// The mask of the second unrolled pass, `[t, 2t]`: as at inference, where only the drafted
+/// row reads a prediction, row `p` attends to the first pass's keys of rows `0 .. p` (built
+/// from target features) and to its own second-pass key (EAGLE-3's training-time test, Li et
+/// al. 2025).
+fn unroll_mask(t: usize) -> Vec<f32> {
+    let mut m2 = vec![f32::NEG_INFINITY; t * 2 * t];
+    for i in 0..t {
+        for j in 0..i {
+            m2[i * 2 * t + j] = 0.0;
+        }
+        m2[i * 2 * t + t + i] = 0.0;
+    }
+    m2
+}
+
 impl Trainer {
     /// A freshly initialised head for `target` over the subset `vocab_ids` (normal(0, 0.02)
     /// matrices, residual projections scaled by `1/sqrt(2)`, unit norms, the output norm from
@@ -688,6 +714,52 @@ impl Trainer {
     /// of another width or a sequence whose features do not match its tokens;
     /// [`CandleError::TokenOutOfVocab`]; candle errors.
     pub fn step(&mut self, data: &Dataset, idx: &[usize]) -> Result<StepLoss> {
+        self.check_batch(data, idx)?;
+        let dev = Device::Cpu;
+        let bt = self.batch(data, idx);
+        let (b, t, h) = (bt.b, bt.t, self.h);
+        let count = bt.mask.iter().sum::<f32>().max(1.0) as f64;
+        let feat_in = self.with_noise(bt.feat_in, &bt.mask);
+        let emb = Tensor::from_vec(self.embeddings(&bt.tokens), (b, t, h), &dev)?;
+        let feat_in = Tensor::from_vec(feat_in, (b, t, h), &dev)?;
+        let target = Tensor::from_vec(bt.feat_out, (b, t, h), &dev)?;
+        let mask = Tensor::from_vec(bt.mask, (b, t), &dev)?;
+        let causal = Tensor::from_vec(causal_mask(t), (t, t), &dev)?;
+        let (cos, sin) = self.cos_sin(t)?;
+        let target_logits = target.broadcast_matmul(&self.head_rows.t()?)?;
+        let target_p = candle_nn::ops::softmax(&target_logits, D::Minus1)?.detach();
+        let target_arg = target_logits.argmax(D::Minus1)?;
+        let (pred, k1, v1) = self.forward(&feat_in, &emb, &cos, &sin, &causal, None)?;
+        let (mut total, reg, ce, acc) =
+            self.losses(&pred, &target, &target_p, &target_arg, &mask, count)?;
+        if self.cfg.unroll == 2 {
+            // Second pass: row p reads the first pass's prediction of p - 1.
+            let shifted = Tensor::cat(
+                &[
+                    Tensor::zeros((b, 1, h), DType::F32, &dev)?,
+                    pred.detach().narrow(1, 0, t - 1)?,
+                ],
+                1,
+            )?;
+            let m2 = Tensor::from_vec(unroll_mask(t), (t, 2 * t), &dev)?;
+            let (pk, pv) = (k1.detach(), v1.detach());
+            let (pred2, _, _) = self.forward(&shifted, &emb, &cos, &sin, &m2, Some((&pk, &pv)))?;
+            let (t2, _, _, _) =
+                self.losses(&pred2, &target, &target_p, &target_arg, &mask, count)?;
+            total = (total + t2)?;
+        }
+        self.optimise(&total)?;
+        Ok(StepLoss {
+            total: total.to_scalar::<f32>()? as f64,
+            reg: reg.to_scalar::<f32>()? as f64,
+            ce: ce.to_scalar::<f32>()? as f64,
+            acc,
+        })
+    }
+
+    /// Checks the sequences `idx` of `data` for a step: some given, all in `data`, features of
+    /// the head's width matching the tokens, tokens in the vocabulary.
+    fn check_batch(&self, data: &Dataset, idx: &[usize]) -> Result<()> {
         let vocab = self.target.config().vocab_size;
         if idx.is_empty() || data.hidden != self.h {
             return Err(CandleError::InvalidArgument(format!(
@@ -715,66 +787,28 @@ impl Trainer {
                 )));
             }
         }
-        let dev = Device::Cpu;
-        let bt = self.batch(data, idx);
-        let (b, t, h) = (bt.b, bt.t, self.h);
-        let count = bt.mask.iter().sum::<f32>().max(1.0) as f64;
-        let sigma = self.cfg.noise * self.feature_rms;
-        let mut feat_in = bt.feat_in;
+        Ok(())
+    }
+
+    /// `feat_in` (`[b, t, h]`) with Gaussian noise of standard deviation `noise ·
+    /// feature_rms` on every feature of a row in `mask` and every non-zero one (row 0 of each
+    /// window without a previous feature stays zero).
+    fn with_noise(&mut self, mut feat_in: Vec<f32>, mask: &[f32]) -> Vec<f32> {
+        let (h, sigma) = (self.h, self.cfg.noise * self.feature_rms);
         if sigma > 0.0 {
             for (i, v) in feat_in.iter_mut().enumerate() {
-                // Row 0 of each window without a previous feature stays zero.
-                if bt.mask[i / h] > 0.0 || *v != 0.0 {
+                if mask[i / h] > 0.0 || *v != 0.0 {
                     *v += (self.rng.normal() * sigma) as f32;
                 }
             }
         }
-        let emb = Tensor::from_vec(self.embeddings(&bt.tokens), (b, t, h), &dev)?;
-        let feat_in = Tensor::from_vec(feat_in, (b, t, h), &dev)?;
-        let target = Tensor::from_vec(bt.feat_out, (b, t, h), &dev)?;
-        let mask = Tensor::from_vec(bt.mask, (b, t), &dev)?;
-        let mut causal = vec![0f32; t * t];
-        for i in 0..t {
-            for j in i + 1..t {
-                causal[i * t + j] = f32::NEG_INFINITY;
-            }
-        }
-        let causal = Tensor::from_vec(causal, (t, t), &dev)?;
-        let (cos, sin) = self.cos_sin(t)?;
-        let target_logits = target.broadcast_matmul(&self.head_rows.t()?)?;
-        let target_p = candle_nn::ops::softmax(&target_logits, D::Minus1)?.detach();
-        let target_arg = target_logits.argmax(D::Minus1)?;
-        let (pred, k1, v1) = self.forward(&feat_in, &emb, &cos, &sin, &causal, None)?;
-        let (mut total, reg, ce, acc) =
-            self.losses(&pred, &target, &target_p, &target_arg, &mask, count)?;
-        if self.cfg.unroll == 2 {
-            // Second pass: row p reads the first pass's prediction of p - 1.
-            let shifted = Tensor::cat(
-                &[
-                    Tensor::zeros((b, 1, h), DType::F32, &dev)?,
-                    pred.detach().narrow(1, 0, t - 1)?,
-                ],
-                1,
-            )?;
-            // As at inference, where only the drafted row reads a prediction: row p attends
-            // to the first pass's keys of rows 0 .. p - 1 (built from target features) and to
-            // its own second-pass key (EAGLE-3's training-time test, Li et al. 2025).
-            let mut m2 = vec![f32::NEG_INFINITY; t * 2 * t];
-            for i in 0..t {
-                for j in 0..i {
-                    m2[i * 2 * t + j] = 0.0;
-                }
-                m2[i * 2 * t + t + i] = 0.0;
-            }
-            let m2 = Tensor::from_vec(m2, (t, 2 * t), &dev)?;
-            let (pk, pv) = (k1.detach(), v1.detach());
-            let (pred2, _, _) = self.forward(&shifted, &emb, &cos, &sin, &m2, Some((&pk, &pv)))?;
-            let (t2, _, _, _) =
-                self.losses(&pred2, &target, &target_p, &target_arg, &mask, count)?;
-            total = (total + t2)?;
-        }
+        feat_in
+    }
+
+    /// Back-propagates `total`, clips the global gradient norm to `clip` and takes one AdamW
+    /// step at the scheduled learning rate.
+    fn optimise(&mut self, total: &Tensor) -> Result<()> {
         let mut grads = total.backward()?;
-        // Clip the global gradient norm.
         let mut sq = 0f64;
         for (_, v) in self.params.all() {
             if let Some(g) = grads.get(v.as_tensor()) {
@@ -793,12 +827,7 @@ impl Trainer {
         self.opt.set_learning_rate(self.lr_at(self.step));
         self.opt.step(&grads)?;
         self.step += 1;
-        Ok(StepLoss {
-            total: total.to_scalar::<f32>()? as f64,
-            reg: reg.to_scalar::<f32>()? as f64,
-            ce: ce.to_scalar::<f32>()? as f64,
-            acc,
-        })
+        Ok(())
     }
 
     /// Learning rate at `step`: linear warm-up, then cosine to 10 % of the peak.
@@ -924,10 +953,7 @@ pub fn evaluate(
             "evaluate needs depth >= 1 ({depth}) and features of the head's width ({h})"
         )));
     }
-    let mut hits1 = vec![0usize; depth];
-    let mut hits3 = vec![0usize; depth];
-    let mut count = vec![0usize; depth];
-    let (mut acc_sum, mut acc_n) = (0usize, 0usize);
+    let mut tally = Tally::new(depth);
     let mut logits = Vec::new();
     let mut feats: Vec<f32> = Vec::new();
     let vocab = speculative::TargetModel::vocab_size(head);
@@ -952,50 +978,89 @@ pub fn evaluate(
             }
             let n = depth.min(len - 1 - p);
             head.forward_logits(&s.tokens[p..p + n], &mut logits)?;
-            let mut chain = true;
-            let mut accepted = 0;
-            for k in 0..n {
-                let row = &logits[k * vocab..(k + 1) * vocab];
-                let truth = s.tokens[p + k + 1] as usize;
-                let mut best = [(f32::NEG_INFINITY, usize::MAX); 3];
-                for (i, &v) in row.iter().enumerate() {
-                    if v > best[2].0 {
-                        best[2] = (v, i);
-                        best.sort_by(|a, b| b.0.total_cmp(&a.0));
-                    }
-                }
-                count[k] += 1;
-                if best[0].1 == truth {
-                    hits1[k] += 1;
-                    if chain {
-                        accepted += 1;
-                    }
-                } else {
-                    chain = false;
-                }
-                if best.iter().any(|b| b.1 == truth) {
-                    hits3[k] += 1;
-                }
-            }
-            if n == depth {
-                acc_sum += accepted;
-                acc_n += 1;
-            }
+            tally.score(&logits, vocab, &s.tokens[p + 1..p + 1 + n]);
             p += stride.max(1);
         }
     }
-    let frac = |h: &[usize]| -> Vec<f64> {
-        h.iter()
-            .zip(&count)
-            .map(|(&x, &n)| x as f64 / n.max(1) as f64)
-            .collect()
-    };
-    Ok(Accuracy {
-        top1: frac(&hits1),
-        top3: frac(&hits3),
-        count,
-        mean_accepted: acc_sum as f64 / acc_n.max(1) as f64,
-    })
+    Ok(tally.accuracy())
+}
+
+/// The counts of [`evaluate`], per draft position `k < depth`.
+struct Tally {
+    depth: usize,
+    hits1: Vec<usize>,
+    hits3: Vec<usize>,
+    count: Vec<usize>,
+    /// Sum and number of the accepted lengths of full-depth windows.
+    acc_sum: usize,
+    acc_n: usize,
+}
+
+impl Tally {
+    fn new(depth: usize) -> Self {
+        Tally {
+            depth,
+            hits1: vec![0; depth],
+            hits3: vec![0; depth],
+            count: vec![0; depth],
+            acc_sum: 0,
+            acc_n: 0,
+        }
+    }
+
+    /// Scores one window: row `k` of `logits` (`[n, vocab]`) against `truth[k]` (`n` tokens).
+    fn score(&mut self, logits: &[f32], vocab: usize, truth: &[u32]) {
+        let mut chain = true;
+        let mut accepted = 0;
+        for (k, &truth) in truth.iter().enumerate() {
+            let best = top3(&logits[k * vocab..(k + 1) * vocab]);
+            let truth = truth as usize;
+            self.count[k] += 1;
+            if best[0] == truth {
+                self.hits1[k] += 1;
+                if chain {
+                    accepted += 1;
+                }
+            } else {
+                chain = false;
+            }
+            if best.contains(&truth) {
+                self.hits3[k] += 1;
+            }
+        }
+        if truth.len() == self.depth {
+            self.acc_sum += accepted;
+            self.acc_n += 1;
+        }
+    }
+
+    fn accuracy(self) -> Accuracy {
+        let frac = |h: &[usize]| -> Vec<f64> {
+            h.iter()
+                .zip(&self.count)
+                .map(|(&x, &n)| x as f64 / n.max(1) as f64)
+                .collect()
+        };
+        Accuracy {
+            top1: frac(&self.hits1),
+            top3: frac(&self.hits3),
+            mean_accepted: self.acc_sum as f64 / self.acc_n.max(1) as f64,
+            count: self.count,
+        }
+    }
+}
+
+/// The ids of the 3 largest values of `row`, largest first (`usize::MAX` past the row's
+/// length; the first of equal values wins).
+fn top3(row: &[f32]) -> [usize; 3] {
+    let mut best = [(f32::NEG_INFINITY, usize::MAX); 3];
+    for (i, &v) in row.iter().enumerate() {
+        if v > best[2].0 {
+            best[2] = (v, i);
+            best.sort_by(|a, b| b.0.total_cmp(&a.0));
+        }
+    }
+    best.map(|b| b.1)
 }
 
 #[cfg(test)]

@@ -23,6 +23,39 @@ pub(crate) fn pending_error() -> CandleError {
     )
 }
 
+/// The tokens of a tree forward's rows: `root`, then the block's nodes (`[n + 1]`).
+pub(crate) fn tree_tokens(root: u32, block: &DraftBlock<'_>) -> Vec<u32> {
+    let mut tokens = Vec::with_capacity(block.rows());
+    tokens.push(root);
+    tokens.extend_from_slice(block.tokens());
+    tokens
+}
+
+/// The checks of [`speculative::TreeTarget::commit_tree`]: takes the pending tree out of
+/// `pending` (whose [`PendingTree`] `tree` gives) when `path` is one of its paths.
+///
+/// # Errors
+/// [`speculative::Error::TargetContract`] when none is pending or `path` is not a path of its
+/// block; `pending` is then unchanged.
+pub(crate) fn take_for_commit<T>(
+    pending: &mut Option<T>,
+    path: &[u32],
+    tree: impl Fn(&T) -> &PendingTree,
+) -> speculative::Result<T> {
+    let Some(t) = pending.take() else {
+        return Err(speculative::Error::TargetContract {
+            what: "commit_tree without a pending tree forward",
+        });
+    };
+    if !tree(&t).is_path(path) {
+        *pending = Some(t);
+        return Err(speculative::Error::TargetContract {
+            what: "commit_tree path is not a path of the pending tree block",
+        });
+    }
+    Ok(t)
+}
+
 /// The rows of a tree forward: depth and attention order (module docs).
 #[derive(Debug)]
 pub(crate) struct Rows {

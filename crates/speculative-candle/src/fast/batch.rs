@@ -2,14 +2,13 @@
 
 use std::sync::Arc;
 
-use speculative::{BatchTarget, SlotChunk, SlotInput, TreeLimits};
+use speculative::{BatchTarget, SlotChunk, SlotInput};
 
-use super::forward::{
-    DEFAULT_MAX_TREE_NODES, Exec, FastWeights, Segment, SeqState, run_rows, tree_tokens,
-};
+use super::forward::{Exec, FastWeights, Segment, SeqState, run_rows};
 use super::q8::KernelPath;
+use crate::engine::{DEFAULT_MAX_TREE_NODES, check_tree};
 use crate::error::{CandleError, Result};
-use crate::tree::Rows;
+use crate::tree::{Rows, tree_tokens};
 
 /// Default of [`FastBatch::with_max_batch_tokens`]: rows (tokens) per
 /// [`BatchTarget::forward_batch`] call.
@@ -201,10 +200,7 @@ impl FastBatch {
                             what: "a tree chunk for a FastBatch with max_tree_nodes = 0",
                         });
                     }
-                    let limits = TreeLimits::target(cfg.vocab_size, self.max_tree_nodes);
-                    block
-                        .validate(&limits)
-                        .map_err(speculative::Error::InvalidTree)?;
+                    check_tree(cfg.vocab_size, self.max_tree_nodes, &block)?;
                     let tokens = tree_tokens(root, &block);
                     seq.check(cfg, &tokens)?;
                     Prepared {

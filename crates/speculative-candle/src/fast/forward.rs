@@ -29,16 +29,17 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::Device;
-use candle_core::quantized::{GgmlDType, QTensor};
-use speculative::{DraftBlock, TreeLimits};
+use candle_core::quantized::GgmlDType;
+use speculative::DraftBlock;
 
 use super::f32mat::F32Matrix;
 use super::ops::{self, KvCache};
 use super::q8::{KernelPath, Q8Act, Q8Matrix};
-use crate::LlamaConfig;
+pub use crate::engine::DEFAULT_MAX_TREE_NODES;
+use crate::engine::{Engine, check_append, target_glue};
 use crate::error::{CandleError, Result};
-use crate::model::open_gguf;
-use crate::tree::{self, PendingTree, Rows};
+use crate::gguf::{self, LlamaConfig, TensorReader, block_tensor, open_gguf};
+use crate::tree::{PendingTree, Rows, take_for_commit, tree_tokens};
 
 /// In-memory weight format of [`FastWeights`].
 ///
@@ -224,92 +225,66 @@ impl Default for RandomSpec {
     }
 }
 
-/// Reads GGUF tensors as f32 or raw Q8_0 bytes.
-struct Reader<'a> {
-    content: &'a candle_core::quantized::gguf_file::Content,
-    reader: &'a mut std::io::BufReader<std::fs::File>,
-    path: &'a Path,
+/// The f32 vector or matrix `name` of shape `dims`, dequantised, flattened.
+fn f32s(rd: &mut TensorReader<'_>, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
+    let q = rd.qtensor(name, dims)?;
+    Ok(q.dequantize(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?)
 }
 
-impl Reader<'_> {
-    fn qtensor(&mut self, name: &str, dims: &[usize]) -> Result<QTensor> {
-        let info = self
-            .content
-            .tensor_infos
-            .get(name)
-            .ok_or_else(|| CandleError::Tensor {
-                name: name.into(),
-                reason: "missing".into(),
-            })?;
-        if info.shape.dims() != dims {
-            return Err(CandleError::Tensor {
-                name: name.into(),
-                reason: format!("shape {:?}, expected {dims:?}", info.shape.dims()),
-            });
-        }
-        self.content
-            .tensor(self.reader, name, &Device::Cpu)
-            .map_err(|e| CandleError::CorruptModel {
-                path: self.path.to_path_buf(),
-                reason: format!("reading `{name}`: {e}"),
-            })
+/// Loads `[rows_i, cols]` tensors stacked along rows. With [`FastFormat::Q8`], when every
+/// part is Q8_0 the blocks are imported exactly; otherwise the parts are dequantised to
+/// f32 (and re-quantised for `Q8`).
+fn matrix(
+    rd: &mut TensorReader<'_>,
+    names: &[(&str, usize)],
+    cols: usize,
+    format: FastFormat,
+) -> Result<Matrix> {
+    let rows: usize = names.iter().map(|&(_, r)| r).sum();
+    let mut parts = Vec::with_capacity(names.len());
+    for &(name, r) in names {
+        parts.push(rd.qtensor(name, &[r, cols])?);
     }
-
-    fn f32s(&mut self, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
-        let q = self.qtensor(name, dims)?;
-        Ok(q.dequantize(&Device::Cpu)?
-            .flatten_all()?
-            .to_vec1::<f32>()?)
-    }
-
-    /// Loads `[rows_i, cols]` tensors stacked along rows. With [`FastFormat::Q8`], when every
-    /// part is Q8_0 the blocks are imported exactly; otherwise the parts are dequantised to
-    /// f32 (and re-quantised for `Q8`).
-    fn matrix(
-        &mut self,
-        names: &[(&str, usize)],
-        cols: usize,
-        format: FastFormat,
-    ) -> Result<Matrix> {
-        let rows: usize = names.iter().map(|&(_, r)| r).sum();
-        let mut parts = Vec::with_capacity(names.len());
-        for &(name, r) in names {
-            parts.push(self.qtensor(name, &[r, cols])?);
-        }
-        if format == FastFormat::Q8 && parts.iter().all(|q| q.dtype() == GgmlDType::Q8_0) {
-            let mut bytes = Vec::new();
-            for q in &parts {
-                bytes.extend_from_slice(&q.data()?);
-            }
-            return Ok(Matrix::Q8(Q8Matrix::from_ggml_q8_0(rows, cols, &bytes)?));
-        }
-        let mut data = Vec::with_capacity(rows * cols);
+    if format == FastFormat::Q8 && parts.iter().all(|q| q.dtype() == GgmlDType::Q8_0) {
+        let mut bytes = Vec::new();
         for q in &parts {
-            data.extend(
-                q.dequantize(&Device::Cpu)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?,
-            );
+            bytes.extend_from_slice(&q.data()?);
         }
-        Matrix::from_f32(rows, cols, &data, format)
+        return Ok(Matrix::Q8(Q8Matrix::from_ggml_q8_0(rows, cols, &bytes)?));
     }
+    let mut data = Vec::with_capacity(rows * cols);
+    for q in &parts {
+        data.extend(
+            q.dequantize(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?,
+        );
+    }
+    Matrix::from_f32(rows, cols, &data, format)
 }
 
-fn rope_tables(cfg: &LlamaConfig) -> (Vec<f32>, Vec<f32>) {
-    let half = cfg.head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
-        .collect();
-    let mut cos = Vec::with_capacity(cfg.context_length * half);
-    let mut sin = Vec::with_capacity(cfg.context_length * half);
-    for pos in 0..cfg.context_length {
-        for &f in &inv_freq {
-            let a = pos as f32 * f;
-            cos.push(a.cos());
-            sin.push(a.sin());
-        }
-    }
-    (cos, sin)
+/// Block `i` of a model of `cfg` in `format` (`q`, `k`, `v` fused, `gate` and `up` fused).
+fn layer(
+    rd: &mut TensorReader<'_>,
+    cfg: &LlamaConfig,
+    i: usize,
+    format: FastFormat,
+) -> Result<Layer> {
+    let (h, d, ffn) = (cfg.hidden_size, cfg.head_dim, cfg.ffn_size);
+    let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
+    let p = |s: &str| block_tensor(i, s);
+    let (q, k, v) = (p("attn_q"), p("attn_k"), p("attn_v"));
+    let (g, u) = (p("ffn_gate"), p("ffn_up"));
+    Ok(Layer {
+        attn_norm: f32s(rd, &p("attn_norm"), &[h])?,
+        wqkv: matrix(rd, &[(&q, nh * d), (&k, nkv * d), (&v, nkv * d)], h, format)?,
+        wo: matrix(rd, &[(&p("attn_output"), h)], nh * d, format)?,
+        ffn_norm: f32s(rd, &p("ffn_norm"), &[h])?,
+        w_gate_up: matrix(rd, &[(&g, ffn), (&u, ffn)], h, format)?,
+        w_down: matrix(rd, &[(&p("ffn_down"), h)], ffn, format)?,
+    })
 }
 
 impl FastWeights {
@@ -325,41 +300,34 @@ impl FastWeights {
         let path = path.as_ref();
         let (content, mut reader) = open_gguf(path)?;
         let config = LlamaConfig::from_gguf(&content)?;
-        let mut rd = Reader {
+        let mut rd = TensorReader {
             content: &content,
             reader: &mut reader,
             path,
         };
-        let (h, d) = (config.hidden_size, config.head_dim);
-        let (nh, nkv, ffn) = (config.n_heads, config.n_kv_heads, config.ffn_size);
-        let mut layers = Vec::with_capacity(config.n_layers);
-        for i in 0..config.n_layers {
-            let p = |s: &str| format!("blk.{i}.{s}.weight");
-            let (q, k, v) = (p("attn_q"), p("attn_k"), p("attn_v"));
-            let (g, u) = (p("ffn_gate"), p("ffn_up"));
-            layers.push(Layer {
-                attn_norm: rd.f32s(&p("attn_norm"), &[h])?,
-                wqkv: rd.matrix(&[(&q, nh * d), (&k, nkv * d), (&v, nkv * d)], h, format)?,
-                wo: rd.matrix(&[(&p("attn_output"), h)], nh * d, format)?,
-                ffn_norm: rd.f32s(&p("ffn_norm"), &[h])?,
-                w_gate_up: rd.matrix(&[(&g, ffn), (&u, ffn)], h, format)?,
-                w_down: rd.matrix(&[(&p("ffn_down"), h)], ffn, format)?,
-            });
-        }
-        let output_norm = rd.f32s("output_norm.weight", &[h])?;
-        let tied = !content.tensor_infos.contains_key("output.weight");
+        let h = config.hidden_size;
+        let layers = (0..config.n_layers)
+            .map(|i| layer(&mut rd, &config, i, format))
+            .collect::<Result<Vec<_>>>()?;
+        let output_norm = f32s(&mut rd, "output_norm.weight", &[h])?;
+        let tied = !rd.has("output.weight");
         let head_name = if tied {
             "token_embd.weight"
         } else {
             "output.weight"
         };
-        let head = rd.matrix(&[(head_name, config.vocab_size)], h, format)?;
+        let head = matrix(&mut rd, &[(head_name, config.vocab_size)], h, format)?;
         let embed = if tied {
             None
         } else {
-            Some(rd.matrix(&[("token_embd.weight", config.vocab_size)], h, format)?)
+            Some(matrix(
+                &mut rd,
+                &[("token_embd.weight", config.vocab_size)],
+                h,
+                format,
+            )?)
         };
-        let (rope_cos, rope_sin) = rope_tables(&config);
+        let (rope_cos, rope_sin) = gguf::rope_tables(&config);
         Ok(Arc::new(FastWeights {
             config,
             format,
@@ -445,7 +413,7 @@ impl FastWeights {
             l.ffn_norm = norm(h);
         }
         let output_norm = norm(h);
-        let (rope_cos, rope_sin) = rope_tables(&config);
+        let (rope_cos, rope_sin) = gguf::rope_tables(&config);
         Ok(Arc::new(FastWeights {
             config,
             format,
@@ -523,40 +491,6 @@ pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
         let inv = 1.0 / (ms + eps).sqrt();
         out.extend(row.iter().zip(w).map(|(v, g)| (v * inv) * g));
     }
-}
-
-/// Validates `tokens` appended after `seq_len` positions of a model of `cfg` (the forwards of
-/// [`FastTarget`], [`super::FastBatch`], the draft head and `CandleTarget`): no tree pending, non-empty, in the vocabulary,
-/// fitting the context.
-pub(crate) fn check_append(
-    cfg: &LlamaConfig,
-    pending: bool,
-    seq_len: usize,
-    tokens: &[u32],
-) -> Result<()> {
-    let n = tokens.len();
-    if pending {
-        return Err(tree::pending_error());
-    }
-    if n == 0 {
-        return Err(CandleError::InvalidArgument(
-            "forward needs at least one token".into(),
-        ));
-    }
-    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-        return Err(CandleError::TokenOutOfVocab {
-            token: t,
-            vocab_size: cfg.vocab_size,
-        });
-    }
-    if seq_len + n > cfg.context_length {
-        return Err(CandleError::ContextOverflow {
-            seq_len,
-            added: n,
-            max_context: cfg.context_length,
-        });
-    }
-    Ok(())
 }
 
 /// Scratch buffers of [`ffn_residual`].
@@ -662,9 +596,6 @@ fn tree_attention(
         }
     }
 }
-
-/// Default of [`FastTarget::max_tree_nodes`](speculative::TreeTarget::max_tree_nodes).
-pub const DEFAULT_MAX_TREE_NODES: usize = 64;
 
 /// A model instance with its own KV cache over shared [`FastWeights`]: the full model or an
 /// early-exit model (first `n` layers, then the final norm and head; LayerSkip, Elhoushi et al.
@@ -894,14 +825,6 @@ impl FastTarget {
     }
 }
 
-/// The tokens of a tree forward's rows: `root`, then the block's nodes.
-pub(crate) fn tree_tokens(root: u32, block: &DraftBlock<'_>) -> Vec<u32> {
-    let mut tokens = Vec::with_capacity(block.rows());
-    tokens.push(root);
-    tokens.extend_from_slice(block.tokens());
-    tokens
-}
-
 /// The state of one sequence of [`FastTarget`] or one slot of
 /// [`FastBatch`](super::FastBatch): its KV cache, length and uncommitted tree forward.
 #[derive(Debug, Clone)]
@@ -982,17 +905,7 @@ impl SeqState {
         cfg: &LlamaConfig,
         path: &[u32],
     ) -> speculative::Result<()> {
-        let Some(t) = self.pending.take() else {
-            return Err(speculative::Error::TargetContract {
-                what: "commit_tree without a pending tree forward",
-            });
-        };
-        if !t.is_path(path) {
-            self.pending = Some(t);
-            return Err(speculative::Error::TargetContract {
-                what: "commit_tree path is not a path of the pending tree block",
-            });
-        }
+        let t = take_for_commit(&mut self.pending, path, |t| t)?;
         self.commit_rows(cfg, &t, path);
         Ok(())
     }
@@ -1059,12 +972,56 @@ pub(crate) fn run_rows(
     logits: &mut Vec<f32>,
 ) -> Result<()> {
     let cfg = &w.config;
-    let (h, nh, nkv, d) = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
-    let (kvd, half) = (nkv * d, d / 2);
-    let width = (nh + 2 * nkv) * d;
     let eps = cfg.rms_eps as f32;
-    let scale = (1.0 / (d as f64).sqrt()) as f32;
-    let total: usize = segs.iter().map(|s| s.tokens.len()).sum();
+    reserve_segments(cfg, n_layers, segs);
+    let mut x = embed_rows(w, segs);
+    let mut b = RowBufs::default();
+    for (li, layer) in w.layers[..n_layers].iter().enumerate() {
+        rms_norm(&x, &layer.attn_norm, eps, &mut b.a);
+        layer.wqkv.matmul(&b.a, &mut b.qkv, exec)?;
+        attend_segments(w, li, segs, &mut b, exec.simd);
+        layer.wo.matmul(&b.o, &mut b.proj, exec)?;
+        x.iter_mut().zip(&b.proj).for_each(|(xv, pv)| *xv += pv);
+        let mut bufs = FfnBufs {
+            a: &mut b.a,
+            gu: &mut b.gu,
+            act: &mut b.act,
+            proj: &mut b.proj,
+        };
+        ffn_residual(layer, &mut x, eps, &mut bufs, exec)?;
+    }
+    rms_norm(&x, &w.output_norm, eps, hidden);
+    head_logits(w, segs, hidden, logits, exec)?;
+    for s in segs.iter_mut() {
+        if let Some((rows, block)) = s.tree {
+            s.seq.pending = Some(PendingTree::new(s.seq.seq_len, block, rows));
+        }
+        s.seq.seq_len += s.tokens.len();
+    }
+    Ok(())
+}
+
+/// Scratch buffers of one [`run_rows`] call.
+#[derive(Default)]
+struct RowBufs {
+    /// Normed rows, `[rows, h]`.
+    a: Vec<f32>,
+    /// Fused q, k, v of all rows, `[rows, width]`.
+    qkv: Vec<f32>,
+    /// Attention output of all rows, `[rows, nh d]`.
+    o: Vec<f32>,
+    /// One segment's attention output (with several segments).
+    seg_o: Vec<f32>,
+    scores: Vec<f32>,
+    proj: Vec<f32>,
+    gu: Vec<f32>,
+    act: Vec<f32>,
+}
+
+/// Grows every segment's layer caches for its rows and, for a tree, sizes its kept-aside
+/// keys and values (`[n][2 kv_heads d]` per layer).
+fn reserve_segments(cfg: &LlamaConfig, n_layers: usize, segs: &mut [Segment<'_>]) {
+    let kvd = cfg.n_kv_heads * cfg.head_dim;
     for s in segs.iter_mut() {
         let (p, n) = (s.seq.seq_len, s.tokens.len());
         for c in &mut s.seq.cache[..n_layers] {
@@ -1077,90 +1034,119 @@ pub(crate) fn run_rows(
             }
         }
     }
+}
 
+/// The embeddings of every segment's tokens, in segment order (`[rows, h]`).
+fn embed_rows(w: &FastWeights, segs: &[Segment<'_>]) -> Vec<f32> {
+    let h = w.config.hidden_size;
+    let total: usize = segs.iter().map(|s| s.tokens.len()).sum();
     let embed = w.embed.as_ref().unwrap_or(&w.head);
     let mut x = vec![0f32; total * h];
     let all_tokens = segs.iter().flat_map(|s| s.tokens.iter());
     for (row, &t) in x.chunks_exact_mut(h).zip(all_tokens) {
         embed.row(t as usize, row);
     }
-    let (mut a, mut qkv, mut o, mut proj, mut gu, mut act) = (
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-    );
-    let (mut seg_o, mut scores) = (Vec::new(), Vec::new());
-    let simd = exec.simd;
+    x
+}
+
+/// The attention half of layer `li` for every segment, from the rows' fused `b.qkv` into
+/// `b.o` (`[rows, nh d]`, segment order): RoPE, the cache writes (chains) or the kept-aside
+/// rows (trees), and [`attention`] / [`tree_attention`] against the segment's own cache.
+fn attend_segments(
+    w: &FastWeights,
+    li: usize,
+    segs: &mut [Segment<'_>],
+    b: &mut RowBufs,
+    simd: bool,
+) {
+    let cfg = &w.config;
+    let (nh, nkv, d) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+    let width = (nh + 2 * nkv) * d;
     // One segment writes its attention output straight into the call's buffer.
     let single = segs.len() == 1;
-    for (li, layer) in w.layers[..n_layers].iter().enumerate() {
-        rms_norm(&x, &layer.attn_norm, eps, &mut a);
-        layer.wqkv.matmul(&a, &mut qkv, exec)?;
-        o.clear();
-        let mut r0 = 0;
-        for s in segs.iter_mut() {
-            let (p, n) = (s.seq.seq_len, s.tokens.len());
-            let rows = s.tree.map(|(rows, _)| rows);
-            let seg_qkv = &mut qkv[r0 * width..(r0 + n) * width];
-            let cache = &mut s.seq.cache[li];
-            for (i, row) in seg_qkv.chunks_exact_mut(width).enumerate() {
-                let pos = p + rows.map_or(i, |t| t.depth[i] as usize);
-                let cos = &w.rope_cos[pos * half..(pos + 1) * half];
-                let sin = &w.rope_sin[pos * half..(pos + 1) * half];
-                let (q, kv) = row.split_at_mut(nh * d);
-                for head in q.chunks_exact_mut(d) {
-                    rope(head, cos, sin);
-                    head.iter_mut().for_each(|v| *v *= scale);
-                }
-                let (k, v) = kv.split_at_mut(kvd);
-                for head in k.chunks_exact_mut(d) {
-                    rope(head, cos, sin);
-                }
-                if rows.is_some() {
-                    s.seq.tree_kv[li][i * 2 * kvd..(i + 1) * 2 * kvd].copy_from_slice(kv);
-                } else {
-                    cache.write(p + i, k, v);
-                }
-            }
-            let out = if single { &mut o } else { &mut seg_o };
-            match rows {
-                None => attention(
-                    cache,
-                    seg_qkv,
-                    (n, p, nh, nkv, d, width),
-                    out,
-                    &mut scores,
-                    simd,
-                ),
-                Some(rows) => tree_attention(
-                    cache,
-                    seg_qkv,
-                    rows,
-                    (p, nh, nkv, d, width),
-                    out,
-                    &mut scores,
-                    simd,
-                ),
-            }
-            if !single {
-                o.extend_from_slice(&seg_o);
-            }
-            r0 += n;
+    b.o.clear();
+    let mut r0 = 0;
+    for s in segs.iter_mut() {
+        let (p, n) = (s.seq.seq_len, s.tokens.len());
+        let rows = s.tree.map(|(rows, _)| rows);
+        let seg_qkv = &mut b.qkv[r0 * width..(r0 + n) * width];
+        rope_and_store(w, li, s.seq, seg_qkv, rows);
+        let cache = &mut s.seq.cache[li];
+        let out = if single { &mut b.o } else { &mut b.seg_o };
+        match rows {
+            None => attention(
+                cache,
+                seg_qkv,
+                (n, p, nh, nkv, d, width),
+                out,
+                &mut b.scores,
+                simd,
+            ),
+            Some(rows) => tree_attention(
+                cache,
+                seg_qkv,
+                rows,
+                (p, nh, nkv, d, width),
+                out,
+                &mut b.scores,
+                simd,
+            ),
         }
-        layer.wo.matmul(&o, &mut proj, exec)?;
-        x.iter_mut().zip(&proj).for_each(|(xv, pv)| *xv += pv);
-        let mut bufs = FfnBufs {
-            a: &mut a,
-            gu: &mut gu,
-            act: &mut act,
-            proj: &mut proj,
-        };
-        ffn_residual(layer, &mut x, eps, &mut bufs, exec)?;
+        if !single {
+            b.o.extend_from_slice(&b.seg_o);
+        }
+        r0 += n;
     }
-    rms_norm(&x, &w.output_norm, eps, hidden);
+}
+
+/// RoPE on the queries (then scaled by `1 / sqrt(d)`) and keys of one segment's rows
+/// (`qkv`, `[n, width]`) at positions `seq_len + i` (a chain) or `seq_len + depth` (a tree
+/// laid out by `rows`); a chain's keys and values go to layer `li`'s cache, a tree's to the
+/// kept-aside `tree_kv` (its attention writes the cache).
+fn rope_and_store(
+    w: &FastWeights,
+    li: usize,
+    seq: &mut SeqState,
+    qkv: &mut [f32],
+    rows: Option<&Rows>,
+) {
+    let cfg = &w.config;
+    let (nh, nkv, d) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+    let (kvd, half, width) = (nkv * d, d / 2, (nh + 2 * nkv) * d);
+    let scale = (1.0 / (d as f64).sqrt()) as f32;
+    let p = seq.seq_len;
+    for (i, row) in qkv.chunks_exact_mut(width).enumerate() {
+        let pos = p + rows.map_or(i, |t| t.depth[i] as usize);
+        let cos = &w.rope_cos[pos * half..(pos + 1) * half];
+        let sin = &w.rope_sin[pos * half..(pos + 1) * half];
+        let (q, kv) = row.split_at_mut(nh * d);
+        for head in q.chunks_exact_mut(d) {
+            rope(head, cos, sin);
+            head.iter_mut().for_each(|v| *v *= scale);
+        }
+        let (k, v) = kv.split_at_mut(kvd);
+        for head in k.chunks_exact_mut(d) {
+            rope(head, cos, sin);
+        }
+        if rows.is_some() {
+            seq.tree_kv[li][i * 2 * kvd..(i + 1) * 2 * kvd].copy_from_slice(kv);
+        } else {
+            seq.cache[li].write(p + i, k, v);
+        }
+    }
+}
+
+/// The output head over the final `hidden` rows of the segments that ask for logits, into
+/// `logits` (`[their rows, vocab]`, segment order; untouched when none asks).
+fn head_logits(
+    w: &FastWeights,
+    segs: &[Segment<'_>],
+    hidden: &[f32],
+    logits: &mut Vec<f32>,
+    exec: &mut Exec,
+) -> Result<()> {
+    let h = w.config.hidden_size;
+    let total: usize = segs.iter().map(|s| s.tokens.len()).sum();
     let wanted: usize = segs
         .iter()
         .filter(|s| s.logits)
@@ -1181,98 +1167,46 @@ pub(crate) fn run_rows(
         }
         w.head.matmul(&rows, logits, exec)?;
     }
-    for s in segs.iter_mut() {
-        if let Some((rows, block)) = s.tree {
-            s.seq.pending = Some(PendingTree::new(s.seq.seq_len, block, rows));
-        }
-        s.seq.seq_len += s.tokens.len();
-    }
     Ok(())
 }
 
-impl speculative::TargetModel for FastTarget {
-    fn vocab_size(&self) -> usize {
-        self.weights.config.vocab_size
+impl Engine for FastTarget {
+    fn model_config(&self) -> &LlamaConfig {
+        &self.weights.config
     }
 
-    fn max_context(&self) -> usize {
-        self.weights.config.context_length
-    }
-
-    fn seq_len(&self) -> usize {
+    fn positions(&self) -> usize {
         self.seq.seq_len
     }
 
-    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> speculative::Result<()> {
-        logits.clear();
-        Ok(self.forward_logits(tokens, logits)?)
-    }
-
-    fn truncate(&mut self, len: usize) -> speculative::Result<()> {
-        Ok(self.truncate_to(len)?)
-    }
-
-    fn prefill(&mut self, tokens: &[u32]) -> speculative::Result<()> {
-        Ok(self.prefill_tokens(tokens)?)
-    }
-
-    fn hidden_states(&self) -> Option<&dyn speculative::HiddenStates> {
-        Some(self)
-    }
-
-    fn tree(&mut self) -> Option<&mut dyn speculative::TreeTarget> {
-        if self.max_tree_nodes == 0 {
-            None
-        } else {
-            Some(self)
-        }
-    }
-}
-
-impl speculative::TreeTarget for FastTarget {
-    fn max_tree_nodes(&self) -> usize {
+    fn tree_capacity(&self) -> usize {
         self.max_tree_nodes
     }
 
-    /// See [`speculative::TreeTarget::forward_tree`] and the "Token trees" section of
-    /// [`FastTarget`]. The block is checked with [`DraftBlock::validate`] against the
-    /// vocabulary and [`speculative::TreeTarget::max_tree_nodes`] (any sibling scheme is
-    /// accepted: the forward does not read them).
-    ///
-    /// # Errors
-    /// [`speculative::Error::InvalidTree`] for an invalid block;
-    /// [`speculative::Error::Model`] (source [`CandleError`]) for a root outside the
-    /// vocabulary, `seq_len + n + 1 > context_length`, or a tree forward not yet committed.
-    /// On error the sequence is unchanged.
-    fn forward_tree(
+    fn append_logits(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        self.forward_logits(tokens, logits)
+    }
+
+    fn append_prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        self.prefill_tokens(tokens)
+    }
+
+    fn truncate_positions(&mut self, len: usize) -> Result<()> {
+        self.truncate_to(len)
+    }
+
+    fn append_tree(
         &mut self,
         root: u32,
         block: &DraftBlock<'_>,
         logits: &mut Vec<f32>,
-    ) -> speculative::Result<()> {
-        let limits = TreeLimits::target(self.weights.config.vocab_size, self.max_tree_nodes);
-        block
-            .validate(&limits)
-            .map_err(speculative::Error::InvalidTree)?;
-        logits.clear();
-        Ok(self.forward_tree_logits(root, block, logits)?)
+    ) -> Result<()> {
+        self.forward_tree_logits(root, block, logits)
     }
 
-    fn commit_tree(&mut self, path: &[u32]) -> speculative::Result<()> {
+    fn commit_path(&mut self, path: &[u32]) -> speculative::Result<()> {
         self.seq.commit_tree(&self.weights.config, path)
     }
 }
 
-impl speculative::HiddenStates for FastTarget {
-    fn hidden_size(&self) -> usize {
-        self.weights.config.hidden_size
-    }
-
-    fn last_hidden(&self) -> Option<&[f32]> {
-        if self.hidden.is_empty() {
-            None
-        } else {
-            Some(&self.hidden)
-        }
-    }
-}
+target_glue!(FastTarget, hidden_states = hidden);

@@ -49,15 +49,16 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use speculative::{DraftBlock, TreeLimits};
+use speculative::DraftBlock;
 
 use super::forward::{
-    Exec, FastWeights, FfnBufs, Layer, Matrix, attention, check_append, ffn_residual, rms_norm,
-    rope,
+    Exec, FastWeights, FfnBufs, Layer, Matrix, attention, ffn_residual, rms_norm, rope,
 };
 use super::ops::{self, KvCache};
+use crate::engine::{Engine, check_append, target_glue};
 use crate::error::{CandleError, Result};
-use crate::tree::{PendingTree, Rows};
+use crate::gguf::LlamaConfig;
+use crate::tree::{PendingTree, Rows, take_for_commit, tree_tokens};
 
 /// The value of the `format` metadata key of a draft-head file.
 pub const HEAD_FORMAT: &str = "speculative-eagle-head-v1";
@@ -446,6 +447,23 @@ struct HeadPending {
     pred: Vec<f32>,
 }
 
+/// A tree forward in progress ([`DraftHead::tree_level`]): rows are the root (0) and the
+/// nodes (`i + 1`).
+struct TreeRows<'a> {
+    /// The rows' tokens, `[n + 1]`.
+    tokens: &'a [u32],
+    /// Depth of each row, `[n + 1]`.
+    depth: &'a [u32],
+    /// Parent row of each row (0 for the root), `[n + 1]`.
+    parent: Vec<u32>,
+    /// Sequence length before the tree (the root's position).
+    base: usize,
+    /// Roped key then value of every row, `[n + 1, 2 nkv d]`.
+    kv: Vec<f32>,
+    /// Predicted feature of every row, `[n + 1, h]`.
+    pred: Vec<f32>,
+}
+
 /// Reusable buffers of one forward.
 #[derive(Debug, Default)]
 struct Scratch {
@@ -754,15 +772,12 @@ impl DraftHead {
         block: &DraftBlock<'_>,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
-        let mut all = Vec::with_capacity(block.rows());
-        all.push(root);
-        all.extend_from_slice(block.tokens());
+        let all = tree_tokens(root, block);
         self.check(&all)?;
         let rows = Rows::of(block);
         let h = self.h();
         let c = self.w.config;
-        let (nh, nkv, d) = (c.n_heads, c.n_kv_heads, c.head_dim);
-        let (kvd, width) = (nkv * d, (nh + 2 * nkv) * d);
+        let kvd = c.n_kv_heads * c.head_dim;
         let base = self.seq_len;
         let n = all.len();
         let max_depth = rows.depth.iter().copied().max().unwrap_or(0) as usize;
@@ -771,87 +786,114 @@ impl DraftHead {
         for (i, p) in parent.iter_mut().enumerate().skip(1) {
             *p = block.parent_row(i - 1) as u32;
         }
-        let mut kv = vec![0f32; n * 2 * kvd];
-        let mut pred = vec![0f32; n * h];
-        let mut chain: Vec<usize> = Vec::new();
+        let mut t = TreeRows {
+            tokens: &all,
+            depth: &rows.depth,
+            parent,
+            base,
+            kv: vec![0f32; n * 2 * kvd],
+            pred: vec![0f32; n * h],
+        };
         for level in 0..=max_depth {
-            let members: Vec<usize> = (0..n)
-                .filter(|&r| rows.depth[r] as usize == level)
-                .collect();
-            self.s.input.clear();
-            for &r in &members {
-                let mut f = std::mem::take(&mut self.s.input);
-                if r == 0 {
-                    self.feature_before(base, &mut f);
-                } else {
-                    let p = parent[r] as usize;
-                    f.extend_from_slice(&pred[p * h..(p + 1) * h]);
-                }
-                self.s.input = f;
-                self.push_embedding(all[r]);
-            }
-            self.fuse()?;
-            let eps = self.w.target.config.rms_eps as f32;
-            rms_norm(&self.s.x, &self.w.layer.attn_norm, eps, &mut self.s.a);
-            self.w
-                .layer
-                .wqkv
-                .matmul(&self.s.a, &mut self.s.qkv, &mut self.exec)?;
-            let positions = vec![base + level; members.len()];
-            self.rope_rows(&positions);
-            self.s.o.clear();
-            self.s.o.resize(members.len() * nh * d, 0.0);
-            let group = nh / nkv;
-            for (mi, &r) in members.iter().enumerate() {
-                let row = &self.s.qkv[mi * width..(mi + 1) * width];
-                kv[r * 2 * kvd..(r + 1) * 2 * kvd].copy_from_slice(&row[nh * d..]);
-                // Ancestors (depth 1 .. level - 1) then the row itself into their slots.
-                chain.clear();
-                let mut a = r;
-                while a != 0 {
-                    chain.push(a);
-                    a = parent[a] as usize;
-                }
-                chain.push(0);
-                for (depth, &a) in chain.iter().rev().enumerate() {
-                    let e = &kv[a * 2 * kvd..(a + 1) * 2 * kvd];
-                    self.cache.write(base + depth, &e[..kvd], &e[kvd..]);
-                }
-                for kvh in 0..nkv {
-                    let (h0, h1) = (kvh * group, (kvh + 1) * group);
-                    let out = &mut self.s.o[(mi * nh + h0) * d..(mi * nh + h1) * d];
-                    ops::attend(
-                        &self.cache,
-                        kvh,
-                        &row[h0 * d..h1 * d],
-                        base + level + 1,
-                        &mut self.s.scores,
-                        out,
-                        self.exec.simd,
-                    );
-                }
-            }
-            self.s.out.clear();
-            self.finish_rows()?;
-            for (mi, &r) in members.iter().enumerate() {
-                pred[r * h..(r + 1) * h].copy_from_slice(&self.s.out[mi * h..(mi + 1) * h]);
-            }
+            self.tree_level(&mut t, level)?;
         }
         // Rows in order for the logits and `last_predicted`.
         self.s.out.clear();
-        self.s.out.extend_from_slice(&pred);
+        self.s.out.extend_from_slice(&t.pred);
         self.subset_logits(logits)?;
         // The root's entries are final (slot `base`); the sequence now holds the whole tree
         // until it is committed.
         self.pred.truncate(base * h);
-        self.pred.extend_from_slice(&pred[..h]);
+        self.pred.extend_from_slice(&t.pred[..h]);
         self.seq_len = base + 1 + block.len();
         self.pending = Some(HeadPending {
             tree: PendingTree::new(base, block, &rows),
-            kv,
-            pred,
+            kv: t.kv,
+            pred: t.pred,
         });
         Ok(())
+    }
+
+    /// The rows of depth `level` of a tree forward, as one forward: inputs (the feature
+    /// before the root, else the parent's prediction, with the row's embedding), fc, norm,
+    /// q / k / v at position `base + level`, attention ([`DraftHead::tree_attend`]), and the
+    /// rows' predicted features into `t.pred`.
+    fn tree_level(&mut self, t: &mut TreeRows<'_>, level: usize) -> Result<()> {
+        let h = self.h();
+        let members: Vec<usize> = (0..t.tokens.len())
+            .filter(|&r| t.depth[r] as usize == level)
+            .collect();
+        self.s.input.clear();
+        for &r in &members {
+            let mut f = std::mem::take(&mut self.s.input);
+            if r == 0 {
+                self.feature_before(t.base, &mut f);
+            } else {
+                let p = t.parent[r] as usize;
+                f.extend_from_slice(&t.pred[p * h..(p + 1) * h]);
+            }
+            self.s.input = f;
+            self.push_embedding(t.tokens[r]);
+        }
+        self.fuse()?;
+        let eps = self.w.target.config.rms_eps as f32;
+        rms_norm(&self.s.x, &self.w.layer.attn_norm, eps, &mut self.s.a);
+        self.w
+            .layer
+            .wqkv
+            .matmul(&self.s.a, &mut self.s.qkv, &mut self.exec)?;
+        let positions = vec![t.base + level; members.len()];
+        self.rope_rows(&positions);
+        self.tree_attend(t, level, &members);
+        self.s.out.clear();
+        self.finish_rows()?;
+        for (mi, &r) in members.iter().enumerate() {
+            t.pred[r * h..(r + 1) * h].copy_from_slice(&self.s.out[mi * h..(mi + 1) * h]);
+        }
+        Ok(())
+    }
+
+    /// Attention of the rows `members` (depth `level`; their roped q / k / v in `s.qkv`) into
+    /// `s.o`: each row's key and value are kept in `t.kv`, then the root's, its ancestors' and
+    /// its own entries are written to slots `base ..= base + level` and the row attends to
+    /// slots `0 ..= base + level`.
+    fn tree_attend(&mut self, t: &mut TreeRows<'_>, level: usize, members: &[usize]) {
+        let c = self.w.config;
+        let (nh, nkv, d) = (c.n_heads, c.n_kv_heads, c.head_dim);
+        let (kvd, width) = (nkv * d, (nh + 2 * nkv) * d);
+        let group = nh / nkv;
+        self.s.o.clear();
+        self.s.o.resize(members.len() * nh * d, 0.0);
+        let mut chain: Vec<usize> = Vec::new();
+        for (mi, &r) in members.iter().enumerate() {
+            let row = &self.s.qkv[mi * width..(mi + 1) * width];
+            t.kv[r * 2 * kvd..(r + 1) * 2 * kvd].copy_from_slice(&row[nh * d..]);
+            // Ancestors (depth 1 .. level - 1) then the row itself into their slots.
+            chain.clear();
+            let mut a = r;
+            while a != 0 {
+                chain.push(a);
+                a = t.parent[a] as usize;
+            }
+            chain.push(0);
+            for (depth, &a) in chain.iter().rev().enumerate() {
+                let e = &t.kv[a * 2 * kvd..(a + 1) * 2 * kvd];
+                self.cache.write(t.base + depth, &e[..kvd], &e[kvd..]);
+            }
+            for kvh in 0..nkv {
+                let (h0, h1) = (kvh * group, (kvh + 1) * group);
+                let out = &mut self.s.o[(mi * nh + h0) * d..(mi * nh + h1) * d];
+                ops::attend(
+                    &self.cache,
+                    kvh,
+                    &row[h0 * d..h1 * d],
+                    t.base + level + 1,
+                    &mut self.s.scores,
+                    out,
+                    self.exec.simd,
+                );
+            }
+        }
     }
 
     /// Keeps the root and the nodes `path` of the pending tree.
@@ -932,90 +974,56 @@ impl DraftHead {
     }
 }
 
-impl speculative::TargetModel for DraftHead {
-    fn vocab_size(&self) -> usize {
-        self.w.target.config.vocab_size
+impl Engine for DraftHead {
+    fn model_config(&self) -> &LlamaConfig {
+        &self.w.target.config
     }
 
-    fn max_context(&self) -> usize {
-        self.w.target.config.context_length
-    }
-
-    fn seq_len(&self) -> usize {
+    fn positions(&self) -> usize {
         self.seq_len
     }
 
-    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> speculative::Result<()> {
-        Ok(self.forward_logits(tokens, logits)?)
-    }
-
-    fn truncate(&mut self, len: usize) -> speculative::Result<()> {
-        Ok(self.truncate_to(len)?)
-    }
-
-    fn prefill(&mut self, tokens: &[u32]) -> speculative::Result<()> {
-        Ok(self.prefill_tokens(tokens)?)
-    }
-
-    fn tree(&mut self) -> Option<&mut dyn speculative::TreeTarget> {
-        if self.max_tree_nodes == 0 {
-            None
-        } else {
-            Some(self)
-        }
-    }
-
-    fn target_features(&mut self) -> Option<&mut dyn speculative::TargetFeatures> {
-        Some(self)
-    }
-}
-
-impl speculative::TreeTarget for DraftHead {
-    fn max_tree_nodes(&self) -> usize {
+    fn tree_capacity(&self) -> usize {
         self.max_tree_nodes
+    }
+
+    fn append_logits(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        self.forward_logits(tokens, logits)
+    }
+
+    fn append_prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        self.prefill_tokens(tokens)
+    }
+
+    fn truncate_positions(&mut self, len: usize) -> Result<()> {
+        self.truncate_to(len)
     }
 
     /// See [`DraftHead`]: nodes run level by level, each attending to the committed context,
     /// the root and its ancestors, at position `seq_len + depth`.
-    ///
-    /// # Errors
-    /// [`speculative::Error::InvalidTree`] for an invalid block; [`speculative::Error::Model`]
-    /// for a root outside the vocabulary, a context overflow or a pending tree.
-    fn forward_tree(
+    fn append_tree(
         &mut self,
         root: u32,
         block: &DraftBlock<'_>,
         logits: &mut Vec<f32>,
-    ) -> speculative::Result<()> {
-        let limits = TreeLimits::target(self.w.target.config.vocab_size, self.max_tree_nodes);
-        block
-            .validate(&limits)
-            .map_err(speculative::Error::InvalidTree)?;
+    ) -> Result<()> {
         let saved = (self.seq_len, self.pred.len());
         let out = self.forward_tree_rows(root, block, logits);
         if out.is_err() {
             self.seq_len = saved.0;
             self.pred.truncate(saved.1);
         }
-        Ok(out?)
+        out
     }
 
-    fn commit_tree(&mut self, path: &[u32]) -> speculative::Result<()> {
-        let Some(t) = self.pending.take() else {
-            return Err(speculative::Error::TargetContract {
-                what: "commit_tree without a pending tree forward",
-            });
-        };
-        if !t.tree.is_path(path) {
-            self.pending = Some(t);
-            return Err(speculative::Error::TargetContract {
-                what: "commit_tree path is not a path of the pending tree block",
-            });
-        }
+    fn commit_path(&mut self, path: &[u32]) -> speculative::Result<()> {
+        let t = take_for_commit(&mut self.pending, path, |t| &t.tree)?;
         self.commit_rows(&t, path);
         Ok(())
     }
 }
+
+target_glue!(DraftHead, target_features);
 
 impl speculative::TargetFeatures for DraftHead {
     fn hidden_size(&self) -> usize {

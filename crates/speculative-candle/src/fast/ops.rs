@@ -391,8 +391,6 @@ mod x86 {
     }
 
     /// `H` heads of [`attend`]. Callers guarantee the bounds listed there.
-    // Register arrays indexed by head and chain together read clearer as index loops.
-    #[allow(clippy::needless_range_loop)]
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn batch<const H: usize>(
@@ -404,6 +402,27 @@ mod x86 {
         out: &mut [f32],
     ) {
         unsafe {
+            let vmax = batch_scores::<H>(c, kvh, q, len, scores);
+            let inv = batch_exp::<H>(&vmax, len, scores);
+            batch_values::<H>(c, kvh, len, scores, &inv, out);
+        }
+    }
+
+    /// Step 1 of [`batch`]: the scores of `H` heads (`q`, `[H, d]`) against positions
+    /// `0 .. len` into `scores` (`[H, lp]`, `lp = len` rounded up to 16; padding `-inf`), 16
+    /// positions per vector, 4 chains over the dimensions. Returns each head's lane maxima.
+    // Register arrays indexed by head and chain together read clearer as index loops.
+    #[allow(clippy::needless_range_loop)]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn batch_scores<const H: usize>(
+        c: &KvCache,
+        kvh: usize,
+        q: &[f32],
+        len: usize,
+        scores: &mut [f32],
+    ) -> [__m512; H] {
+        unsafe {
             let (d, cap) = (c.d, c.cap);
             let lp = len.next_multiple_of(LANES);
             let kt = c.kt.as_ptr().add(kvh * d * cap);
@@ -411,7 +430,6 @@ mod x86 {
             let sp = scores.as_mut_ptr();
             let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
             let mut vmax = [ninf; H];
-            // 1. Scores, 16 positions per vector, 4 chains over the dimensions.
             for j0 in (0..len).step_by(LANES) {
                 let mut a = [[_mm512_setzero_ps(); 4]; H];
                 for i0 in (0..d).step_by(4) {
@@ -440,9 +458,24 @@ mod x86 {
                     _mm512_storeu_ps(sp.add(h * lp + j0), s);
                 }
             }
-            // 2-3. Exponentials and their sums.
+            vmax
+        }
+    }
+
+    /// Steps 2-3 of [`batch`]: `exp(score - max)` in place for each head's `len` scores and
+    /// the reciprocal of their sum ([`tree16`] over the lanes), broadcast.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn batch_exp<const H: usize>(
+        vmax: &[__m512; H],
+        len: usize,
+        scores: &mut [f32],
+    ) -> [__m512; H] {
+        unsafe {
+            let lp = len.next_multiple_of(LANES);
+            let sp = scores.as_mut_ptr();
             let mut inv = [_mm512_setzero_ps(); H];
-            for h in 0..H {
+            for (h, inv) in inv.iter_mut().enumerate() {
                 let max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[h]));
                 let mut vsum = _mm512_setzero_ps();
                 for j0 in (0..len).step_by(LANES) {
@@ -453,9 +486,31 @@ mod x86 {
                 }
                 let mut lanes = [0f32; LANES];
                 _mm512_storeu_ps(lanes.as_mut_ptr(), vsum);
-                inv[h] = _mm512_set1_ps(1.0 / tree16(&lanes));
+                *inv = _mm512_set1_ps(1.0 / tree16(&lanes));
             }
-            // 4. Weighted values, 4 chains over the positions.
+            inv
+        }
+    }
+
+    /// Step 4 of [`batch`]: each head's output (`out`, `[H, d]`) as the values of positions
+    /// `0 .. len` weighted by the exponentials in `scores`, times `inv`; 4 chains over the
+    /// positions.
+    // Register arrays indexed by head and chain together read clearer as index loops.
+    #[allow(clippy::needless_range_loop)]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn batch_values<const H: usize>(
+        c: &KvCache,
+        kvh: usize,
+        len: usize,
+        scores: &[f32],
+        inv: &[__m512; H],
+        out: &mut [f32],
+    ) {
+        unsafe {
+            let d = c.d;
+            let lp = len.next_multiple_of(LANES);
+            let sp = scores.as_ptr();
             let rows = c.nkv * d;
             let vp = c.v.as_ptr().add(kvh * d);
             for i0 in (0..d).step_by(LANES) {

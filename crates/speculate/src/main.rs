@@ -1,0 +1,40 @@
+//! `speculate`: generate text with speculative decoding on a real GGUF model, on the CPU.
+//!
+//! ```text
+//! scripts/fetch-model.sh
+//! cargo run --release -p speculate -- \
+//!     --prompt "Rewrite this sentence in the passive voice: the cat chased the mouse." \
+//!     --proposer prompt-lookup --k 4 --compare
+//! ```
+//!
+//! The prompt comes from `--prompt`, `--prompt-file`, or standard input (`--prompt -`). The chat
+//! template stored in the GGUF is applied unless `--raw`. The text streams as it is verified;
+//! then the run's figures are printed: tokens per second, acceptance rate, mean accepted length
+//! and acceptance per draft position. With `--compare` the same prompt is also decoded plainly,
+//! and the speed-up and (for greedy runs) whether both outputs are identical are printed.
+//!
+//! Engines: the candle adapter's fast forward (default) or its candle forward
+//! (crate `speculative-candle`), or llama.cpp (`--engine llama`, crate `speculative-llama`,
+//! built with `--features llama`).
+//!
+//! Structured output: `--json-schema FILE` or `--grammar FILE` (Lark) constrain every target and
+//! draft row with the grammar (crate `speculative-guidance`), and the tokens the grammar forces
+//! are drafted in front of the proposer's draft (`--no-forced-drafts` turns that off).
+//!
+//! Modules: [`args`] (the command line), [`engines`] (the target and its draft models),
+//! [`proposers`] (the `--proposer` choices), [`run`] (prompt, generation and report).
+
+mod args;
+mod engines;
+mod proposers;
+mod run;
+
+use clap::Parser;
+
+fn main() {
+    let a = args::Args::parse();
+    if let Err(e) = run::run(&a) {
+        eprintln!("speculate: error: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,117 @@
+//! The `speculate` binary run as a user runs it: its exit status and the lines it prints.
+//!
+//! The runs on the real model (SmolLM2-135M, fetched by `scripts/fetch-model.sh`) are greedy
+//! and short (16 new tokens; about a second each in the `test` profile).
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// Runs `speculate` with `args` (on the model of `speculative_candle::default_model_path`).
+fn speculate(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_speculate"))
+        .args(args)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .expect("speculate runs")
+}
+
+fn model() -> String {
+    let p: PathBuf = speculative_candle::default_model_path();
+    assert!(
+        p.is_file(),
+        "model file {} is missing: run `scripts/fetch-model.sh` from the repository root \
+         (or set SPECULATIVE_MODEL)",
+        p.display()
+    );
+    p.display().to_string()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn empty_prompt_fails_before_loading() {
+    let out = speculate(&["--prompt", "  ", "--model", "/nonexistent.gguf"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("speculate: error: the prompt is empty"));
+}
+
+#[test]
+fn missing_model_is_an_error() {
+    let out = speculate(&["--prompt", "hi", "--model", "/nonexistent.gguf"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("/nonexistent.gguf"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn bad_option_is_a_usage_error() {
+    let out = speculate(&["--k", "many"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("expected an integer or adaptive[:MAX]"));
+}
+
+/// Greedy prompt lookup on the fast backend, compared with plain decoding in the same run.
+#[test]
+fn greedy_compare_is_identical() {
+    let m = model();
+    let out = speculate(&[
+        "--model",
+        &m,
+        "--prompt",
+        "Repeat exactly: the cat sat on the mat.",
+        "--max-tokens",
+        "16",
+        "--compare",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}\n{}", stdout, text(&out.stderr));
+    for line in [
+        "[speculative] ",
+        "[plain] ",
+        "speed-up",
+        "greedy outputs identical: yes",
+    ] {
+        assert!(stdout.contains(line), "no `{line}` in\n{stdout}");
+    }
+}
+
+/// A tree draft from the shipped draft head, the stop string and `--quiet`.
+#[test]
+fn draft_head_tree_with_stop() {
+    let m = model();
+    let out = speculate(&[
+        "--model",
+        &m,
+        "--prompt",
+        "Count from one to ten in words.",
+        "--proposer",
+        "draft-head",
+        "--tree-nodes",
+        "8",
+        "--max-tokens",
+        "16",
+        "--stop",
+        "2. 2",
+        "--quiet",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}\n{}", stdout, text(&out.stderr));
+    // The greedy answer starts "1. 1\n2. 2\n3. 3"; the text ends before the stop string.
+    assert!(stdout.starts_with("1. 1\n"), "{stdout}");
+    assert!(!stdout.contains("2. 2"), "stop string printed:\n{stdout}");
+    assert!(stdout.contains("(stop_string)"), "{stdout}");
+    assert!(stdout.contains("tree steps"), "{stdout}");
+}
+
+#[cfg(not(feature = "llama"))]
+#[test]
+fn llama_engine_needs_the_feature() {
+    let out = speculate(&["--prompt", "hi", "--engine", "llama"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("--features llama"));
+}
