@@ -37,6 +37,7 @@ mod recycling;
 mod sampler;
 mod suffix;
 mod vocab_map;
+mod vocab_pieces;
 
 pub use cross_vocab::{
     BytesEncoder, ContextSync, CrossVocabConfig, CrossVocabMode, CrossVocabProposer,
@@ -49,6 +50,7 @@ pub use prompt_lookup::{PromptLookup, PromptLookupConfig};
 pub use recycling::{RecyclingConfig, TableFileError, TemplateNode, TokenRecycling, TreeTemplate};
 pub use suffix::{SharedCorpus, SuffixConfig, SuffixProposer};
 pub use vocab_map::{VocabMap, VocabMapBuilder, VocabMapError, VocabSide};
+pub use vocab_pieces::{SpecialRole, VocabPieces};
 
 /// What a proposer is asked for at one step.
 #[derive(Debug, Clone, Copy)]

@@ -13,6 +13,7 @@
 
 #![deny(missing_docs)]
 
+pub mod draft_model;
 pub mod error;
 pub mod matrix;
 pub mod replay;

@@ -22,6 +22,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
+use spec_bench::draft_model::{DraftModel, TargetText};
 use spec_bench::matrix::{Matrix, PreparedRequest, Turn, run_matrix};
 use spec_bench::replay::{
     CostCurve, MARKDOWN_NOTES as REPLAY_NOTES, ReplayRow, ReplayStats, TREE_MARKDOWN_NOTES, Trace,
@@ -240,8 +241,10 @@ struct RunArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// Proposers: prompt-lookup, suffix, recycling (token recycling), draft-head (the EAGLE
-    /// head, --draft-head), merged:A+B+... (one tree merged from those, e.g.
-    /// merged:draft-head+prompt-lookup+suffix),
+    /// head, --draft-head), draft-model:FILE (any GGUF as the draft model on the fast forward:
+    /// same tokenizer as the target -> token drafts; another tokenizer -> cross-vocabulary
+    /// drafts, re-tokenised for greedy requests and TLI for sampling; the report says which),
+    /// merged:A+B+... (one tree merged from those, e.g. merged:draft-head+prompt-lookup+suffix),
     /// early-exit:N (first N layers as draft), same-model.
     #[arg(long, value_delimiter = ',', default_value = "prompt-lookup,suffix")]
     proposers: Vec<String>,
@@ -384,10 +387,11 @@ fn run(a: RunArgs) -> Result<()> {
     let requests = workload::load(&a.workload)?;
     let requests = &requests[..a.limit.unwrap_or(requests.len()).min(requests.len())];
     let path = a.model.model.clone().unwrap_or_else(default_model_path);
-    let tok = GgufTokenizer::load(&path)?;
     let mut records: Vec<RunRecord> = Vec::new();
+    let notes = std::cell::RefCell::new(Vec::new());
     for backend in &a.model.backend {
-        let mut recs = run_engine(&a, backend, &path, &tok, requests)?;
+        let tok = TargetText::load(&path, backend)?;
+        let mut recs = run_engine(&a, backend, &path, &tok, requests, &notes)?;
         // Several engines in one run: each engine's records (baseline included) are labelled
         // with it, so that the summary groups them apart.
         if a.model.backend.len() > 1 {
@@ -401,11 +405,19 @@ fn run(a: RunArgs) -> Result<()> {
     let aggs = aggregate(&records);
     write_json(&a.out.join("runs.json"), &records)?;
     write_json(&a.out.join("summary.json"), &aggs)?;
-    let md = format!(
+    let mut md = format!(
         "{}\n## Every request\n\n{}",
         markdown(&aggs),
         request_markdown(&records)
     );
+    // How each draft model was paired with the target (same tokenizer or cross-vocabulary).
+    let notes = notes.into_inner();
+    if !notes.is_empty() {
+        md.push_str("\n## Draft models\n\n");
+        for n in &notes {
+            md.push_str(&format!("- {n}\n"));
+        }
+    }
     let md_path = a.out.join("summary.md");
     std::fs::write(&md_path, &md).map_err(io(&md_path))?;
     standard_plots(&a.out, &records, &aggs)?;
@@ -419,8 +431,9 @@ fn run_engine(
     a: &RunArgs,
     backend: &str,
     path: &std::path::Path,
-    tok: &GgufTokenizer,
+    tok: &TargetText,
     requests: &[workload::Request],
+    notes: &std::cell::RefCell<Vec<String>>,
 ) -> Result<Vec<RunRecord>> {
     let (mut target, make_model, fast_weights) = load_backend(&a.model, backend, path)?;
     let max_ctx = target.max_context();
@@ -435,7 +448,7 @@ fn run_engine(
     let prepared: Vec<PreparedRequest> = requests
         .iter()
         .map(|r| {
-            let text = tok.apply_chat_template(&[ChatMessage::user(r.prompt.clone())])?;
+            let text = tok.chat(&[ChatMessage::user(r.prompt.clone())])?;
             let mut prompt = tok.encode(&text)?;
             prompt.truncate(max_ctx / 2);
             Ok(PreparedRequest {
@@ -463,7 +476,7 @@ fn run_engine(
             msgs.push(ChatMessage::assistant(tok.decode(reply, true)?));
         }
         msgs.push(ChatMessage::user(message.to_string()));
-        let prompt = tok.encode(&tok.apply_chat_template(&msgs)?)?;
+        let prompt = tok.encode(&tok.chat(&msgs)?)?;
         if prompt.len() > max_ctx / 2 {
             return Err(BenchError::Invalid {
                 what: "workload",
@@ -519,6 +532,12 @@ fn run_engine(
     };
     // The model's vocabulary for llguidance, when some request is constrained.
     let grammar_vocab = if prepared.iter().any(|r| r.grammar.is_some()) {
+        let tok = tok.gguf().ok_or_else(|| {
+            bad_arg(
+                "grammar",
+                "grammars need a byte-level BPE target".to_string(),
+            )
+        })?;
         let n = tok.vocab_size() as u32;
         let bytes = (0..n)
             .map(|i| tok.token_bytes(i).unwrap_or_default().to_vec())
@@ -552,7 +571,33 @@ fn run_engine(
         .unwrap_or_else(speculative_candle::default_head_path);
     let head_weights = std::cell::OnceCell::new();
     let target_weights = fast_weights.clone();
-    let head = move || -> Result<Box<dyn Proposer + Send>> {
+    // `draft-model:FILE` drafts, loaded on first use (one per file) and shared.
+    let drafts = std::cell::RefCell::new(Vec::<(String, std::rc::Rc<DraftModel>)>::new());
+    let threads = a.model.threads;
+    let draft_model = move |file: &str| -> Result<Box<dyn Proposer + Send>> {
+        let found = drafts
+            .borrow()
+            .iter()
+            .find(|d| d.0 == file)
+            .map(|d| d.1.clone());
+        let d = match found {
+            Some(d) => d,
+            None => {
+                let pieces = tok.pieces(path)?;
+                let d = DraftModel::load(file.as_ref(), threads, &pieces, vocab, tok)?;
+                eprintln!("spec-bench: {}", d.note());
+                notes.borrow_mut().push(d.note().to_string());
+                let d = std::rc::Rc::new(d);
+                drafts.borrow_mut().push((file.to_string(), d.clone()));
+                d
+            }
+        };
+        d.proposer()
+    };
+    let head = move |name: &str| -> Result<Box<dyn Proposer + Send>> {
+        if let Some(file) = name.strip_prefix("draft-model:") {
+            return draft_model(file);
+        }
         let Some(tw) = &target_weights else {
             return Err(bad_arg(
                 "proposer",
@@ -586,7 +631,7 @@ fn run_engine(
             }
         })
     };
-    let eos = [tok.eos_id()];
+    let eos = tok.eos_ids();
     let records: Vec<RunRecord> = run_matrix(
         grammar_vocab.as_ref(),
         &mut *target,
@@ -611,11 +656,12 @@ fn named_proposer(
     name: &str,
     vocab: usize,
     table: Option<&[u8]>,
-    head: &dyn Fn() -> Result<Box<dyn Proposer + Send>>,
+    head: &dyn Fn(&str) -> Result<Box<dyn Proposer + Send>>,
     shared: Option<&SharedCorpus>,
 ) -> Result<Box<dyn Proposer + Send>> {
     Ok(match name {
-        "draft-head" => head()?,
+        "draft-head" => head(name)?,
+        other if other.starts_with("draft-model:") => head(name)?,
         "prompt-lookup" => Box::new(PromptLookup::new(1, 4)?),
         "suffix" => {
             let p = SuffixProposer::new(SuffixConfig::default())?;
@@ -646,7 +692,7 @@ fn named_proposer(
                 return Err(BenchError::Invalid {
                     what: "proposer",
                     reason: format!(
-                        "{other} (expected prompt-lookup, suffix, recycling, draft-head, merged:A+B, early-exit:N, same-model, none)"
+                        "{other} (expected prompt-lookup, suffix, recycling, draft-head, draft-model:FILE, merged:A+B, early-exit:N, same-model, none)"
                     ),
                 });
             };
@@ -1243,7 +1289,13 @@ fn serve(a: ServeArgs) -> Result<()> {
     } else {
         None
     };
-    let head = || -> Result<Box<dyn Proposer + Send>> {
+    let head = |name: &str| -> Result<Box<dyn Proposer + Send>> {
+        if name != "draft-head" {
+            return Err(bad_arg(
+                "proposer",
+                format!("{name}: serve takes draft-head"),
+            ));
+        }
         let hw = head_weights
             .clone()
             .ok_or_else(|| bad_arg("proposer", "draft head weights not loaded".into()))?;

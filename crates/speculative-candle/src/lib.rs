@@ -23,6 +23,10 @@
 //!   GGUF metadata; [`StreamDecoder`] yields valid UTF-8 text token by token. [`GgufTokenizer`]
 //!   and [`GgufDetokenizer`] implement [`speculative::decode::Detokenizer`] (stop strings and
 //!   text streaming in the decoding loop).
+//! - [`GgufVocab`] reads any GGUF vocabulary (byte-level BPE or SentencePiece) as token bytes,
+//!   for [`speculative::propose::VocabMap::from_pieces`] (a draft model with another tokenizer,
+//!   [`speculative::propose::CrossVocabProposer`]); [`GgufTokenizer::bytes_encoder`] is the
+//!   draft side's [`speculative::propose::BytesEncoder`].
 //!
 //! ## Getting the model
 //!
@@ -66,6 +70,7 @@ mod gguf;
 mod model;
 mod tokenizer;
 mod tree;
+mod vocab;
 
 use std::path::PathBuf;
 
@@ -73,6 +78,7 @@ pub use error::{CandleError, Result};
 pub use gguf::LlamaConfig;
 pub use model::{CandleTarget, LlamaWeights, LoadOptions, WeightFormat};
 pub use tokenizer::{ChatMessage, GgufDetokenizer, GgufTokenizer, StreamDecoder};
+pub use vocab::{GgufBytesEncoder, GgufVocab, GgufVocabKind};
 
 /// File name of the default model, SmolLM2-135M-Instruct quantised to Q4_1.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

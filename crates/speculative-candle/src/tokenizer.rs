@@ -77,7 +77,7 @@ pub struct GgufTokenizer {
 }
 
 /// GPT-2's reversible byte <-> printable char table: char -> byte.
-fn byte_level_decode_table() -> HashMap<char, u8> {
+pub(crate) fn byte_level_decode_table() -> HashMap<char, u8> {
     let mut table = HashMap::with_capacity(256);
     let mut extra = 0u32;
     for b in 0u32..=255 {
@@ -96,7 +96,7 @@ fn byte_level_decode_table() -> HashMap<char, u8> {
     table
 }
 
-fn string_array(content: &gguf_file::Content, key: &str) -> Result<Vec<String>> {
+pub(crate) fn string_array(content: &gguf_file::Content, key: &str) -> Result<Vec<String>> {
     let bad = |reason: String| CandleError::Metadata {
         key: key.into(),
         reason,

@@ -8,7 +8,7 @@ use std::sync::{Arc, Once, OnceLock};
 
 use llama_cpp_2::llama_backend::LlamaBackend;
 use llama_cpp_2::model::params::LlamaModelParams;
-use llama_cpp_2::model::{LlamaChatMessage, LlamaModel};
+use llama_cpp_2::model::{LlamaChatMessage, LlamaChatTemplate, LlamaModel};
 use llama_cpp_2::token::LlamaToken;
 use speculative::decode::Detokenizer;
 
@@ -301,14 +301,30 @@ impl LlamaEngine {
     /// applied by llama.cpp's built-in template engine), ending with the assistant's opening
     /// when `add_assistant`.
     ///
+    /// A Gemma file without a template (`general.architecture` `gemma`, `gemma2` or `gemma3`;
+    /// the Gemma 3 270M GGUF of `scripts/fetch-gemma.sh` has none) gets Gemma's own format,
+    /// llama.cpp's built-in `gemma` template: `<start_of_turn>user\n{text}<end_of_turn>\n`
+    /// per user turn, `model` for the assistant's role, a system message put in front of the
+    /// first user message (followed by a blank line), contents trimmed, and
+    /// `<start_of_turn>model\n` to open the reply, as in Gemma 3's Hugging Face template. The
+    /// `<bos>` it starts with is added by [`LlamaEngine::encode`] (the file asks for it). Its
+    /// turns end at `<end_of_turn>`, one of [`LlamaEngine::eog_ids`] (with `<eos>`).
+    ///
     /// # Errors
-    /// [`LlamaError::ChatTemplate`] when the file has none or llama.cpp does not know it;
-    /// [`LlamaError::Text`] for a NUL byte in a message.
+    /// [`LlamaError::ChatTemplate`] when the file has none (and is not Gemma) or llama.cpp does
+    /// not know it; [`LlamaError::Text`] for a NUL byte in a message.
     pub fn apply_chat_template(&self, turns: &[ChatTurn], add_assistant: bool) -> Result<String> {
-        let template = self
-            .model
-            .chat_template(None)
-            .map_err(|e| LlamaError::ChatTemplate(e.to_string()))?;
+        let arch = self.model.meta_val_str("general.architecture");
+        let template = match self.model.chat_template(None) {
+            Err(_)
+                if arch
+                    .as_deref()
+                    .is_ok_and(|a| matches!(a, "gemma" | "gemma2" | "gemma3")) =>
+            {
+                LlamaChatTemplate::new("gemma").map_err(|e| LlamaError::Text(e.to_string()))?
+            }
+            t => t.map_err(|e| LlamaError::ChatTemplate(e.to_string()))?,
+        };
         let msgs = turns
             .iter()
             .map(|t| {

@@ -9,6 +9,10 @@
 //!   (`llama_memory_seq_rm`).
 //! - [`LlamaBatchTarget`]: several sequences in one context, [`speculative::BatchTarget`], for
 //!   continuous batching; one `llama_decode` per batch step.
+//! - [`LlamaEngine::vocab_pieces`] and [`LlamaBytesEncoder`]: the vocabulary as bytes and the
+//!   tokenizer as a [`speculative::propose::BytesEncoder`], for a draft model with another
+//!   tokenizer ([`speculative::propose::CrossVocabProposer`]; Gemma 3 270M drafted by
+//!   SmolLM2-135M in this repository, see `scripts/fetch-gemma.sh`).
 //! - [`quantize`]: llama.cpp's own quantizer, to turn a file whose format has no multi-row CPU
 //!   kernel (Q4_1) into one that has (Q8_0), so that verify calls are cheap.
 //! - Features `cuda` and `metal` build llama.cpp's GPU backends (llama-cpp-2's features of the
@@ -70,6 +74,7 @@ mod error;
 mod quantize;
 mod seqs;
 mod target;
+mod vocab;
 
 pub use batch::LlamaBatchTarget;
 pub use engine::{ChatTurn, LlamaEngine, ModelOptions, backend, set_logging};
@@ -77,6 +82,7 @@ pub use error::{LlamaError, Result};
 pub use quantize::{Quantization, quantize, quantized_copy};
 pub use seqs::{FlashAttention, LlamaConfig};
 pub use target::LlamaTarget;
+pub use vocab::LlamaBytesEncoder;
 
 /// The llama-cpp-2 bindings this crate is built on, for what it does not wrap.
 pub use llama_cpp_2;
