@@ -8,8 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use speculative::decode::{
-    DraftLength, Generation, GenerationParams, Generator, SeedSource, StopConditions,
-    TreeDrafts,
+    DraftLength, Generation, GenerationParams, Generator, SeedSource, StopConditions, TreeDrafts,
 };
 use speculative::{NoProposer, Proposer, SamplingConfig, TargetModel};
 use speculative_candle::{ChatMessage, GgufDetokenizer, GgufTokenizer, default_model_path};

@@ -21,7 +21,7 @@ use candle_core::quantized::gguf_file;
 use speculative::propose::{BytesEncoder, VocabPieces};
 
 use crate::error::{CandleError, Result};
-use crate::model::{meta, open_gguf};
+use crate::gguf::{meta, open_gguf};
 use crate::tokenizer::{GgufTokenizer, byte_level_decode_table, string_array};
 
 /// How a GGUF vocabulary writes its tokens (`tokenizer.ggml.model`).

@@ -105,7 +105,8 @@ fn identity_pair_through_cross_vocab_keeps_greedy_output() {
     let enc: Arc<dyn BytesEncoder> = Arc::new(tok.bytes_encoder());
     let w = common::fast_weights();
     let params = GenerationParams::greedy(40)
-        .with_stop(speculative::decode::StopConditions::default().with_eos(tok.eos_id()));
+        .with_stop(speculative::decode::StopConditions::default().with_eos(tok.eos_id()))
+        .expect("valid stop conditions");
     let prompts = [
         "Rewrite in the past tense: The shop opens at nine. The baker sells bread.",
         "Rename `n` to `count`:\n\ndef f(n):\n    return n + 1",
