@@ -17,6 +17,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
+use speculative::DraftBlock;
 use speculative::rng::Stream;
 use speculative::sampling::{History, RowProcessor, TokenCounts};
 use speculative::{DraftProbs, RowKind, SamplingConfig, SiblingScheme, TokenDist, VerifyRequest};
@@ -659,9 +660,11 @@ impl Instance {
             },
         };
         VerifyRequest::new(cfg, &self.target, self.vocab, &self.tokens)
-            .tree(&self.parents)
-            .schemes(schemes)
-            .node_ends(&self.ends)
+            .draft(
+                DraftBlock::tree(&self.tokens, &self.parents)
+                    .with_schemes(schemes)
+                    .with_ends(&self.ends),
+            )
             .draft_probs(q)
             .context(ctx)
             .seed(seed)
