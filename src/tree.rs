@@ -54,7 +54,9 @@ pub enum SiblingScheme {
 /// EOS, or it completes a stop) must be a leaf; a verify step that accepts it emits nothing
 /// after it and reads no row after it. The number of target rows a verify step reads follows
 /// from them ([`DraftBlock::verify_rows`]): `n + 1`, or `n` for a chain whose final node ends
-/// (no row follows the end, case C11).
+/// (no row follows the end, case C11). "Chain" means the shape ([`DraftBlock::is_chain`]): a
+/// tree whose parents are `i` at node `i` is a chain too, so a tree forward's `n + 1` rows of
+/// such a block lose their last row when its final node ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DraftBlock<'a> {
     tokens: &'a [u32],
@@ -631,6 +633,42 @@ mod tests {
         assert!(toks.is_empty());
         assert!(DraftBlock::tree(&TOKENS, &[0, 1, 2, 3, 4]).is_chain());
         assert_eq!(t.validate(&TreeLimits::vocab(15)), Ok(()));
+    }
+
+    #[test]
+    fn ending_nodes_set_the_verify_rows() {
+        let ends = [false, false, false, false, true];
+        // A chain whose final node ends reads no row after it, however the chain was built.
+        let c = DraftBlock::chain(&TOKENS).with_ends(&ends);
+        assert!(c.final_ends() && c.ends_at(4) && !c.ends_at(3) && !c.ends_at(9));
+        assert_eq!((c.rows(), c.verify_rows()), (6, 5));
+        let as_parents = DraftBlock::tree(&TOKENS, &[0, 1, 2, 3, 4]).with_ends(&ends);
+        assert_eq!(as_parents.verify_rows(), 5);
+        // A tree keeps every row, whichever leaf ends; so does a chain ending nowhere.
+        let t = DraftBlock::tree(&TOKENS, &PARENTS).with_ends(&ends);
+        assert_eq!((t.final_ends(), t.verify_rows()), (false, 6));
+        assert_eq!(DraftBlock::chain(&TOKENS).verify_rows(), 6);
+        assert_eq!(DraftBlock::chain(&[]).with_ends(&[]).verify_rows(), 1);
+        assert_eq!(t.validate(&TreeLimits::vocab(15)), Ok(()));
+        // Ends are checked with the block: one flag per node, on leaves only.
+        assert_eq!(
+            t.with_ends(&[true]).validate(&TreeLimits::vocab(15)),
+            Err(TreeFault::Shape {
+                what: "ends",
+                expected: 5,
+                actual: 1
+            })
+        );
+        assert_eq!(
+            t.with_ends(&[false, false, true, false, false])
+                .validate(&TreeLimits::vocab(15)),
+            Err(TreeFault::EndHasChildren { node: 2 })
+        );
+        assert_eq!(
+            c.with_ends(&[false, true, false, false, false])
+                .validate(&TreeLimits::vocab(15)),
+            Err(TreeFault::EndHasChildren { node: 1 })
+        );
     }
 
     #[test]

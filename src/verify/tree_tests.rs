@@ -97,6 +97,16 @@ fn random_tree(g: &mut Gen, vocab: usize, ctx: &[u32], max_nodes: usize) -> (Vec
     (tokens, parents)
 }
 
+/// The rows of a tree forward (`logits`, `[n + 1, vocab]`) that a verify step over the block
+/// with `ends` reads: all, or all but the last for a chain-shaped tree whose final node ends.
+fn verify_rows(mut logits: Vec<f32>, tokens: &[u32], parents: &[u32], ends: &[bool]) -> Vec<f32> {
+    let rows = DraftBlock::tree(tokens, parents)
+        .with_ends(ends)
+        .verify_rows();
+    logits.truncate(logits.len() / (tokens.len() + 1) * rows);
+    logits
+}
+
 /// Leaves of a tree, each marked as an end with probability 1/4.
 fn random_ends(g: &mut Gen, parents: &[u32]) -> Vec<bool> {
     let n = parents.len();
@@ -230,7 +240,12 @@ fn greedy_trees_equal_plain_greedy_decoding() {
         let ctx: Vec<u32> = (0..g.below(4)).map(|_| g.below(vocab) as u32).collect();
         let (tokens, parents) = random_tree(&mut g, vocab, &ctx, 10);
         let ends = random_ends(&mut g, &parents);
-        let logits = tree_logits(&tokens, &parents, &ctx, vocab);
+        let logits = verify_rows(
+            tree_logits(&tokens, &parents, &ctx, vocab),
+            &tokens,
+            &parents,
+            &ends,
+        );
         let req = VerifyRequest::new(&cfg, &logits, vocab, &tokens)
             .draft(DraftBlock::tree(&tokens, &parents).with_ends(&ends))
             .context(&ctx);
@@ -260,7 +275,12 @@ fn point_mass_trees_reproduce_plain_sampling_with_the_same_seed() {
         let ctx: Vec<u32> = (0..g.below(4)).map(|_| g.below(vocab) as u32).collect();
         let (tokens, parents) = random_tree(&mut g, vocab, &ctx, 10);
         let ends = random_ends(&mut g, &parents);
-        let logits = tree_logits(&tokens, &parents, &ctx, vocab);
+        let logits = verify_rows(
+            tree_logits(&tokens, &parents, &ctx, vocab),
+            &tokens,
+            &parents,
+            &ends,
+        );
         let (seed, pos0) = (g.next(), g.below(50) as u64);
         let req = VerifyRequest::new(&cfg, &logits, vocab, &tokens)
             .draft(DraftBlock::tree(&tokens, &parents).with_ends(&ends))
@@ -640,11 +660,15 @@ fn every_tree_validation_error_comes_before_any_draw() {
             vocab: 5,
         });
     assert!(v.verify(&ok).is_ok());
-    // A chain given as parents whose final draft ends has `[k, vocab]` rows, as any chain.
+    // A chain whose final draft ends has `[k, vocab]` rows, given as parents too.
     let ends = [false, false, false, true];
-    let chain = VerifyRequest::new(&cfg, short, 5, &TOKENS)
-        .draft(DraftBlock::tree(&TOKENS, &[0, 1, 2, 3]).with_ends(&ends));
-    assert!(v.verify(&chain).is_ok());
+    for block in [
+        DraftBlock::chain(&TOKENS),
+        DraftBlock::tree(&TOKENS, &[0, 1, 2, 3]),
+    ] {
+        let chain = VerifyRequest::new(&cfg, short, 5, &TOKENS).draft(block.with_ends(&ends));
+        assert!(v.verify(&chain).is_ok());
+    }
 }
 
 #[test]
@@ -703,7 +727,12 @@ fn tree_case(g: &mut Gen, vocab: usize, chain: bool) -> TreeCase {
         .flat_map(|&r| group_q[r as usize].clone())
         .collect();
     let ends = random_ends(g, &parents);
-    let logits = tree_logits(&tokens, &parents, &ctx, vocab);
+    let logits = verify_rows(
+        tree_logits(&tokens, &parents, &ctx, vocab),
+        &tokens,
+        &parents,
+        &ends,
+    );
     TreeCase {
         tokens,
         parents,
@@ -935,4 +964,58 @@ fn row_top_lists_the_best_ids_of_every_row_along_its_own_path() {
             }
         }
     }
+}
+
+#[test]
+fn a_batch_cuts_the_row_after_a_chains_final_end_only() {
+    // Sequence 0: chain [1, 2] whose final draft ends ([2, vocab] rows); sequence 1: a tree of
+    // two siblings whose second ends ([3, vocab] rows); sequence 2: a chain without an end.
+    let cfg = SamplingConfig::greedy();
+    let vocab = 5;
+    let row = |t: usize| {
+        (0..vocab)
+            .map(|i| if i == t { 5.0 } else { 0.0 })
+            .collect::<Vec<f32>>()
+    };
+    let rows: Vec<Vec<f32>> = vec![row(1), row(2), row(3), row(0), row(4), row(3), row(4)];
+    let logits: Vec<f32> = rows.concat();
+    let tokens = [1u32, 2, 0, 3, 3];
+    let offsets = [0usize, 2, 4, 5];
+    let parents = [0u32, 1, 0, 0, 0];
+    let ends = [false, true, false, true, false];
+    let seqs = [
+        SequenceParams::new(&cfg, 1),
+        SequenceParams::new(&cfg, 2),
+        SequenceParams::new(&cfg, 3),
+    ];
+    let batch = VerifyBatch::new(vocab, &logits, &tokens, &offsets, &seqs)
+        .tree(&parents)
+        .ends(&ends);
+    let mut v = Verifier::new();
+    let got = v.verify_batch(&batch).unwrap();
+    let alone = [
+        VerifyRequest::new(&cfg, &logits[..2 * vocab], vocab, &tokens[..2])
+            .draft(DraftBlock::chain(&tokens[..2]).with_ends(&ends[..2])),
+        VerifyRequest::new(&cfg, &logits[2 * vocab..5 * vocab], vocab, &tokens[2..4])
+            .draft(DraftBlock::tree(&tokens[2..4], &[0, 0]).with_ends(&ends[2..4])),
+        VerifyRequest::new(&cfg, &logits[5 * vocab..], vocab, &tokens[4..]),
+    ];
+    for (b, req) in alone.iter().enumerate() {
+        assert_eq!(
+            got[b].as_ref().unwrap(),
+            &v.verify(req).unwrap(),
+            "sequence {b}"
+        );
+    }
+    assert_eq!(got[0].as_ref().unwrap().end, StepEnd::Ended);
+    assert_eq!(got[1].as_ref().unwrap().tokens, vec![3]);
+    assert_eq!(got[2].as_ref().unwrap().end, StepEnd::AllAccepted);
+    // One row more (the chain's row after its end) is the wrong shape for the whole batch.
+    let more = [logits.as_slice(), &row(0)].concat();
+    let mut long = batch;
+    long.target_logits = &more;
+    assert!(matches!(
+        v.verify_batch(&long),
+        Err(Error::ShapeMismatch { .. })
+    ));
 }
