@@ -206,6 +206,11 @@ fn draft(case: &GreedyCase, cfg: &SamplingConfig, model: &ToyModel, ctx: &[u32])
             }
         }
     }
+    // A tree in the shape of a chain whose final node ends reads no row after it.
+    let rows = DraftBlock::tree(&t.tokens, &t.parents)
+        .with_ends(&t.ends)
+        .verify_rows();
+    t.target.truncate(rows * v);
     t
 }
 

@@ -626,6 +626,11 @@ impl Instance {
                 inst.paths.push(p2);
             }
         }
+        // A tree in the shape of a chain whose final node ends reads no row after it.
+        let rows = DraftBlock::tree(&inst.tokens, &inst.parents)
+            .with_ends(&inst.ends)
+            .verify_rows();
+        inst.target.truncate(rows * inst.vocab);
         inst
     }
 
