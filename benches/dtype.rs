@@ -24,7 +24,7 @@ use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use speculative::sampling::Logit;
-use speculative::{DraftProbs, SamplingConfig, SequenceParams, Verifier, VerifyBatch};
+use speculative::{SamplingConfig, SequenceParams, Verifier, VerifyBatch};
 
 const VOCABS: [usize; 2] = [32_000, 151_936];
 /// `(k, batch)` parameter sets.
@@ -110,17 +110,7 @@ fn bench_one<L: Logit>(
         .map(|s| SequenceParams::new(cfg, s as u64))
         .collect();
     let d = drafts(data, vocab, k, batch);
-    let vb = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: vocab,
-        target_logits: data,
-        draft_tokens: &d,
-        draft_offsets: &offsets,
-        draft_probs: DraftProbs::PointMass,
-        sequences: &seqs,
-    };
+    let vb = VerifyBatch::new(vocab, data, &d, &offsets, &seqs);
     let mut verifier = Verifier::new();
     let out = verifier.verify_batch(&vb).expect("valid batch");
     let acc: usize = out
@@ -195,17 +185,7 @@ fn bench(c: &mut Criterion) {
                 group.bench_function(BenchmarkId::new(format!("{mode}_bf16_convert"), &id), |b| {
                     b.iter(|| {
                         black_box(src).convert_to_f32_slice(&mut buf);
-                        verifier.verify_batch(&VerifyBatch {
-                            parents: None,
-                            schemes: None,
-                            ends: &[],
-                            vocab_size: vocab,
-                            target_logits: &buf,
-                            draft_tokens: &d,
-                            draft_offsets: &offsets,
-                            draft_probs: DraftProbs::PointMass,
-                            sequences: &seqs,
-                        })
+                        verifier.verify_batch(&VerifyBatch::new(vocab, &buf, &d, &offsets, &seqs))
                     })
                 });
             }

@@ -219,18 +219,7 @@ fn bench(c: &mut Criterion) {
             let offsets: Vec<usize> = (0..=case.batch).map(|b| b * case.k).collect();
             let cfg = if case.greedy { &greedy_cfg } else { &topp_cfg };
             let seqs: Vec<SequenceParams<'_>> = (0..case.batch)
-                .map(|b| SequenceParams {
-                    config: cfg,
-                    seed: b as u64,
-                    context: &[],
-                    position: Some(100),
-                    prompt_len: 0,
-                    suppress: &[],
-                    suppress_rows: 0,
-                    draft_probs: None,
-                    final_draft_ends: false,
-                    row_top_k: 0,
-                })
+                .map(|b| SequenceParams::new(cfg, b as u64).position(100))
                 .collect();
             let batch = DeviceBatch {
                 vocab_size: case.vocab,

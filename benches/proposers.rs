@@ -76,20 +76,7 @@ fn propose(
     nodes: usize,
     draft: &mut Draft,
 ) {
-    let req = ProposeRequest {
-        context,
-        config,
-        max_draft: K,
-        max_nodes: nodes,
-        max_branch: usize::MAX,
-        seed: 0,
-        target_hidden: None,
-        target_hidden_rows: None,
-        prompt_len: 0,
-        eos: &[],
-        suppress: &[],
-        suppress_rows: 0,
-    };
+    let req = ProposeRequest::new(context, config, K).max_nodes(nodes);
     if nodes <= K {
         p.propose(&req, draft).expect("propose");
     } else {

@@ -47,6 +47,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use speculative::DraftBlock;
 use speculative::{
     DraftProbs, SamplingConfig, SequenceParams, Verifier, VerifyBatch, VerifyRequest,
 };
@@ -174,17 +175,7 @@ fn bench(c: &mut Criterion) {
                         let d = draft_cache
                             .entry((k, batch))
                             .or_insert_with(|| drafts(data, vocab, k, batch));
-                        let vb = VerifyBatch {
-                            parents: None,
-                            schemes: None,
-                            ends: &[],
-                            vocab_size: vocab,
-                            target_logits: data,
-                            draft_tokens: d,
-                            draft_offsets: &offsets,
-                            draft_probs: DraftProbs::PointMass,
-                            sequences: &seqs,
-                        };
+                        let vb = VerifyBatch::new(vocab, data, d, &offsets, &seqs);
                         if !reported {
                             reported = true;
                             let out = verifier.verify_batch(&vb).expect("valid batch");
@@ -317,7 +308,7 @@ fn bench_tree(c: &mut Criterion) {
                         DraftProbs::PointMass
                     };
                     let req = VerifyRequest::new(cfg, data, vocab, tokens)
-                        .tree(&parents)
+                        .draft(DraftBlock::tree(tokens, &parents))
                         .draft_probs(dp)
                         .seed(7);
                     if !reported {
@@ -372,9 +363,9 @@ fn bench_row_top(c: &mut Criterion) {
                     });
                     let mut req = VerifyRequest::new(cfg, data, vocab, tokens)
                         .seed(7)
-                        .row_top(top);
+                        .row_top_k(top);
                     if let Some(p) = parents {
-                        req = req.tree(p);
+                        req = req.draft(DraftBlock::tree(tokens, p));
                     }
                     let out = verifier.verify(&req).expect("valid step");
                     assert_eq!(out.row_top.rows(), if top > 0 { rows } else { 0 });

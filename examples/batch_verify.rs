@@ -233,16 +233,6 @@ fn verify_all<S: std::borrow::Borrow<Sequence>>(
             SequenceParams::new(&s.config, s.seed).context(&s.context)
         })
         .collect();
-    let batch = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: VOCAB,
-        target_logits: &logits,
-        draft_tokens: &drafts,
-        draft_offsets: &offsets,
-        draft_probs: speculative::DraftProbs::PointMass,
-        sequences: &params,
-    };
+    let batch = VerifyBatch::new(VOCAB, &logits, &drafts, &offsets, &params);
     Verifier::new().verify_batch(&batch)
 }

@@ -152,8 +152,8 @@ pub use propose::{
 pub use sampling::{SamplingConfig, SamplingConfigBuilder, TokenDist, TokenMask};
 pub use tree::{DraftBlock, SiblingScheme, TreeFault, TreeLimits};
 pub use verify::{
-    DraftProbs, DraftQ, RowCandidates, SequenceParams, StepEnd, StepOutput, TokenLogprob, Verifier,
-    VerifyBatch, VerifyRequest,
+    DraftProbs, DraftQ, RowCandidates, SequenceParams, SequenceState, StepEnd, StepOutput,
+    TokenLogprob, Verifier, VerifyBatch, VerifyRequest,
 };
 
 /// The code blocks of README.md, compiled and run as doc tests.

@@ -43,17 +43,26 @@ pub enum SiblingScheme {
 }
 
 /// A borrowed draft block: `n` nodes (tokens), the parent of each, and optionally the sibling
-/// scheme of each node's group.
+/// scheme of each node's group and the nodes that end the sequence.
 ///
 /// Build one with [`DraftBlock::chain`] or [`DraftBlock::tree`]; check a tree with
 /// [`DraftBlock::validate`]. Parents are target row indices (see the module docs): `parents[i]`
 /// is `0` for a child of the root and `j + 1` for a child of node `j`, so a valid tree has
 /// `parents[i] <= i`, and a chain has `parents[i] == i`.
+///
+/// **Ending nodes** ([`DraftBlock::with_ends`]): a node whose acceptance ends the sequence (an
+/// EOS, or it completes a stop) must be a leaf; a verify step that accepts it emits nothing
+/// after it and reads no row after it. The number of target rows a verify step reads follows
+/// from them ([`DraftBlock::verify_rows`]): `n + 1`, or `n` for a chain whose final node ends
+/// (no row follows the end, case C11). "Chain" means the shape ([`DraftBlock::is_chain`]): a
+/// tree whose parents are `i` at node `i` is a chain too, so a tree forward's `n + 1` rows of
+/// such a block lose their last row when its final node ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DraftBlock<'a> {
     tokens: &'a [u32],
     parents: Option<&'a [u32]>,
     schemes: Option<&'a [SiblingScheme]>,
+    ends: &'a [bool],
 }
 
 impl<'a> DraftBlock<'a> {
@@ -63,6 +72,7 @@ impl<'a> DraftBlock<'a> {
             tokens,
             parents: None,
             schemes: None,
+            ends: &[],
         }
     }
 
@@ -73,6 +83,7 @@ impl<'a> DraftBlock<'a> {
             tokens,
             parents: Some(parents),
             schemes: None,
+            ends: &[],
         }
     }
 
@@ -82,6 +93,42 @@ impl<'a> DraftBlock<'a> {
     pub fn with_schemes(mut self, schemes: &'a [SiblingScheme]) -> Self {
         self.schemes = Some(schemes);
         self
+    }
+
+    /// Marks the nodes whose acceptance ends the sequence: `ends[i]` for node `i` (`[n]`, or
+    /// empty for none; see the type docs). An ending node must be a leaf
+    /// ([`TreeFault::EndHasChildren`]). For a chain only the final node can end, and then the
+    /// block has `n` target rows, not `n + 1` ([`DraftBlock::verify_rows`]).
+    pub fn with_ends(mut self, ends: &'a [bool]) -> Self {
+        self.ends = ends;
+        self
+    }
+
+    /// The per-node end flags, `[n]`, or empty when no node ends the sequence.
+    pub fn ends(&self) -> &'a [bool] {
+        self.ends
+    }
+
+    /// `true` when accepting node `i` ends the sequence ([`DraftBlock::with_ends`]); `false`
+    /// for a node without a flag.
+    #[inline]
+    pub fn ends_at(&self, i: usize) -> bool {
+        self.ends.get(i).copied().unwrap_or(false)
+    }
+
+    /// `true` when the block is a chain ([`DraftBlock::is_chain`]) whose final node ends the
+    /// sequence: its verify step reads `n` target rows, no row after the end (case C11).
+    pub fn final_ends(&self) -> bool {
+        !self.tokens.is_empty() && self.ends_at(self.tokens.len() - 1) && self.is_chain()
+    }
+
+    /// Number of target rows a verify step over the block reads: `n + 1` (row 0 after the
+    /// root, row `i + 1` after node `i`), or `n` when the block is a chain whose final node
+    /// ends the sequence ([`DraftBlock::final_ends`]). A tree keeps its `n + 1` rows even when
+    /// its last node ends (the tree forward computes every node's row; an ending leaf's is not
+    /// read).
+    pub fn verify_rows(&self) -> usize {
+        self.rows() - self.final_ends() as usize
     }
 
     /// The node tokens, `[n]`.
@@ -109,7 +156,8 @@ impl<'a> DraftBlock<'a> {
         self.tokens.is_empty()
     }
 
-    /// Number of target rows a forward over the block produces: `n + 1`.
+    /// Number of target rows a forward over the root and the block produces: `n + 1`. A verify
+    /// step may read one less ([`DraftBlock::verify_rows`]).
     pub fn rows(&self) -> usize {
         self.tokens.len() + 1
     }
@@ -220,34 +268,56 @@ impl<'a> DraftBlock<'a> {
     /// Checks the block's structure against `limits`, without looking at any logits.
     ///
     /// # Errors
-    /// The first [`TreeFault`] found, checked in this order: shape of `parents` / `schemes`
-    /// ([`TreeFault::Shape`]), node count over `max_nodes` ([`TreeFault::TooManyNodes`]), a
-    /// parent not before its node ([`TreeFault::ParentNotBefore`]), a token outside the vocabulary
-    /// ([`TreeFault::TokenOutOfVocab`]), depth over `max_depth` ([`TreeFault::TooDeep`]),
-    /// more children under one row than `max_branch` ([`TreeFault::TooManyChildren`]),
-    /// siblings with different schemes ([`TreeFault::MixedSchemes`]), a sampled scheme in a
-    /// point-mass block ([`TreeFault::SchemeNeedsQ`]), duplicate tokens in a deterministic or
-    /// without-replacement group ([`TreeFault::DuplicateSiblings`]).
+    /// The first [`TreeFault`] found, checked in this order: shape of `parents` / `schemes` /
+    /// `ends` ([`TreeFault::Shape`]), node count over `max_nodes` ([`TreeFault::TooManyNodes`]),
+    /// a parent not before its node ([`TreeFault::ParentNotBefore`]), a token outside the
+    /// vocabulary ([`TreeFault::TokenOutOfVocab`]), depth over `max_depth`
+    /// ([`TreeFault::TooDeep`]), more children under one row than `max_branch`
+    /// ([`TreeFault::TooManyChildren`]), siblings with different schemes
+    /// ([`TreeFault::MixedSchemes`]), a sampled scheme in a point-mass block
+    /// ([`TreeFault::SchemeNeedsQ`]), duplicate tokens in a deterministic or
+    /// without-replacement group ([`TreeFault::DuplicateSiblings`]), an ending node with
+    /// children ([`TreeFault::EndHasChildren`]).
     pub fn validate(&self, limits: &TreeLimits) -> Result<(), TreeFault> {
+        self.check_shapes()?;
+        self.check_order(limits)?;
+        let depth = self.max_depth();
+        if depth > limits.max_depth {
+            return Err(TreeFault::TooDeep {
+                depth,
+                max: limits.max_depth,
+            });
+        }
+        self.check_groups(limits)?;
+        self.check_ends()
+    }
+
+    /// [`DraftBlock::validate`]: `parents` and `schemes` (when set) and `ends` (when not
+    /// empty) have one entry per node.
+    fn check_shapes(&self) -> Result<(), TreeFault> {
         let n = self.len();
-        if let Some(p) = self.parents
-            && p.len() != n
+        let lens = [
+            ("parents", self.parents.map(<[u32]>::len)),
+            ("schemes", self.schemes.map(<[SiblingScheme]>::len)),
+            ("ends", (!self.ends.is_empty()).then_some(self.ends.len())),
+        ];
+        match lens
+            .into_iter()
+            .find_map(|(what, len)| len.filter(|&l| l != n).map(|l| (what, l)))
         {
-            return Err(TreeFault::Shape {
-                what: "parents",
+            Some((what, actual)) => Err(TreeFault::Shape {
+                what,
                 expected: n,
-                actual: p.len(),
-            });
+                actual,
+            }),
+            None => Ok(()),
         }
-        if let Some(s) = self.schemes
-            && s.len() != n
-        {
-            return Err(TreeFault::Shape {
-                what: "schemes",
-                expected: n,
-                actual: s.len(),
-            });
-        }
+    }
+
+    /// [`DraftBlock::validate`]: the node count, parents before their nodes, and the tokens
+    /// inside the vocabulary.
+    fn check_order(&self, limits: &TreeLimits) -> Result<(), TreeFault> {
+        let n = self.len();
         if n > limits.max_nodes {
             return Err(TreeFault::TooManyNodes {
                 nodes: n,
@@ -259,28 +329,28 @@ impl<'a> DraftBlock<'a> {
         {
             return Err(TreeFault::ParentNotBefore { node, parent });
         }
-        if let Some((node, &token)) = self
+        match self
             .tokens
             .iter()
             .enumerate()
             .find(|&(_, &t)| t as usize >= limits.vocab_size)
         {
-            return Err(TreeFault::TokenOutOfVocab {
+            Some((node, &token)) => Err(TreeFault::TokenOutOfVocab {
                 node,
                 token,
                 vocab_size: limits.vocab_size,
-            });
+            }),
+            None => Ok(()),
         }
-        let depth = self.max_depth();
-        if depth > limits.max_depth {
-            return Err(TreeFault::TooDeep {
-                depth,
-                max: limits.max_depth,
-            });
-        }
+    }
+
+    /// [`DraftBlock::validate`]: every sibling group, node by node: the branching limit, one
+    /// scheme per group, sampled schemes only with dense q, no duplicate tokens where the
+    /// scheme forbids them.
+    fn check_groups(&self, limits: &TreeLimits) -> Result<(), TreeFault> {
         let default = limits.default_scheme();
-        let mut children = vec![0usize; n + 1];
-        for i in 0..n {
+        let mut children = vec![0usize; self.len() + 1];
+        for i in 0..self.len() {
             let row = self.parent_row(i);
             children[row] += 1;
             if children[row] > limits.max_branch {
@@ -308,10 +378,24 @@ impl<'a> DraftBlock<'a> {
         }
         Ok(())
     }
+
+    /// [`DraftBlock::validate`]: every ending node is a leaf.
+    fn check_ends(&self) -> Result<(), TreeFault> {
+        let k = self.len();
+        match (0..self.ends.len().min(k))
+            .find(|&i| self.ends[i] && i + 1 < k && self.children(i + 1).next().is_some())
+        {
+            Some(node) => Err(TreeFault::EndHasChildren { node }),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Limits a [`DraftBlock`] is checked against ([`DraftBlock::validate`]).
+///
+/// Build one with [`TreeLimits::vocab`] or [`TreeLimits::target`] and the `with_` setters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TreeLimits {
     /// Target vocabulary size, in tokens: every node token must be below it.
     pub vocab_size: usize,
@@ -350,6 +434,30 @@ impl TreeLimits {
             max_branch: usize::MAX,
             dense_q: false,
         }
+    }
+
+    /// Sets [`TreeLimits::max_nodes`].
+    pub fn with_max_nodes(mut self, max_nodes: usize) -> Self {
+        self.max_nodes = max_nodes;
+        self
+    }
+
+    /// Sets [`TreeLimits::max_depth`].
+    pub fn with_max_depth(mut self, max_depth: usize) -> Self {
+        self.max_depth = max_depth;
+        self
+    }
+
+    /// Sets [`TreeLimits::max_branch`].
+    pub fn with_max_branch(mut self, max_branch: usize) -> Self {
+        self.max_branch = max_branch;
+        self
+    }
+
+    /// Sets [`TreeLimits::dense_q`].
+    pub fn with_dense_q(mut self, dense_q: bool) -> Self {
+        self.dense_q = dense_q;
+        self
     }
 
     /// The scheme of a group that has none: deterministic for point masses, with replacement for
@@ -525,6 +633,42 @@ mod tests {
         assert!(toks.is_empty());
         assert!(DraftBlock::tree(&TOKENS, &[0, 1, 2, 3, 4]).is_chain());
         assert_eq!(t.validate(&TreeLimits::vocab(15)), Ok(()));
+    }
+
+    #[test]
+    fn ending_nodes_set_the_verify_rows() {
+        let ends = [false, false, false, false, true];
+        // A chain whose final node ends reads no row after it, however the chain was built.
+        let c = DraftBlock::chain(&TOKENS).with_ends(&ends);
+        assert!(c.final_ends() && c.ends_at(4) && !c.ends_at(3) && !c.ends_at(9));
+        assert_eq!((c.rows(), c.verify_rows()), (6, 5));
+        let as_parents = DraftBlock::tree(&TOKENS, &[0, 1, 2, 3, 4]).with_ends(&ends);
+        assert_eq!(as_parents.verify_rows(), 5);
+        // A tree keeps every row, whichever leaf ends; so does a chain ending nowhere.
+        let t = DraftBlock::tree(&TOKENS, &PARENTS).with_ends(&ends);
+        assert_eq!((t.final_ends(), t.verify_rows()), (false, 6));
+        assert_eq!(DraftBlock::chain(&TOKENS).verify_rows(), 6);
+        assert_eq!(DraftBlock::chain(&[]).with_ends(&[]).verify_rows(), 1);
+        assert_eq!(t.validate(&TreeLimits::vocab(15)), Ok(()));
+        // Ends are checked with the block: one flag per node, on leaves only.
+        assert_eq!(
+            t.with_ends(&[true]).validate(&TreeLimits::vocab(15)),
+            Err(TreeFault::Shape {
+                what: "ends",
+                expected: 5,
+                actual: 1
+            })
+        );
+        assert_eq!(
+            t.with_ends(&[false, false, true, false, false])
+                .validate(&TreeLimits::vocab(15)),
+            Err(TreeFault::EndHasChildren { node: 2 })
+        );
+        assert_eq!(
+            c.with_ends(&[false, true, false, false, false])
+                .validate(&TreeLimits::vocab(15)),
+            Err(TreeFault::EndHasChildren { node: 1 })
+        );
     }
 
     #[test]

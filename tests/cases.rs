@@ -254,17 +254,7 @@ fn c06_accepted_is_the_leading_run_via_batch() {
         SequenceParams::new(&greedy, 1),
         SequenceParams::new(&greedy, 2),
     ];
-    let batch = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: v,
-        target_logits: &target,
-        draft_tokens: &drafts,
-        draft_offsets: &offsets,
-        draft_probs: DraftProbs::PointMass,
-        sequences: &seqs,
-    };
+    let batch = VerifyBatch::new(v, &target, &drafts, &offsets, &seqs);
     let out: Vec<StepOutput> = Verifier::new()
         .verify_batch(&batch)
         .unwrap()
@@ -320,14 +310,10 @@ fn c06_accepted_is_the_leading_run_via_batch() {
             SequenceParams::new(&cfg, seed + 1),
         ];
         let out = Verifier::new()
-            .verify_batch(&VerifyBatch {
-                parents: None,
-                schemes: None,
-                ends: &[],
-                target_logits: &target,
-                sequences: &seqs,
-                ..batch
-            })
+            .verify_batch(
+                &VerifyBatch::new(v, &target, batch.draft_tokens, batch.draft_offsets, &seqs)
+                    .draft_probs(batch.draft_probs),
+            )
             .unwrap();
         let out: Vec<StepOutput> = out.into_iter().map(|r| r.unwrap()).collect();
         assert_eq!(out[0].accepted, 1);
@@ -468,17 +454,7 @@ fn c07_non_finite_logits_never_become_a_token() {
             SequenceParams::new(cfg, 3),
         ];
         let out = verifier
-            .verify_batch(&VerifyBatch {
-                parents: None,
-                schemes: None,
-                ends: &[],
-                vocab_size: v,
-                target_logits: &target,
-                draft_tokens: &drafts,
-                draft_offsets: &offsets,
-                draft_probs: DraftProbs::PointMass,
-                sequences: &seqs,
-            })
+            .verify_batch(&VerifyBatch::new(v, &target, &drafts, &offsets, &seqs))
             .unwrap();
         assert!(
             matches!(out[1], Err(Error::NonFiniteLogits { row: 0, .. })),
@@ -570,18 +546,7 @@ fn run_batch(v: &mut Verifier, seqs: &[&Seq], mode: Mode) -> Vec<Result<StepOutp
     }
     let params: Vec<SequenceParams<'_>> = seqs
         .iter()
-        .map(|s| SequenceParams {
-            config: &s.config,
-            seed: s.seed,
-            context: &s.context,
-            position: None,
-            prompt_len: 0,
-            suppress: &[],
-            suppress_rows: 0,
-            draft_probs: None,
-            final_draft_ends: false,
-            row_top_k: 0,
-        })
+        .map(|s| SequenceParams::new(&s.config, s.seed).context(&s.context))
         .collect();
     let draft_probs = match mode {
         Mode::PointMass => DraftProbs::PointMass,
@@ -594,17 +559,9 @@ fn run_batch(v: &mut Verifier, seqs: &[&Seq], mode: Mode) -> Vec<Result<StepOutp
             vocab: V8,
         },
     };
-    v.verify_batch(&VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: V8,
-        target_logits: &target,
-        draft_tokens: &drafts,
-        draft_offsets: &offsets,
-        draft_probs,
-        sequences: &params,
-    })
+    v.verify_batch(
+        &VerifyBatch::new(V8, &target, &drafts, &offsets, &params).draft_probs(draft_probs),
+    )
     .unwrap()
 }
 
@@ -839,17 +796,7 @@ fn batch_offsets_that_decrease_name_the_offending_index() {
         speculative::SequenceParams::new(&cfg, 0),
     ];
     let logits = vec![0.0f32; 6 * 2];
-    let batch = speculative::VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: 2,
-        target_logits: &logits,
-        draft_tokens: &[0, 0, 0, 0],
-        draft_offsets: &[0, 5, 4],
-        draft_probs: speculative::DraftProbs::PointMass,
-        sequences: &params,
-    };
+    let batch = speculative::VerifyBatch::new(2, &logits, &[0, 0, 0, 0], &[0, 5, 4], &params);
     let e = speculative::Verifier::new()
         .verify_batch(&batch)
         .unwrap_err();

@@ -25,6 +25,7 @@ use proptest::prelude::*;
 use speculative::rng::{Stream, lane};
 use speculative::verify::DraftRow;
 use speculative::verify::exact::{first_token_given_draft, first_token_marginal};
+use speculative::{DraftBlock, SequenceState};
 use speculative::{
     DraftProbs, Error, RowKind, SamplingConfig, StepEnd, StepOutput, TokenDist, Verifier,
     VerifyRequest,
@@ -573,10 +574,9 @@ fn bad_inputs_give_documented_errors() {
 
         // Wrong target shape.
         let short = &target[..target.len() - 1];
-        let e = v.verify(&VerifyRequest {
-            target_logits: short,
-            ..ok
-        });
+        let mut r = ok;
+        r.target_logits = short;
+        let e = v.verify(&r);
         assert!(
             matches!(
                 e,
@@ -589,13 +589,10 @@ fn bad_inputs_give_documented_errors() {
             "{e:?}"
         );
         // Wrong q shape.
-        let e = v.verify(&VerifyRequest {
-            draft_probs: DraftProbs::Probs {
-                probs: &q[1..],
-                vocab,
-            },
-            ..ok
-        });
+        let e = v.verify(&ok.draft_probs(DraftProbs::Probs {
+            probs: &q[1..],
+            vocab,
+        }));
         assert!(
             matches!(
                 e,
@@ -611,10 +608,7 @@ fn bad_inputs_give_documented_errors() {
         let e = v.verify(&VerifyRequest::new(cfg, &[] as &[f32], 0, &[]));
         assert!(matches!(e, Err(Error::ShapeMismatch { .. })), "{e:?}");
         // Draft token outside the vocabulary.
-        let e = v.verify(&VerifyRequest {
-            draft_tokens: &[1, 5],
-            ..ok
-        });
+        let e = v.verify(&ok.draft(DraftBlock::chain(&[1, 5])));
         assert!(
             matches!(
                 e,
@@ -628,31 +622,24 @@ fn bad_inputs_give_documented_errors() {
         );
         // Context token outside the vocabulary (penalties need it).
         let pen = cfg.to_builder().repetition_penalty(1.3).build().unwrap();
-        let e = v.verify(&VerifyRequest {
-            config: &pen,
-            context: &[0, 9],
-            ..ok
-        });
+        let e = v.verify(&ok.state(SequenceState::new(&pen)).context(&[0, 9]));
         assert!(
             matches!(e, Err(Error::TokenOutOfVocab { token: 9, .. })),
             "{e:?}"
         );
         // Configuration naming a token outside the vocabulary.
         let ban = cfg.to_builder().banned_tokens([7]).build().unwrap();
-        let e = v.verify(&VerifyRequest { config: &ban, ..ok });
+        let e = v.verify(&ok.state(SequenceState::new(&ban)));
         assert!(
             matches!(e, Err(Error::TokenOutOfVocab { token: 7, .. })),
             "{e:?}"
         );
         // Draft vocabulary wider than the target's.
         let wide = vec![1.0 / 6.0; k * 6];
-        let e = v.verify(&VerifyRequest {
-            draft_probs: DraftProbs::Probs {
-                probs: &wide,
-                vocab: 6,
-            },
-            ..ok
-        });
+        let e = v.verify(&ok.draft_probs(DraftProbs::Probs {
+            probs: &wide,
+            vocab: 6,
+        }));
         assert!(
             matches!(
                 e,
@@ -667,10 +654,9 @@ fn bad_inputs_give_documented_errors() {
         for bad in [f32::NAN, f32::INFINITY] {
             let mut t = target.clone();
             t[2] = bad;
-            let e = v.verify(&VerifyRequest {
-                target_logits: &t,
-                ..ok
-            });
+            let mut r = ok;
+            r.target_logits = &t;
+            let e = v.verify(&r);
             assert!(
                 matches!(
                     e,
@@ -687,10 +673,9 @@ fn bad_inputs_give_documented_errors() {
         // A row with every entry -inf.
         let mut t = target.clone();
         t[..vocab].fill(f32::NEG_INFINITY);
-        let e = v.verify(&VerifyRequest {
-            target_logits: &t,
-            ..ok
-        });
+        let mut r = ok;
+        r.target_logits = &t;
+        let e = v.verify(&r);
         assert!(
             matches!(
                 e,
@@ -706,11 +691,9 @@ fn bad_inputs_give_documented_errors() {
         let mut t = target.clone();
         t[0] = f32::NEG_INFINITY;
         t[4] = f32::NEG_INFINITY;
-        let e = v.verify(&VerifyRequest {
-            config: &allow,
-            target_logits: &t,
-            ..ok
-        });
+        let mut r = ok.state(SequenceState::new(&allow));
+        r.target_logits = &t;
+        let e = v.verify(&r);
         assert!(
             matches!(e, Err(Error::NoAllowedToken { row: 0, .. })),
             "{e:?}"

@@ -365,22 +365,16 @@ fn suppressed_ids_are_never_drafted_on_their_rows() {
             SamplingConfig::sampling(1.0).unwrap(),
         ] {
             for seed in 0..20 {
-                let req = ProposeRequest {
-                    eos: &ban,
-                    suppress: &ban,
-                    suppress_rows: 2,
-                    seed,
-                    ..ProposeRequest::new(&ctx, &cfg, 4)
-                };
+                let req = ProposeRequest::new(&ctx, &cfg, 4)
+                    .seed(seed)
+                    .eos(&ban)
+                    .suppress(&ban, 2);
                 let mut d = Draft::default();
                 make().propose(&req, &mut d).unwrap();
                 assert!(!d.tokens.iter().take(2).any(|&t| t == T_EOS), "{d:?}");
             }
             // Without the ban the draft does end at EOS.
-            let req = ProposeRequest {
-                eos: &ban,
-                ..ProposeRequest::new(&ctx, &cfg, 4)
-            };
+            let req = ProposeRequest::new(&ctx, &cfg, 4).eos(&ban);
             let mut d = Draft::default();
             make().propose(&req, &mut d).unwrap();
             assert!(d.tokens.contains(&T_EOS), "{d:?}");
@@ -403,10 +397,7 @@ fn stale_state_equals_a_fresh_proposer() {
         ] {
             let mut p = retok().with_config(cfg).unwrap();
             for ctx in [&a, &b, &c, &a, &d, &b] {
-                let req = ProposeRequest {
-                    seed: 5,
-                    ..ProposeRequest::new(ctx, &sampling, 4)
-                };
+                let req = ProposeRequest::new(ctx, &sampling, 4).seed(5);
                 let (mut x, mut y) = (Draft::default(), Draft::default());
                 p.propose(&req, &mut x).unwrap();
                 retok()

@@ -185,17 +185,14 @@ fn check_case<L: Dtype, Q: Dtype>(
         .iter()
         .map(|&s| SequenceParams::new(cfg, s).context(&c.params.context))
         .collect();
-    let batch = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: c.vocab,
-        target_logits: &batch_target[..],
-        draft_tokens: &tokens,
-        draft_offsets: &offsets,
-        draft_probs: form(c.mode, &batch_q, c.qv),
-        sequences: &seqs,
-    };
+    let batch = VerifyBatch::with_q(
+        c.vocab,
+        &batch_target[..],
+        &tokens,
+        &offsets,
+        form(c.mode, &batch_q, c.qv),
+        &seqs,
+    );
     let out = v.verify_batch(&batch).unwrap();
     for (b, r) in out.iter().enumerate() {
         let (lo, hi) = (offsets[b], offsets[b + 1]);
@@ -642,20 +639,17 @@ fn mixed_forms<Q: Dtype>() {
             }
         })
         .collect();
-    let batch = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: vocab,
-        target_logits: &target[..],
-        draft_tokens: &tokens,
-        draft_offsets: &offsets,
-        draft_probs: DraftQ::Probs {
+    let batch = VerifyBatch::with_q(
+        vocab,
+        &target[..],
+        &tokens,
+        &offsets,
+        DraftQ::Probs {
             probs: &batch_q,
             vocab,
         },
-        sequences: &seqs,
-    };
+        &seqs,
+    );
     let out = Verifier::new().verify_batch(&batch).unwrap();
     for (b, r) in out.iter().enumerate() {
         let (lo, hi) = (offsets[b], offsets[b + 1]);
@@ -666,7 +660,7 @@ fn mixed_forms<Q: Dtype>() {
         });
         let alone = Verifier::new().verify(
             &VerifyRequest::new(
-                seqs[b].config,
+                seqs[b].state.config,
                 &target[(lo + b) * vocab..(hi + b + 1) * vocab],
                 vocab,
                 &tokens[lo..hi],

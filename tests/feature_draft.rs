@@ -53,10 +53,7 @@ fn head(r: &ToyRnn, noise: f32, tree: bool) -> DraftModelProposer<ToyFeatureDraf
     let m = ToyFeatureDraft::new(r.perturbed(noise, 99), 1 << 16);
     let m = if tree { m.with_tree(32) } else { m };
     DraftModelProposer::new(m)
-        .with_tree_config(DraftTreeConfig {
-            beam: 3,
-            children: 3,
-        })
+        .with_tree_config(DraftTreeConfig::default().with_beam(3).with_children(3))
         .unwrap()
 }
 
@@ -342,10 +339,7 @@ fn rows_of_the_wrong_size_are_a_typed_error() {
     let ctx = [1u32, 2, 3];
     let mut rows = true_rows(&r, &ctx);
     rows.pop();
-    let req = ProposeRequest {
-        target_hidden_rows: Some(&rows),
-        ..ProposeRequest::new(&ctx, &cfg, 3)
-    };
+    let req = ProposeRequest::new(&ctx, &cfg, 3).target_hidden_rows(Some(&rows));
     let err = p.propose(&req, &mut Draft::default()).unwrap_err();
     assert!(
         matches!(err, Error::ShapeMismatch { expected, actual, .. }
@@ -356,10 +350,7 @@ fn rows_of_the_wrong_size_are_a_typed_error() {
     let other = ToyRnn::new(V, H + 1, 3.0, 1);
     let mut p = DraftModelProposer::new(ToyFeatureDraft::new(other, 1 << 16));
     let rows = true_rows(&r, &ctx);
-    let req = ProposeRequest {
-        target_hidden_rows: Some(&rows),
-        ..ProposeRequest::new(&ctx, &cfg, 3)
-    };
+    let req = ProposeRequest::new(&ctx, &cfg, 3).target_hidden_rows(Some(&rows));
     assert!(matches!(
         p.propose(&req, &mut Draft::default()),
         Err(Error::ShapeMismatch { .. })
@@ -584,10 +575,7 @@ fn stat_head(tree: bool) -> DraftModelProposer<ToyFeatureDraft> {
     let m = ToyFeatureDraft::new(stat_rnn().perturbed(0.4, 7), 1 << 16);
     let m = if tree { m.with_tree(32) } else { m };
     DraftModelProposer::new(m)
-        .with_tree_config(DraftTreeConfig {
-            beam: 2,
-            children: 3,
-        })
+        .with_tree_config(DraftTreeConfig::default().with_beam(2).with_children(3))
         .unwrap()
 }
 

@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use proptest::prelude::*;
 use proptest::test_runner::{TestCaseError, TestRunner};
+use speculative::DraftBlock;
 use speculative::propose::{DraftHeads, HeadsProposer};
 use speculative::rng::{Stream, lane};
 use speculative::sampling::{
@@ -1107,6 +1108,9 @@ struct Built {
     qkind: u8,
     context: Vec<u32>,
     suppress: Vec<u32>,
+    /// The end flags of the drafts: the final one ends with `final_draft_ends` (a chain
+    /// without drafts has no final draft to end).
+    ends: Vec<bool>,
 }
 
 impl Built {
@@ -1128,7 +1132,7 @@ impl Built {
             .seed(seed)
             .prompt_len(c.prompt_len)
             .suppress(&self.suppress, c.suppress_rows)
-            .final_draft_ends(c.final_draft_ends);
+            .draft(DraftBlock::chain(&self.drafts).with_ends(&self.ends));
         if let Some(p) = c.position {
             r = r.position(p);
         }
@@ -1139,7 +1143,7 @@ impl Built {
     fn shape_ok(&self, c: &VerifyCase) -> bool {
         let v = c.vocab;
         let k = self.drafts.len();
-        let rows = k + 1 - c.final_draft_ends as usize;
+        let rows = k + 1 - self.ends.contains(&true) as usize;
         let ids_ok = |ids: &[u32], bound: usize| ids.iter().all(|&t| (t as usize) < bound);
         let cfg_ok = self.cfg.check_vocab(v).is_ok();
         let q_ok = match self.qkind {
@@ -1152,7 +1156,6 @@ impl Built {
             }
         };
         v > 0
-            && !(c.final_draft_ends && k == 0)
             && rows.checked_mul(v) == Some(self.target.len())
             && ids_ok(&self.drafts, v)
             && cfg_ok
@@ -1170,7 +1173,8 @@ fn build_case(c: &VerifyCase, cfg: SamplingConfig) -> Built {
         QSpec::Logits { qv_sel, data, .. } => resolve_qv(*qv_sel, v, data.seed),
     };
     let drafts = toks(&c.drafts, q_bound.min(v));
-    let rows = k + 1 - c.final_draft_ends as usize;
+    let final_ends = c.final_draft_ends && k > 0;
+    let rows = k + 1 - final_ends as usize;
     let right = rows.checked_mul(v).filter(|&n| n <= rows * MAX_DENSE);
     let len = match (right, c.target_len_delta) {
         (Some(n), None) => n,
@@ -1195,6 +1199,7 @@ fn build_case(c: &VerifyCase, cfg: SamplingConfig) -> Built {
         qkind,
         context: toks(&c.context, v),
         suppress: toks(&c.suppress, v),
+        ends: (0..k).map(|i| final_ends && i + 1 == k).collect(),
     }
 }
 
@@ -1244,7 +1249,7 @@ fn verify_property(c: VerifyCase) -> Result<(), TestCaseError> {
             out,
             &b.drafts,
             c.vocab,
-            c.final_draft_ends,
+            b.ends.contains(&true),
             &b.target,
             b.cfg.logprobs(),
             &rules,
@@ -1524,17 +1529,7 @@ fn batch_property(c: BatchCase) -> Result<(), TestCaseError> {
             p
         })
         .collect();
-    let batch = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: v,
-        target_logits: &target,
-        draft_tokens: &drafts,
-        draft_offsets: &off,
-        draft_probs,
-        sequences: &params,
-    };
+    let batch = VerifyBatch::new(v, &target, &drafts, &off, &params).draft_probs(draft_probs);
     let res = Verifier::new().verify_batch(&batch);
     match &res {
         Ok(outs) => outs.iter().for_each(|r| tally("verify_batch", outcome(r))),
@@ -2488,12 +2483,7 @@ fn fuzz_prompt_lookup() {
                 .map(|&c| ctx[..c.min(ctx.len())].to_vec())
                 .collect();
             contexts.extend(others);
-            let mut d = Draft {
-                tokens: vec![7; 3],
-                q: Some(vec![1.0]),
-                q_vocab: 1,
-                ..Default::default()
-            };
+            let mut d = Draft::chain(vec![7; 3]).with_q(vec![1.0], 1);
             for c in &contexts {
                 p.propose(&greedy_request(c, &cfg, k), &mut d)
                     .map_err(|e| TestCaseError::fail(format!("propose: {e:?}")))?;
@@ -2561,13 +2551,12 @@ fn fuzz_suffix_proposer() {
     )
         .prop_map(
             |(max_depth, max_match_len, min_confidence, max_corpus_tokens, outputs_only)| {
-                SuffixConfig {
-                    max_depth,
-                    max_match_len,
-                    min_confidence,
-                    max_corpus_tokens,
-                    corpus_outputs_only: outputs_only,
-                }
+                SuffixConfig::default()
+                    .with_max_depth(max_depth)
+                    .with_max_match_len(max_match_len)
+                    .with_min_confidence(min_confidence)
+                    .with_max_corpus_tokens(max_corpus_tokens)
+                    .with_corpus_outputs_only(outputs_only)
             },
         );
     fuzz(
@@ -3150,32 +3139,22 @@ fn bug_select_top_k_huge_k_panics() {
 fn bug_batch_huge_vocab_panics() {
     let cfg = SamplingConfig::greedy();
     let seqs = [SequenceParams::new(&cfg, 0)];
-    let res = Verifier::new().verify_batch(&VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: usize::MAX / 2 + 1,
-        target_logits: &[] as &[f32],
-        draft_tokens: &[0],
-        draft_offsets: &[0, 1],
-        draft_probs: DraftProbs::PointMass,
-        sequences: &seqs,
-    });
+    let res = Verifier::new().verify_batch(&VerifyBatch::new(
+        usize::MAX / 2 + 1,
+        &[] as &[f32],
+        &[0],
+        &[0, 1],
+        &seqs,
+    ));
     assert!(matches!(res, Err(Error::ShapeMismatch { .. })), "{res:?}");
-    let res = Verifier::new().verify_batch(&VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: usize::MAX,
-        target_logits: &[] as &[f32],
-        draft_tokens: &[0, 0],
-        draft_offsets: &[0, 2],
-        draft_probs: DraftProbs::Probs {
-            probs: &[],
-            vocab: usize::MAX / 2 + 1,
-        },
-        sequences: &seqs,
-    });
+    let res = Verifier::new().verify_batch(
+        &VerifyBatch::new(usize::MAX, &[] as &[f32], &[0, 0], &[0, 2], &seqs).draft_probs(
+            DraftProbs::Probs {
+                probs: &[],
+                vocab: usize::MAX / 2 + 1,
+            },
+        ),
+    );
     assert!(matches!(res, Err(Error::ShapeMismatch { .. })), "{res:?}");
 }
 

@@ -381,31 +381,18 @@ impl Owned {
 
     fn params(&self) -> Vec<SequenceParams<'_>> {
         (0..self.configs.len())
-            .map(|b| SequenceParams {
-                config: &self.configs[b],
-                seed: self.seeds[b],
-                context: &self.contexts[b],
-                position: None,
-                prompt_len: self.prompt_lens[b],
-                suppress: &self.suppress[b].0,
-                suppress_rows: self.suppress[b].1,
-                draft_probs: None,
-                final_draft_ends: false,
-                row_top_k: 0,
+            .map(|b| {
+                SequenceParams::new(&self.configs[b], self.seeds[b])
+                    .context(&self.contexts[b])
+                    .prompt_len(self.prompt_lens[b])
+                    .suppress(&self.suppress[b].0, self.suppress[b].1)
             })
             .collect()
     }
 
     fn batch<'a>(&'a self, seqs: &'a [SequenceParams<'a>]) -> VerifyBatch<'a> {
-        VerifyBatch {
-            parents: None,
-            schemes: None,
-            ends: &[],
-            vocab_size: self.vocab,
-            target_logits: &self.logits,
-            draft_tokens: &self.drafts,
-            draft_offsets: &self.offsets,
-            draft_probs: match self.q_kind {
+        VerifyBatch::new(self.vocab, &self.logits, &self.drafts, &self.offsets, seqs).draft_probs(
+            match self.q_kind {
                 0 => DraftProbs::PointMass,
                 1 => DraftProbs::Probs {
                     probs: &self.q,
@@ -416,8 +403,7 @@ impl Owned {
                     vocab: self.qv,
                 },
             },
-            sequences: seqs,
-        }
+        )
     }
 }
 
@@ -588,17 +574,7 @@ fn run_same_errors(backend: Under) {
                 },
             ),
         ] {
-            let batch = VerifyBatch {
-                parents: None,
-                schemes: None,
-                ends: &[],
-                vocab_size: v,
-                target_logits: &logits,
-                draft_tokens: &drafts,
-                draft_offsets: &offsets,
-                draft_probs: qp,
-                sequences: &seqs,
-            };
+            let batch = VerifyBatch::new(v, &logits, &drafts, &offsets, &seqs).draft_probs(qp);
             let c = cpu.verify_batch(&batch).unwrap();
             let g = gpu.verify_batch(&batch).unwrap();
             let cs: Vec<String> = c.iter().map(|r| format!("{r:?}")).collect();
@@ -614,20 +590,11 @@ fn run_same_errors(backend: Under) {
         SequenceParams::new(&sampled, 2),
     ];
     let clean: Vec<f32> = (0..5 * v).map(|i| (i % 3) as f32 * 0.1).collect();
-    let batch = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: v,
-        target_logits: &clean,
-        draft_tokens: &drafts,
-        draft_offsets: &offsets,
-        draft_probs: DraftProbs::Probs {
+    let batch =
+        VerifyBatch::new(v, &clean, &drafts, &offsets, &seqs).draft_probs(DraftProbs::Probs {
             probs: &bad_q,
             vocab: v,
-        },
-        sequences: &seqs,
-    };
+        });
     let c: Vec<String> = cpu
         .verify_batch(&batch)
         .unwrap()
@@ -642,13 +609,8 @@ fn run_same_errors(backend: Under) {
         .collect();
     assert_eq!(c, g);
     // Malformed batches fail as a whole, with the CPU's error.
-    let short = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        target_logits: &clean[..4 * v],
-        ..batch
-    };
+    let mut short = batch;
+    short.target_logits = &clean[..4 * v];
     assert_eq!(
         cpu.verify_batch(&short).unwrap_err().to_string(),
         gpu.verify_batch(&short).unwrap_err().to_string()
@@ -690,20 +652,11 @@ fn run_c14(backend: Under) {
     let seqs: Vec<SequenceParams<'_>> = (0..n)
         .map(|s| SequenceParams::new(&sampled, s as u64 * 7919))
         .collect();
-    let batch = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: 2,
-        target_logits: &logits,
-        draft_tokens: &drafts,
-        draft_offsets: &offsets,
-        draft_probs: DraftProbs::Probs {
+    let batch =
+        VerifyBatch::new(2, &logits, &drafts, &offsets, &seqs).draft_probs(DraftProbs::Probs {
             probs: &q,
             vocab: 1,
-        },
-        sequences: &seqs,
-    };
+        });
     for e in all_fail_alike(&mut gpu, &batch) {
         assert!(
             matches!(e, Error::TokenOutOfVocab { token: 1, .. }),
@@ -719,20 +672,11 @@ fn run_c14(backend: Under) {
     let seqs: Vec<SequenceParams<'_>> = (0..n)
         .map(|s| SequenceParams::new(&greedy, s as u64))
         .collect();
-    let batch = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: 2,
-        target_logits: &logits,
-        draft_tokens: &drafts,
-        draft_offsets: &offsets,
-        draft_probs: DraftProbs::Probs {
+    let batch =
+        VerifyBatch::new(2, &logits, &drafts, &offsets, &seqs).draft_probs(DraftProbs::Probs {
             probs: &q,
             vocab: 1,
-        },
-        sequences: &seqs,
-    };
+        });
     for e in all_fail_alike(&mut gpu, &batch) {
         assert!(
             matches!(e, Error::TokenOutOfVocab { token: 1, .. }),
@@ -752,17 +696,7 @@ fn run_c14(backend: Under) {
     let seqs: Vec<SequenceParams<'_>> = (0..n)
         .map(|s| SequenceParams::new(&sampled, s as u64))
         .collect();
-    let batch = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: v,
-        target_logits: &logits,
-        draft_tokens: &drafts,
-        draft_offsets: &offsets,
-        draft_probs: DraftProbs::PointMass,
-        sequences: &seqs,
-    };
+    let batch = VerifyBatch::new(v, &logits, &drafts, &offsets, &seqs);
     for e in all_fail_alike(&mut gpu, &batch) {
         assert!(
             matches!(
@@ -801,17 +735,7 @@ fn run_c14(backend: Under) {
             "under q",
         ),
     ] {
-        let batch = VerifyBatch {
-            parents: None,
-            schemes: None,
-            ends: &[],
-            vocab_size: v,
-            target_logits: &clean,
-            draft_tokens: &drafts,
-            draft_offsets: &offsets,
-            draft_probs: qp,
-            sequences: &seqs,
-        };
+        let batch = VerifyBatch::new(v, &clean, &drafts, &offsets, &seqs).draft_probs(qp);
         for e in all_fail_alike(&mut gpu, &batch) {
             assert!(
                 matches!(&e, Error::InvalidDraftProbs { row: 0, reason } if reason.contains(want)),
@@ -879,17 +803,7 @@ fn run_c15(backend: Under) {
                 .prompt_len(prompt_lens[b])
         })
         .collect();
-    let batch = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: vocab,
-        target_logits: &logits,
-        draft_tokens: &drafts,
-        draft_offsets: &offsets,
-        draft_probs: DraftProbs::PointMass,
-        sequences: &seqs,
-    };
+    let batch = VerifyBatch::new(vocab, &logits, &drafts, &offsets, &seqs);
     let spec: Vec<StepOutput> = gpu
         .verify_batch(&batch)
         .unwrap()
@@ -927,17 +841,13 @@ fn run_c15(backend: Under) {
         .collect();
     let plain_offsets = vec![0usize; who.len() + 1];
     let plain = gpu
-        .verify_batch(&VerifyBatch {
-            parents: None,
-            schemes: None,
-            ends: &[],
-            vocab_size: vocab,
-            target_logits: &plain_logits,
-            draft_tokens: &[],
-            draft_offsets: &plain_offsets,
-            draft_probs: DraftProbs::PointMass,
-            sequences: &plain_seqs,
-        })
+        .verify_batch(&VerifyBatch::new(
+            vocab,
+            &plain_logits,
+            &[],
+            &plain_offsets,
+            &plain_seqs,
+        ))
         .unwrap();
     for (&(b, j), p) in who.iter().zip(&plain) {
         assert_eq!(
@@ -1021,34 +931,15 @@ fn stat_fit(gpu: &mut dyn BatchVerifier, n: usize, k: usize, q_pass: u8) -> Fit 
         }
         let seqs: Vec<SequenceParams<'_>> = active
             .iter()
-            .map(|&s| SequenceParams {
-                config: &cfg,
-                seed: s as u64 + 77,
-                context: &ctxs[s],
-                position: None,
-                prompt_len: 0,
-                suppress: &[],
-                suppress_rows: 0,
-                draft_probs: None,
-                final_draft_ends: false,
-                row_top_k: 0,
-            })
+            .map(|&s| SequenceParams::new(&cfg, s as u64 + 77).context(&ctxs[s]))
             .collect();
-        let batch = VerifyBatch {
-            parents: None,
-            schemes: None,
-            ends: &[],
-            vocab_size: vocab,
-            target_logits: &logits,
-            draft_tokens: &drafts,
-            draft_offsets: &offsets,
-            draft_probs: if q_pass == 2 {
+        let batch = VerifyBatch::new(vocab, &logits, &drafts, &offsets, &seqs).draft_probs(
+            if q_pass == 2 {
                 DraftProbs::Logits { logits: &q, vocab }
             } else {
                 DraftProbs::Probs { probs: &q, vocab }
             },
-            sequences: &seqs,
-        };
+        );
         let out = gpu.verify_batch(&batch).unwrap();
         drop(seqs);
         for (&s, o) in active.iter().zip(out) {
@@ -1127,17 +1018,7 @@ fn run_mixed_forms(under: Under) {
         SequenceParams::new(&cfg, 2),
         SequenceParams::new(&cfg, 3).draft_probs(DraftProbs::PointMass),
     ];
-    let batch = VerifyBatch {
-        parents: None,
-        schemes: None,
-        ends: &[],
-        vocab_size: v,
-        target_logits: &logits,
-        draft_tokens: &drafts,
-        draft_offsets: &offsets,
-        draft_probs: DraftProbs::PointMass,
-        sequences: &uniform_seqs,
-    };
+    let batch = VerifyBatch::new(v, &logits, &drafts, &offsets, &uniform_seqs);
     let want = Verifier::new().verify_batch(&batch).unwrap();
     let got = gpu.verify_batch(&batch).unwrap();
     assert_eq!(format!("{got:?}"), format!("{want:?}"));
@@ -1151,24 +1032,24 @@ fn run_mixed_forms(under: Under) {
     ];
     let dense_rows: Vec<f32> = q.iter().copied().cycle().take(4 * v).collect();
     let mixed = [
-        VerifyBatch {
-            parents: None,
-            schemes: None,
-            ends: &[],
-            sequences: &mixed_seqs,
-            ..batch
-        },
-        VerifyBatch {
-            parents: None,
-            schemes: None,
-            ends: &[],
-            draft_probs: DraftProbs::Probs {
-                probs: &dense_rows,
-                vocab: v,
-            },
-            sequences: &uniform_seqs,
-            ..batch
-        },
+        VerifyBatch::new(
+            v,
+            batch.target_logits,
+            batch.draft_tokens,
+            batch.draft_offsets,
+            &mixed_seqs,
+        ),
+        VerifyBatch::new(
+            v,
+            batch.target_logits,
+            batch.draft_tokens,
+            batch.draft_offsets,
+            &uniform_seqs,
+        )
+        .draft_probs(DraftProbs::Probs {
+            probs: &dense_rows,
+            vocab: v,
+        }),
     ];
     for b in &mixed {
         let cpu = Verifier::new().verify_batch(b).unwrap();
@@ -1392,20 +1273,12 @@ mod wgpu_resident {
             SequenceParams::new(&penalised, 3).context(&bad_ctx),
             SequenceParams::new(&greedy, 4).context(&[1]),
         ];
-        let batch = VerifyBatch {
-            parents: None,
-            schemes: None,
-            ends: &[],
-            vocab_size: v,
-            target_logits: &logits,
-            draft_tokens: &drafts,
-            draft_offsets: &offsets,
-            draft_probs: DraftProbs::Logits {
+        let batch = VerifyBatch::new(v, &logits, &drafts, &offsets, &seqs).draft_probs(
+            DraftProbs::Logits {
                 logits: &draft_logits,
                 vocab: v,
             },
-            sequences: &seqs,
-        };
+        );
         let errs = all_fail_alike(&mut gpu, &batch);
         let dev = gpu.wgpu_device().unwrap().clone();
         let buf =

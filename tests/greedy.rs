@@ -467,31 +467,16 @@ fn greedy_batches_match_reference() {
         let seqs: Vec<SequenceParams<'_>> = cases
             .iter()
             .zip(&configs)
-            .map(|(c, cfg)| SequenceParams {
-                config: cfg,
-                seed: c.seeds.0,
-                context: &c.context,
-                position: None,
-                prompt_len: 0,
-                suppress: &[],
-                suppress_rows: 0,
-                draft_probs: None,
-                final_draft_ends: false,
-                row_top_k: 0,
-            })
+            .map(|(c, cfg)| SequenceParams::new(cfg, c.seeds.0).context(&c.context))
             .collect();
         let out = Verifier::new()
-            .verify_batch(&VerifyBatch {
-                parents: None,
-                schemes: None,
-                ends: &[],
-                vocab_size: vocab,
-                target_logits: &target,
-                draft_tokens: &flat_drafts,
-                draft_offsets: &offsets,
-                draft_probs: DraftProbs::PointMass,
-                sequences: &seqs,
-            })
+            .verify_batch(&VerifyBatch::new(
+                vocab,
+                &target,
+                &flat_drafts,
+                &offsets,
+                &seqs,
+            ))
             .unwrap();
         assert_eq!(out.len(), n);
         for ((c, d), o) in cases.iter().zip(&drafts).zip(&out) {

@@ -326,11 +326,7 @@ impl Proposer for Fixed {
 
 #[test]
 fn invalid_trees_never_reach_the_target() {
-    let tree = |tokens: Vec<u32>, parents: Vec<u32>| Draft {
-        tokens,
-        parents,
-        ..Default::default()
-    };
+    let tree = |tokens: Vec<u32>, parents: Vec<u32>| Draft::tree(tokens, parents);
     let cases: Vec<(Draft, usize, ProposalFault)> = vec![
         (
             tree(vec![1, 2], vec![0, 2]),

@@ -212,10 +212,7 @@ fn draft_model_trees_give_plain_greedy_output() {
             }
             let want = plain_greedy(target(V, seed), &prompt, &params);
             let draft = DraftModelProposer::new(noisy_draft(V, seed, 1.2))
-                .with_tree_config(DraftTreeConfig {
-                    beam: 3,
-                    children: 3,
-                })
+                .with_tree_config(DraftTreeConfig::default().with_beam(3).with_children(3))
                 .unwrap();
             let mut g = Generator::new(target(V, seed), draft);
             let out = g.generate(&prompt, &params).unwrap();
@@ -400,10 +397,7 @@ fn p_value<T: TargetModel, P: Proposer>(
 
 fn tree_draft() -> DraftModelProposer<ToyModel> {
     DraftModelProposer::new(ToyModel::markov(VS, 2, 1.6, 23).with_tree(32))
-        .with_tree_config(DraftTreeConfig {
-            beam: 2,
-            children: 3,
-        })
+        .with_tree_config(DraftTreeConfig::default().with_beam(2).with_children(3))
         .unwrap()
 }
 
@@ -452,10 +446,8 @@ impl Proposer for PruneBySiblingQ {
                 drop[i] = true;
             }
         }
-        let mut out = Draft {
-            q_vocab: qv,
-            ..Draft::default()
-        };
+        let mut out = Draft::default();
+        out.q_vocab = qv;
         let mut newq = Vec::new();
         let mut map = vec![0u32; n];
         for i in (0..n).filter(|&i| !drop[i]) {

@@ -96,10 +96,7 @@ fn vocab() -> ByteVocab {
 
 fn draft_model() -> DraftModelProposer<ToyModel> {
     DraftModelProposer::new(ToyModel::markov(VOCAB, 2, 2.5, 9).with_tree(16))
-        .with_tree_config(DraftTreeConfig {
-            beam: 2,
-            children: 3,
-        })
+        .with_tree_config(DraftTreeConfig::default().with_beam(2).with_children(3))
         .unwrap()
 }
 
@@ -458,10 +455,7 @@ fn feature_draft_outputs_are_pinned() {
         let m = ToyFeatureDraft::new(rnn.perturbed(0.3, 99), 1 << 16);
         let m = if tree { m.with_tree(32) } else { m };
         DraftModelProposer::new(m)
-            .with_tree_config(DraftTreeConfig {
-                beam: 3,
-                children: 3,
-            })
+            .with_tree_config(DraftTreeConfig::default().with_beam(3).with_children(3))
             .unwrap()
     };
     let print = std::env::var_os("PIN_PRINT").is_some();

@@ -329,7 +329,7 @@ fn row_top_above_the_vocabulary_lists_every_allowed_id() {
     let mut v = Verifier::new();
     for n in [5, usize::MAX] {
         let out = v
-            .verify(&VerifyRequest::new(&cfg, &logits, vocab, &[1]).row_top(n))
+            .verify(&VerifyRequest::new(&cfg, &logits, vocab, &[1]).row_top_k(n))
             .unwrap();
         assert_eq!(out.row_top.row(0), &[1, 2, 0]);
         assert_eq!(out.row_top.row(1), &[0, 3, 2, 1]);

@@ -149,10 +149,7 @@ fn c11_draft_model_drafts_up_to_eos_and_stops_there() {
     let ctx = [0u32, 0];
     for temperature in [0.0, 1.0] {
         let cfg = c11_config(temperature);
-        let mut req = ProposeRequest {
-            prompt_len: 2,
-            ..ProposeRequest::new(&ctx, &cfg, 5)
-        };
+        let mut req = ProposeRequest::new(&ctx, &cfg, 5).prompt_len(2);
         // Negative control: without the EOS the proposer feeds the end token and asks the
         // mask about the row after it (which allows nothing: the draft then just ends).
         let mut p = DraftModelProposer::new(c11_draft_model());
@@ -182,7 +179,7 @@ fn c11_draft_model_drafts_up_to_eos_and_stops_there() {
 }
 
 /// The same through the loop: the draft is cut at its EOS and no target row after it is
-/// processed (the loop's C11 fix, `VerifyRequest::final_draft_ends`).
+/// processed (the loop's C11 fix, a chain whose final draft ends, `DraftBlock::with_ends`).
 #[test]
 fn c11_draft_model_in_the_loop_ends_at_eos() {
     let target = ToyModel::deterministic(8, 4096, |p: &[u32]| {
@@ -251,12 +248,10 @@ fn drive(p: &mut dyn Proposer, seq: &[u32], start: usize, cfg: &SamplingConfig) 
     let hidden: Vec<f32> = (0..7).map(|v| if v == 1 { 1.0 } else { 0.0 }).collect();
     (start..=seq.len())
         .map(|n| {
-            let req = ProposeRequest {
-                target_hidden: Some(&hidden),
-                eos: &[6],
-                seed: 9,
-                ..ProposeRequest::new(&seq[..n], cfg, 4)
-            };
+            let req = ProposeRequest::new(&seq[..n], cfg, 4)
+                .seed(9)
+                .target_hidden(Some(&hidden))
+                .eos(&[6]);
             let mut d = Draft::default();
             p.propose(&req, &mut d).unwrap();
             d

@@ -25,14 +25,7 @@ use speculative::{
 };
 
 fn recycling(vocab: usize, top_k: usize) -> TokenRecycling {
-    TokenRecycling::new(
-        vocab,
-        RecyclingConfig {
-            top_k,
-            ..RecyclingConfig::default()
-        },
-    )
-    .unwrap()
+    TokenRecycling::new(vocab, RecyclingConfig::default().with_top_k(top_k)).unwrap()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -369,11 +362,7 @@ fn driver_fits(cfg: &SamplingConfig, rule: Rule, len: usize, seed0: u64) -> (Vec
     for seed in seed0..seed0 + GENS {
         let mut ctx = PROMPT.to_vec();
         while ctx.len() < PROMPT.len() + len {
-            let req = ProposeRequest {
-                max_nodes: 8,
-                seed,
-                ..ProposeRequest::new(&ctx, cfg, 3)
-            };
+            let req = ProposeRequest::new(&ctx, cfg, 3).max_nodes(8).seed(seed);
             rec.propose_tree(&req, &mut draft).unwrap();
             steps += 1;
             nodes += draft.len();
@@ -408,17 +397,17 @@ fn driver_fits(cfg: &SamplingConfig, rule: Rule, len: usize, seed0: u64) -> (Vec
                 .verify(
                     &inst
                         .request(cfg, &ctx, seed, &inst.schemes)
-                        .row_top(rec.row_candidates()),
+                        .row_top_k(rec.row_candidates()),
                 )
                 .unwrap();
             let mut inputs = vec![*ctx.last().unwrap()];
             inputs.extend_from_slice(&draft.tokens);
-            rec.observe_rows(&VerifiedRows {
-                inputs: &inputs,
-                parents: &draft.parents,
-                candidates: &out.row_top,
-                path: &out.path,
-            })
+            rec.observe_rows(&VerifiedRows::new(
+                &inputs,
+                &draft.parents,
+                &out.row_top,
+                &out.path,
+            ))
             .unwrap();
             let tokens = match rule {
                 Rule::Real => out.tokens,

@@ -4,6 +4,7 @@
 use std::ops::ControlFlow;
 use std::sync::Arc;
 
+use speculative::DraftBlock;
 use speculative::decode::{
     AdaptiveConfig, Detokenizer, DraftLength, FinishReason, GenerationParams, Generator,
     StopConditions,
@@ -115,14 +116,16 @@ fn c11_verifier_final_draft_ends_needs_no_row_after_it() {
         0.0, 0.0, 0.0, 5.0, // predicts 3
     ];
     let cfg = SamplingConfig::greedy();
+    let ends = [false, false, true];
+    let chain = |tokens| DraftBlock::chain(tokens).with_ends(&ends);
     let out = Verifier::new()
-        .verify(&VerifyRequest::new(&cfg, &logits, 4, &[1, 2, 3]).final_draft_ends(true))
+        .verify(&VerifyRequest::new(&cfg, &logits, 4, &[1, 2, 3]).draft(chain(&[1, 2, 3])))
         .unwrap();
     assert_eq!(out.tokens, vec![1, 2, 3]);
     assert_eq!((out.accepted, out.end), (3, StepEnd::Ended));
     // A rejection before the end emits the correction as usual.
     let out = Verifier::new()
-        .verify(&VerifyRequest::new(&cfg, &logits, 4, &[1, 0, 3]).final_draft_ends(true))
+        .verify(&VerifyRequest::new(&cfg, &logits, 4, &[1, 0, 3]).draft(chain(&[1, 0, 3])))
         .unwrap();
     assert_eq!(out.tokens, vec![1, 2]);
     assert_eq!(out.end, StepEnd::Rejected { index: 1 });
@@ -130,7 +133,7 @@ fn c11_verifier_final_draft_ends_needs_no_row_after_it() {
     let more = [logits.as_slice(), &[0.0; 4]].concat();
     assert!(matches!(
         Verifier::new()
-            .verify(&VerifyRequest::new(&cfg, &more, 4, &[1, 2, 3]).final_draft_ends(true)),
+            .verify(&VerifyRequest::new(&cfg, &more, 4, &[1, 2, 3]).draft(chain(&[1, 2, 3]))),
         Err(Error::ShapeMismatch { .. })
     ));
 }
@@ -780,20 +783,9 @@ impl Proposer for Rogue {
 #[test]
 fn a_bad_proposal_never_reaches_the_target() {
     let drafts = [
-        Draft {
-            tokens: vec![1, 99],
-            ..Default::default()
-        },
-        Draft {
-            tokens: vec![1, 2, 3, 4, 5, 6],
-            ..Default::default()
-        },
-        Draft {
-            tokens: vec![1],
-            q: Some(vec![1.0; 3]),
-            q_vocab: 2,
-            ..Default::default()
-        },
+        Draft::chain(vec![1, 99]),
+        Draft::chain(vec![1, 2, 3, 4, 5, 6]),
+        Draft::chain(vec![1]).with_q(vec![1.0; 3], 2),
     ];
     for d in drafts {
         let mut g = Generator::new(CallLog::new(ToyModel::c10()), Rogue(d.clone()));

@@ -297,24 +297,17 @@ fn proposer_configs_load_with_vllm_names() {
         json(r#"{"prompt_lookup_min": 2, "prompt_lookup_max": 5}"#).unwrap();
     assert_eq!(
         cfg,
-        PromptLookupConfig {
-            min_n: 2,
-            max_n: 5,
-            periodic: false
-        }
+        PromptLookupConfig::default()
+            .with_min_n(2)
+            .with_max_n(5)
+            .with_periodic(false)
     );
     let p = PromptLookup::from_config(cfg).unwrap();
     assert_eq!((p.min_n(), p.max_n(), p.is_periodic()), (2, 5, false));
     assert_eq!(p.config(), cfg);
     let aliases: PromptLookupConfig =
         json(r#"{"min_n": 2, "max_n": 5, "periodic": true}"#).unwrap();
-    assert_eq!(
-        aliases,
-        PromptLookupConfig {
-            periodic: true,
-            ..cfg
-        }
-    );
+    assert_eq!(aliases, cfg.with_periodic(true));
     assert_eq!(
         json::<PromptLookupConfig>("{}").unwrap(),
         PromptLookupConfig::default()
@@ -323,11 +316,9 @@ fn proposer_configs_load_with_vllm_names() {
         json(r#"{"suffix_decoding_max_tree_depth": 32, "min_confidence": 0.2}"#).unwrap();
     assert_eq!(
         s,
-        SuffixConfig {
-            max_depth: 32,
-            min_confidence: 0.2,
-            ..SuffixConfig::default()
-        }
+        SuffixConfig::default()
+            .with_max_depth(32)
+            .with_min_confidence(0.2)
     );
 }
 
@@ -572,10 +563,7 @@ fn invalid_prompt_lookup_fields() {
     );
     invalid_load::<PromptLookupConfig>(r#"{"prompt_lookup_max": 65}"#, "prompt_lookup_max");
     invalid_load::<PromptLookupConfig>(r#"{"periodic": "no"}"#, "periodic");
-    let bad = PromptLookupConfig {
-        min_n: 0,
-        ..PromptLookupConfig::default()
-    };
+    let bad = PromptLookupConfig::default().with_min_n(0);
     assert!(matches!(
         PromptLookup::from_config(bad),
         Err(Error::InvalidConfig { field: "min_n", .. })
@@ -713,18 +701,20 @@ fn generation_params_round_trip() {
     round_trip(&StopConditions::default());
     round_trip(p.stop());
     round_trip(&AdaptiveConfig::default());
-    round_trip(&SuffixConfig {
-        max_depth: 40,
-        max_match_len: 20,
-        min_confidence: 0.35,
-        max_corpus_tokens: 1000,
-        corpus_outputs_only: false,
-    });
-    round_trip(&PromptLookupConfig {
-        min_n: 2,
-        max_n: 7,
-        periodic: true,
-    });
+    round_trip(
+        &SuffixConfig::default()
+            .with_max_depth(40)
+            .with_max_match_len(20)
+            .with_min_confidence(0.35)
+            .with_max_corpus_tokens(1000)
+            .with_corpus_outputs_only(false),
+    );
+    round_trip(
+        &PromptLookupConfig::default()
+            .with_min_n(2)
+            .with_max_n(7)
+            .with_periodic(true),
+    );
     round_trip(&PenaltyScope::Generated);
     round_trip(&PenaltyScope::WholeContext);
 }

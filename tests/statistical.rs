@@ -233,14 +233,7 @@ fn always_accept(
     let u = Stream::new(seed).uniform(prefix.len() as u64, lane::SAMPLE);
     let mut tokens = drafts.to_vec();
     tokens.push(p.sample(u).unwrap());
-    StepOutput {
-        accepted: k,
-        path: (0..k as u32).collect(),
-        tokens,
-        logprobs: None,
-        end: speculative::StepEnd::AllAccepted,
-        row_top: Default::default(),
-    }
+    StepOutput::new(k, tokens, speculative::StepEnd::AllAccepted)
 }
 
 fn expect_pass(name: &str, f: Fit) {

@@ -761,20 +761,10 @@ proptest! {
                     .draft_probs(q)
             })
             .collect();
-        let batch = VerifyBatch {
-            vocab_size: case.vocab,
-            target_logits: &target,
-            draft_tokens: &tokens,
-            draft_offsets: &offsets,
-            draft_probs: DraftProbs::PointMass,
-            sequences: &seqs,
-            parents: None,
-            schemes: None,
-            ends: &[],
-        }
+        let batch = VerifyBatch::new(case.vocab, &target, &tokens, &offsets, &seqs)
         .tree(&parents)
         .schemes(&schemes)
-        .node_ends(&ends);
+        .ends(&ends);
         let got = Verifier::new().verify_batch(&batch).unwrap();
         prop_assert_eq!(got.len(), insts.len());
         for (b, (inst, c)) in insts.iter().zip(&cases).enumerate() {

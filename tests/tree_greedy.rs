@@ -19,6 +19,7 @@ use common::steps::{Params, logit, params};
 use common::tree::{DET, SplitMix, WR};
 use proptest::collection::vec;
 use proptest::prelude::*;
+use speculative::DraftBlock;
 use speculative::sampling::{History, RowProcessor, TokenCounts};
 use speculative::test_util::ToyModel;
 use speculative::{
@@ -205,6 +206,11 @@ fn draft(case: &GreedyCase, cfg: &SamplingConfig, model: &ToyModel, ctx: &[u32])
             }
         }
     }
+    // A tree in the shape of a chain whose final node ends reads no row after it.
+    let rows = DraftBlock::tree(&t.tokens, &t.parents)
+        .with_ends(&t.ends)
+        .verify_rows();
+    t.target.truncate(rows * v);
     t
 }
 
@@ -225,14 +231,12 @@ proptest! {
             DraftProbs::PointMass
         };
         let req = VerifyRequest::new(&cfg, &tree.target, v, &tree.tokens)
-            .tree(&tree.parents)
-            .schemes(&tree.schemes)
-            .node_ends(&tree.ends)
-            .draft_probs(dp)
-            .context(&ctx)
-            .seed(case.tree_seed)
-            .prompt_len(case.extra.prompt_len)
-            .suppress(&case.extra.suppress, case.extra.suppress_rows);
+.draft(DraftBlock::tree(&tree.tokens, &tree.parents).with_schemes(&tree.schemes).with_ends(&tree.ends))
+.draft_probs(dp)
+.context(&ctx)
+.seed(case.tree_seed)
+.prompt_len(case.extra.prompt_len)
+.suppress(&case.extra.suppress, case.extra.suppress_rows);
         let out = Verifier::new().verify(&req).unwrap();
 
         // Plain greedy decoding from the same context.
@@ -291,7 +295,7 @@ fn empty_tree_is_a_plain_step() {
     let out = Verifier::new()
         .verify(
             &VerifyRequest::new(&cfg, &row, 7, &[])
-                .tree(&[])
+                .draft(DraftBlock::tree(&[], &[]))
                 .context(&ctx),
         )
         .unwrap();

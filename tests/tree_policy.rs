@@ -88,11 +88,7 @@ impl Siblings {
 
 impl Proposer for Siblings {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
-        let one = ProposeRequest {
-            max_branch: 1,
-            max_nodes: req.max_draft,
-            ..*req
-        };
+        let one = req.max_nodes(req.max_draft).max_branch(1);
         self.propose_tree(&one, draft)?;
         draft.parents.clear();
         Ok(())

@@ -26,11 +26,9 @@ fn request<'a>(
     nodes: usize,
     eos: &'a [u32],
 ) -> ProposeRequest<'a> {
-    ProposeRequest {
-        max_nodes: nodes,
-        eos,
-        ..ProposeRequest::new(context, config, k)
-    }
+    ProposeRequest::new(context, config, k)
+        .max_nodes(nodes)
+        .eos(eos)
 }
 
 fn tree(p: &mut dyn Proposer, context: &[u32], k: usize, nodes: usize, eos: &[u32]) -> Draft {
@@ -46,15 +44,8 @@ fn tree_branch(
     eos: &[u32],
 ) -> Draft {
     let config = SamplingConfig::greedy();
-    let mut d = Draft {
-        tokens: vec![4; 9],
-        parents: vec![0; 9],
-        ..Draft::default()
-    };
-    let req = ProposeRequest {
-        max_branch: branch,
-        ..request(context, &config, k, nodes, eos)
-    };
+    let mut d = Draft::tree(vec![4; 9], vec![0; 9]);
+    let req = request(context, &config, k, nodes, eos).max_branch(branch);
     p.propose_tree(&req, &mut d).unwrap();
     d
 }
@@ -96,13 +87,9 @@ fn accepted(block: &DraftBlock<'_>, truth: &[u32]) -> usize {
 /// The checks every tree draft must pass, whatever the proposer.
 fn check_tree(d: &Draft, k: usize, nodes: usize, eos: &[u32]) -> std::result::Result<(), String> {
     // Token ids of these tests stay below 16.
-    let limits = TreeLimits {
-        vocab_size: 16,
-        max_nodes: nodes,
-        max_depth: k,
-        max_branch: usize::MAX,
-        dense_q: false,
-    };
+    let limits = TreeLimits::vocab(16)
+        .with_max_nodes(nodes)
+        .with_max_depth(k);
     d.block()
         .validate(&limits)
         .map_err(|e| format!("invalid tree {d:?}: {e}"))?;
@@ -141,18 +128,17 @@ fn proposers(
     corpus: &[Vec<u32>],
     min_confidence: f32,
 ) -> Vec<Box<dyn Proposer>> {
-    let pl = PromptLookup::from_config(PromptLookupConfig {
-        min_n,
-        max_n: min_n + extra,
-        periodic,
-    })
+    let pl = PromptLookup::from_config(
+        PromptLookupConfig::default()
+            .with_min_n(min_n)
+            .with_max_n(min_n + extra)
+            .with_periodic(periodic),
+    )
     .unwrap();
-    let cfg = SuffixConfig {
-        max_depth: 8,
-        max_match_len: 4,
-        min_confidence,
-        ..SuffixConfig::default()
-    };
+    let cfg = SuffixConfig::default()
+        .with_max_depth(8)
+        .with_max_match_len(4)
+        .with_min_confidence(min_confidence);
     vec![Box::new(pl), Box::new(suffix_with(corpus, cfg))]
 }
 
@@ -210,10 +196,7 @@ proptest! {
         for mut p in proposers(min_n, 1, false, &corpus, 0.0) {
             let d = tree_branch(&mut *p, &context, k, nodes, branch, &eos);
             prop_assert_eq!(check_tree(&d, k, nodes, &eos), Ok(()), "{}", p.name());
-            let limits = TreeLimits {
-                max_branch: branch,
-                ..TreeLimits::vocab(16)
-            };
+            let limits = TreeLimits::vocab(16).with_max_branch(branch);
             prop_assert_eq!(d.block().validate(&limits), Ok(()), "{} {:?}", p.name(), d);
             let c = chain(&mut *p, &context, k.min(nodes), &eos);
             prop_assert_eq!(&d.tokens[..c.len()], &c[..], "{}", p.name());
@@ -322,12 +305,10 @@ fn prompt_lookup_tree_merges_matches_into_a_prefix_tree() {
 #[test]
 fn suffix_tree_merges_request_and_corpus_candidates() {
     let corpus = [vec![1, 2, 3, 4], vec![1, 2, 6]];
-    let cfg = SuffixConfig {
-        max_depth: 8,
-        max_match_len: 4,
-        min_confidence: 0.0,
-        ..SuffixConfig::default()
-    };
+    let cfg = SuffixConfig::default()
+        .with_max_depth(8)
+        .with_max_match_len(4)
+        .with_min_confidence(0.0);
     let mut p = suffix_with(&corpus, cfg);
     let ctx = [7, 1, 2, 3, 8, 1, 2];
     assert_eq!(chain(&mut p, &ctx, 3, &[]), [3, 8, 1]);

@@ -903,20 +903,22 @@ impl<B: BatchTarget> BatchGenerator<B> {
             })
             .collect();
         let flat = FlatDrafts::of(&reqs);
-        let sessions: Vec<SequenceParams<'_>> = reqs.iter().map(sequence_params).collect();
-        let mut batch = VerifyBatch {
-            vocab_size: self.vocab,
-            target_logits: &self.logits,
-            draft_tokens: &flat.tokens,
-            draft_offsets: &flat.offsets,
-            draft_probs: DraftQ::PointMass,
-            sequences: &sessions,
-            parents: None,
-            schemes: None,
-            ends: &[],
-        };
+        let sessions: Vec<SequenceParams<'_>> = reqs
+            .iter()
+            .map(|r| SequenceParams::from(r.state).draft_probs(r.draft_probs))
+            .collect();
+        let mut batch = VerifyBatch::new(
+            self.vocab,
+            &self.logits,
+            &flat.tokens,
+            &flat.offsets,
+            &sessions,
+        );
         if flat.any_tree {
-            batch = batch.tree(&flat.parents).node_ends(&flat.ends);
+            batch = batch.tree(&flat.parents);
+        }
+        if flat.any_ends {
+            batch = batch.ends(&flat.ends);
         }
         if flat.any_schemes {
             batch = batch.schemes(&flat.schemes);
@@ -1115,8 +1117,9 @@ fn commit_one<B: BatchTarget>(
 }
 
 /// The drafts of a step's verify requests, flattened for one [`VerifyBatch`]: tokens and
-/// offsets, and (when any sequence drafts a tree) parents and node ends for every sequence, a
-/// chain as the tree of its parents, and (when any tree has its own schemes) schemes.
+/// offsets, (when any sequence drafts a tree) parents for every sequence, a chain as the tree
+/// of its parents, (when any sequence has an ending node) node ends for every sequence, and
+/// (when any tree has its own schemes) schemes.
 struct FlatDrafts {
     tokens: Vec<u32>,
     offsets: Vec<usize>,
@@ -1124,15 +1127,17 @@ struct FlatDrafts {
     schemes: Vec<crate::SiblingScheme>,
     ends: Vec<bool>,
     any_tree: bool,
+    any_ends: bool,
     any_schemes: bool,
 }
 
 impl FlatDrafts {
     fn of(reqs: &[VerifyRequest<'_>]) -> Self {
-        let any_tree = reqs.iter().any(|r| r.parents.is_some());
+        let any_tree = reqs.iter().any(|r| r.draft.parents().is_some());
+        let any_ends = reqs.iter().any(|r| r.draft.ends().contains(&true));
         let any_schemes = reqs
             .iter()
-            .any(|r| r.schemes.is_some_and(|s| s.len() == r.draft_tokens.len()));
+            .any(|r| r.draft.schemes().is_some_and(|s| s.len() == r.draft.len()));
         let mut f = FlatDrafts {
             tokens: Vec::new(),
             offsets: vec![0],
@@ -1140,19 +1145,21 @@ impl FlatDrafts {
             schemes: Vec::new(),
             ends: Vec::new(),
             any_tree,
+            any_ends,
             any_schemes,
         };
         for r in reqs {
-            let k = r.draft_tokens.len();
-            f.tokens.extend_from_slice(r.draft_tokens);
+            let k = r.draft.len();
+            f.tokens.extend_from_slice(r.draft.tokens());
             f.offsets.push(f.tokens.len());
             if any_tree {
-                match r.parents {
+                match r.draft.parents() {
                     Some(par) => f.parents.extend_from_slice(par),
                     None => f.parents.extend(0..k as u32),
                 }
-                f.ends
-                    .extend((0..k).map(|j| r.ends.get(j).copied().unwrap_or(false)));
+            }
+            if any_ends {
+                f.ends.extend((0..k).map(|j| r.draft.ends_at(j)));
             }
             if any_schemes {
                 let default = crate::tree::TreeLimits {
@@ -1160,7 +1167,7 @@ impl FlatDrafts {
                     ..crate::tree::TreeLimits::vocab(0)
                 }
                 .default_scheme();
-                match r.schemes {
+                match r.draft.schemes() {
                     Some(sc) => f.schemes.extend_from_slice(sc),
                     None => f.schemes.extend(std::iter::repeat_n(default, k)),
                 }
@@ -1168,21 +1175,6 @@ impl FlatDrafts {
         }
         f
     }
-}
-
-/// The per-sequence part of a verify request, for a [`VerifyBatch`].
-fn sequence_params<'a>(r: &VerifyRequest<'a>) -> SequenceParams<'a> {
-    let mut sp = SequenceParams::new(r.config, r.seed)
-        .context(r.context)
-        .prompt_len(r.prompt_len)
-        .suppress(r.suppress, r.suppress_rows)
-        .draft_probs(r.draft_probs)
-        .final_draft_ends(r.final_draft_ends)
-        .row_top_k(r.row_top_k);
-    if let Some(pos) = r.position {
-        sp = sp.position(pos);
-    }
-    sp
 }
 
 /// An upper bound of the rows a decoding sequence with `params` appends this step.

@@ -35,8 +35,8 @@ use super::stop::{Detokenizer, FinishReason, StopScan, TextMark, TextTracker};
 use crate::error::{Error, ProposalFault, Result};
 use crate::model::SlotInput;
 use crate::propose::{Draft, ProposeRequest, Proposer, VerifiedRows};
-use crate::tree::TreeLimits;
-use crate::verify::{DraftProbs, StepEnd, StepOutput, TokenLogprob, VerifyRequest};
+use crate::tree::{DraftBlock, TreeLimits};
+use crate::verify::{DraftProbs, SequenceState, StepEnd, StepOutput, TokenLogprob, VerifyRequest};
 
 /// The result of a generation.
 ///
@@ -795,6 +795,12 @@ impl Sequence {
             return Ok(plan);
         }
         let (k, ends) = self.draft_end()?;
+        // A chain marks only its final node, when it ends (no row follows it).
+        self.node_ends.clear();
+        if ends {
+            self.node_ends.resize(k, false);
+            self.node_ends[k - 1] = true;
+        }
         self.draft.tokens.truncate(k);
         if let Some(q) = self.draft.q.as_mut() {
             q.truncate(k * self.draft.q_vocab);
@@ -960,23 +966,32 @@ impl Sequence {
                 vocab: d.q_vocab,
             },
         };
+        let mut draft = if plan.tree {
+            DraftBlock::tree(&d.tokens, &d.parents)
+        } else {
+            DraftBlock::chain(&d.tokens)
+        };
+        if plan.tree && !d.schemes.is_empty() {
+            draft = draft.with_schemes(&d.schemes);
+        }
+        if plan.tree || plan.ends {
+            draft = draft.with_ends(&self.node_ends);
+        }
         VerifyRequest {
-            config: &self.params.sampling,
+            state: SequenceState {
+                config: &self.params.sampling,
+                seed: self.seed,
+                context: &self.context,
+                position: Some(self.context.len() as u64),
+                prompt_len: self.prompt_len,
+                suppress: &self.suppressed,
+                suppress_rows: plan.suppress_rows,
+                row_top_k: plan.row_top_k,
+            },
             target_logits,
             vocab_size: self.limits.vocab,
-            draft_tokens: &d.tokens,
+            draft,
             draft_probs,
-            context: &self.context,
-            seed: self.seed,
-            position: Some(self.context.len() as u64),
-            prompt_len: self.prompt_len,
-            suppress: &self.suppressed,
-            suppress_rows: plan.suppress_rows,
-            final_draft_ends: plan.ends,
-            parents: plan.tree.then_some(&d.parents[..]),
-            schemes: (plan.tree && !d.schemes.is_empty()).then_some(&d.schemes[..]),
-            ends: if plan.tree { &self.node_ends } else { &[] },
-            row_top_k: plan.row_top_k,
         }
     }
 }

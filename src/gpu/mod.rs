@@ -219,6 +219,17 @@ impl<'a> DeviceBatch<'a> {
         }
     }
 
+    /// The draft layout (tokens, offsets, tree arrays) shared with the CPU path.
+    pub(crate) fn layout(&self) -> crate::verify::BatchLayout<'a> {
+        crate::verify::BatchLayout {
+            draft_tokens: self.draft_tokens,
+            draft_offsets: self.draft_offsets,
+            parents: self.parents,
+            schemes: self.schemes,
+            ends: self.ends,
+        }
+    }
+
     /// Number of target rows, `sum_b (k_b + 1)`.
     pub fn rows(&self) -> usize {
         self.draft_tokens.len() + self.sequences.len()

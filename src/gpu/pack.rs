@@ -25,7 +25,7 @@ use std::sync::Arc;
 use super::DeviceBatch;
 use crate::error::{Error, Result, RowKind};
 use crate::sampling::{PenaltyScope, TokenMask};
-use crate::verify::{DraftProbs, SequenceParams, StepEnd, StepOutput, TokenLogprob, VerifyRequest};
+use crate::verify::{DraftProbs, SequenceState, StepEnd, StepOutput, TokenLogprob, VerifyRequest};
 
 pub(crate) const NONE: u32 = u32::MAX;
 /// The most top log-probabilities a GPU row reports.
@@ -146,20 +146,16 @@ pub(crate) fn check_batch(batch: &DeviceBatch<'_>) -> Result<usize> {
         batch.schemes,
         batch.ends,
     )?;
-    if batch
-        .sequences
-        .iter()
-        .any(|s| s.final_draft_ends || s.row_top_k > 0)
-    {
+    if batch.sequences.iter().any(|s| s.state.row_top_k > 0) {
         return Err(Error::Unsupported {
             backend: "gpu",
-            what: "SequenceParams::final_draft_ends or row_top_k (stop-cut chains and row candidates); the CPU Verifier verifies them",
+            what: "SequenceState::row_top_k (row candidates); the CPU Verifier verifies them",
         });
     }
     if !chains_only(batch) {
         return Err(Error::Unsupported {
             backend: "gpu",
-            what: "token trees (parents other than a chain, sibling schemes other than the draft form's default, or ending drafts); the CPU Verifier verifies them",
+            what: "token trees and ending drafts (parents other than a chain, sibling schemes other than the draft form's default, stop-cut chains or ending nodes); the CPU Verifier verifies them",
         });
     }
     Ok(qv)
@@ -198,16 +194,12 @@ fn request<'b>(
     qv: usize,
     target: &'b [f32],
 ) -> VerifyRequest<'b> {
-    let (lo, hi) = (batch.draft_offsets[b], batch.draft_offsets[b + 1]);
-    crate::verify::sequence_request(
+    batch.layout().request(
         batch.sequences,
-        batch.draft_tokens,
-        batch.draft_offsets,
         batch.draft_probs,
         (b, qv, batch.vocab_size),
         target,
     )
-    .with_tree(batch.parents, batch.schemes, batch.ends, (lo, hi))
 }
 
 fn token_check(t: u32, vocab: usize, what: &'static str) -> Result<()> {
@@ -230,7 +222,7 @@ fn pre_checks(batch: &DeviceBatch<'_>, qv: usize, host_logits: Option<&[f32]>) -
     let off = batch.draft_offsets;
     (0..batch.sequences.len())
         .map(|b| {
-            let s = &batch.sequences[b];
+            let s = &batch.sequences[b].state;
             let checked = match host_logits {
                 Some(l) => {
                     request(batch, b, qv, &l[(off[b] + b) * v..(off[b + 1] + b + 1) * v]).validate()
@@ -333,7 +325,7 @@ fn pack(batch: &DeviceBatch<'_>, qv: usize, pass: Pass, pre: &[Pre]) -> Result<P
     let mut p = Packed::default();
     for (b, s) in batch.sequences.iter().enumerate() {
         let k = batch.draft_offsets[b + 1] - batch.draft_offsets[b];
-        p.logprobs.push(s.config.logprobs());
+        p.logprobs.push(s.state.config.logprobs());
         let Some(deferred) = runs_in(pass, &pre[b], k) else {
             p.seqs.push(None);
             continue;
@@ -427,7 +419,7 @@ impl Sections {
         deferred: bool,
         row_map: Option<&mut Vec<(usize, usize)>>,
     ) {
-        let s = &batch.sequences[b];
+        let s = &batch.sequences[b].state;
         let lo = batch.draft_offsets[b];
         let drafts = &batch.draft_tokens[lo..batch.draft_offsets[b + 1]];
         let cfg = s.config;
@@ -624,7 +616,7 @@ fn launch_size(x: usize) -> Result<u32> {
 /// What [`Sections::push_rows`] needs to know of one sequence.
 struct SeqRows<'s> {
     /// The sequence's parameters.
-    s: &'s SequenceParams<'s>,
+    s: &'s SequenceState<'s>,
     /// Its index in the batch.
     b: usize,
     /// Its index among the packed sequences (its record).
@@ -648,7 +640,7 @@ struct SeqRows<'s> {
 /// presence count generated tokens (context from `prompt_len` on, and the earlier drafts, which
 /// the kernel adds) unless the scope is the whole context. Tokens beyond the row width (a
 /// shorter draft vocabulary) are ignored, as on the CPU.
-fn sequence_patches(s: &SequenceParams<'_>, drafts: &[u32], width: usize) -> Vec<Patch> {
+fn sequence_patches(s: &SequenceState<'_>, drafts: &[u32], width: usize) -> Vec<Patch> {
     let cfg = s.config;
     let mut entries: Vec<Patch> = Vec::new();
     if cfg.has_penalties() {
@@ -700,7 +692,7 @@ struct SeqMasks {
 
 impl SeqMasks {
     /// The masks of `s` over rows `width` wide (`mask_words` words each).
-    fn new(s: &SequenceParams<'_>, width: usize, mask_words: usize) -> Self {
+    fn new(s: &SequenceState<'_>, width: usize, mask_words: usize) -> Self {
         let cfg = s.config;
         let has_base = cfg.allowed_tokens().is_some() || !cfg.banned_tokens().is_empty();
         let mut base = vec![0u32; mask_words];
@@ -736,7 +728,7 @@ impl SeqMasks {
 /// The record of one sequence ([`SEQ_WORDS`] words; `S_*` in `kernels/verify.wgsl`): sampling
 /// parameters, flags, seed, its patches and its drafts.
 fn sequence_record(
-    s: &SequenceParams<'_>,
+    s: &SequenceState<'_>,
     patch_off: usize,
     n_patches: usize,
     lo: usize,

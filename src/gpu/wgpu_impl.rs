@@ -126,83 +126,26 @@ impl WgpuVerifier {
         Self::from_device(dev)
     }
 
+    /// The verifier on `dev`: compiles the kernels ([`verify_pipeline`], [`read_pipeline`];
+    /// a validation error is reported, not panicked) and creates the two uniform buffers.
     pub(crate) fn from_device(dev: WgpuDevice) -> Result<Self> {
         let device = &dev.device;
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("speculative verify"),
-            source: wgpu::ShaderSource::Wgsl(super::WGSL_SOURCE.into()),
-        });
-        let storage = |binding: u32, read_only: bool| wgpu::BindGroupLayoutEntry {
-            binding,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer {
-                ty: wgpu::BufferBindingType::Storage { read_only },
-                has_dynamic_offset: false,
-                min_binding_size: None,
-            },
-            count: None,
-        };
-        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some("speculative verify"),
-            entries: &[
-                wgpu::BindGroupLayoutEntry {
-                    binding: 0,
-                    visibility: wgpu::ShaderStages::COMPUTE,
-                    ty: wgpu::BindingType::Buffer {
-                        ty: wgpu::BufferBindingType::Uniform,
-                        has_dynamic_offset: false,
-                        min_binding_size: None,
-                    },
-                    count: None,
-                },
-                storage(1, true),
-                storage(2, true),
-                storage(3, true),
-                storage(4, false),
-                storage(5, false),
-            ],
-        });
-        let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-            label: Some("speculative verify"),
-            bind_group_layouts: &[Some(&layout)],
-            immediate_size: 0,
-        });
-        let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some("speculative verify"),
-            layout: Some(&pl),
-            module: &module,
-            entry_point: Some("verify_rows"),
-            compilation_options: Default::default(),
-            cache: None,
-        });
-        let read_module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("speculative read"),
-            source: wgpu::ShaderSource::Wgsl(include_str!("kernels/read.wgsl").into()),
-        });
-        let read_pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some("speculative read"),
-            layout: None,
-            module: &read_module,
-            entry_point: Some("read_logits"),
-            compilation_options: Default::default(),
-            cache: None,
-        });
+        let (layout, pipeline) = verify_pipeline(device);
+        let read_pipeline = read_pipeline(device);
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(err(format!("the WGSL kernel does not compile: {e}")));
         }
-        let uniform = device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("speculative globals"),
-            size: 64,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let d_uniform = device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("speculative draft globals"),
-            size: 64,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let globals = |label| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: 64,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        };
+        let uniform = globals("speculative globals");
+        let d_uniform = globals("speculative draft globals");
         Ok(WgpuVerifier {
             d_uniform,
             d_params: None,
@@ -313,6 +256,10 @@ impl WgpuVerifier {
         self.run(logits.buffer, logits.offset, batch, qv, None)
     }
 
+    /// One verify call: packs the batch on the host, checks the buffer sizes against the
+    /// device's binding limit, allocates and uploads ([`Self::prepare_buffers`]), records the
+    /// draft pass of draft logits ([`Self::encode_draft_pass`]) and the main pass, then reads the
+    /// results back and assembles them on the host.
     fn run(
         &mut self,
         logits: &wgpu::Buffer,
@@ -337,95 +284,28 @@ impl WgpuVerifier {
             size: offset,
             limit: u32::MAX as u64,
         })?;
-        let max_bind = self.dev.device.limits().max_storage_buffer_binding_size;
-        let dev = self.dev.device.clone();
-        let queue = self.dev.queue.clone();
-        let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
-        let out_usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
-        let scratch_bytes = (p.scratch_rows * batch.vocab_size).max(1) as u64 * 4;
-        let out_bytes = (p.out_words() * 4) as u64;
-        let d_scratch = d
-            .as_ref()
-            .map_or(4, |d| (d.scratch_rows * qv).max(1) as u64 * 4);
-        let d_out = d.as_ref().map_or(4, |d| (d.out_words() * 4) as u64);
-        let d_status = d
-            .as_ref()
-            .map_or(0, |d| (d.n_rows * pack::OUT_WORDS * 4) as u64);
-        for (what, size) in [
-            ("logits", logits.size()),
-            ("scratch", scratch_bytes.max(d_scratch)),
-            ("draft probabilities", (q.len() * 4) as u64),
-            ("draft output", d_out),
-        ] {
-            if size > max_bind {
-                return Err(Error::BatchTooLarge {
-                    backend: "wgpu",
-                    what,
-                    size,
-                    limit: max_bind,
-                });
-            }
-        }
-        ensure(&dev, &mut self.q, (q.len() * 4) as u64, storage, "q");
-        let pb = (p.params.len() * 4) as u64;
-        ensure(&dev, &mut self.params, pb, storage, "params");
-        ensure(
-            &dev,
-            &mut self.scratch,
-            scratch_bytes,
-            wgpu::BufferUsages::STORAGE,
-            "scratch",
-        );
-        ensure(&dev, &mut self.out, out_bytes, out_usage, "out");
-        let rb_usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
-        ensure(
-            &dev,
-            &mut self.readback,
-            out_bytes + d_status,
-            rb_usage,
-            "readback",
-        );
+        let sizes = Sizes::of(&p, d.as_ref(), batch.vocab_size, qv);
+        sizes.check(
+            logits.size(),
+            (q.len() * 4) as u64,
+            self.dev.device.limits().max_storage_buffer_binding_size,
+        )?;
+        self.prepare_buffers(&sizes, q, &p);
         p.globals[10] = offset;
-        queue.write_buffer(
-            self.q.as_ref().map(|b| &b.buf).expect("allocated"),
-            0,
-            as_bytes(q),
-        );
+        let dev = self.dev.device.clone();
         let mut enc = dev.create_command_encoder(&wgpu::CommandEncoderDescriptor {
             label: Some("speculative verify"),
         });
-        let mut q_bind = self.q.as_ref().expect("allocated").buf.clone();
-        if let Some(d) = d.as_mut() {
-            let dpb = (d.params.len() * 4) as u64;
-            ensure(&dev, &mut self.d_params, dpb, storage, "draft params");
-            ensure(
-                &dev,
-                &mut self.d_scratch,
-                d_scratch,
-                wgpu::BufferUsages::STORAGE,
-                "draft scratch",
-            );
-            ensure(&dev, &mut self.d_out, d_out, out_usage, "draft out");
-            let dparams = &self.d_params.as_ref().expect("allocated").buf;
-            queue.write_buffer(dparams, 0, as_bytes(&d.params));
-            let dout = self.d_out.as_ref().expect("allocated").buf.clone();
-            // The draft logits are the `logits` of the draft pass; its q binding is unused.
-            let qbuf = self.q.as_ref().expect("allocated").buf.clone();
-            self.dispatch(
-                &mut enc,
-                &self.d_uniform,
-                d,
-                &qbuf,
-                &qbuf,
-                dparams,
-                &self.d_scratch.as_ref().expect("allocated").buf,
-                &dout,
-            );
-            p.globals[14] = (d.n_rows * pack::OUT_WORDS) as u32;
-            q_bind = dout;
-        }
+        let q_bind = match d.as_mut() {
+            Some(d) => {
+                let dout = self.encode_draft_pass(&mut enc, d, &sizes);
+                p.globals[14] = (d.n_rows * pack::OUT_WORDS) as u32;
+                dout
+            }
+            None => self.q.as_ref().expect("allocated").buf.clone(),
+        };
         let pbuf = &self.params.as_ref().expect("allocated").buf;
-        queue.write_buffer(pbuf, 0, as_bytes(&p.params));
+        self.dev.queue.write_buffer(pbuf, 0, as_bytes(&p.params));
         let obuf = self.out.as_ref().expect("allocated").buf.clone();
         self.dispatch(
             &mut enc,
@@ -438,19 +318,90 @@ impl WgpuVerifier {
             &obuf,
         );
         let rbuf = self.readback.as_ref().expect("allocated").buf.clone();
-        enc.copy_buffer_to_buffer(&obuf, 0, &rbuf, 0, out_bytes);
+        enc.copy_buffer_to_buffer(&obuf, 0, &rbuf, 0, sizes.out);
         if d.is_some() {
             let dout = &self.d_out.as_ref().expect("allocated").buf;
-            enc.copy_buffer_to_buffer(dout, 0, &rbuf, out_bytes, d_status);
+            enc.copy_buffer_to_buffer(dout, 0, &rbuf, sizes.out, sizes.d_status);
         }
-        queue.submit([enc.finish()]);
-        let all = readback(&dev, &rbuf, out_bytes + d_status)?;
+        self.dev.queue.submit([enc.finish()]);
+        let all = readback(&dev, &rbuf, sizes.out + sizes.d_status)?;
         let (out, dstat) = all.split_at(p.out_words());
         let errs = d
             .as_ref()
             .map(|d| pack::draft_errors(d, dstat))
             .unwrap_or_default();
         Ok(pack::assemble(p, pre, batch, out, errs))
+    }
+
+    /// [`Self::run`]: grows the main pass's buffers (q, params, scratch, out, readback) to
+    /// `sizes` and uploads the q data.
+    fn prepare_buffers(&mut self, sizes: &Sizes, q: &[f32], p: &Packed) {
+        let dev = self.dev.device.clone();
+        let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        let out_usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
+        ensure(&dev, &mut self.q, (q.len() * 4) as u64, storage, "q");
+        let pb = (p.params.len() * 4) as u64;
+        ensure(&dev, &mut self.params, pb, storage, "params");
+        ensure(
+            &dev,
+            &mut self.scratch,
+            sizes.scratch,
+            wgpu::BufferUsages::STORAGE,
+            "scratch",
+        );
+        ensure(&dev, &mut self.out, sizes.out, out_usage, "out");
+        let rb_usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
+        ensure(
+            &dev,
+            &mut self.readback,
+            sizes.out + sizes.d_status,
+            rb_usage,
+            "readback",
+        );
+        self.dev.queue.write_buffer(
+            self.q.as_ref().map(|b| &b.buf).expect("allocated"),
+            0,
+            as_bytes(q),
+        );
+    }
+
+    /// [`Self::run`]: grows the draft pass's buffers, uploads its params and records its
+    /// launch (the draft logits are the `logits` of the draft pass; its q binding is unused).
+    /// Returns its output buffer, the main pass's q.
+    fn encode_draft_pass(
+        &mut self,
+        enc: &mut wgpu::CommandEncoder,
+        d: &mut Packed,
+        sizes: &Sizes,
+    ) -> wgpu::Buffer {
+        let dev = self.dev.device.clone();
+        let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        let out_usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
+        let dpb = (d.params.len() * 4) as u64;
+        ensure(&dev, &mut self.d_params, dpb, storage, "draft params");
+        ensure(
+            &dev,
+            &mut self.d_scratch,
+            sizes.d_scratch,
+            wgpu::BufferUsages::STORAGE,
+            "draft scratch",
+        );
+        ensure(&dev, &mut self.d_out, sizes.d_out, out_usage, "draft out");
+        let dparams = &self.d_params.as_ref().expect("allocated").buf;
+        self.dev.queue.write_buffer(dparams, 0, as_bytes(&d.params));
+        let dout = self.d_out.as_ref().expect("allocated").buf.clone();
+        let qbuf = self.q.as_ref().expect("allocated").buf.clone();
+        self.dispatch(
+            enc,
+            &self.d_uniform,
+            d,
+            &qbuf,
+            &qbuf,
+            dparams,
+            &self.d_scratch.as_ref().expect("allocated").buf,
+            &dout,
+        );
+        dout
     }
 
     /// Records one launch of the verification kernel (verify or draft pass) into `enc`.
@@ -529,6 +480,123 @@ fn entry(binding: u32, buf: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
     wgpu::BindGroupEntry {
         binding,
         resource: buf.as_entire_binding(),
+    }
+}
+
+/// The verification kernel (`verify_rows` of [`super::WGSL_SOURCE`]) and its bind group
+/// layout: binding 0 the globals (uniform), 1-3 read-only storage (logits, q, params), 4-5
+/// read-write storage (scratch, out).
+fn verify_pipeline(device: &wgpu::Device) -> (wgpu::BindGroupLayout, wgpu::ComputePipeline) {
+    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some("speculative verify"),
+        source: wgpu::ShaderSource::Wgsl(super::WGSL_SOURCE.into()),
+    });
+    let storage = |binding: u32, read_only: bool| wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer {
+            ty: wgpu::BufferBindingType::Storage { read_only },
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+        count: None,
+    };
+    let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+        label: Some("speculative verify"),
+        entries: &[
+            wgpu::BindGroupLayoutEntry {
+                binding: 0,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Uniform,
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            },
+            storage(1, true),
+            storage(2, true),
+            storage(3, true),
+            storage(4, false),
+            storage(5, false),
+        ],
+    });
+    let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+        label: Some("speculative verify"),
+        bind_group_layouts: &[Some(&layout)],
+        immediate_size: 0,
+    });
+    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some("speculative verify"),
+        layout: Some(&pl),
+        module: &module,
+        entry_point: Some("verify_rows"),
+        compilation_options: Default::default(),
+        cache: None,
+    });
+    (layout, pipeline)
+}
+
+/// The kernel that reads device logits back (`read_logits` of `kernels/read.wgsl`).
+fn read_pipeline(device: &wgpu::Device) -> wgpu::ComputePipeline {
+    let read_module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some("speculative read"),
+        source: wgpu::ShaderSource::Wgsl(include_str!("kernels/read.wgsl").into()),
+    });
+    device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some("speculative read"),
+        layout: None,
+        module: &read_module,
+        entry_point: Some("read_logits"),
+        compilation_options: Default::default(),
+        cache: None,
+    })
+}
+
+/// The buffer sizes of one verify call, in bytes ([`WgpuVerifier::run`]).
+struct Sizes {
+    /// Main pass: scratch rows and output words.
+    scratch: u64,
+    out: u64,
+    /// Draft pass: scratch rows, output words and its row statuses read back (0 without one).
+    d_scratch: u64,
+    d_out: u64,
+    d_status: u64,
+}
+
+impl Sizes {
+    /// The sizes of main pass `p` and draft pass `d` over rows `vocab` and `qv` wide.
+    fn of(p: &Packed, d: Option<&Packed>, vocab: usize, qv: usize) -> Self {
+        Sizes {
+            scratch: (p.scratch_rows * vocab).max(1) as u64 * 4,
+            out: (p.out_words() * 4) as u64,
+            d_scratch: d.map_or(4, |d| (d.scratch_rows * qv).max(1) as u64 * 4),
+            d_out: d.map_or(4, |d| (d.out_words() * 4) as u64),
+            d_status: d.map_or(0, |d| (d.n_rows * pack::OUT_WORDS * 4) as u64),
+        }
+    }
+
+    /// Every bound buffer within the device's binding limit `max_bind`.
+    ///
+    /// # Errors
+    /// [`Error::BatchTooLarge`] naming the first buffer over it.
+    fn check(&self, logits: u64, q: u64, max_bind: u64) -> Result<()> {
+        for (what, size) in [
+            ("logits", logits),
+            ("scratch", self.scratch.max(self.d_scratch)),
+            ("draft probabilities", q),
+            ("draft output", self.d_out),
+        ] {
+            if size > max_bind {
+                return Err(Error::BatchTooLarge {
+                    backend: "wgpu",
+                    what,
+                    size,
+                    limit: max_bind,
+                });
+            }
+        }
+        Ok(())
     }
 }
 

@@ -268,7 +268,10 @@ impl Translator {
         if p == 0 { 0 } else { self.tend[p - 1] }
     }
 
-    /// Brings the translation to `ctx` (a target context).
+    /// Brings the translation to `ctx` (a target context): keeps the common prefix, rolls the
+    /// draft side back to where re-translation starts ([`Self::rollback`]), appends the target
+    /// side of the new tokens ([`Self::extend_target`]) and translates from there
+    /// ([`Self::translate`]).
     fn update(
         &mut self,
         ctx: &[u32],
@@ -283,6 +286,17 @@ impl Translator {
         self.ctx.truncate(m);
         self.tend.truncate(m);
         self.breaks.retain(|b| b.0 <= m);
+        let (start, p, skip) = self.rollback(m, sync);
+        self.extend_target(&ctx[m..], map)?;
+        self.translate(ctx, (start, p, skip), map, enc, sync)
+    }
+
+    /// [`Self::update`]: drops the draft tokens from the point where translation restarts,
+    /// given `m` kept target tokens: after the kept text (per token), or `look_behind` draft
+    /// tokens earlier and never before the last special-token break (re-encoding). Returns
+    /// the stream offset of the restart, its target position and the bytes of that target
+    /// token already covered.
+    fn rollback(&mut self, m: usize, sync: ContextSync) -> (u64, usize, usize) {
         let l = self.tstart(m);
         // Draft tokens whose text lies inside the kept target text.
         let inside = self.dend.partition_point(|&e| e <= l);
@@ -304,8 +318,15 @@ impl Translator {
         };
         self.dseq.truncate(j);
         self.dend.truncate(j);
-        // The target side of the new tokens.
-        for &t in &ctx[m..] {
+        (start, p, skip)
+    }
+
+    /// [`Self::update`]: the target side of the new tokens `new` (their byte ends).
+    ///
+    /// # Errors
+    /// [`Error::TokenOutOfVocab`] for a token outside the target vocabulary.
+    fn extend_target(&mut self, new: &[u32], map: &VocabMap) -> Result<()> {
+        for &t in new {
             let len = if map.is_target_special(t) {
                 1
             } else {
@@ -321,7 +342,21 @@ impl Translator {
             self.ctx.push(t);
             self.tend.push(prev + len);
         }
-        // Translate from target position p (its first `skip` bytes are already covered).
+        Ok(())
+    }
+
+    /// [`Self::update`]: translates `ctx` from target position `p` (its first `skip` bytes are
+    /// already covered; the stream restarts at offset `start`): special tokens map one to one
+    /// and break the text; other tokens map one to one or are encoded (per token), or are
+    /// re-encoded as runs of text (re-encoding).
+    fn translate(
+        &mut self,
+        ctx: &[u32],
+        (start, p, skip): (u64, usize, usize),
+        map: &VocabMap,
+        enc: &dyn BytesEncoder,
+        sync: ContextSync,
+    ) -> Result<()> {
         let mut buf = std::mem::take(&mut self.buf);
         buf.clear();
         let mut buf_start = start;

@@ -15,7 +15,10 @@ use crate::tree::{DraftBlock, SiblingScheme};
 /// |---|---|---|
 /// | `beam` | 4 | `1 ..= 64` |
 /// | `children` | 4 | `1 ..= 64` |
+///
+/// `#[non_exhaustive]`: build it from [`DraftTreeConfig::default`] and the `with_` setters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DraftTreeConfig {
     /// Nodes expanded per depth (the beam width): the nodes of the newest depth with the highest
     /// cumulative draft probability (the product of the draft probabilities along the node's
@@ -26,6 +29,20 @@ pub struct DraftTreeConfig {
     /// top ids of the node's processed draft row (greedy requests) or draws without replacement
     /// from it (sampling requests).
     pub children: usize,
+}
+
+impl DraftTreeConfig {
+    /// Sets [`DraftTreeConfig::beam`] (checked by [`DraftTreeConfig::validate`]).
+    pub fn with_beam(mut self, beam: usize) -> Self {
+        self.beam = beam;
+        self
+    }
+
+    /// Sets [`DraftTreeConfig::children`] (checked by [`DraftTreeConfig::validate`]).
+    pub fn with_children(mut self, children: usize) -> Self {
+        self.children = children;
+        self
+    }
 }
 
 impl Default for DraftTreeConfig {
@@ -323,6 +340,10 @@ impl<M: TargetModel> DraftModelProposer<M> {
     /// requests: every candidate, re-ranked by the caller) and returns whether the model holds
     /// an uncommitted tree forward. `max_depth >= 1`; the model holds `ctx` and `self.logits`
     /// its root row.
+    ///
+    /// Each depth: the candidates of every beam row ([`Self::expand_beam`]; sampled requests
+    /// then draw the children, [`Self::draw_children`]), the next beam that fits one tree
+    /// forward ([`next_beam`]), and that forward's rows for the beam ([`Self::forward_beam`]).
     fn grow_tree(
         &mut self,
         req: &ProposeRequest<'_>,
@@ -330,82 +351,19 @@ impl<M: TargetModel> DraftModelProposer<M> {
         cap: usize,
         nodes: &mut Vec<Node>,
     ) -> Result<bool> {
-        let ctx = req.context;
-        let cfg = req.config;
-        let vocab = self.model.vocab_size();
-        let greedy = cfg.is_greedy();
-        let width = self.tree.children.min(req.max_branch);
-        let root = ctx[ctx.len() - 1];
+        let greedy = req.config.is_greedy();
         // The rows to expand (0 = the root, j + 1 = node j) and their draft logits, one row each.
-        let mut beam: Vec<usize> = vec![0];
-        let mut rows = std::mem::take(&mut self.logits);
+        let mut g = Grow {
+            beam: vec![0],
+            rows: std::mem::take(&mut self.logits),
+            ..Grow::default()
+        };
         let mut pending = false;
-        let (mut path, mut top, mut drawn) = (Vec::new(), Vec::new(), Vec::new());
-        // Candidate children: (cumulative log-probability, beam index, rank).
-        let mut slots: Vec<(f64, usize, usize)> = Vec::new();
-        let mut block_tokens: Vec<u32> = Vec::new();
-        let mut block_parents: Vec<u32> = Vec::new();
         for depth in 0..max_depth {
             let first_new = nodes.len();
-            slots.clear();
-            for (b, &row) in beam.iter().enumerate() {
-                path_tokens(nodes, row, &mut path);
-                self.sampler.goto(&path)?;
-                let base = if row == 0 { 0.0 } else { nodes[row - 1].score };
-                let logits = &rows[b * vocab..(b + 1) * vocab];
-                match self.sampler.top(cfg, logits, depth, width, &mut top) {
-                    // A row without any allowed token gets no children.
-                    Err(Error::NoAllowedToken { .. }) => continue,
-                    r => r?,
-                }
-                for (rank, &(t, lp)) in top.iter().enumerate() {
-                    let score = base + lp as f64;
-                    if greedy {
-                        // Point masses: every candidate becomes a node; the caller keeps the
-                        // best `max_nodes` (EAGLE-2's re-ranking).
-                        nodes.push(Node {
-                            token: t,
-                            parent: row as u32,
-                            score,
-                        });
-                    } else {
-                        slots.push((score, b, rank));
-                    }
-                }
-            }
+            self.expand_beam(req, depth, &mut g, nodes)?;
             if !greedy {
-                // Sampled siblings: how many children each beam node gets is decided here, from
-                // the rows' probabilities (known before any child is drawn): this depth's share
-                // of the remaining budget goes to the candidate slots of highest expected
-                // cumulative probability (parent's times the rank's probability). Nothing drawn
-                // below is ever pruned.
-                let left = req.max_nodes - nodes.len();
-                let quota = left.div_ceil(max_depth - depth);
-                slots.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-                let mut count = vec![0usize; beam.len()];
-                for &(_, b, _) in slots.iter().take(quota) {
-                    count[b] += 1;
-                }
-                for (b, &row) in beam.iter().enumerate() {
-                    if count[b] == 0 {
-                        continue;
-                    }
-                    path_tokens(nodes, row, &mut path);
-                    self.sampler.goto(&path)?;
-                    let base = if row == 0 { 0.0 } else { nodes[row - 1].score };
-                    let logits = &rows[b * vocab..(b + 1) * vocab];
-                    self.sampler.draw_without_replacement(
-                        cfg, req.seed, logits, depth, count[b], &mut drawn,
-                    )?;
-                    let q = self.sampler.last_q();
-                    for &t in &drawn {
-                        nodes.push(Node {
-                            token: t,
-                            parent: row as u32,
-                            score: base + (q[t as usize] as f64).ln(),
-                        });
-                    }
-                }
+                self.draw_children(req, depth, max_depth, &mut g, nodes)?;
             }
             if depth + 1 == max_depth || nodes.len() == first_new {
                 break;
@@ -413,79 +371,225 @@ impl<M: TargetModel> DraftModelProposer<M> {
             if !greedy && nodes.len() >= req.max_nodes {
                 break;
             }
-            // The next beam: the best new nodes that do not end the sequence.
-            let mut next = ranked(nodes, first_new..nodes.len());
-            next.retain(|&j| !req.is_eos(nodes[j].token));
-            next.truncate(self.tree.beam);
-            if greedy && nodes.len() >= req.max_nodes {
-                // A child never ranks before its parent: once the best beam node is out of
-                // the best `max_nodes`, nothing deeper can enter them.
-                let all = ranked(nodes, 0..nodes.len());
-                let kth = all[req.max_nodes - 1];
-                next.retain(|&j| ranks_before(nodes, j, kth));
-            }
-            // Each beam node with its ancestors must fit one tree forward of the draft model.
-            let mut keep = vec![false; nodes.len()];
-            let mut used = 0;
-            let mut fits = Vec::with_capacity(next.len());
-            for &j in &next {
-                let mut extra = Vec::new();
-                let mut r = j + 1;
-                while r > 0 && !keep[r - 1] {
-                    extra.push(r - 1);
-                    r = nodes[r - 1].parent as usize;
-                }
-                if used + extra.len() <= cap {
-                    used += extra.len();
-                    for i in extra {
-                        keep[i] = true;
-                    }
-                    fits.push(j);
-                }
-            }
+            let (fits, keep) = next_beam(req, self.tree.beam, nodes, first_new, cap);
             if fits.is_empty() {
                 break;
             }
-            // One tree forward over the kept nodes (in node order: parents first).
-            let mut map = vec![0u32; nodes.len()];
-            block_tokens.clear();
-            block_parents.clear();
-            for (i, n) in nodes.iter().enumerate() {
-                if keep[i] {
-                    map[i] = block_tokens.len() as u32;
-                    block_tokens.push(n.token);
-                    let p = n.parent as usize;
-                    block_parents.push(if p == 0 { 0 } else { map[p - 1] + 1 });
-                }
-            }
-            let before = ctx.len() - 1;
-            self.model.truncate(before)?;
-            self.seen.truncate(before);
-            let Some(tree) = self.model.tree() else {
-                return Err(Error::TargetContract {
-                    what: "draft model tree() returned None after offering tree support",
-                });
-            };
-            let block = DraftBlock::tree(&block_tokens, &block_parents);
-            tree.forward_tree(root, &block, &mut self.logits)?;
+            self.forward_beam(req, nodes, &keep, &fits, &mut g)?;
             pending = true;
-            if self.logits.len() != block.rows() * vocab {
-                return Err(Error::ShapeMismatch {
-                    what: "draft model tree logits ([n + 1, vocab])",
-                    expected: block.rows() * vocab,
-                    actual: self.logits.len(),
-                });
-            }
-            rows.clear();
-            for &j in &fits {
-                let r = map[j] as usize + 1;
-                rows.extend_from_slice(&self.logits[r * vocab..(r + 1) * vocab]);
-            }
-            beam.clear();
-            beam.extend(fits.iter().map(|&j| j + 1));
         }
         Ok(pending)
     }
+
+    /// [`Self::grow_tree`], one depth: the `children` best candidates of every beam row. Greedy
+    /// requests make every candidate a node (point masses; the caller keeps the best
+    /// `max_nodes`, EAGLE-2's re-ranking); sampled requests collect them as slots for
+    /// [`Self::draw_children`]. A row without any allowed token gets no children.
+    fn expand_beam(
+        &mut self,
+        req: &ProposeRequest<'_>,
+        depth: usize,
+        g: &mut Grow,
+        nodes: &mut Vec<Node>,
+    ) -> Result<()> {
+        let vocab = self.model.vocab_size();
+        let greedy = req.config.is_greedy();
+        let width = self.tree.children.min(req.max_branch);
+        g.slots.clear();
+        for (b, &row) in g.beam.iter().enumerate() {
+            path_tokens(nodes, row, &mut g.path);
+            self.sampler.goto(&g.path)?;
+            let base = if row == 0 { 0.0 } else { nodes[row - 1].score };
+            let logits = &g.rows[b * vocab..(b + 1) * vocab];
+            match self
+                .sampler
+                .top(req.config, logits, depth, width, &mut g.top)
+            {
+                Err(Error::NoAllowedToken { .. }) => continue,
+                r => r?,
+            }
+            for (rank, &(t, lp)) in g.top.iter().enumerate() {
+                let score = base + lp as f64;
+                if greedy {
+                    nodes.push(Node {
+                        token: t,
+                        parent: row as u32,
+                        score,
+                    });
+                } else {
+                    g.slots.push((score, b, rank));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::grow_tree`], one depth of a sampled request: how many children each beam node
+    /// gets is decided from the rows' probabilities (known before any child is drawn): this
+    /// depth's share of the remaining budget goes to the candidate slots of highest expected
+    /// cumulative probability (parent's times the rank's probability). The children are then
+    /// drawn without replacement; nothing drawn is ever pruned.
+    fn draw_children(
+        &mut self,
+        req: &ProposeRequest<'_>,
+        depth: usize,
+        max_depth: usize,
+        g: &mut Grow,
+        nodes: &mut Vec<Node>,
+    ) -> Result<()> {
+        let vocab = self.model.vocab_size();
+        let left = req.max_nodes - nodes.len();
+        let quota = left.div_ceil(max_depth - depth);
+        g.slots
+            .sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        let mut count = vec![0usize; g.beam.len()];
+        for &(_, b, _) in g.slots.iter().take(quota) {
+            count[b] += 1;
+        }
+        for (b, &row) in g.beam.iter().enumerate() {
+            if count[b] == 0 {
+                continue;
+            }
+            path_tokens(nodes, row, &mut g.path);
+            self.sampler.goto(&g.path)?;
+            let base = if row == 0 { 0.0 } else { nodes[row - 1].score };
+            let logits = &g.rows[b * vocab..(b + 1) * vocab];
+            self.sampler.draw_without_replacement(
+                req.config,
+                req.seed,
+                logits,
+                depth,
+                count[b],
+                &mut g.drawn,
+            )?;
+            let q = self.sampler.last_q();
+            for &t in &g.drawn {
+                nodes.push(Node {
+                    token: t,
+                    parent: row as u32,
+                    score: base + (q[t as usize] as f64).ln(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::grow_tree`]: one tree forward of the draft model over the `keep` nodes (in node
+    /// order: parents first) after the context, and the rows of the new beam `fits` into
+    /// `g.rows` (`g.beam` becomes their rows).
+    ///
+    /// # Errors
+    /// The model's; [`Error::TargetContract`] when it stops offering tree support,
+    /// [`Error::ShapeMismatch`] when its tree logits are not `[n + 1, vocab]`.
+    fn forward_beam(
+        &mut self,
+        req: &ProposeRequest<'_>,
+        nodes: &[Node],
+        keep: &[bool],
+        fits: &[usize],
+        g: &mut Grow,
+    ) -> Result<()> {
+        let ctx = req.context;
+        let vocab = self.model.vocab_size();
+        let mut map = vec![0u32; nodes.len()];
+        g.block_tokens.clear();
+        g.block_parents.clear();
+        for (i, n) in nodes.iter().enumerate() {
+            if keep[i] {
+                map[i] = g.block_tokens.len() as u32;
+                g.block_tokens.push(n.token);
+                let p = n.parent as usize;
+                g.block_parents
+                    .push(if p == 0 { 0 } else { map[p - 1] + 1 });
+            }
+        }
+        let before = ctx.len() - 1;
+        self.model.truncate(before)?;
+        self.seen.truncate(before);
+        let Some(tree) = self.model.tree() else {
+            return Err(Error::TargetContract {
+                what: "draft model tree() returned None after offering tree support",
+            });
+        };
+        let block = DraftBlock::tree(&g.block_tokens, &g.block_parents);
+        tree.forward_tree(ctx[ctx.len() - 1], &block, &mut self.logits)?;
+        if self.logits.len() != block.rows() * vocab {
+            return Err(Error::ShapeMismatch {
+                what: "draft model tree logits ([n + 1, vocab])",
+                expected: block.rows() * vocab,
+                actual: self.logits.len(),
+            });
+        }
+        g.rows.clear();
+        for &j in fits {
+            let r = map[j] as usize + 1;
+            g.rows
+                .extend_from_slice(&self.logits[r * vocab..(r + 1) * vocab]);
+        }
+        g.beam.clear();
+        g.beam.extend(fits.iter().map(|&j| j + 1));
+        Ok(())
+    }
+}
+
+/// The state of [`DraftModelProposer::grow_tree`] across depths, and its scratch.
+#[derive(Default)]
+struct Grow {
+    /// The rows to expand (0 = the root, `j + 1` = node `j`).
+    beam: Vec<usize>,
+    /// Their draft logits, one `[vocab]` row each.
+    rows: Vec<f32>,
+    /// Candidate children of a sampled request: (cumulative log-probability, beam index, rank).
+    slots: Vec<(f64, usize, usize)>,
+    /// Scratch: a row's path tokens, its top candidates, its drawn children.
+    path: Vec<u32>,
+    top: Vec<(u32, f32)>,
+    drawn: Vec<u32>,
+    /// Scratch: the block of the next tree forward.
+    block_tokens: Vec<u32>,
+    block_parents: Vec<u32>,
+}
+
+/// [`DraftModelProposer::grow_tree`]: the next beam, the best `beam` new nodes (from
+/// `first_new`) that do not end the sequence, and of them those that fit, each with its
+/// ancestors, into one tree forward of at most `cap` nodes. Returns the fitting beam nodes and
+/// the nodes the forward holds (`[nodes.len()]`).
+fn next_beam(
+    req: &ProposeRequest<'_>,
+    beam: usize,
+    nodes: &[Node],
+    first_new: usize,
+    cap: usize,
+) -> (Vec<usize>, Vec<bool>) {
+    let mut next = ranked(nodes, first_new..nodes.len());
+    next.retain(|&j| !req.is_eos(nodes[j].token));
+    next.truncate(beam);
+    if req.config.is_greedy() && nodes.len() >= req.max_nodes {
+        // A child never ranks before its parent: once the best beam node is out of the best
+        // `max_nodes`, nothing deeper can enter them.
+        let all = ranked(nodes, 0..nodes.len());
+        let kth = all[req.max_nodes - 1];
+        next.retain(|&j| ranks_before(nodes, j, kth));
+    }
+    let mut keep = vec![false; nodes.len()];
+    let mut used = 0;
+    let mut fits = Vec::with_capacity(next.len());
+    for &j in &next {
+        let mut extra = Vec::new();
+        let mut r = j + 1;
+        while r > 0 && !keep[r - 1] {
+            extra.push(r - 1);
+            r = nodes[r - 1].parent as usize;
+        }
+        if used + extra.len() <= cap {
+            used += extra.len();
+            for i in extra {
+                keep[i] = true;
+            }
+            fits.push(j);
+        }
+    }
+    (fits, keep)
 }
 
 impl<M: TargetModel> Proposer for DraftModelProposer<M> {

@@ -53,7 +53,23 @@ pub use vocab_map::{VocabMap, VocabMapBuilder, VocabMapError, VocabSide};
 pub use vocab_pieces::{SpecialRole, VocabPieces};
 
 /// What a proposer is asked for at one step.
+///
+/// Build one with [`ProposeRequest::new`] and the setters (each sets the field of the same
+/// name); the fields are public to read, and the type is `#[non_exhaustive]`, so new fields are
+/// not a breaking change. A proposer that asks another for a sub-draft derives its request
+/// from its own with the setters (`req.context(&longer).max_draft(room)`).
+///
+/// ```
+/// use speculative::{ProposeRequest, SamplingConfig};
+///
+/// let cfg = SamplingConfig::greedy();
+/// let req = ProposeRequest::new(&[5, 6, 7], &cfg, 4).seed(9).eos(&[2]).prompt_len(2);
+/// assert_eq!((req.max_draft, req.max_nodes, req.seed), (4, 4, 9));
+/// let sub = req.context(&[5, 6, 7, 8]).max_draft(2);
+/// assert_eq!((sub.context.len(), sub.max_draft, sub.eos), (4, 2, &[2][..]));
+/// ```
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct ProposeRequest<'a> {
     /// The whole sequence so far: prompt followed by every emitted token. The target will be fed
     /// `context.last()` followed by the draft.
@@ -122,6 +138,84 @@ impl<'a> ProposeRequest<'a> {
         }
     }
 
+    /// Sets [`ProposeRequest::context`].
+    pub fn context(mut self, context: &'a [u32]) -> Self {
+        self.context = context;
+        self
+    }
+
+    /// Sets [`ProposeRequest::config`].
+    pub fn config(mut self, config: &'a SamplingConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Sets [`ProposeRequest::max_draft`] (not the node budget: see
+    /// [`ProposeRequest::max_nodes`]).
+    pub fn max_draft(mut self, max_draft: usize) -> Self {
+        self.max_draft = max_draft;
+        self
+    }
+
+    /// Sets the node budget of a tree draft ([`ProposeRequest::max_nodes`]).
+    pub fn max_nodes(mut self, max_nodes: usize) -> Self {
+        self.max_nodes = max_nodes;
+        self
+    }
+
+    /// Sets the branching limit of a tree draft ([`ProposeRequest::max_branch`]).
+    pub fn max_branch(mut self, max_branch: usize) -> Self {
+        self.max_branch = max_branch;
+        self
+    }
+
+    /// Sets [`ProposeRequest::seed`].
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Sets the target's last hidden state, `[hidden_size]` ([`ProposeRequest::target_hidden`];
+    /// `None` for none).
+    pub fn target_hidden(mut self, hidden: Option<&'a [f32]>) -> Self {
+        self.target_hidden = hidden;
+        self
+    }
+
+    /// Sets the target's hidden states of every context position but the last,
+    /// `[context.len() - 1, hidden_size]` ([`ProposeRequest::target_hidden_rows`]; `None` for
+    /// none).
+    pub fn target_hidden_rows(mut self, rows: Option<&'a [f32]>) -> Self {
+        self.target_hidden_rows = rows;
+        self
+    }
+
+    /// Sets [`ProposeRequest::prompt_len`].
+    pub fn prompt_len(mut self, prompt_len: usize) -> Self {
+        self.prompt_len = prompt_len;
+        self
+    }
+
+    /// Sets the EOS ids ([`ProposeRequest::eos`]).
+    pub fn eos(mut self, eos: &'a [u32]) -> Self {
+        self.eos = eos;
+        self
+    }
+
+    /// Bans `tokens` at draft rows `0..rows` ([`ProposeRequest::suppress`]).
+    pub fn suppress(mut self, tokens: &'a [u32], rows: usize) -> Self {
+        self.suppress = tokens;
+        self.suppress_rows = rows;
+        self
+    }
+
+    /// Sets the number of leading draft rows at which the suppressed ids are banned
+    /// ([`ProposeRequest::suppress_rows`]), keeping the ids.
+    pub fn suppress_rows(mut self, rows: usize) -> Self {
+        self.suppress_rows = rows;
+        self
+    }
+
     /// `true` when `token` is one of the request's EOS ids.
     pub fn is_eos(&self, token: u32) -> bool {
         self.eos.contains(&token)
@@ -148,8 +242,13 @@ impl<'a> ProposeRequest<'a> {
 /// The default is the empty draft (no token, no q): what a proposer fills, and a valid
 /// proposal in itself (a no-draft step).
 ///
+/// Build one with [`Draft::default`] (and fill its fields, as a proposer does), or with
+/// [`Draft::chain`] / [`Draft::tree`] and the `with_` setters; the fields are public and the
+/// type is `#[non_exhaustive]`.
+///
 /// `Draft` is `Send + Sync`.
 #[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
 pub struct Draft {
     /// Draft tokens `d_1 .. d_k` (`k <= max_draft`).
     pub tokens: Vec<u32>,
@@ -167,6 +266,37 @@ pub struct Draft {
 }
 
 impl Draft {
+    /// The chain `tokens` of point masses (no q).
+    pub fn chain(tokens: Vec<u32>) -> Self {
+        Draft {
+            tokens,
+            ..Draft::default()
+        }
+    }
+
+    /// The tree of `tokens` with parent rows `parents` (`[n]`; see [`Draft::parents`]), point
+    /// masses (no q). Not checked here (the loop checks a proposal).
+    pub fn tree(tokens: Vec<u32>, parents: Vec<u32>) -> Self {
+        Draft {
+            tokens,
+            parents,
+            ..Draft::default()
+        }
+    }
+
+    /// Sets the draft probabilities `q` (`[k, q_vocab]` row-major; see [`Draft::q`]).
+    pub fn with_q(mut self, q: Vec<f32>, q_vocab: usize) -> Self {
+        self.q = Some(q);
+        self.q_vocab = q_vocab;
+        self
+    }
+
+    /// Sets the sibling scheme of each node's group (`[n]`; see [`Draft::schemes`]).
+    pub fn with_schemes(mut self, schemes: Vec<SiblingScheme>) -> Self {
+        self.schemes = schemes;
+        self
+    }
+
     /// Empties the draft, keeping its allocations.
     pub fn clear(&mut self) {
         self.tokens.clear();
@@ -208,7 +338,11 @@ impl Draft {
 /// token; a row's candidates are the target's best next tokens after that input along the
 /// row's own path (processed with the request's configuration, see [`RowCandidates`]). Rows of
 /// rejected nodes are included.
+///
+/// The loop builds it; [`VerifiedRows::new`] builds one elsewhere (a test, or an engine that
+/// runs its own loop). The fields are public to read, and the type is `#[non_exhaustive]`.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct VerifiedRows<'a> {
     /// Input token of each row, `[rows]`: the root, then the token of each node that has a row.
     pub inputs: &'a [u32],
@@ -219,6 +353,24 @@ pub struct VerifiedRows<'a> {
     /// Node indices of the accepted path, the root's child first (`[accepted]`; for a chain
     /// `0..accepted`). Not cut by a stop: [`Proposer::observe`]'s `accepted` is.
     pub path: &'a [u32],
+}
+
+impl<'a> VerifiedRows<'a> {
+    /// The rows of a step: the `[rows]` input tokens, the nodes' parent rows (`[rows - 1]`,
+    /// empty for a chain), the rows' candidates and the accepted path (see the fields).
+    pub fn new(
+        inputs: &'a [u32],
+        parents: &'a [u32],
+        candidates: &'a RowCandidates,
+        path: &'a [u32],
+    ) -> Self {
+        VerifiedRows {
+            inputs,
+            parents,
+            candidates,
+            path,
+        }
+    }
 }
 
 /// A source of draft tokens.

@@ -326,11 +326,13 @@ impl CandidateTrie {
 /// | `max_n` | 4 | `min_n ..= 64` |
 /// | `periodic` | `false` | any ([`PromptLookup::periodic_extension`]) |
 ///
+/// `#[non_exhaustive]`: build it from [`PromptLookupConfig::default`] and the `with_` setters.
+///
 /// # Example
 /// ```
 /// use speculative::propose::{PromptLookup, PromptLookupConfig};
 ///
-/// let cfg = PromptLookupConfig { min_n: 2, max_n: 5, ..PromptLookupConfig::default() };
+/// let cfg = PromptLookupConfig::default().with_min_n(2).with_max_n(5);
 /// let lookup = PromptLookup::from_config(cfg)?;
 /// assert_eq!((lookup.min_n(), lookup.max_n()), (2, 5));
 /// assert_eq!(lookup.config(), cfg);
@@ -342,6 +344,7 @@ impl CandidateTrie {
     derive(serde::Serialize, serde::Deserialize),
     serde(remote = "Self", default, deny_unknown_fields)
 )]
+#[non_exhaustive]
 pub struct PromptLookupConfig {
     /// Smallest n-gram size matched, in tokens.
     #[cfg_attr(feature = "serde", serde(rename = "prompt_lookup_min"))]
@@ -351,6 +354,26 @@ pub struct PromptLookupConfig {
     pub max_n: usize,
     /// Periodic extension on (see [`PromptLookup::periodic_extension`]).
     pub periodic: bool,
+}
+
+impl PromptLookupConfig {
+    /// Sets [`PromptLookupConfig::min_n`] (checked by [`PromptLookupConfig::validate`]).
+    pub fn with_min_n(mut self, min_n: usize) -> Self {
+        self.min_n = min_n;
+        self
+    }
+
+    /// Sets [`PromptLookupConfig::max_n`] (checked by [`PromptLookupConfig::validate`]).
+    pub fn with_max_n(mut self, max_n: usize) -> Self {
+        self.max_n = max_n;
+        self
+    }
+
+    /// Sets [`PromptLookupConfig::periodic`] (checked by [`PromptLookupConfig::validate`]).
+    pub fn with_periodic(mut self, periodic: bool) -> Self {
+        self.periodic = periodic;
+        self
+    }
 }
 
 impl Default for PromptLookupConfig {
@@ -472,20 +495,7 @@ impl PromptLookupConfig {
 /// let mut lookup = PromptLookup::new(1, 2)?;
 /// let config = SamplingConfig::greedy();
 /// let context = [5, 6, 7, 8, 9, 10, 11, 7, 8];
-/// let req = ProposeRequest {
-///     context: &context,
-///     config: &config,
-///     max_draft: 3,
-///     max_nodes: 3,
-///     max_branch: usize::MAX,
-///     seed: 0,
-///     target_hidden: None,
-///     target_hidden_rows: None,
-///     prompt_len: 0,
-///     eos: &[],
-///     suppress: &[],
-///     suppress_rows: 0,
-/// };
+/// let req = ProposeRequest::new(&context, &config, 3);
 /// let mut draft = Draft::default();
 /// lookup.propose(&req, &mut draft)?;
 /// assert_eq!(draft.tokens, [9, 10, 11]); // what followed the earlier [7, 8]

@@ -54,11 +54,20 @@ const FORMAT_VERSION: u32 = 1;
 /// node `j`, the convention of [`crate::Draft::parents`]) and its sibling rank `rank`: the node's
 /// token is the `rank`-th best successor (0 = best) of its parent's token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct TemplateNode {
     /// Parent slot: `0` for a child of the root, `j + 1` for a child of template node `j`.
     pub parent: u32,
     /// Sibling rank, `0 .. MAX_TOP_K`: which entry of the parent token's table row.
     pub rank: u32,
+}
+
+impl TemplateNode {
+    /// The node with parent slot `parent` (`0` = the root, `j + 1` = template node `j`) and
+    /// sibling rank `rank` (checked by [`TreeTemplate::new`]).
+    pub fn new(parent: u32, rank: u32) -> Self {
+        TemplateNode { parent, rank }
+    }
 }
 
 /// A static draft-tree template for [`TokenRecycling`]: nodes in breadth-first order (depth never
@@ -310,13 +319,16 @@ impl TreeTemplate {
 // Configuration and errors.
 // ---------------------------------------------------------------------------------------------
 
-/// Configuration of a [`TokenRecycling`] proposer.
+/// Configuration of a [`TokenRecycling`] proposer. `#[non_exhaustive]`: build it from
+/// [`RecyclingConfig::default`] and the `with_` setters (checked by the proposer's
+/// constructor).
 ///
 /// | field | default | valid range |
 /// |---|---|---|
 /// | `top_k` | 8 ([`RecyclingConfig::DEFAULT_TOP_K`]) | `1 ..= 64` ([`RecyclingConfig::MAX_TOP_K`]) |
 /// | `template` | [`TreeTemplate::default`] (80 nodes) | any [`TreeTemplate`] |
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RecyclingConfig {
     /// Successor ids kept per token: the width of the adjacency table and the number of ids
     /// asked of every verified row ([`Proposer::row_candidates`]). Memory: `vocab * top_k * 4`
@@ -324,6 +336,20 @@ pub struct RecyclingConfig {
     pub top_k: usize,
     /// The tree-draft template. Template nodes of rank `>= top_k` are never drafted.
     pub template: TreeTemplate,
+}
+
+impl RecyclingConfig {
+    /// Sets [`RecyclingConfig::top_k`].
+    pub fn with_top_k(mut self, top_k: usize) -> Self {
+        self.top_k = top_k;
+        self
+    }
+
+    /// Sets [`RecyclingConfig::template`].
+    pub fn with_template(mut self, template: TreeTemplate) -> Self {
+        self.template = template;
+        self
+    }
 }
 
 impl RecyclingConfig {

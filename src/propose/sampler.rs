@@ -267,6 +267,7 @@ impl DraftSampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tree::DraftBlock;
     use crate::tree::SiblingScheme;
     use crate::verify::{DraftQ, Verifier, VerifyRequest};
 
@@ -350,8 +351,7 @@ mod tests {
             // verifier processes with each node's own history.
             let target: Vec<f32> = (0..6 * V).map(|i| ((i * 37 % 11) as f32) / 5.0).collect();
             let base = VerifyRequest::new(&cfg, &target, V, &d.tokens)
-                .tree(&d.parents)
-                .schemes(&d.schemes)
+                .draft(DraftBlock::tree(&d.tokens, &d.parents).with_schemes(&d.schemes))
                 .context(&ctx)
                 .seed(seed);
             let mut v = Verifier::new();

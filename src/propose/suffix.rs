@@ -35,13 +35,13 @@ const MAX_CORPUS_NODES: usize = 1 << 31;
 
 /// Configuration of a [`SuffixProposer`] (SuffixDecoding, Oliaro et al. 2024).
 ///
-/// Build one with struct update syntax from the defaults and validate it with
+/// `#[non_exhaustive]`: build one from the defaults with the `with_` setters and validate it with
 /// [`SuffixProposer::new`]:
 ///
 /// ```
 /// use speculative::propose::{SuffixConfig, SuffixProposer};
 ///
-/// let cfg = SuffixConfig { min_confidence: 0.2, ..SuffixConfig::default() };
+/// let cfg = SuffixConfig::default().with_min_confidence(0.2);
 /// let proposer = SuffixProposer::new(cfg)?;
 /// # Ok::<(), speculative::Error>(())
 /// ```
@@ -59,6 +59,7 @@ const MAX_CORPUS_NODES: usize = 1 << 31;
     derive(serde::Serialize, serde::Deserialize),
     serde(remote = "Self", default, deny_unknown_fields)
 )]
+#[non_exhaustive]
 pub struct SuffixConfig {
     /// Longest token string indexed, in tokens: the depth bound of both tries. A draft can reach
     /// at most `max_depth - m` tokens past a match of `m` tokens. Memory grows linearly with it
@@ -82,6 +83,38 @@ pub struct SuffixConfig {
     /// paper; when `false`, prompt and output. If the prompt is unknown, the whole sequence is
     /// added.
     pub corpus_outputs_only: bool,
+}
+
+impl SuffixConfig {
+    /// Sets [`SuffixConfig::max_depth`] (checked by [`SuffixConfig::validate`]).
+    pub fn with_max_depth(mut self, max_depth: usize) -> Self {
+        self.max_depth = max_depth;
+        self
+    }
+
+    /// Sets [`SuffixConfig::max_match_len`] (checked by [`SuffixConfig::validate`]).
+    pub fn with_max_match_len(mut self, max_match_len: usize) -> Self {
+        self.max_match_len = max_match_len;
+        self
+    }
+
+    /// Sets [`SuffixConfig::min_confidence`] (checked by [`SuffixConfig::validate`]).
+    pub fn with_min_confidence(mut self, min_confidence: f32) -> Self {
+        self.min_confidence = min_confidence;
+        self
+    }
+
+    /// Sets [`SuffixConfig::max_corpus_tokens`] (checked by [`SuffixConfig::validate`]).
+    pub fn with_max_corpus_tokens(mut self, max_corpus_tokens: usize) -> Self {
+        self.max_corpus_tokens = max_corpus_tokens;
+        self
+    }
+
+    /// Sets [`SuffixConfig::corpus_outputs_only`] (checked by [`SuffixConfig::validate`]).
+    pub fn with_corpus_outputs_only(mut self, corpus_outputs_only: bool) -> Self {
+        self.corpus_outputs_only = corpus_outputs_only;
+        self
+    }
 }
 
 impl Default for SuffixConfig {
@@ -595,20 +628,7 @@ impl Corpus {
 /// suffix.finish(&[1, 2, 3, 4, 5]);
 /// let config = SamplingConfig::greedy();
 /// let context = [9, 9, 2, 3];
-/// let req = ProposeRequest {
-///     context: &context,
-///     config: &config,
-///     max_draft: 4,
-///     max_nodes: 4,
-///     max_branch: usize::MAX,
-///     seed: 0,
-///     target_hidden: None,
-///     target_hidden_rows: None,
-///     prompt_len: 0,
-///     eos: &[],
-///     suppress: &[],
-///     suppress_rows: 0,
-/// };
+/// let req = ProposeRequest::new(&context, &config, 4);
 /// let mut draft = Draft::default();
 /// suffix.propose(&req, &mut draft)?;
 /// assert_eq!(draft.tokens, [4, 5]);

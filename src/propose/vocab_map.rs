@@ -401,6 +401,39 @@ impl VocabMapBuilder {
     /// - [`VocabMapError::ConflictingPair`]: an id paired with two different partners;
     /// - [`VocabMapError::NoSharedTokens`]: no ordinary token is in both vocabularies.
     pub fn build(self) -> Result<VocabMap, VocabMapError> {
+        let (dv, tv) = self.check_sizes()?;
+        self.check_ids(dv, tv)?;
+        let mut d2t = vec![NONE; dv];
+        let mut t2d = vec![NONE; tv];
+        let special_pairs = self.pair_specials(&mut d2t, &mut t2d)?;
+        let pd: Vec<u32> = special_pairs.iter().map(|p| p.0).collect();
+        let pt: Vec<u32> = special_pairs.iter().map(|p| p.1).collect();
+        let draft = Side::new(self.draft, dv, &self.draft_special, &pd);
+        let target = Side::new(self.target, tv, &self.target_special, &pt);
+        let ordinary = match_ordinary(&draft, &target, &mut d2t, &mut t2d);
+        if ordinary == 0 {
+            return Err(VocabMapError::NoSharedTokens);
+        }
+        let pairs: Vec<(u32, u32)> = d2t
+            .iter()
+            .enumerate()
+            .filter(|&(_, &t)| t != NONE)
+            .map(|(d, &t)| (d as u32, t))
+            .collect();
+        Ok(VocabMap {
+            shared: ordinary + special_pairs.len(),
+            draft,
+            target,
+            d2t,
+            t2d,
+            pairs,
+            special_pairs,
+        })
+    }
+
+    /// [`VocabMapBuilder::build`]: both sides have pieces, and their sizes (set, or the number
+    /// of pieces) are at least the pieces and below `u32::MAX`. Returns `(draft, target)`.
+    fn check_sizes(&self) -> Result<(usize, usize), VocabMapError> {
         for (side, pieces) in [
             (VocabSide::Draft, &self.draft),
             (VocabSide::Target, &self.target),
@@ -423,6 +456,11 @@ impl VocabMapBuilder {
         };
         let dv = size(VocabSide::Draft, &self.draft, self.draft_size)?;
         let tv = size(VocabSide::Target, &self.target, self.target_size)?;
+        Ok((dv, tv))
+    }
+
+    /// [`VocabMapBuilder::build`]: every special and paired id inside its vocabulary.
+    fn check_ids(&self, dv: usize, tv: usize) -> Result<(), VocabMapError> {
         let check = |side, id: u32, vocab: usize| {
             if (id as usize) < vocab {
                 Ok(())
@@ -440,24 +478,16 @@ impl VocabMapBuilder {
             check(VocabSide::Draft, d, dv)?;
             check(VocabSide::Target, t, tv)?;
         }
-        let side = |pieces: Vec<Vec<u8>>, vocab: usize, special: &[u32], paired: &[u32]| {
-            let mut s = Side {
-                bytes: Vec::with_capacity(pieces.iter().map(Vec::len).sum()),
-                offsets: Vec::with_capacity(pieces.len() + 1),
-                special: vec![false; vocab],
-            };
-            s.offsets.push(0);
-            for p in &pieces {
-                s.bytes.extend_from_slice(p);
-                s.offsets.push(s.bytes.len());
-            }
-            for &id in special.iter().chain(paired) {
-                s.special[id as usize] = true;
-            }
-            s
-        };
-        let mut d2t = vec![NONE; dv];
-        let mut t2d = vec![NONE; tv];
+        Ok(())
+    }
+
+    /// [`VocabMapBuilder::build`]: the explicit pairs into both maps (a repeated pair once; an
+    /// id paired with two partners is an error). Returns the distinct pairs, in order.
+    fn pair_specials(
+        &self,
+        d2t: &mut [u32],
+        t2d: &mut [u32],
+    ) -> Result<Vec<(u32, u32)>, VocabMapError> {
         let mut special_pairs = Vec::new();
         for &(d, t) in &self.pairs {
             if special_pairs.contains(&(d, t)) {
@@ -479,49 +509,53 @@ impl VocabMapBuilder {
             t2d[t as usize] = d;
             special_pairs.push((d, t));
         }
-        let pd: Vec<u32> = special_pairs.iter().map(|p| p.0).collect();
-        let pt: Vec<u32> = special_pairs.iter().map(|p| p.1).collect();
-        let draft = side(self.draft, dv, &self.draft_special, &pd);
-        let target = side(self.target, tv, &self.target_special, &pt);
-
-        // The lowest target id of each ordinary byte string.
-        let mut index: HashMap<&[u8], u32> = HashMap::with_capacity(target.pieces());
-        for id in 0..target.pieces() as u32 {
-            if let Some(b) = target.matchable(id) {
-                index.entry(b).or_insert(id);
-            }
-        }
-        let mut ordinary = 0usize;
-        for id in 0..draft.pieces() as u32 {
-            let Some(&t) = draft.matchable(id).and_then(|b| index.get(b)) else {
-                continue;
-            };
-            d2t[id as usize] = t;
-            if t2d[t as usize] == NONE {
-                t2d[t as usize] = id;
-                ordinary += 1;
-            }
-        }
-        drop(index);
-        if ordinary == 0 {
-            return Err(VocabMapError::NoSharedTokens);
-        }
-        let pairs: Vec<(u32, u32)> = d2t
-            .iter()
-            .enumerate()
-            .filter(|&(_, &t)| t != NONE)
-            .map(|(d, &t)| (d as u32, t))
-            .collect();
-        Ok(VocabMap {
-            shared: ordinary + special_pairs.len(),
-            draft,
-            target,
-            d2t,
-            t2d,
-            pairs,
-            special_pairs,
-        })
+        Ok(special_pairs)
     }
+}
+
+impl Side {
+    /// One side's pieces concatenated with their offsets, and its special flags (`[vocab]`:
+    /// the `special` ids and the `paired` ones).
+    fn new(pieces: Vec<Vec<u8>>, vocab: usize, special: &[u32], paired: &[u32]) -> Self {
+        let mut s = Side {
+            bytes: Vec::with_capacity(pieces.iter().map(Vec::len).sum()),
+            offsets: Vec::with_capacity(pieces.len() + 1),
+            special: vec![false; vocab],
+        };
+        s.offsets.push(0);
+        for p in &pieces {
+            s.bytes.extend_from_slice(p);
+            s.offsets.push(s.bytes.len());
+        }
+        for &id in special.iter().chain(paired) {
+            s.special[id as usize] = true;
+        }
+        s
+    }
+}
+
+/// [`VocabMapBuilder::build`]: maps every ordinary draft token to the lowest target id of the
+/// same byte string (`d2t`), and each target id reached to its first draft id (`t2d`, where
+/// not yet paired). Returns the number of target ids newly reached.
+fn match_ordinary(draft: &Side, target: &Side, d2t: &mut [u32], t2d: &mut [u32]) -> usize {
+    let mut index: HashMap<&[u8], u32> = HashMap::with_capacity(target.pieces());
+    for id in 0..target.pieces() as u32 {
+        if let Some(b) = target.matchable(id) {
+            index.entry(b).or_insert(id);
+        }
+    }
+    let mut ordinary = 0usize;
+    for id in 0..draft.pieces() as u32 {
+        let Some(&t) = draft.matchable(id).and_then(|b| index.get(b)) else {
+            continue;
+        };
+        d2t[id as usize] = t;
+        if t2d[t as usize] == NONE {
+            t2d[t as usize] = id;
+            ordinary += 1;
+        }
+    }
+    ordinary
 }
 
 #[cfg(test)]

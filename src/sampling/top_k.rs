@@ -78,15 +78,50 @@ pub(crate) fn scan_top_k<T: Logit>(
     out: &mut Vec<Cand>,
     blocks: &mut Vec<f32>,
 ) -> (f32, f32) {
-    const L: usize = 16;
-    const B: usize = BLOCK;
-    blocks.clear();
-    // The last, partial block (fewer than B values) is the scalar remainder, read after the
+    // The last, partial block (fewer than BLOCK values) is the scalar remainder, read after the
     // full blocks.
-    let full_len = logits.len() - logits.len() % B;
+    let full_len = logits.len() - logits.len() % BLOCK;
     let rem = &logits[full_len..];
+    let (mx, sum) = block_maxima(logits, full_len, blocks);
+    out.clear();
+    if k == 0 {
+        return (mx, sum);
+    }
+    let thr = block_threshold(blocks, k, out);
+    let mut admit = Admit::new(out, k, thr);
+    for (bi, &bm) in blocks.iter().enumerate() {
+        // Neither is NaN: block maxima and thresholds come from `>` comparisons and logits.
+        if bm <= admit.thr {
+            continue;
+        }
+        let base = bi * BLOCK;
+        with_widened(&logits[base..base + BLOCK], |block| {
+            for (ci, chunk) in block.chunks_exact(LANE_CHUNK).enumerate() {
+                if chunk_max(chunk) > admit.thr {
+                    admit.push(base + ci * LANE_CHUNK, chunk);
+                }
+            }
+        });
+    }
+    with_widened(rem, |rem| {
+        for (ci, chunk) in rem.chunks(LANE_CHUNK).enumerate() {
+            admit.push(full_len + ci * LANE_CHUNK, chunk);
+        }
+    });
+    admit.finish();
+    (mx, sum)
+}
+
+/// Entries of one chunk of a block tested at once ([`scan_top_k`], step 3).
+const LANE_CHUNK: usize = 16;
+
+/// [`scan_top_k`], step 1: one vectorised pass over the full blocks of `logits[..full_len]`
+/// (the maximum of every block into `blocks`), then the scalar remainder. Returns the row
+/// maximum and its f32 sum.
+fn block_maxima<T: Logit>(logits: &[T], full_len: usize, blocks: &mut Vec<f32>) -> (f32, f32) {
+    blocks.clear();
     let mut pass = BlockMaxima {
-        acc: [0.0; L],
+        acc: [0.0; LANE_CHUNK],
         mx: f32::NEG_INFINITY,
         blocks,
     };
@@ -96,79 +131,101 @@ pub(crate) fn scan_top_k<T: Logit>(
     for x in acc {
         sum += x;
     }
-    with_widened(rem, |rem| {
+    with_widened(&logits[full_len..], |rem| {
         for &v in rem {
             sum += v;
             mx = if v > mx { v } else { mx };
         }
     });
-    out.clear();
-    if k == 0 {
-        return (mx, sum);
-    }
-    let mut thr = f32::NEG_INFINITY;
-    if blocks.len() >= k {
-        out.extend(
-            blocks
-                .iter()
-                .enumerate()
-                .map(|(i, &b)| Cand::new(i as u32, b)),
-        );
-        out.select_nth_unstable_by(k - 1, Cand::rank);
-        thr = next_down(out[k - 1].logit);
-        out.clear();
-    }
-    let cap = 2 * k + 256;
-    // Branch-free appends write up to L entries past the count: keep room for them.
-    out.resize(cap + L, Cand::new(0, 0.0));
-    let mut n = 0usize;
-    let mut admit = |base: usize, chunk: &[f32], thr: &mut f32, n: &mut usize| {
-        for (j, &v) in chunk.iter().enumerate() {
-            out[*n] = Cand::new((base + j) as u32, v);
-            *n += (v > *thr) as usize;
-        }
-        if *n >= cap {
-            out[..*n].select_nth_unstable_by(k - 1, Cand::rank);
-            *n = k;
-            // out[k - 1] ranks last among the kept: its logit is the lowest kept.
-            *thr = out[k - 1].logit;
-        }
-    };
-    for (bi, &bm) in blocks.iter().enumerate() {
-        // Neither is NaN: block maxima and thresholds come from `>` comparisons and logits.
-        if bm <= thr {
-            continue;
-        }
-        let base = bi * B;
-        with_widened(&logits[base..base + B], |block| {
-            for (ci, chunk) in block.chunks_exact(L).enumerate() {
-                // The chunk maximum in 4 lanes (a boolean "any" reduction compiles to branches).
-                let mut m = [f32::NEG_INFINITY; 4];
-                for q in chunk.chunks_exact(4) {
-                    for t in 0..4 {
-                        m[t] = if q[t] > m[t] { q[t] } else { m[t] };
-                    }
-                }
-                let a = if m[0] > m[1] { m[0] } else { m[1] };
-                let b = if m[2] > m[3] { m[2] } else { m[3] };
-                if (if a > b { a } else { b }) > thr {
-                    admit(base + ci * L, chunk, &mut thr, &mut n);
-                }
-            }
-        });
-    }
-    with_widened(rem, |rem| {
-        for (ci, chunk) in rem.chunks(L).enumerate() {
-            admit(full_len + ci * L, chunk, &mut thr, &mut n);
-        }
-    });
-    out.truncate(n);
-    if out.len() > k {
-        out.select_nth_unstable_by(k - 1, Cand::rank);
-        out.truncate(k);
-    }
-    out.sort_unstable_by_key(|c| c.id);
     (mx, sum)
+}
+
+/// [`scan_top_k`], step 2: the first admission threshold, just below the k-th largest block
+/// maximum (`-inf` with fewer than `k` blocks). `out` is scratch, left empty.
+fn block_threshold(blocks: &[f32], k: usize, out: &mut Vec<Cand>) -> f32 {
+    if blocks.len() < k {
+        return f32::NEG_INFINITY;
+    }
+    out.extend(
+        blocks
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| Cand::new(i as u32, b)),
+    );
+    out.select_nth_unstable_by(k - 1, Cand::rank);
+    let thr = next_down(out[k - 1].logit);
+    out.clear();
+    thr
+}
+
+/// The maximum of a 16-entry chunk in 4 lanes (a boolean "any" reduction compiles to
+/// branches).
+#[inline(always)]
+fn chunk_max(chunk: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; 4];
+    for q in chunk.chunks_exact(4) {
+        for t in 0..4 {
+            m[t] = if q[t] > m[t] { q[t] } else { m[t] };
+        }
+    }
+    let a = if m[0] > m[1] { m[0] } else { m[1] };
+    let b = if m[2] > m[3] { m[2] } else { m[3] };
+    if a > b { a } else { b }
+}
+
+/// [`scan_top_k`], step 3: the candidate buffer of `2k + 256` entries, appended to without
+/// branches, and the admission threshold it raises when it fills.
+struct Admit<'o> {
+    out: &'o mut Vec<Cand>,
+    /// Candidates held.
+    n: usize,
+    k: usize,
+    cap: usize,
+    /// Admission threshold: entries above it are candidates.
+    thr: f32,
+}
+
+impl<'o> Admit<'o> {
+    fn new(out: &'o mut Vec<Cand>, k: usize, thr: f32) -> Self {
+        let cap = 2 * k + 256;
+        // Branch-free appends write up to LANE_CHUNK entries past the count: keep room for them.
+        out.resize(cap + LANE_CHUNK, Cand::new(0, 0.0));
+        Admit {
+            out,
+            n: 0,
+            k,
+            cap,
+            thr,
+        }
+    }
+
+    /// Appends the entries of `chunk` (ids from `base`) above the threshold; when the buffer
+    /// is full, keeps the best `k` and raises the threshold (exclusive: later ids lose ties) to
+    /// the k-th kept logit.
+    #[inline(always)]
+    fn push(&mut self, base: usize, chunk: &[f32]) {
+        for (j, &v) in chunk.iter().enumerate() {
+            self.out[self.n] = Cand::new((base + j) as u32, v);
+            self.n += (v > self.thr) as usize;
+        }
+        if self.n >= self.cap {
+            self.out[..self.n].select_nth_unstable_by(self.k - 1, Cand::rank);
+            self.n = self.k;
+            // out[k - 1] ranks last among the kept: its logit is the lowest kept.
+            self.thr = self.out[self.k - 1].logit;
+        }
+    }
+
+    /// The best `k` candidates, by id.
+    fn finish(self) {
+        let (out, k) = (self.out, self.k);
+        out.truncate(self.n);
+        if out.len() > k {
+            out.select_nth_unstable_by(k - 1, Cand::rank);
+            out.truncate(k);
+        }
+        out.sort_unstable_by_key(|c| c.id);
+    }
 }
 
 #[cfg(test)]

@@ -48,7 +48,8 @@ pub fn array_rows<'a, T>(view: ArrayView2<'a, T>, what: &'static str) -> Result<
 
 impl<'a, L: Logit> VerifyRequest<'a, L> {
     /// A request ([`VerifyRequest::new`]) whose target logits are an `ndarray` view of shape
-    /// `[k + 1, vocab]` (`[k, vocab]` with [`VerifyRequest::final_draft_ends`]), read in place;
+    /// `[k + 1, vocab]` (`[k, vocab]` for a chain whose final draft ends,
+    /// [`crate::DraftBlock::verify_rows`]), read in place;
     /// the vocabulary size is the view's number of columns.
     ///
     /// # Errors
@@ -102,17 +103,14 @@ impl<'a, L: Logit, Q: Logit> VerifyBatch<'a, L, Q> {
         sequences: &'a [SequenceParams<'a, Q>],
     ) -> Result<Self> {
         let (target_logits, vocab_size) = array_rows(target_logits, "target_logits")?;
-        Ok(VerifyBatch {
-            parents: None,
-            schemes: None,
-            ends: &[],
+        Ok(VerifyBatch::with_q(
             vocab_size,
             target_logits,
             draft_tokens,
             draft_offsets,
             draft_probs,
             sequences,
-        })
+        ))
     }
 }
 

@@ -1,80 +1,38 @@
 //! The batch API for engines: many sequences, ragged draft lengths, one call.
 
-use super::{DraftQ, StepOutput, Verifier, VerifyRequest};
+use super::request::sequence_state_setters;
+use super::{DraftQ, SequenceState, StepOutput, Verifier, VerifyRequest};
 use crate::error::{Error, Result};
 use crate::sampling::{Logit, SamplingConfig};
-use crate::tree::SiblingScheme;
+use crate::tree::{DraftBlock, SiblingScheme};
 
-/// Per-sequence parameters of a [`VerifyBatch`].
+/// Per-sequence parameters of a [`VerifyBatch`]: the sequence's [`SequenceState`] and,
+/// optionally, its own draft form.
 ///
 /// `Q` is the dtype of the sequence's own draft q rows ([`SequenceParams::draft_probs`]), the
-/// same as the batch's.
+/// same as the batch's. Build with [`SequenceParams::new`] (or `From<SequenceState>`) and the
+/// setters, which are [`SequenceState`]'s.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct SequenceParams<'a, Q = f32> {
-    /// The sequence's sampling configuration.
-    pub config: &'a SamplingConfig,
-    /// The sequence's seed.
-    pub seed: u64,
-    /// Tokens before the block (prompt + generated) for penalties and masks; may be empty when
-    /// the configuration uses neither.
-    pub context: &'a [u32],
-    /// Absolute position of the token emitted at the sequence's first row; `None` means
-    /// `context.len()`. **It must advance from step to step** (pass the context, or the number of
-    /// tokens before the block): random draws are keyed by `(seed, position)`, so a position that
-    /// stays at 0 reuses the same uniforms every step and correlates the steps.
-    pub position: Option<u64>,
-    /// Number of leading `context` tokens that are the prompt ([`VerifyRequest::prompt_len`]).
-    pub prompt_len: usize,
-    /// Tokens banned at the sequence's rows `0..suppress_rows` (depths, for a tree;
-    /// [`VerifyRequest::suppress`]).
-    pub suppress: &'a [u32],
-    /// Number of leading rows (depths, for a tree) at which `suppress` applies.
-    pub suppress_rows: usize,
+    /// The sequence: configuration, seed, position, context, suppression, row candidates
+    /// (row candidates are computed by [`Verifier::verify`] only; see
+    /// [`StepOutput::row_top`]).
+    pub state: SequenceState<'a>,
     /// The sequence's own draft form, overriding the batch's [`VerifyBatch::draft_probs`]:
     /// point masses, or its own `[k_b, draft_vocab_b]` probabilities or draft logits (its own
     /// width, independent of the other sequences'). `None` (the default) takes the sequence's
     /// rows of the batch-level form. This lets one batch mix deterministic proposers (prompt
     /// lookup: point masses) and sampling draft models (dense q) without one-hot q rows.
     pub draft_probs: Option<DraftQ<'a, Q>>,
-    /// The sequence's final draft ends it (a chain cut at EOS or a stop), so its target rows
-    /// are `[k_b, vocab]`: no row past the end is processed (case C11;
-    /// [`VerifyRequest::final_draft_ends`]). Default `false`.
-    pub final_draft_ends: bool,
-    /// Best ids per target row to report for the sequence's proposer
-    /// ([`VerifyRequest::row_top_k`]); default 0 (none computed).
-    pub row_top_k: usize,
 }
 
 impl<'a, Q: Logit> SequenceParams<'a, Q> {
-    /// Parameters with an empty context, `position = None` and the batch's draft form. `Q` is
-    /// the batch's q dtype (inferred from the batch the parameters go into).
+    /// Parameters with the state [`SequenceState::new`]`(config)` and seed `seed`, and the
+    /// batch's draft form. `Q` is the batch's q dtype (inferred from the batch the parameters
+    /// go into).
     pub fn new(config: &'a SamplingConfig, seed: u64) -> Self {
-        SequenceParams {
-            config,
-            seed,
-            context: &[],
-            position: None,
-            prompt_len: 0,
-            suppress: &[],
-            suppress_rows: 0,
-            draft_probs: None,
-            final_draft_ends: false,
-            row_top_k: 0,
-        }
-    }
-
-    /// Marks the sequence's final draft as ending it ([`SequenceParams::final_draft_ends`]):
-    /// its target rows are then `[k_b, vocab]`.
-    pub fn final_draft_ends(mut self, ends: bool) -> Self {
-        self.final_draft_ends = ends;
-        self
-    }
-
-    /// Asks for the best `k` ids of each of the sequence's target rows
-    /// ([`SequenceParams::row_top_k`]).
-    pub fn row_top_k(mut self, k: usize) -> Self {
-        self.row_top_k = k;
-        self
+        SequenceState::new(config).seed(seed).into()
     }
 
     /// Gives the sequence its own draft form ([`SequenceParams::draft_probs`]): point masses,
@@ -84,61 +42,51 @@ impl<'a, Q: Logit> SequenceParams<'a, Q> {
         self
     }
 
-    /// Sets the context (prompt + generated tokens before the block).
-    pub fn context(mut self, context: &'a [u32]) -> Self {
-        self.context = context;
-        self
-    }
+    sequence_state_setters!();
+}
 
-    /// Sets the absolute position of the first emitted token.
-    pub fn position(mut self, position: u64) -> Self {
-        self.position = Some(position);
-        self
-    }
-
-    /// Sets the prompt length within the context.
-    pub fn prompt_len(mut self, prompt_len: usize) -> Self {
-        self.prompt_len = prompt_len;
-        self
-    }
-
-    /// Bans `tokens` at rows `0..rows` only.
-    pub fn suppress(mut self, tokens: &'a [u32], rows: usize) -> Self {
-        self.suppress = tokens;
-        self.suppress_rows = rows;
-        self
+impl<'a, Q> From<SequenceState<'a>> for SequenceParams<'a, Q> {
+    /// The parameters of a sequence with state `state` and the batch's draft form.
+    fn from(state: SequenceState<'a>) -> Self {
+        SequenceParams {
+            state,
+            draft_probs: None,
+        }
     }
 }
 
 /// A batch of sequences with ragged draft lengths (chains or token trees), flattened.
 ///
 /// Sequence `b` has `k_b = draft_offsets[b + 1] - draft_offsets[b]` drafts
-/// `draft_tokens[draft_offsets[b]..draft_offsets[b + 1]]`; its target rows are
-/// `draft_offsets[b] + b ..= draft_offsets[b + 1] + b` of `target_logits`
-/// (`[sum_b (k_b + 1), vocab_size]` row-major), and its q rows (if any) are
-/// `draft_offsets[b]..draft_offsets[b + 1]` of the `[sum_b k_b, draft_vocab]` array in
-/// `draft_probs`, unless the sequence brings its own form ([`SequenceParams::draft_probs`]).
-/// A sequence whose final draft ends it ([`SequenceParams::final_draft_ends`]) has one row
-/// less (`k_b` rows), and the rows of the sequences after it move up by one.
+/// `draft_tokens[draft_offsets[b]..draft_offsets[b + 1]]`; its target rows follow those of the
+/// sequences before it in `target_logits` (`[sum_b rows_b, vocab_size]` row-major, with
+/// `rows_b = k_b + 1`), and its q rows (if any) are `draft_offsets[b]..draft_offsets[b + 1]` of
+/// the `[sum_b k_b, draft_vocab]` array in `draft_probs`, unless the sequence brings its own
+/// form ([`SequenceParams::draft_probs`]).
 ///
-/// Trees: [`VerifyBatch::parents`], [`VerifyBatch::schemes`] and [`VerifyBatch::ends`] are
-/// aligned with `draft_tokens` (`[sum_b k_b]`, or absent / empty for none), and sequence `b`'s
-/// slice `draft_offsets[b]..draft_offsets[b + 1]` of each is its own
-/// [`VerifyRequest::parents`], [`VerifyRequest::schemes`] and [`VerifyRequest::ends`]: parent
-/// rows are local to the sequence (`0` for a child of its root, `j + 1` for a child of its node
-/// `j`), and its rows stay `[k_b + 1, vocab]`. A sequence whose parents are `i` at its node `i`
-/// is a chain, so one batch may mix chains and trees.
+/// Trees and ends: [`VerifyBatch::parents`], [`VerifyBatch::schemes`] and
+/// [`VerifyBatch::ends`] are aligned with `draft_tokens` (`[sum_b k_b]`, or absent / empty for
+/// none), and sequence `b`'s slice `draft_offsets[b]..draft_offsets[b + 1]` of each makes its
+/// own [`DraftBlock`] (parents, [`DraftBlock::with_schemes`], [`DraftBlock::with_ends`]):
+/// parent rows are local to the sequence (`0` for a child of its root, `j + 1` for a child of
+/// its node `j`). A sequence whose parents are `i` at its node `i` is a chain, so one batch may
+/// mix chains and trees. A chain whose final draft ends it has one row less (`rows_b = k_b`:
+/// no row follows the end, case C11; [`DraftBlock::verify_rows`]), and the rows of the
+/// sequences after it move up by one.
 ///
 /// Target logits are in dtype `L`, draft q rows in dtype `Q` (any [`Logit`], `f32` by
-/// default), as in [`VerifyRequest`]. From an `ndarray` view: [`VerifyBatch::from_array`].
+/// default), as in [`VerifyRequest`]. Build with [`VerifyBatch::new`] and the setters, or from
+/// an `ndarray` view with [`VerifyBatch::from_array`].
 ///
 /// A sequence's result depends only on its own rows, parameters and seed, never on its place in
 /// the batch or on the other sequences (case C08).
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct VerifyBatch<'a, L = f32, Q = f32> {
     /// Width of a target row, in tokens.
     pub vocab_size: usize,
-    /// Target logits `[sum_b (k_b + 1), vocab_size]`.
+    /// Target logits `[sum_b rows_b, vocab_size]` (`rows_b = k_b + 1`, or `k_b`; see the type
+    /// docs).
     pub target_logits: &'a [L],
     /// All draft tokens, `[sum_b k_b]`.
     pub draft_tokens: &'a [u32],
@@ -158,11 +106,64 @@ pub struct VerifyBatch<'a, L = f32, Q = f32> {
     /// sequence's draft form ([`crate::TreeLimits::default_scheme`]).
     pub schemes: Option<&'a [SiblingScheme]>,
     /// Per draft, `[sum_b k_b]` or empty for none: `true` when accepting it ends its sequence
-    /// ([`VerifyRequest::ends`]).
+    /// ([`DraftBlock::with_ends`]).
     pub ends: &'a [bool],
 }
 
+impl<'a, L> VerifyBatch<'a, L> {
+    /// A batch of chains with point-mass drafts and `f32` q rows (set a dense q with
+    /// [`VerifyBatch::draft_probs`]): `target_logits` `[sum_b (k_b + 1), vocab_size]`,
+    /// `draft_tokens` `[sum_b k_b]`, `draft_offsets` `[batch + 1]` and one [`SequenceParams`]
+    /// per sequence. Not checked here: [`Verifier::verify_batch`] does. For q rows in another
+    /// dtype: [`VerifyBatch::with_q`].
+    pub fn new(
+        vocab_size: usize,
+        target_logits: &'a [L],
+        draft_tokens: &'a [u32],
+        draft_offsets: &'a [usize],
+        sequences: &'a [SequenceParams<'a>],
+    ) -> Self {
+        VerifyBatch::with_q(
+            vocab_size,
+            target_logits,
+            draft_tokens,
+            draft_offsets,
+            DraftQ::PointMass,
+            sequences,
+        )
+    }
+}
+
 impl<'a, L, Q> VerifyBatch<'a, L, Q> {
+    /// [`VerifyBatch::new`] with the batch-level draft form `draft_probs` in any q dtype `Q`
+    /// (the dtype of the sequences' own forms too).
+    pub fn with_q(
+        vocab_size: usize,
+        target_logits: &'a [L],
+        draft_tokens: &'a [u32],
+        draft_offsets: &'a [usize],
+        draft_probs: DraftQ<'a, Q>,
+        sequences: &'a [SequenceParams<'a, Q>],
+    ) -> Self {
+        VerifyBatch {
+            vocab_size,
+            target_logits,
+            draft_tokens,
+            draft_offsets,
+            draft_probs,
+            sequences,
+            parents: None,
+            schemes: None,
+            ends: &[],
+        }
+    }
+
+    /// Sets the batch-level draft form ([`VerifyBatch::draft_probs`]).
+    pub fn draft_probs(mut self, q: DraftQ<'a, Q>) -> Self {
+        self.draft_probs = q;
+        self
+    }
+
     /// Makes the drafts token trees with parent rows `parents` (`[sum_b k_b]`, local to each
     /// sequence; see [`VerifyBatch::parents`]).
     pub fn tree(mut self, parents: &'a [u32]) -> Self {
@@ -176,8 +177,9 @@ impl<'a, L, Q> VerifyBatch<'a, L, Q> {
         self
     }
 
-    /// Marks the drafts whose acceptance ends their sequence (`[sum_b k_b]`).
-    pub fn node_ends(mut self, ends: &'a [bool]) -> Self {
+    /// Marks the drafts whose acceptance ends their sequence (`[sum_b k_b]`; see
+    /// [`VerifyBatch::ends`]).
+    pub fn ends(mut self, ends: &'a [bool]) -> Self {
         self.ends = ends;
         self
     }
@@ -231,22 +233,11 @@ impl Verifier {
         &mut self,
         batch: &VerifyBatch<'_, L, Q>,
     ) -> Result<Vec<Result<StepOutput>>> {
-        let off = batch.draft_offsets;
+        let layout = BatchLayout::of(batch);
         let n = batch.sequences.len();
         let v = batch.vocab_size;
-        let qv = check_layout(off, n, batch.draft_tokens.len(), v, &batch.draft_probs)?;
-        check_tree_layout(
-            batch.draft_tokens.len(),
-            batch.parents,
-            batch.schemes,
-            batch.ends,
-        )?;
-        let cut = batch
-            .sequences
-            .iter()
-            .filter(|s| s.final_draft_ends)
-            .count();
-        let rows = (batch.draft_tokens.len() + n).saturating_sub(cut);
+        let qv = layout.check(n, v, &batch.draft_probs)?;
+        let rows: usize = (0..n).map(|b| layout.block(b).verify_rows()).sum();
         let expected = rows.saturating_mul(v);
         if batch.target_logits.len() != expected {
             return Err(Error::ShapeMismatch {
@@ -258,76 +249,95 @@ impl Verifier {
         let mut out = Vec::with_capacity(n);
         let mut row = 0;
         for b in 0..n {
-            let (lo, hi) = (off[b], off[b + 1]);
-            // A sequence ending at its final draft of none has no row at all; it is verified
-            // (and rejected) alone.
-            let own = (hi - lo + 1).saturating_sub(batch.sequences[b].final_draft_ends as usize);
+            let own = layout.block(b).verify_rows();
             let target = &batch.target_logits[row * v..(row + own) * v];
             row += own;
-            let req = sequence_request(
-                batch.sequences,
-                batch.draft_tokens,
-                off,
-                batch.draft_probs,
-                (b, qv, v),
-                target,
-            )
-            .with_tree(batch.parents, batch.schemes, batch.ends, (lo, hi));
+            let req = layout.request(batch.sequences, batch.draft_probs, (b, qv, v), target);
             out.push(self.verify(&req));
         }
         Ok(out)
     }
 }
 
-/// Sequence `b` of a layout-checked batch (`(b, draft vocab qv, vocab)`) as one request with
-/// `target` as its target logits: its drafts, its own draft form or its rows of the batch-level
-/// one, and its parameters; a chain until [`VerifyRequest::with_tree`] gives it its slices of
-/// the batch's tree arrays. Shared by [`Verifier::verify_batch`] and the GPU packer, so both
-/// verify exactly the request a sequence would be alone.
-pub(crate) fn sequence_request<'a, L, Q: Copy>(
-    sequences: &'a [SequenceParams<'a, Q>],
-    draft_tokens: &'a [u32],
-    offsets: &[usize],
-    batch_q: DraftQ<'a, Q>,
-    (b, qv, vocab_size): (usize, usize, usize),
-    target: &'a [L],
-) -> VerifyRequest<'a, L, Q> {
-    let (lo, hi) = (offsets[b], offsets[b + 1]);
-    let s = &sequences[b];
-    VerifyRequest {
-        config: s.config,
-        target_logits: target,
-        vocab_size,
-        draft_tokens: &draft_tokens[lo..hi],
-        draft_probs: sequence_q(batch_q, s.draft_probs, lo, hi, qv),
-        context: s.context,
-        seed: s.seed,
-        position: s.position,
-        prompt_len: s.prompt_len,
-        suppress: s.suppress,
-        suppress_rows: s.suppress_rows,
-        final_draft_ends: s.final_draft_ends,
-        parents: None,
-        schemes: None,
-        ends: &[],
-        row_top_k: s.row_top_k,
-    }
+/// The draft layout of a batch: tokens, offsets and the tree arrays, aligned with the tokens.
+/// Shared by [`Verifier::verify_batch`] and the GPU backends' batch, so both cut a sequence out
+/// of a batch the same way.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BatchLayout<'a> {
+    /// All draft tokens, `[sum_b k_b]`.
+    pub draft_tokens: &'a [u32],
+    /// `[batch + 1]` offsets into `draft_tokens`.
+    pub draft_offsets: &'a [usize],
+    /// Parent rows, `[sum_b k_b]` (local to each sequence), or `None`.
+    pub parents: Option<&'a [u32]>,
+    /// Sibling schemes, `[sum_b k_b]`, or `None`.
+    pub schemes: Option<&'a [SiblingScheme]>,
+    /// End flags, `[sum_b k_b]` or empty.
+    pub ends: &'a [bool],
 }
 
-impl<'a, L, Q> VerifyRequest<'a, L, Q> {
-    /// Gives a batch sequence (drafts `lo..hi` of the batch) its slices of the batch's
-    /// layout-checked tree arrays ([`check_tree_layout`]).
-    pub(crate) fn with_tree(
-        mut self,
-        parents: Option<&'a [u32]>,
-        schemes: Option<&'a [SiblingScheme]>,
-        ends: &'a [bool],
-        (lo, hi): (usize, usize),
-    ) -> Self {
-        self.parents = parents.map(|p| &p[lo..hi]);
-        self.schemes = schemes.map(|s| &s[lo..hi]);
-        self.ends = if ends.is_empty() { ends } else { &ends[lo..hi] };
-        self
+impl<'a> BatchLayout<'a> {
+    /// The layout of `batch`.
+    pub fn of<L, Q>(batch: &VerifyBatch<'a, L, Q>) -> Self {
+        BatchLayout {
+            draft_tokens: batch.draft_tokens,
+            draft_offsets: batch.draft_offsets,
+            parents: batch.parents,
+            schemes: batch.schemes,
+            ends: batch.ends,
+        }
+    }
+
+    /// The batch-level checks: [`check_layout`] (offsets for `n` sequences, q shape against
+    /// `vocab`) and [`check_tree_layout`]. Returns the draft vocabulary (0 for point masses).
+    ///
+    /// # Errors
+    /// Those of [`check_layout`] and [`check_tree_layout`].
+    pub fn check<Q>(&self, n: usize, vocab: usize, q: &DraftQ<'_, Q>) -> Result<usize> {
+        let k = self.draft_tokens.len();
+        let qv = check_layout(self.draft_offsets, n, k, vocab, q)?;
+        check_tree_layout(k, self.parents, self.schemes, self.ends)?;
+        Ok(qv)
+    }
+
+    /// Sequence `b`'s drafts (of a layout-checked batch): its tokens and its slices of the
+    /// tree arrays.
+    pub fn block(&self, b: usize) -> DraftBlock<'a> {
+        let (lo, hi) = (self.draft_offsets[b], self.draft_offsets[b + 1]);
+        let tokens = &self.draft_tokens[lo..hi];
+        let mut block = match self.parents {
+            None => DraftBlock::chain(tokens),
+            Some(p) => DraftBlock::tree(tokens, &p[lo..hi]),
+        };
+        if let Some(s) = self.schemes {
+            block = block.with_schemes(&s[lo..hi]);
+        }
+        if !self.ends.is_empty() {
+            block = block.with_ends(&self.ends[lo..hi]);
+        }
+        block
+    }
+
+    /// Sequence `b` of a layout-checked batch (`(b, draft vocab qv, vocab)`) as one request with
+    /// `target` as its target logits: its drafts ([`BatchLayout::block`]), its own draft form
+    /// or its rows of the batch-level one, and its state. So the CPU and GPU paths verify
+    /// exactly the request a sequence would be alone.
+    pub fn request<L, Q: Copy>(
+        &self,
+        sequences: &'a [SequenceParams<'a, Q>],
+        batch_q: DraftQ<'a, Q>,
+        (b, qv, vocab_size): (usize, usize, usize),
+        target: &'a [L],
+    ) -> VerifyRequest<'a, L, Q> {
+        let (lo, hi) = (self.draft_offsets[b], self.draft_offsets[b + 1]);
+        let s = &sequences[b];
+        VerifyRequest {
+            state: s.state,
+            target_logits: target,
+            vocab_size,
+            draft: self.block(b),
+            draft_probs: sequence_q(batch_q, s.draft_probs, lo, hi, qv),
+        }
     }
 }
 

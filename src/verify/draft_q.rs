@@ -55,6 +55,7 @@ pub type DraftProbs<'a> = DraftQ<'a, f32>;
 /// One draft row's q, as used by the acceptance rule and the residual. Dense rows are in dtype
 /// `Q` (any [`Logit`], default `f32`).
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub enum DraftRow<'a, Q = f32> {
     /// q is a point mass on the draft token.
     PointMass,

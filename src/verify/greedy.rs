@@ -15,9 +15,9 @@ pub(super) fn verify<L: Logit, Q: Logit>(
     req: &VerifyRequest<'_, L, Q>,
 ) -> Result<StepOutput> {
     let vocab = req.vocab_size;
-    let k = req.draft_tokens.len();
-    let block = req.block();
-    let want_lp = req.config.logprobs();
+    let k = req.draft.tokens().len();
+    let block = req.draft;
+    let want_lp = req.state.config.logprobs();
     let cap = block.max_depth() + 1;
     let mut tokens = Vec::with_capacity(cap);
     let mut path = Vec::with_capacity(cap);
@@ -28,9 +28,11 @@ pub(super) fn verify<L: Logit, Q: Logit>(
         let hist = v.hist.view();
         let best = v
             .proc
-            .argmax(req.config, logits, &hist, RowKind::Target, r)?;
+            .argmax(req.state.config, logits, &hist, RowKind::Target, r)?;
         if let (Some(lps), Some(n)) = (logprobs.as_mut(), want_lp) {
-            let (lp, top) = v.proc.greedy_logprobs(req.config, logits, &hist, best, n)?;
+            let (lp, top) = v
+                .proc
+                .greedy_logprobs(req.state.config, logits, &hist, best, n)?;
             lps.push(TokenLogprob {
                 token: best,
                 logprob: lp,
@@ -40,7 +42,7 @@ pub(super) fn verify<L: Logit, Q: Logit>(
         tokens.push(best);
         let mut kids = block.children(r).peekable();
         let leaf = kids.peek().is_none();
-        let Some(j) = kids.find(|&j| req.draft_tokens[j] == best) else {
+        let Some(j) = kids.find(|&j| req.draft.tokens()[j] == best) else {
             break if !leaf {
                 StepEnd::Rejected { index: path.len() }
             } else if k == 0 {

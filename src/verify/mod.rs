@@ -36,14 +36,15 @@
 //!
 //! ## Trees
 //!
-//! With [`VerifyRequest::parents`] the `k` drafts are the nodes of a token tree (row convention
-//! in [`crate::tree`]: node `i` is checked against row `parents[i]`, one forward gives
+//! With a tree in [`VerifyRequest::draft`] ([`DraftBlock::tree`]) the `k` drafts are the nodes
+//! of a token tree (row convention in [`crate::tree`]: node `i` is checked against row
+//! `parents[i]`, one forward gives
 //! `[k + 1, vocab]` rows, row 0 after the root). The verifier walks down from the root. At row
 //! `r`, at depth `d` (the number of nodes accepted so far), it processes target row `r` with the
 //! history "context + tokens of the path to `r`" (the committed context and the node's
 //! ancestors, never another branch) and decides among the children of `r`, its **sibling
 //! group** (in node order), by the group's [`SiblingScheme`]. Accepting node `j` moves to row
-//! `j + 1`; a node marked in [`VerifyRequest::ends`] stops the step there
+//! `j + 1`; a node marked as ending ([`DraftBlock::with_ends`]) stops the step there
 //! ([`StepEnd::Ended`], no bonus token, its row is not read); at a leaf the leaf's own row gives
 //! the bonus token; when a group rejects every sibling the step emits a token of the group's
 //! final residual and stops. Random draws use the uniforms keyed by `(seed, position + d)`, so a
@@ -137,7 +138,7 @@
 //! probability > 0) and every raw target logit (no NaN or `+inf`). For a tree also its structure
 //! ([`DraftBlock::validate`]: parents before children, schemes, distinct deterministic and
 //! without-replacement siblings, sampled schemes only with dense q; [`Error::InvalidTree`]),
-//! [`VerifyRequest::ends`] (empty or `[k]`, ending nodes are leaves), and that the siblings of
+//! the ending nodes (empty or `[k]`, ending nodes are leaves), and that the siblings of
 //! every sampled group carry identical q rows (the group's q; [`Error::InvalidDraftProbs`]).
 //! The q rows of deterministic groups are not read, and not checked. Only [`Error::NoAllowedToken`]
 //! for a target row is reported when that row is processed: whether a row is reached is part of
@@ -165,11 +166,11 @@ mod validate;
 mod verifier;
 
 pub use array::array_rows;
+pub(crate) use batch::{BatchLayout, check_layout, check_tree_layout};
 pub use batch::{SequenceParams, VerifyBatch};
-pub(crate) use batch::{check_layout, check_tree_layout, sequence_request};
 pub use draft_q::{DraftProbs, DraftQ, DraftRow};
 pub use output::{RowCandidates, StepEnd, StepOutput, TokenLogprob, leading_accepted};
-pub use request::VerifyRequest;
+pub use request::{SequenceState, VerifyRequest};
 use rows::{begin_history, group_first, row, scheme_default};
 pub(crate) use rule::residual_weights_of;
 pub use rule::{acceptance_probability, residual_weights};

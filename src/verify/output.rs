@@ -22,15 +22,19 @@ pub enum StepEnd {
     /// The walk reached a leaf: for a chain all `k >= 1` drafts were accepted; the last emitted
     /// token is the bonus token from the leaf's row (row `k` for a chain).
     AllAccepted,
-    /// The last accepted draft ends the sequence ([`VerifyRequest::final_draft_ends`], or a node
-    /// marked in [`VerifyRequest::ends`]): no bonus token, `tokens.len() == accepted`.
+    /// The last accepted draft ends the sequence (a node marked as ending,
+    /// [`crate::DraftBlock::with_ends`]): no bonus token, `tokens.len() == accepted`.
     Ended,
     /// A no-draft step (`k = 0`, plain decoding): the one emitted token comes from row 0.
     NoDraft,
 }
 
 /// Log-probabilities of one emitted token.
+///
+/// The verifier builds them; [`TokenLogprob::new`] builds one elsewhere (a reference
+/// implementation in a test). `#[non_exhaustive]`: the fields are public to read.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct TokenLogprob {
     /// The emitted token.
     pub token: u32,
@@ -45,8 +49,13 @@ pub struct TokenLogprob {
 
 /// The result of one verify step for one sequence.
 ///
+/// The verifier builds it; [`StepOutput::new`] and the `with_` setters build one elsewhere (a
+/// reference implementation in a test, an engine's own verifier). `#[non_exhaustive]`: the
+/// fields are public to read.
+///
 /// `StepOutput` is `Send + Sync`.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct StepOutput {
     /// Number of accepted draft tokens (the leading run of a chain, the path length of a tree;
     /// the bonus token is not counted).
@@ -64,12 +73,57 @@ pub struct StepOutput {
     /// ([`crate::TreeTarget::commit_tree`]).
     pub path: Vec<u32>,
     /// The best tokens of every target row of the step, when the request asked for them
-    /// ([`VerifyRequest::row_top_k`]); empty otherwise. Only [`Verifier::verify`] computes
+    /// ([`crate::SequenceState::row_top_k`]); empty otherwise. Only [`Verifier::verify`] computes
     /// them: batch verification ([`Verifier::verify_batch`], the GPU verifiers) has no
     /// `row_top_k` and always leaves this empty; an engine that batches and feeds a proposer
     /// such as [`crate::propose::TokenRecycling`] verifies that sequence with
-    /// [`Verifier::verify`] and [`VerifyRequest::row_top`].
+    /// [`Verifier::verify`] and [`VerifyRequest::row_top_k`].
     pub row_top: RowCandidates,
+}
+
+impl TokenLogprob {
+    /// The log-probability `logprob` of `token` with the `top` most likely `(token, logprob)`
+    /// pairs of the same row, most likely first.
+    pub fn new(token: u32, logprob: f32, top: Vec<(u32, f32)>) -> Self {
+        TokenLogprob {
+            token,
+            logprob,
+            top,
+        }
+    }
+}
+
+impl StepOutput {
+    /// A step that accepted `accepted` drafts of a chain and emitted `tokens`, ending with
+    /// `end`: path `0..accepted`, no log-probabilities, no row candidates.
+    pub fn new(accepted: usize, tokens: Vec<u32>, end: StepEnd) -> Self {
+        StepOutput {
+            accepted,
+            tokens,
+            logprobs: None,
+            end,
+            path: (0..accepted as u32).collect(),
+            row_top: RowCandidates::default(),
+        }
+    }
+
+    /// Sets the accepted path of a tree ([`StepOutput::path`], `[accepted]`).
+    pub fn with_path(mut self, path: Vec<u32>) -> Self {
+        self.path = path;
+        self
+    }
+
+    /// Sets the log-probabilities of the emitted tokens ([`StepOutput::logprobs`]).
+    pub fn with_logprobs(mut self, logprobs: Vec<TokenLogprob>) -> Self {
+        self.logprobs = Some(logprobs);
+        self
+    }
+
+    /// Sets the row candidates ([`StepOutput::row_top`]).
+    pub fn with_row_top(mut self, row_top: RowCandidates) -> Self {
+        self.row_top = row_top;
+        self
+    }
 }
 
 /// The best tokens of each target row of one verify step: row 0 is the root's (its input is
@@ -77,7 +131,7 @@ pub struct StepOutput {
 /// step has `k + 1` rows (`k` when the final draft of a chain ends the sequence, whose row is
 /// never computed).
 ///
-/// Each row lists up to [`VerifyRequest::row_top_k`] ids, best first, ranked by the row's
+/// Each row lists up to [`crate::SequenceState::row_top_k`] ids, best first, ranked by the row's
 /// processed logits (the request's penalties, bias and masks along the row's own path;
 /// [`crate::sampling::RowProcessor::top_ids`]): every row is processed, not only those of the
 /// accepted path, so the rows of rejected nodes carry information too. A row lists fewer ids

@@ -1,38 +1,31 @@
-//! [`VerifyRequest`]: one sequence's verify input, its constructor and builder setters, and the
-//! shape facts the verifier derives from it (number of drafts, target rows, ending nodes).
+//! [`VerifyRequest`] and [`SequenceState`]: one sequence's verify input, its constructor and
+//! builder setters, and the shape facts the verifier derives from it (number of drafts, target
+//! rows, ending nodes).
 
 use super::DraftQ;
 #[cfg(doc)]
-use super::{RowCandidates, StepEnd, StepOutput};
+use super::{RowCandidates, SequenceParams, StepEnd, StepOutput};
 use crate::sampling::{Logit, SamplingConfig};
-use crate::tree::{DraftBlock, SiblingScheme};
+use crate::tree::DraftBlock;
 
-/// One verify request: one sequence, `k >= 0` drafts.
+/// What a verify step reads of one sequence besides its rows: the sampling configuration, the
+/// random stream (seed and position), the context the penalties and masks see, and the
+/// per-step asks (suppressed ids, row candidates).
 ///
-/// The target logits are in dtype `L` and the draft q rows in dtype `Q`, each any [`Logit`]
-/// (`f32` by default; `half::f16` and `half::bf16` with the cargo feature `half`). Values are
-/// widened to `f32` exactly as they are read, so the outcome (tokens, log-probabilities,
-/// errors) is the one of the same request with its rows converted to `f32`, without that
-/// conversion pass. From an `ndarray` view: [`VerifyRequest::from_array`].
+/// Embedded as `state` in both [`VerifyRequest`] (one sequence) and [`SequenceParams`] (one
+/// sequence of a batch), so a sequence is described the same way alone and in a batch. Build
+/// one with [`SequenceState::new`] and the setters below; the same setters exist on
+/// [`VerifyRequest`] and [`SequenceParams`], where they set the embedded state.
 #[derive(Debug, Clone, Copy)]
-pub struct VerifyRequest<'a, L = f32, Q = f32> {
+#[non_exhaustive]
+pub struct SequenceState<'a> {
     /// Sampling configuration; the same one the proposer used.
     pub config: &'a SamplingConfig,
-    /// Target logits `[k + 1, vocab_size]` row-major (row 0 after the last context token, row
-    /// `i + 1` after draft `i`), `[k, vocab_size]` with [`VerifyRequest::final_draft_ends`].
-    pub target_logits: &'a [L],
-    /// Width of a target row, in tokens.
-    pub vocab_size: usize,
-    /// Draft tokens `d_1 .. d_k`: a chain, or the nodes of a tree in topological order
-    /// ([`VerifyRequest::parents`]).
-    pub draft_tokens: &'a [u32],
-    /// The draft probabilities q: point masses, or one `[draft_vocab]` row per draft.
-    pub draft_probs: DraftQ<'a, Q>,
+    /// Seed of the sequence's random stream.
+    pub seed: u64,
     /// Tokens before the block (prompt + generated), for penalties and masks. May be empty when
     /// neither is used.
     pub context: &'a [u32],
-    /// Seed of the request's random stream.
-    pub seed: u64,
     /// Absolute position of the token emitted at row 0 (keys the random stream). `None` means
     /// `context.len()`. **It must advance from step to step** (set the context or the position):
     /// draws are keyed by `(seed, position)`, so a position left at 0 reuses the same uniforms at
@@ -49,38 +42,190 @@ pub struct VerifyRequest<'a, L = f32, Q = f32> {
     pub suppress: &'a [u32],
     /// Number of leading rows (depths, for a tree) at which `suppress` applies.
     pub suppress_rows: usize,
-    /// `true` when accepting the final draft token ends the sequence (it is an EOS or completes a
-    /// stop). Then nothing after it is processed: `target_logits` holds `k` rows, not `k + 1`
-    /// (no row follows the end), and a step that accepts every draft ends with
-    /// [`StepEnd::Ended`] and no bonus token. Requires `k >= 1` and a chain.
-    pub final_draft_ends: bool,
-    /// Parent row of each draft node (`[k]`; see [`crate::tree`]), or `None` for a chain. With
-    /// it the drafts form a token tree: `target_logits` is `[k + 1, vocab]` (row 0 after the
-    /// root, row `i + 1` after node `i`), node `i` is checked against row `parents[i]`, and
-    /// q (when given) has one row per node, the distribution of the node's sibling group.
-    pub parents: Option<&'a [u32]>,
-    /// Sibling scheme of each node's group (`[k]`), or `None` for the default of the draft form
-    /// ([`crate::TreeLimits::default_scheme`]).
-    pub schemes: Option<&'a [SiblingScheme]>,
-    /// Per node (`[k]`, or empty for none): `true` when accepting the node ends the sequence
-    /// (an EOS, or it completes a stop). An ending node must be a leaf; its row is not read, and
-    /// a step that accepts it ends with [`StepEnd::Ended`] and no bonus token. Unlike
-    /// [`VerifyRequest::final_draft_ends`] it does not change the number of target rows.
-    pub ends: &'a [bool],
     /// How many best tokens of each target row to report in [`StepOutput::row_top`] (0, the
     /// default: none, and no extra work). With `n > 0` every target row is processed once more
     /// for its `n` best ids (see [`RowCandidates`]); the verification itself is unchanged.
     /// Any `n` is valid: a row never lists more than its allowed tokens (`usize::MAX` lists
     /// them all). Cost: per row, a scan of `[vocab]` plus a sort of `min(n, vocab)` ids, and
     /// the row's path history (penalties and masks); a tree pays it for every node, rejected
-    /// ones included.
+    /// ones included. Only [`crate::Verifier::verify`] computes them (see
+    /// [`StepOutput::row_top`]).
     pub row_top_k: usize,
 }
 
+impl<'a> SequenceState<'a> {
+    /// The state of a sequence with configuration `config`: seed 0, empty context,
+    /// `position = None` (the context's length), no prompt split, no suppression, no row
+    /// candidates.
+    pub fn new(config: &'a SamplingConfig) -> Self {
+        SequenceState {
+            config,
+            seed: 0,
+            context: &[],
+            position: None,
+            prompt_len: 0,
+            suppress: &[],
+            suppress_rows: 0,
+            row_top_k: 0,
+        }
+    }
+
+    /// Sets the seed ([`SequenceState::seed`]).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Sets the context, prompt + generated tokens before the block
+    /// ([`SequenceState::context`]).
+    pub fn context(mut self, context: &'a [u32]) -> Self {
+        self.context = context;
+        self
+    }
+
+    /// Sets the absolute position of the first emitted token ([`SequenceState::position`]).
+    pub fn position(mut self, position: u64) -> Self {
+        self.position = Some(position);
+        self
+    }
+
+    /// Sets the prompt length within the context ([`SequenceState::prompt_len`]).
+    pub fn prompt_len(mut self, prompt_len: usize) -> Self {
+        self.prompt_len = prompt_len;
+        self
+    }
+
+    /// Bans `tokens` at rows `0..rows` only ([`SequenceState::suppress`]).
+    pub fn suppress(mut self, tokens: &'a [u32], rows: usize) -> Self {
+        self.suppress = tokens;
+        self.suppress_rows = rows;
+        self
+    }
+
+    /// Asks for the `n` best ids of every target row ([`SequenceState::row_top_k`]).
+    pub fn row_top_k(mut self, n: usize) -> Self {
+        self.row_top_k = n;
+        self
+    }
+}
+
+impl<'a> From<&'a SamplingConfig> for SequenceState<'a> {
+    /// [`SequenceState::new`].
+    fn from(config: &'a SamplingConfig) -> Self {
+        SequenceState::new(config)
+    }
+}
+
+/// The setters of [`SequenceState`] on a type that embeds one as `self.state`: written once
+/// here, so that [`VerifyRequest`] and [`SequenceParams`] set the state exactly as
+/// [`SequenceState`]'s own setters do.
+macro_rules! sequence_state_setters {
+    () => {
+        /// Replaces the whole sequence state ([`SequenceState`](crate::verify::SequenceState)).
+        pub fn state(mut self, state: $crate::verify::SequenceState<'a>) -> Self {
+            self.state = state;
+            self
+        }
+
+        /// Sets the seed ([`SequenceState::seed`](crate::verify::SequenceState::seed)).
+        pub fn seed(mut self, seed: u64) -> Self {
+            self.state = self.state.seed(seed);
+            self
+        }
+
+        /// Sets the context, prompt + generated tokens before the block
+        /// ([`SequenceState::context`](crate::verify::SequenceState::context)).
+        pub fn context(mut self, context: &'a [u32]) -> Self {
+            self.state = self.state.context(context);
+            self
+        }
+
+        /// Sets the absolute position of the first emitted token
+        /// ([`SequenceState::position`](crate::verify::SequenceState::position)).
+        pub fn position(mut self, position: u64) -> Self {
+            self.state = self.state.position(position);
+            self
+        }
+
+        /// Sets the prompt length within the context
+        /// ([`SequenceState::prompt_len`](crate::verify::SequenceState::prompt_len)).
+        pub fn prompt_len(mut self, prompt_len: usize) -> Self {
+            self.state = self.state.prompt_len(prompt_len);
+            self
+        }
+
+        /// Bans `tokens` at rows `0..rows` only
+        /// ([`SequenceState::suppress`](crate::verify::SequenceState::suppress)).
+        pub fn suppress(mut self, tokens: &'a [u32], rows: usize) -> Self {
+            self.state = self.state.suppress(tokens, rows);
+            self
+        }
+
+        /// Asks for the `n` best ids of every target row
+        /// ([`SequenceState::row_top_k`](crate::verify::SequenceState::row_top_k)).
+        pub fn row_top_k(mut self, n: usize) -> Self {
+            self.state = self.state.row_top_k(n);
+            self
+        }
+    };
+}
+pub(super) use sequence_state_setters;
+
+/// One verify request: one sequence, `k >= 0` drafts.
+///
+/// The drafts are a [`DraftBlock`]: a chain, or a token tree with sibling schemes, and the
+/// nodes whose acceptance ends the sequence ([`DraftBlock::with_ends`]). The target logits are
+/// `[k + 1, vocab_size]` row-major (row 0 after the last context token, row `i + 1` after
+/// node `i`), or `[k, vocab_size]` for a chain whose final draft ends the sequence (no row
+/// follows the end, case C11; [`DraftBlock::verify_rows`]).
+///
+/// The target logits are in dtype `L` and the draft q rows in dtype `Q`, each any [`Logit`]
+/// (`f32` by default; `half::f16` and `half::bf16` with the cargo feature `half`). Values are
+/// widened to `f32` exactly as they are read, so the outcome (tokens, log-probabilities,
+/// errors) is the one of the same request with its rows converted to `f32`, without that
+/// conversion pass. From an `ndarray` view: [`VerifyRequest::from_array`].
+///
+/// Build one with [`VerifyRequest::new`] and the setters; the fields are public to read and
+/// the type is `#[non_exhaustive]`, so new fields are not a breaking change.
+///
+/// ```
+/// use speculative::{DraftBlock, SamplingConfig, VerifyRequest};
+///
+/// let cfg = SamplingConfig::greedy();
+/// let logits = [0.0f32; 3 * 4];
+/// let (tokens, parents) = ([1, 2], [0, 0]);
+/// // Two siblings under the root; the second one ends the sequence.
+/// let req = VerifyRequest::new(&cfg, &logits, 4, &tokens)
+///     .draft(DraftBlock::tree(&tokens, &parents).with_ends(&[false, true]))
+///     .context(&[3, 1])
+///     .seed(7);
+/// assert_eq!(req.draft.verify_rows(), 3);
+/// ```
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct VerifyRequest<'a, L = f32, Q = f32> {
+    /// The sequence: configuration, seed, position, context, suppression, row candidates.
+    pub state: SequenceState<'a>,
+    /// Target logits `[k + 1, vocab_size]` row-major (row 0 after the last context token, row
+    /// `i + 1` after node `i`), `[k, vocab_size]` for a chain whose final draft ends
+    /// ([`DraftBlock::verify_rows`]).
+    pub target_logits: &'a [L],
+    /// Width of a target row, in tokens.
+    pub vocab_size: usize,
+    /// The drafts `d_1 .. d_k`: a chain, or the nodes of a tree in topological order (node `i`
+    /// is checked against row [`DraftBlock::parent_row`]`(i)`), with their sibling schemes
+    /// (default: that of the draft form, [`crate::TreeLimits::default_scheme`]) and ending
+    /// nodes. q (when given) has one row per node, the distribution of the node's sibling
+    /// group.
+    pub draft: DraftBlock<'a>,
+    /// The draft probabilities q: point masses, or one `[draft_vocab]` row per draft.
+    pub draft_probs: DraftQ<'a, Q>,
+}
+
 impl<'a, L: Logit> VerifyRequest<'a, L> {
-    /// A request with point-mass drafts, empty context, seed 0 and position 0. In a decoding loop
-    /// set [`VerifyRequest::context`] or [`VerifyRequest::position`] at every step (see
-    /// [`VerifyRequest::position`] field docs).
+    /// A request with the chain `draft_tokens` of point-mass drafts and the state
+    /// [`SequenceState::new`]`(config)` (empty context, seed 0, position `None`). In a decoding
+    /// loop set the context or the position at every step (see [`SequenceState::position`]).
     ///
     /// `target_logits` is `[k + 1, vocab_size]` row-major, in any [`Logit`] dtype.
     pub fn new(
@@ -90,22 +235,11 @@ impl<'a, L: Logit> VerifyRequest<'a, L> {
         draft_tokens: &'a [u32],
     ) -> Self {
         VerifyRequest {
-            config,
+            state: SequenceState::new(config),
             target_logits,
             vocab_size,
-            draft_tokens,
+            draft: DraftBlock::chain(draft_tokens),
             draft_probs: DraftQ::PointMass,
-            context: &[],
-            seed: 0,
-            position: None,
-            prompt_len: 0,
-            suppress: &[],
-            suppress_rows: 0,
-            final_draft_ends: false,
-            parents: None,
-            schemes: None,
-            ends: &[],
-            row_top_k: 0,
         }
     }
 }
@@ -115,113 +249,37 @@ impl<'a, L: Logit, Q: Logit> VerifyRequest<'a, L, Q> {
     /// becomes a `VerifyRequest<'a, L, R>`.
     pub fn draft_probs<R: Logit>(self, q: DraftQ<'a, R>) -> VerifyRequest<'a, L, R> {
         VerifyRequest {
-            config: self.config,
+            state: self.state,
             target_logits: self.target_logits,
             vocab_size: self.vocab_size,
-            draft_tokens: self.draft_tokens,
+            draft: self.draft,
             draft_probs: q,
-            context: self.context,
-            seed: self.seed,
-            position: self.position,
-            prompt_len: self.prompt_len,
-            suppress: self.suppress,
-            suppress_rows: self.suppress_rows,
-            final_draft_ends: self.final_draft_ends,
-            parents: self.parents,
-            schemes: self.schemes,
-            ends: self.ends,
-            row_top_k: self.row_top_k,
         }
     }
 
-    /// Asks for the `n` best ids of every target row in [`StepOutput::row_top`] (see
-    /// [`VerifyRequest::row_top_k`]).
-    pub fn row_top(mut self, n: usize) -> Self {
-        self.row_top_k = n;
+    /// Sets the drafts: a chain or a tree, with its schemes and ending nodes
+    /// ([`VerifyRequest::draft`]).
+    pub fn draft(mut self, draft: DraftBlock<'a>) -> Self {
+        self.draft = draft;
         self
     }
 
-    /// Makes the drafts a token tree with parent rows `parents` (`[k]`; see
-    /// [`VerifyRequest::parents`]).
-    pub fn tree(mut self, parents: &'a [u32]) -> Self {
-        self.parents = Some(parents);
-        self
-    }
+    sequence_state_setters!();
+}
 
-    /// Sets the sibling scheme of each node's group (see [`VerifyRequest::schemes`]).
-    pub fn schemes(mut self, schemes: &'a [SiblingScheme]) -> Self {
-        self.schemes = Some(schemes);
-        self
-    }
-
-    /// Marks the nodes whose acceptance ends the sequence (see [`VerifyRequest::ends`]).
-    pub fn node_ends(mut self, ends: &'a [bool]) -> Self {
-        self.ends = ends;
-        self
-    }
-
-    /// The drafts' shape: the chain `draft_tokens`, or the tree with [`VerifyRequest::parents`].
-    pub fn block(&self) -> DraftBlock<'a> {
-        let b = match self.parents {
-            None => DraftBlock::chain(self.draft_tokens),
-            Some(p) => DraftBlock::tree(self.draft_tokens, p),
-        };
-        match self.schemes {
-            None => b,
-            Some(s) => b.with_schemes(s),
-        }
-    }
-
-    /// Sets the context (prompt + generated tokens before the block).
-    pub fn context(mut self, context: &'a [u32]) -> Self {
-        self.context = context;
-        self
-    }
-
-    /// Sets the seed.
-    pub fn seed(mut self, seed: u64) -> Self {
-        self.seed = seed;
-        self
-    }
-
-    /// Sets the absolute position of the first emitted token.
-    pub fn position(mut self, position: u64) -> Self {
-        self.position = Some(position);
-        self
-    }
-
-    /// Sets the prompt length within the context (see [`VerifyRequest::prompt_len`]).
-    pub fn prompt_len(mut self, prompt_len: usize) -> Self {
-        self.prompt_len = prompt_len;
-        self
-    }
-
-    /// Bans `tokens` at rows `0..rows` only (see [`VerifyRequest::suppress`]).
-    pub fn suppress(mut self, tokens: &'a [u32], rows: usize) -> Self {
-        self.suppress = tokens;
-        self.suppress_rows = rows;
-        self
-    }
-
-    /// Marks the final draft token as an end (see [`VerifyRequest::final_draft_ends`]).
-    pub fn final_draft_ends(mut self, ends: bool) -> Self {
-        self.final_draft_ends = ends;
-        self
-    }
-
+impl<L, Q> VerifyRequest<'_, L, Q> {
     /// Number of drafts `k`.
     pub(super) fn k(&self) -> usize {
-        self.draft_tokens.len()
+        self.draft.len()
     }
 
-    /// `true` when accepting node `j` ends the sequence ([`VerifyRequest::ends`], or the final
-    /// node with [`VerifyRequest::final_draft_ends`]).
+    /// `true` when accepting node `j` ends the sequence ([`DraftBlock::ends_at`]).
     pub(super) fn ends_at(&self, j: usize) -> bool {
-        self.ends.get(j).copied().unwrap_or(false) || (self.final_draft_ends && j + 1 == self.k())
+        self.draft.ends_at(j)
     }
 
-    /// Number of target rows: `k + 1`, or `k` when the final draft ends the sequence.
+    /// Number of target rows ([`DraftBlock::verify_rows`]).
     pub(super) fn target_rows(&self) -> usize {
-        self.k() + 1 - self.final_draft_ends as usize
+        self.draft.verify_rows()
     }
 }

@@ -27,12 +27,12 @@ pub(super) fn begin_history<L, Q>(
     req: &VerifyRequest<'_, L, Q>,
 ) -> Result<()> {
     hist.begin(
-        req.config,
-        req.context,
-        req.prompt_len,
+        req.state.config,
+        req.state.context,
+        req.state.prompt_len,
         req.vocab_size,
-        req.suppress.iter().copied(),
-        req.suppress_rows,
+        req.state.suppress.iter().copied(),
+        req.state.suppress_rows,
     )
 }
 

@@ -34,12 +34,12 @@ pub(super) fn verify<L: Logit, Q: Logit>(
     req: &VerifyRequest<'_, L, Q>,
 ) -> Result<StepOutput> {
     let vocab = req.vocab_size;
-    let k = req.draft_tokens.len();
-    let cfg = req.config;
-    let block = req.block();
+    let k = req.draft.tokens().len();
+    let cfg = req.state.config;
+    let block = req.draft;
     let default = scheme_default(!matches!(req.draft_probs, DraftQ::PointMass));
-    let stream = Stream::new(req.seed);
-    let pos0 = req.position.unwrap_or(req.context.len() as u64);
+    let stream = Stream::new(req.state.seed);
+    let pos0 = req.state.position.unwrap_or(req.state.context.len() as u64);
     let want_lp = cfg.logprobs();
     let cap = block.max_depth() + 1;
     let mut tokens = Vec::with_capacity(cap);
@@ -81,7 +81,7 @@ pub(super) fn verify<L: Logit, Q: Logit>(
                 };
             }
             Pick::Child(j) => {
-                let x = req.draft_tokens[j];
+                let x = req.draft.tokens()[j];
                 tokens.push(x);
                 push_lp(&mut logprobs, &v.p, x);
                 path.push(j as u32);
@@ -134,7 +134,7 @@ fn decide_group<L: Logit, Q: Logit>(
                 // descend into the sibling that carries it, if any.
                 None => {
                     let t = draw(&v.p, stream.uniform(pos, lane::SAMPLE), r)?;
-                    match v.kids.iter().find(|&&j| req.draft_tokens[j] == t) {
+                    match v.kids.iter().find(|&&j| req.draft.tokens()[j] == t) {
                         Some(&j) => Pick::Child(j),
                         None => Pick::Emit(t),
                     }
@@ -144,7 +144,7 @@ fn decide_group<L: Logit, Q: Logit>(
                     &q,
                     scheme == SiblingScheme::WithoutReplacement,
                     &v.kids,
-                    req.draft_tokens,
+                    req.draft.tokens(),
                     (stream, pos, r),
                     (&mut v.residual, &mut v.residual_next),
                 )?,

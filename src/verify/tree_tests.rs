@@ -97,6 +97,16 @@ fn random_tree(g: &mut Gen, vocab: usize, ctx: &[u32], max_nodes: usize) -> (Vec
     (tokens, parents)
 }
 
+/// The rows of a tree forward (`logits`, `[n + 1, vocab]`) that a verify step over the block
+/// with `ends` reads: all, or all but the last for a chain-shaped tree whose final node ends.
+fn verify_rows(mut logits: Vec<f32>, tokens: &[u32], parents: &[u32], ends: &[bool]) -> Vec<f32> {
+    let rows = DraftBlock::tree(tokens, parents)
+        .with_ends(ends)
+        .verify_rows();
+    logits.truncate(logits.len() / (tokens.len() + 1) * rows);
+    logits
+}
+
 /// Leaves of a tree, each marked as an end with probability 1/4.
 fn random_ends(g: &mut Gen, parents: &[u32]) -> Vec<bool> {
     let n = parents.len();
@@ -169,21 +179,24 @@ fn greedy_descends_into_the_branch_of_the_argmax() {
     let cfg = SamplingConfig::greedy();
     // Row 0 -> 2 (node 1), row 2 (after node 1) -> 3 (node 2), row 3 (after node 2) -> 0.
     let logits = rows_favouring(&[2, 0, 3, 0, 0], 5);
-    let req = VerifyRequest::new(&cfg, &logits, 5, &TOKENS).tree(&PARENTS);
+    let req =
+        VerifyRequest::new(&cfg, &logits, 5, &TOKENS).draft(DraftBlock::tree(&TOKENS, &PARENTS));
     let out = Verifier::new().verify(&req).unwrap();
     assert_eq!(out.tokens, vec![2, 3, 0]);
     assert_eq!(out.path, vec![1, 2]);
     assert_eq!((out.accepted, out.end), (2, StepEnd::AllAccepted));
     // Row 2 favours 4, which node 1's only child (3) is not: rejected at depth 1.
     let logits = rows_favouring(&[2, 0, 4, 0, 0], 5);
-    let req = VerifyRequest::new(&cfg, &logits, 5, &TOKENS).tree(&PARENTS);
+    let req =
+        VerifyRequest::new(&cfg, &logits, 5, &TOKENS).draft(DraftBlock::tree(&TOKENS, &PARENTS));
     let out = Verifier::new().verify(&req).unwrap();
     assert_eq!(out.tokens, vec![2, 4]);
     assert_eq!(out.path, vec![1]);
     assert_eq!(out.end, StepEnd::Rejected { index: 1 });
     // Row 0 favours a token no child carries.
     let logits = rows_favouring(&[0, 0, 4, 0, 0], 5);
-    let req = VerifyRequest::new(&cfg, &logits, 5, &TOKENS).tree(&PARENTS);
+    let req =
+        VerifyRequest::new(&cfg, &logits, 5, &TOKENS).draft(DraftBlock::tree(&TOKENS, &PARENTS));
     let out = Verifier::new().verify(&req).unwrap();
     assert_eq!(
         (out.tokens, out.end),
@@ -197,8 +210,7 @@ fn an_accepted_ending_node_stops_without_a_bonus() {
     let logits = rows_favouring(&[2, 0, 3, 0, 0], 5);
     let ends = [false, false, true, false];
     let req = VerifyRequest::new(&cfg, &logits, 5, &TOKENS)
-        .tree(&PARENTS)
-        .node_ends(&ends);
+        .draft(DraftBlock::tree(&TOKENS, &PARENTS).with_ends(&ends));
     let out = Verifier::new().verify(&req).unwrap();
     assert_eq!(out.tokens, vec![2, 3]);
     assert_eq!((out.accepted, out.end), (2, StepEnd::Ended));
@@ -208,8 +220,7 @@ fn an_accepted_ending_node_stops_without_a_bonus() {
         .flat_map(|&b| (0..5).map(move |v| if v == b { 0.0 } else { f32::NEG_INFINITY }))
         .collect();
     let req = VerifyRequest::new(&cfg, &logits, 5, &TOKENS)
-        .tree(&PARENTS)
-        .node_ends(&ends);
+        .draft(DraftBlock::tree(&TOKENS, &PARENTS).with_ends(&ends));
     let out = Verifier::new().verify(&req).unwrap();
     assert_eq!((out.tokens, out.end), (vec![2, 3], StepEnd::Ended));
 }
@@ -229,10 +240,14 @@ fn greedy_trees_equal_plain_greedy_decoding() {
         let ctx: Vec<u32> = (0..g.below(4)).map(|_| g.below(vocab) as u32).collect();
         let (tokens, parents) = random_tree(&mut g, vocab, &ctx, 10);
         let ends = random_ends(&mut g, &parents);
-        let logits = tree_logits(&tokens, &parents, &ctx, vocab);
+        let logits = verify_rows(
+            tree_logits(&tokens, &parents, &ctx, vocab),
+            &tokens,
+            &parents,
+            &ends,
+        );
         let req = VerifyRequest::new(&cfg, &logits, vocab, &tokens)
-            .tree(&parents)
-            .node_ends(&ends)
+            .draft(DraftBlock::tree(&tokens, &parents).with_ends(&ends))
             .context(&ctx);
         let out = v.verify(&req).unwrap();
         check_path(&out, &tokens, &parents);
@@ -260,11 +275,15 @@ fn point_mass_trees_reproduce_plain_sampling_with_the_same_seed() {
         let ctx: Vec<u32> = (0..g.below(4)).map(|_| g.below(vocab) as u32).collect();
         let (tokens, parents) = random_tree(&mut g, vocab, &ctx, 10);
         let ends = random_ends(&mut g, &parents);
-        let logits = tree_logits(&tokens, &parents, &ctx, vocab);
+        let logits = verify_rows(
+            tree_logits(&tokens, &parents, &ctx, vocab),
+            &tokens,
+            &parents,
+            &ends,
+        );
         let (seed, pos0) = (g.next(), g.below(50) as u64);
         let req = VerifyRequest::new(&cfg, &logits, vocab, &tokens)
-            .tree(&parents)
-            .node_ends(&ends)
+            .draft(DraftBlock::tree(&tokens, &parents).with_ends(&ends))
             .context(&ctx)
             .seed(seed)
             .position(pos0);
@@ -276,7 +295,7 @@ fn point_mass_trees_reproduce_plain_sampling_with_the_same_seed() {
         let q = vec![7.0f32; tokens.len() * vocab];
         let schemes = vec![SiblingScheme::Deterministic; tokens.len()];
         let dense = req
-            .schemes(&schemes)
+            .draft(req.draft.with_schemes(&schemes))
             .draft_probs(DraftProbs::Probs { probs: &q, vocab });
         assert_eq!(v.verify(&dense).unwrap(), out);
         deep += (out.accepted >= 2) as usize;
@@ -311,8 +330,7 @@ fn with_replacement_rejection_replaces_the_target_by_the_residual() {
     let mut v = Verifier::new();
     for seed in 0..200 {
         let req = VerifyRequest::new(&cfg, &logits, 3, &[2, 1])
-            .tree(&[0, 0])
-            .schemes(&schemes)
+            .draft(DraftBlock::tree(&[2, 1], &[0, 0]).with_schemes(&schemes))
             .draft_probs(DraftProbs::Probs {
                 probs: &q,
                 vocab: 3,
@@ -342,8 +360,7 @@ fn without_replacement_removes_the_rejected_siblings_from_q() {
     ] {
         let schemes = [scheme; 2];
         let req = VerifyRequest::new(&cfg, &logits, 3, &[0, 1])
-            .tree(&[0, 0])
-            .schemes(&schemes)
+            .draft(DraftBlock::tree(&[0, 1], &[0, 0]).with_schemes(&schemes))
             .draft_probs(DraftProbs::Probs {
                 probs: &q,
                 vocab: 3,
@@ -373,7 +390,7 @@ fn each_sibling_tests_its_acceptance_on_its_own_lane() {
     logits.extend([0.0; 6]);
     let q = [0.5f32, 0.25, 0.25, 0.5, 0.25, 0.25];
     let req = VerifyRequest::new(&cfg, &logits, 3, &[0, 1])
-        .tree(&[0, 0])
+        .draft(DraftBlock::tree(&[0, 1], &[0, 0]))
         .draft_probs(DraftProbs::Probs {
             probs: &q,
             vocab: 3,
@@ -440,8 +457,7 @@ fn every_scheme_emits_the_target_law_at_a_three_sibling_root() {
                 _ => vec![0, 2, 4],
             };
             let req = VerifyRequest::new(&cfg, &logits, 5, &toks)
-                .tree(&[0, 0, 0])
-                .schemes(&schemes)
+                .draft(DraftBlock::tree(&toks, &[0, 0, 0]).with_schemes(&schemes))
                 .draft_probs(DraftProbs::Probs {
                     probs: &q,
                     vocab: 5,
@@ -483,7 +499,13 @@ fn a_chain_with_one_sibling_per_group_is_the_chain_rule() {
         ];
         for q in forms {
             let a = v.verify(&chain.draft_probs(q)).unwrap();
-            let b = v.verify(&chain.tree(&parents).draft_probs(q)).unwrap();
+            let b = v
+                .verify(
+                    &chain
+                        .draft(DraftBlock::tree(&tokens, &parents))
+                        .draft_probs(q),
+                )
+                .unwrap();
             assert_eq!(a, b);
             assert_eq!(a.path, (0..a.accepted as u32).collect::<Vec<_>>());
         }
@@ -510,8 +532,7 @@ fn rows_see_their_ancestors_only() {
     let schemes = [SiblingScheme::WithReplacement; 3];
     let logits = vec![0.0f32; 4 * 4];
     let req = VerifyRequest::new(&cfg, &logits, 4, &tokens)
-        .tree(&parents)
-        .schemes(&schemes)
+        .draft(DraftBlock::tree(&tokens, &parents).with_schemes(&schemes))
         .context(&[3])
         .draft_probs(DraftProbs::Logits {
             logits: &ql,
@@ -530,10 +551,7 @@ fn rows_see_their_ancestors_only() {
     // Node 2 carrying its ancestor's token 1 is impossible under its processed draft row.
     let bad = [1u32, 2, 1];
     let err = v
-        .verify(&VerifyRequest {
-            draft_tokens: &bad,
-            ..req
-        })
+        .verify(&req.draft(DraftBlock::tree(&bad, req.draft.parents().unwrap())))
         .unwrap_err();
     assert!(
         matches!(err, Error::InvalidDraftProbs { row: 2, .. }),
@@ -546,6 +564,7 @@ fn every_tree_validation_error_comes_before_any_draw() {
     let cfg = SamplingConfig::builder().temperature(1.0).build().unwrap();
     let logits = vec![0.0f32; 5 * 5];
     let base = VerifyRequest::new(&cfg, &logits, 5, &TOKENS);
+    let tree = DraftBlock::tree(&TOKENS, &PARENTS);
     let mut v = Verifier::new();
     let mut check = |req: VerifyRequest<'_>, want: &dyn Fn(&Error) -> bool| {
         for seed in [0, 1, 99] {
@@ -553,7 +572,7 @@ fn every_tree_validation_error_comes_before_any_draw() {
             assert!(want(&e), "{e:?}");
         }
     };
-    check(base.tree(&[0, 0, 2]), &|e| {
+    check(base.draft(DraftBlock::tree(&TOKENS, &[0, 0, 2])), &|e| {
         matches!(
             e,
             Error::InvalidTree(TreeFault::Shape {
@@ -562,7 +581,7 @@ fn every_tree_validation_error_comes_before_any_draw() {
             })
         )
     });
-    check(base.tree(&[0, 0, 4, 1]), &|e| {
+    check(base.draft(DraftBlock::tree(&TOKENS, &[0, 0, 4, 1])), &|e| {
         matches!(
             e,
             Error::InvalidTree(TreeFault::ParentNotBefore { node: 2, parent: 4 })
@@ -570,7 +589,7 @@ fn every_tree_validation_error_comes_before_any_draw() {
     });
     let dup = [1u32, 1, 3, 4];
     check(
-        VerifyRequest::new(&cfg, &logits, 5, &dup).tree(&PARENTS),
+        VerifyRequest::new(&cfg, &logits, 5, &dup).draft(DraftBlock::tree(&dup, &PARENTS)),
         &|e| {
             matches!(
                 e,
@@ -579,10 +598,10 @@ fn every_tree_validation_error_comes_before_any_draw() {
         },
     );
     let wr = [SiblingScheme::WithReplacement; 4];
-    check(base.tree(&PARENTS).schemes(&wr), &|e| {
+    check(base.draft(tree.with_schemes(&wr)), &|e| {
         matches!(e, Error::InvalidTree(TreeFault::SchemeNeedsQ { node: 0 }))
     });
-    check(base.tree(&PARENTS).schemes(&wr[..3]), &|e| {
+    check(base.draft(tree.with_schemes(&wr[..3])), &|e| {
         matches!(
             e,
             Error::InvalidTree(TreeFault::Shape {
@@ -591,39 +610,26 @@ fn every_tree_validation_error_comes_before_any_draw() {
             })
         )
     });
-    check(base.tree(&PARENTS).node_ends(&[false; 3]), &|e| {
-        matches!(
-            e,
-            Error::ShapeMismatch {
-                what: "ends ([k] or empty)",
-                ..
-            }
-        )
+    check(base.draft(tree.with_ends(&[false; 3])), &|e| {
+        matches!(e, Error::InvalidTree(TreeFault::Shape { what: "ends", .. }))
     });
     check(
-        base.tree(&PARENTS).node_ends(&[false, true, false, false]),
+        base.draft(tree.with_ends(&[false, true, false, false])),
         &|e| matches!(e, Error::InvalidTree(TreeFault::EndHasChildren { node: 1 })),
     );
-    check(base.node_ends(&[false, true, false, false]), &|e| {
-        matches!(e, Error::InvalidTree(TreeFault::EndHasChildren { node: 1 }))
-    });
+    check(
+        base.draft(base.draft.with_ends(&[false, true, false, false])),
+        &|e| matches!(e, Error::InvalidTree(TreeFault::EndHasChildren { node: 1 })),
+    );
     let short = &logits[..4 * 5];
+    // A tree whose last node ends keeps its `k + 1` rows: `[k, vocab]` is refused.
     check(
         VerifyRequest::new(&cfg, short, 5, &TOKENS)
-            .tree(&PARENTS)
-            .final_draft_ends(true),
-        &|e| {
-            matches!(
-                e,
-                Error::InvalidConfig {
-                    field: "final_draft_ends",
-                    ..
-                }
-            )
-        },
+            .draft(tree.with_ends(&[false, false, false, true])),
+        &|e| matches!(e, Error::ShapeMismatch { .. }),
     );
     check(
-        VerifyRequest::new(&cfg, short, 5, &TOKENS).tree(&PARENTS),
+        VerifyRequest::new(&cfg, short, 5, &TOKENS).draft(DraftBlock::tree(&TOKENS, &PARENTS)),
         &|e| matches!(e, Error::ShapeMismatch { .. }),
     );
     // Dense q: siblings of a sampled group must carry the same row.
@@ -631,14 +637,14 @@ fn every_tree_validation_error_comes_before_any_draw() {
     q[5] = 0.3;
     q[6] = 0.1;
     check(
-        base.tree(&PARENTS).draft_probs(DraftProbs::Probs {
+        base.draft(tree).draft_probs(DraftProbs::Probs {
             probs: &q,
             vocab: 5,
         }),
         &|e| matches!(e, Error::InvalidDraftProbs { row: 1, .. }),
     );
     check(
-        base.tree(&PARENTS).draft_probs(DraftProbs::Logits {
+        base.draft(tree).draft_probs(DraftProbs::Logits {
             logits: &q,
             vocab: 5,
         }),
@@ -648,18 +654,21 @@ fn every_tree_validation_error_comes_before_any_draw() {
     let det = [SiblingScheme::Deterministic; 4];
     let garbage = vec![f32::NAN; 4 * 5];
     let ok = base
-        .tree(&PARENTS)
-        .schemes(&det)
+        .draft(tree.with_schemes(&det))
         .draft_probs(DraftProbs::Probs {
             probs: &garbage,
             vocab: 5,
         });
     assert!(v.verify(&ok).is_ok());
-    // A chain given as parents takes final_draft_ends.
-    let chain = VerifyRequest::new(&cfg, short, 5, &TOKENS)
-        .tree(&[0, 1, 2, 3])
-        .final_draft_ends(true);
-    assert!(v.verify(&chain).is_ok());
+    // A chain whose final draft ends has `[k, vocab]` rows, given as parents too.
+    let ends = [false, false, false, true];
+    for block in [
+        DraftBlock::chain(&TOKENS),
+        DraftBlock::tree(&TOKENS, &[0, 1, 2, 3]),
+    ] {
+        let chain = VerifyRequest::new(&cfg, short, 5, &TOKENS).draft(block.with_ends(&ends));
+        assert!(v.verify(&chain).is_ok());
+    }
 }
 
 #[test]
@@ -718,7 +727,12 @@ fn tree_case(g: &mut Gen, vocab: usize, chain: bool) -> TreeCase {
         .flat_map(|&r| group_q[r as usize].clone())
         .collect();
     let ends = random_ends(g, &parents);
-    let logits = tree_logits(&tokens, &parents, &ctx, vocab);
+    let logits = verify_rows(
+        tree_logits(&tokens, &parents, &ctx, vocab),
+        &tokens,
+        &parents,
+        &ends,
+    );
     TreeCase {
         tokens,
         parents,
@@ -796,14 +810,16 @@ fn a_batch_of_trees_and_chains_verifies_each_sequence_as_alone() {
         }
         .tree(&parents)
         .schemes(&schemes)
-        .node_ends(&ends);
+        .ends(&ends);
         let got = v.verify_batch(&batch).unwrap();
         for (b, c) in cases.iter().enumerate() {
             let lo = offsets[b];
             let alone = VerifyRequest::new(cfgs[b], &c.logits, vocab, &c.tokens)
-                .tree(&c.parents)
-                .schemes(&schemes[lo..lo + c.tokens.len()])
-                .node_ends(&c.ends)
+                .draft(
+                    DraftBlock::tree(&c.tokens, &c.parents)
+                        .with_schemes(&schemes[lo..lo + c.tokens.len()])
+                        .with_ends(&c.ends),
+                )
                 .context(&c.ctx)
                 .seed(seeds[b])
                 .position(10 + b as u64);
@@ -852,7 +868,7 @@ fn batch_tree_arrays_must_cover_every_draft() {
         "schemes ([sum k])"
     );
     assert_eq!(
-        shape(v.verify_batch(&batch.node_ends(&[false]))),
+        shape(v.verify_batch(&batch.ends(&[false]))),
         "ends ([sum k] or empty)"
     );
     // Parents are local to each sequence: [0, 0] is a two-sibling root in both.
@@ -922,13 +938,13 @@ fn row_top_lists_the_best_ids_of_every_row_along_its_own_path() {
             let logits = tree_logits(&tokens, &parents, &ctx, vocab);
             let n = 1 + case % 4;
             let req = VerifyRequest::new(&cfg, &logits, vocab, &tokens)
-                .tree(&parents)
+                .draft(DraftBlock::tree(&tokens, &parents))
                 .context(&ctx)
                 .seed(case as u64)
                 .position(ctx.len() as u64);
             let plain_out = v.verify(&req).unwrap();
             assert!(plain_out.row_top.is_empty());
-            let out = v.verify(&req.row_top(n)).unwrap();
+            let out = v.verify(&req.row_top_k(n)).unwrap();
             // The verification itself is unchanged.
             assert_eq!(
                 (&out.tokens, &out.path),
@@ -948,4 +964,58 @@ fn row_top_lists_the_best_ids_of_every_row_along_its_own_path() {
             }
         }
     }
+}
+
+#[test]
+fn a_batch_cuts_the_row_after_a_chains_final_end_only() {
+    // Sequence 0: chain [1, 2] whose final draft ends ([2, vocab] rows); sequence 1: a tree of
+    // two siblings whose second ends ([3, vocab] rows); sequence 2: a chain without an end.
+    let cfg = SamplingConfig::greedy();
+    let vocab = 5;
+    let row = |t: usize| {
+        (0..vocab)
+            .map(|i| if i == t { 5.0 } else { 0.0 })
+            .collect::<Vec<f32>>()
+    };
+    let rows: Vec<Vec<f32>> = vec![row(1), row(2), row(3), row(0), row(4), row(3), row(4)];
+    let logits: Vec<f32> = rows.concat();
+    let tokens = [1u32, 2, 0, 3, 3];
+    let offsets = [0usize, 2, 4, 5];
+    let parents = [0u32, 1, 0, 0, 0];
+    let ends = [false, true, false, true, false];
+    let seqs = [
+        SequenceParams::new(&cfg, 1),
+        SequenceParams::new(&cfg, 2),
+        SequenceParams::new(&cfg, 3),
+    ];
+    let batch = VerifyBatch::new(vocab, &logits, &tokens, &offsets, &seqs)
+        .tree(&parents)
+        .ends(&ends);
+    let mut v = Verifier::new();
+    let got = v.verify_batch(&batch).unwrap();
+    let alone = [
+        VerifyRequest::new(&cfg, &logits[..2 * vocab], vocab, &tokens[..2])
+            .draft(DraftBlock::chain(&tokens[..2]).with_ends(&ends[..2])),
+        VerifyRequest::new(&cfg, &logits[2 * vocab..5 * vocab], vocab, &tokens[2..4])
+            .draft(DraftBlock::tree(&tokens[2..4], &[0, 0]).with_ends(&ends[2..4])),
+        VerifyRequest::new(&cfg, &logits[5 * vocab..], vocab, &tokens[4..]),
+    ];
+    for (b, req) in alone.iter().enumerate() {
+        assert_eq!(
+            got[b].as_ref().unwrap(),
+            &v.verify(req).unwrap(),
+            "sequence {b}"
+        );
+    }
+    assert_eq!(got[0].as_ref().unwrap().end, StepEnd::Ended);
+    assert_eq!(got[1].as_ref().unwrap().tokens, vec![3]);
+    assert_eq!(got[2].as_ref().unwrap().end, StepEnd::AllAccepted);
+    // One row more (the chain's row after its end) is the wrong shape for the whole batch.
+    let more = [logits.as_slice(), &row(0)].concat();
+    let mut long = batch;
+    long.target_logits = &more;
+    assert!(matches!(
+        v.verify_batch(&long),
+        Err(Error::ShapeMismatch { .. })
+    ));
 }

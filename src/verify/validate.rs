@@ -10,7 +10,7 @@
 use super::{DraftQ, VerifyRequest, group_first, row, scheme_default};
 use crate::error::{Error, Result, RowKind};
 use crate::sampling::Logit;
-use crate::tree::{DraftBlock, SiblingScheme, TreeFault, TreeLimits};
+use crate::tree::{DraftBlock, SiblingScheme, TreeLimits};
 
 impl<L: Logit, Q: Logit> VerifyRequest<'_, L, Q> {
     /// Checks everything that does not need processing: shapes, vocabularies, token ids, dense q
@@ -33,41 +33,23 @@ impl<L: Logit, Q: Logit> VerifyRequest<'_, L, Q> {
     /// target length): draft ids, tree, sampling ids, q shape, q rows.
     fn check_draft(&self) -> Result<()> {
         self.check_draft_ids()?;
-        let block = self.block();
+        let block = self.draft;
         self.check_tree(&block)?;
         self.check_sampling_ids()?;
         self.check_q_shape(&block)?;
         self.check_q_rows(&block)
     }
 
-    /// The vocabulary is not empty, `final_draft_ends` has a draft to end and is used on a
-    /// chain, and `[rows, vocab]` fits in `usize`. Returns the expected `target_logits` length.
+    /// The vocabulary is not empty and `[rows, vocab]` fits in `usize`. Returns the expected
+    /// `target_logits` length ([`DraftBlock::verify_rows`] rows).
     fn check_shapes(&self) -> Result<usize> {
         let v = self.vocab_size;
-        let k = self.k();
         if v == 0 {
             return Err(Error::ShapeMismatch {
                 what: "vocab_size",
                 expected: 1,
                 actual: 0,
             });
-        }
-        if self.final_draft_ends && k == 0 {
-            return Err(Error::ShapeMismatch {
-                what: "draft_tokens (final_draft_ends needs k >= 1)",
-                expected: 1,
-                actual: 0,
-            });
-        }
-        if self.final_draft_ends
-            && let Some(p) = self.parents
-            && !(p.len() == k && p.iter().enumerate().all(|(i, &r)| r as usize == i))
-        {
-            return Err(Error::config(
-                "final_draft_ends",
-                true,
-                "a tree marks its ending leaves with `ends`; final_draft_ends is for chains",
-            ));
         }
         self.target_rows()
             .checked_mul(v)
@@ -78,13 +60,13 @@ impl<L: Logit, Q: Logit> VerifyRequest<'_, L, Q> {
             })
     }
 
-    /// `target_logits` holds `expected` values (`[k + 1, vocab]`, or `[k, vocab]` with
-    /// `final_draft_ends`).
+    /// `target_logits` holds `expected` values (`[k + 1, vocab]`, or `[k, vocab]` for a chain
+    /// whose final draft ends).
     fn check_target_len(&self, expected: usize) -> Result<()> {
         if self.target_logits.len() != expected {
             return Err(Error::ShapeMismatch {
-                what: if self.final_draft_ends {
-                    "target_logits ([k, vocab]: final_draft_ends)"
+                what: if self.draft.final_ends() {
+                    "target_logits ([k, vocab]: the final draft ends)"
                 } else {
                     "target_logits ([k + 1, vocab])"
                 },
@@ -98,7 +80,7 @@ impl<L: Logit, Q: Logit> VerifyRequest<'_, L, Q> {
     /// Every draft token is inside the target vocabulary.
     fn check_draft_ids(&self) -> Result<()> {
         let v = self.vocab_size;
-        match self.draft_tokens.iter().find(|&&t| t as usize >= v) {
+        match self.draft.tokens().iter().find(|&&t| t as usize >= v) {
             Some(&t) => Err(Error::TokenOutOfVocab {
                 what: "draft token",
                 token: t,
@@ -108,42 +90,22 @@ impl<L: Logit, Q: Logit> VerifyRequest<'_, L, Q> {
         }
     }
 
-    /// The tree's structure ([`DraftBlock::validate`] without node or depth limits), `ends`
-    /// empty or `[k]`, and ending nodes are leaves.
+    /// The tree's structure: [`DraftBlock::validate`] without node or depth limits (ending
+    /// nodes included: `[k]` or empty, leaves only).
     fn check_tree(&self, block: &DraftBlock<'_>) -> Result<()> {
-        let k = self.k();
         block
-            .validate(&TreeLimits {
-                vocab_size: self.vocab_size,
-                max_nodes: usize::MAX,
-                max_depth: usize::MAX,
-                max_branch: usize::MAX,
-                dense_q: self.dense_q(),
-            })
-            .map_err(Error::InvalidTree)?;
-        if !self.ends.is_empty() && self.ends.len() != k {
-            return Err(Error::ShapeMismatch {
-                what: "ends ([k] or empty)",
-                expected: k,
-                actual: self.ends.len(),
-            });
-        }
-        if let Some(node) = (0..self.ends.len())
-            .find(|&i| self.ends[i] && (i + 1 < k) && block.children(i + 1).next().is_some())
-        {
-            return Err(Error::InvalidTree(TreeFault::EndHasChildren { node }));
-        }
-        Ok(())
+            .validate(&TreeLimits::vocab(self.vocab_size).with_dense_q(self.dense_q()))
+            .map_err(Error::InvalidTree)
     }
 
     /// The tokens of the configuration, the context (when a mask reads it) and the suppressed
     /// tokens are inside the target vocabulary.
     fn check_sampling_ids(&self) -> Result<()> {
         let v = self.vocab_size;
-        self.config.check_vocab(v)?;
+        self.state.config.check_vocab(v)?;
         // The context reaches the caller's mask (and the penalties, which check it themselves).
-        if self.config.mask.is_some()
-            && let Some(&t) = self.context.iter().find(|&&t| t as usize >= v)
+        if self.state.config.mask.is_some()
+            && let Some(&t) = self.state.context.iter().find(|&&t| t as usize >= v)
         {
             return Err(Error::TokenOutOfVocab {
                 what: "context token",
@@ -151,7 +113,7 @@ impl<L: Logit, Q: Logit> VerifyRequest<'_, L, Q> {
                 vocab_size: v,
             });
         }
-        if let Some(&t) = self.suppress.iter().find(|&&t| t as usize >= v) {
+        if let Some(&t) = self.state.suppress.iter().find(|&&t| t as usize >= v) {
             return Err(Error::TokenOutOfVocab {
                 what: "suppressed token",
                 token: t,
@@ -195,7 +157,7 @@ impl<L: Logit, Q: Logit> VerifyRequest<'_, L, Q> {
                 actual: data.len(),
             });
         }
-        for (i, &t) in self.draft_tokens.iter().enumerate() {
+        for (i, &t) in self.draft.tokens().iter().enumerate() {
             if t as usize >= vocab && self.sampled(block, i) {
                 return Err(Error::TokenOutOfVocab {
                     what: "draft token (draft vocabulary)",
@@ -221,7 +183,7 @@ impl<L: Logit, Q: Logit> VerifyRequest<'_, L, Q> {
 
     /// [`Self::check_q_rows`] for dense probabilities `[k, qv]`.
     fn check_q_probs(&self, block: &DraftBlock<'_>, probs: &[Q], qv: usize) -> Result<()> {
-        for (i, &d) in self.draft_tokens.iter().enumerate() {
+        for (i, &d) in self.draft.tokens().iter().enumerate() {
             if !self.sampled(block, i) {
                 continue;
             }

@@ -69,16 +69,15 @@ impl Verifier {
         Self::default()
     }
 
-    /// Verifies one sequence's block: a chain, or a token tree ([`VerifyRequest::parents`]).
+    /// Verifies one sequence's block ([`VerifyRequest::draft`]): a chain, or a token tree.
     ///
     /// # Errors
-    /// - [`Error::ShapeMismatch`]: `target_logits` is not `[k + 1, vocab]` (`[k, vocab]` with
-    ///   [`VerifyRequest::final_draft_ends`]), q is not `[k, draft_vocab]`, or
-    ///   [`VerifyRequest::ends`] is neither empty nor `[k]`.
-    /// - [`Error::InvalidTree`]: the tree's structure ([`DraftBlock::validate`] without node or
-    ///   depth limits: parents, schemes, duplicate siblings, a sampled scheme without q), or an
-    ///   ending node with children ([`TreeFault::EndHasChildren`]).
-    /// - [`Error::InvalidConfig`]: `final_draft_ends` on a tree that is not a chain.
+    /// - [`Error::ShapeMismatch`]: `target_logits` is not `[k + 1, vocab]` (`[k, vocab]` for a
+    ///   chain whose final draft ends, [`DraftBlock::verify_rows`]), or q is not
+    ///   `[k, draft_vocab]`.
+    /// - [`Error::InvalidTree`]: the block's structure ([`DraftBlock::validate`] without node
+    ///   or depth limits: the shapes of parents, schemes and ends, duplicate siblings, a sampled
+    ///   scheme without q, an ending node with children, [`TreeFault::EndHasChildren`]).
     /// - [`Error::TokenOutOfVocab`]: a draft or context token (or a token of the configuration)
     ///   is outside the vocabulary.
     /// - [`Error::DraftVocabTooLarge`]: the draft vocabulary is wider than the target's.
@@ -97,12 +96,12 @@ impl Verifier {
         req.validate()?;
         self.prepare_draft_rows(req)?;
         begin_history(&mut self.hist, req)?;
-        let mut out = if req.config.is_greedy() {
+        let mut out = if req.state.config.is_greedy() {
             greedy::verify(self, req)?
         } else {
             stochastic::verify(self, req)?
         };
-        if req.row_top_k > 0 {
+        if req.state.row_top_k > 0 {
             self.fill_row_top(req, &mut out.row_top)?;
         }
         Ok(out)
@@ -117,19 +116,19 @@ impl Verifier {
         rows_out: &mut RowCandidates,
     ) -> Result<()> {
         rows_out.clear();
-        let block = req.block();
+        let block = req.draft;
         // A row lists at most `vocab` ids, whatever was asked (`usize::MAX`: all of them).
-        let mut ids = Vec::with_capacity(req.row_top_k.min(req.vocab_size));
+        let mut ids = Vec::with_capacity(req.state.row_top_k.min(req.vocab_size));
         for r in 0..req.target_rows() {
             block.row_path_tokens(r, &mut self.path_nodes, &mut self.path_tokens);
             self.hist.goto(&self.path_tokens)?;
             let hist = self.hist.view();
             let logits = row(req.target_logits, req.vocab_size, r);
             match self.proc.top_ids(
-                req.config,
+                req.state.config,
                 logits,
                 &hist,
-                req.row_top_k,
+                req.state.row_top_k,
                 RowKind::Target,
                 r,
                 &mut ids,
@@ -155,12 +154,12 @@ impl Verifier {
             return Ok(());
         };
         let k = req.k();
-        let block = req.block();
+        let block = req.draft;
         let default = scheme_default(true);
         begin_history(&mut self.hist, req)?;
         self.q_rows
             .resize_with(k.max(self.q_rows.len()), TokenDist::default);
-        for (i, &d) in req.draft_tokens.iter().enumerate() {
+        for (i, &d) in req.draft.tokens().iter().enumerate() {
             if block.scheme(i, default) == SiblingScheme::Deterministic {
                 continue;
             }
@@ -171,14 +170,14 @@ impl Verifier {
                 self.hist.goto(&self.path_tokens)?;
                 let row = row(logits, qv, i);
                 let hist = self.hist.view();
-                if req.config.is_greedy() {
+                if req.state.config.is_greedy() {
                     let t = self
                         .proc
-                        .argmax(req.config, row, &hist, RowKind::Draft, i)?;
+                        .argmax(req.state.config, row, &hist, RowKind::Draft, i)?;
                     self.q_rows[i] = TokenDist::point_mass(t, qv)?;
                 } else {
                     self.proc.distribution(
-                        req.config,
+                        req.state.config,
                         row,
                         &hist,
                         RowKind::Draft,

@@ -17,6 +17,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
+use speculative::DraftBlock;
 use speculative::rng::Stream;
 use speculative::sampling::{History, RowProcessor, TokenCounts};
 use speculative::{DraftProbs, RowKind, SamplingConfig, SiblingScheme, TokenDist, VerifyRequest};
@@ -625,6 +626,11 @@ impl Instance {
                 inst.paths.push(p2);
             }
         }
+        // A tree in the shape of a chain whose final node ends reads no row after it.
+        let rows = DraftBlock::tree(&inst.tokens, &inst.parents)
+            .with_ends(&inst.ends)
+            .verify_rows();
+        inst.target.truncate(rows * inst.vocab);
         inst
     }
 
@@ -659,9 +665,11 @@ impl Instance {
             },
         };
         VerifyRequest::new(cfg, &self.target, self.vocab, &self.tokens)
-            .tree(&self.parents)
-            .schemes(schemes)
-            .node_ends(&self.ends)
+            .draft(
+                DraftBlock::tree(&self.tokens, &self.parents)
+                    .with_schemes(schemes)
+                    .with_ends(&self.ends),
+            )
             .draft_probs(q)
             .context(ctx)
             .seed(seed)

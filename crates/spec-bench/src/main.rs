@@ -969,10 +969,9 @@ fn replay_proposer(name: &str) -> Result<Box<dyn Proposer>> {
         "suffix" => Box::new(SuffixProposer::new(SuffixConfig::default())?),
         other if other.starts_with("suffix:") => {
             let c: f32 = other["suffix:".len()..].parse().map_err(|_| bad())?;
-            Box::new(SuffixProposer::new(SuffixConfig {
-                min_confidence: c,
-                ..SuffixConfig::default()
-            })?)
+            Box::new(SuffixProposer::new(
+                SuffixConfig::default().with_min_confidence(c),
+            )?)
         }
         other => {
             let range = other.strip_prefix("prompt-lookup:").ok_or_else(bad)?;
@@ -993,10 +992,7 @@ fn warm_recycling(a: WarmArgs) -> Result<()> {
     let tok = GgufTokenizer::load(&path)?;
     let mut table = TokenRecycling::new(
         target.vocab_size(),
-        RecyclingConfig {
-            top_k: a.top_k,
-            ..RecyclingConfig::default()
-        },
+        RecyclingConfig::default().with_top_k(a.top_k),
     )?;
     let bar = ProgressBar::new(requests.len() as u64);
     let start = std::time::Instant::now();

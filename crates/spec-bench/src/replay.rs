@@ -214,20 +214,7 @@ pub fn replay(
     let mut i = 0;
     while i < trace.output.len() {
         let remaining = trace.output.len() - i;
-        let req = ProposeRequest {
-            context: &ctx,
-            config: &cfg,
-            max_draft: k.min(remaining - 1),
-            max_nodes: k.min(remaining - 1),
-            max_branch: usize::MAX,
-            seed: 0,
-            target_hidden: None,
-            target_hidden_rows: None,
-            prompt_len: 0,
-            eos: &[],
-            suppress: &[],
-            suppress_rows: 0,
-        };
+        let req = ProposeRequest::new(&ctx, &cfg, k.min(remaining - 1));
         proposer.propose(&req, &mut draft)?;
         let n = draft.tokens.len().min(req.max_draft);
         let a = matched(&draft.tokens[..n], &trace.output[i..]);
@@ -265,27 +252,12 @@ pub fn replay_tree(
     let mut i = 0;
     while i < trace.output.len() {
         let remaining = trace.output.len() - i;
-        let req = ProposeRequest {
-            context: &ctx,
-            config: &cfg,
-            max_draft: k.min(remaining - 1),
-            max_nodes: nodes,
-            max_branch: usize::MAX,
-            seed: 0,
-            target_hidden: None,
-            target_hidden_rows: None,
-            prompt_len: 0,
-            eos: &[],
-            suppress: &[],
-            suppress_rows: 0,
-        };
+        let req = ProposeRequest::new(&ctx, &cfg, k.min(remaining - 1)).max_nodes(nodes);
         proposer.propose_tree(&req, &mut draft)?;
         let block = draft.block();
-        let limits = TreeLimits {
-            max_nodes: req.max_nodes,
-            max_depth: req.max_draft,
-            ..TreeLimits::vocab(usize::MAX)
-        };
+        let limits = TreeLimits::vocab(usize::MAX)
+            .with_max_nodes(req.max_nodes)
+            .with_max_depth(req.max_draft);
         block.validate(&limits).map_err(|e| BenchError::Invalid {
             what: "tree draft",
             reason: format!("{} at output position {i}: {e}", proposer.name()),
@@ -719,20 +691,7 @@ mod tests {
             pl.begin(&ctx).unwrap();
             let mut d = Draft::default();
             for i in 0..trace.output.len() - 1 {
-                let req = ProposeRequest {
-                    context: &ctx,
-                    config: &cfg,
-                    max_draft: 4,
-                    max_nodes: 4,
-                    max_branch: usize::MAX,
-                    seed: 0,
-                    target_hidden: None,
-                    target_hidden_rows: None,
-                    prompt_len: 0,
-                    eos: &[],
-                    suppress: &[],
-                    suppress_rows: 0,
-                };
+                let req = ProposeRequest::new(&ctx, &cfg, 4);
                 pl.propose(&req, &mut d).unwrap();
                 let a_pl = matched(&d.tokens, &trace.output[i..]);
                 let a_or = best_copy(&ctx, &trace.output[i..], 4, 1, 4).map_or(0, |b| b.0);

@@ -143,23 +143,21 @@ impl<P: Proposer> ForcedDrafts<P> {
         self.ctx.clear();
         self.ctx.extend_from_slice(req.context);
         self.ctx.extend_from_slice(f);
-        let sub = ProposeRequest {
-            context: &self.ctx,
-            max_draft: req.max_draft - f.len(),
-            max_nodes: req.max_nodes.saturating_sub(f.len()),
-            suppress_rows: req.suppress_rows.saturating_sub(f.len()),
-            target_hidden: if f.is_empty() {
+        let sub = req
+            .context(&self.ctx)
+            .max_draft(req.max_draft - f.len())
+            .max_nodes(req.max_nodes.saturating_sub(f.len()))
+            .target_hidden(if f.is_empty() {
                 req.target_hidden
             } else {
                 None
-            },
-            target_hidden_rows: if f.is_empty() {
+            })
+            .target_hidden_rows(if f.is_empty() {
                 req.target_hidden_rows
             } else {
                 None
-            },
-            ..*req
-        };
+            })
+            .suppress_rows(req.suppress_rows.saturating_sub(f.len()));
         if sub.max_draft == 0 || (tree && sub.max_nodes == 0) {
             return Ok(());
         }
@@ -304,10 +302,7 @@ impl<P: Proposer> Proposer for ForcedDrafts<P> {
             if valid == 0 || room == 0 || inner[..valid].iter().any(|&t| req.is_eos(t)) {
                 break;
             }
-            let sub = ProposeRequest {
-                context: &ctx,
-                ..*req
-            };
+            let sub = req.context(&ctx);
             let f = self.forced(&sub, room);
             if f.is_empty() {
                 break;
@@ -318,15 +313,13 @@ impl<P: Proposer> Proposer for ForcedDrafts<P> {
             if room == 0 || f.last().is_some_and(|&t| req.is_eos(t)) {
                 break;
             }
-            let sub = ProposeRequest {
-                context: &ctx,
-                max_draft: room,
-                max_nodes: room,
-                suppress_rows: req.suppress_rows.saturating_sub(draft.tokens.len()),
-                target_hidden: None,
-                target_hidden_rows: None,
-                ..*req
-            };
+            let sub = req
+                .context(&ctx)
+                .max_draft(room)
+                .max_nodes(room)
+                .target_hidden(None)
+                .target_hidden_rows(None)
+                .suppress_rows(req.suppress_rows.saturating_sub(draft.tokens.len()));
             self.inner_draft.clear();
             self.inner.propose(&sub, &mut self.inner_draft)?;
             if self.inner_draft.q.is_some() {
@@ -422,10 +415,7 @@ mod tests {
         let m = mask(0);
         // At the start `{` is forced; the inner `c a b a` is valid up to `c a b`, then `a`
         // after `ab` is fine too, so all is kept: `{ c a b a`, then forced `b`.
-        let inner = Draft {
-            tokens: vec![2, 0, 1, 0],
-            ..Draft::default()
-        };
+        let inner = Draft::chain(vec![2, 0, 1, 0]);
         let mut p = ForcedDrafts::new(m.clone(), Fixed(inner));
         let mut d = Draft::default();
         p.propose(&ProposeRequest::new(&ctx, &cfg, 8), &mut d)
@@ -433,10 +423,7 @@ mod tests {
         assert_eq!(d.tokens[..5], [3, 2, 0, 1, 0]);
         assert_eq!(d.tokens[5], 1, "the forced `b` after the inner draft");
         // An inner draft starting with a banned token adds nothing.
-        let inner = Draft {
-            tokens: vec![4, 4],
-            ..Draft::default()
-        };
+        let inner = Draft::chain(vec![4, 4]);
         let mut p = ForcedDrafts::new(m, Fixed(inner));
         p.propose(&ProposeRequest::new(&ctx, &cfg, 8), &mut d)
             .unwrap();
@@ -449,11 +436,7 @@ mod tests {
         let cfg = SamplingConfig::greedy();
         let ctx: [u32; 0] = [];
         // Inner tree: two children of the root (`c`, `a`), `b` under `a`.
-        let inner = Draft {
-            tokens: vec![2, 0, 1],
-            parents: vec![0, 0, 2],
-            ..Draft::default()
-        };
+        let inner = Draft::tree(vec![2, 0, 1], vec![0, 0, 2]);
         let mut p = ForcedDrafts::new(mask(0), Fixed(inner));
         let mut d = Draft::default();
         let mut req = ProposeRequest::new(&ctx, &cfg, 4);
@@ -469,13 +452,10 @@ mod tests {
         assert_eq!(d.tokens, vec![3, 2, 0, 1]);
         // The forced `{` is node 0 (row 1); the inner root's children hang from row 1.
         assert_eq!(d.parents, vec![0, 1, 1, 3]);
-        let limits = speculative::tree::TreeLimits {
-            vocab_size: 6,
-            max_nodes: 8,
-            max_depth: 8,
-            max_branch: 8,
-            dense_q: false,
-        };
+        let limits = speculative::tree::TreeLimits::vocab(6)
+            .with_max_nodes(8)
+            .with_max_depth(8)
+            .with_max_branch(8);
         d.block().validate(&limits).unwrap();
         // Observe: the forced token and one inner token accepted.
         p.observe(2, &[3, 2, 4]).unwrap();
