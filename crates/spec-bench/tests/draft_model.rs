@@ -52,7 +52,9 @@ fn both(
         .eos_ids()
         .iter()
         .fold(StopConditions::default(), |s, &t| s.with_eos(t));
-    let params = GenerationParams::greedy(n).with_stop(stop);
+    let params = GenerationParams::greedy(n)
+        .with_stop(stop)
+        .expect("EOS ids alone are valid stop conditions");
     let want = Generator::new(&mut *target, NoProposer)
         .generate(&p, &params.clone().with_draft(DraftLength::Off))
         .unwrap();

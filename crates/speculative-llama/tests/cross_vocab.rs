@@ -126,7 +126,9 @@ fn greedy_identity(
         .eog_ids()
         .iter()
         .fold(StopConditions::default(), |s, &t| s.with_eos(t));
-    let params = GenerationParams::greedy(new_tokens).with_stop(stop);
+    let params = GenerationParams::greedy(new_tokens)
+        .with_stop(stop)
+        .expect("EOS ids alone are valid stop conditions");
     let cfg = LlamaConfig::default().with_context(1024);
     let mut plain = Generator::new(target.target(&cfg).unwrap(), NoProposer);
     let mut out = Vec::new();
