@@ -258,8 +258,8 @@ pub enum RollbackMode {
 ///   floats per sequence). Public reports put it several times faster than replay (llama.cpp
 ///   issue 28120: 44 vs 6 tokens/s on one model).
 ///
-/// Contract of a model that offers either (checked by
-/// [`crate::conformance::check_rollback`]):
+/// Contract of a model that offers either (checked by `conformance::check_rollback`, feature
+/// `conformance`):
 /// - [`TargetModel::truncate`]`(0)` resets the sequence (the loops call it at the start of a
 ///   generation) and `truncate(seq_len())` changes nothing; any other length may be refused
 ///   with [`crate::Error::StateRollback`], the state unchanged.
