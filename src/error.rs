@@ -229,6 +229,16 @@ pub enum Error {
         /// The unsupported form.
         what: &'static str,
     },
+    /// A target whose state cannot be truncated ([`crate::TargetModel::rollback`] is `Some`)
+    /// refused a rollback it cannot do: a [`crate::TargetModel::truncate`] to a length other
+    /// than 0 or its length, a [`crate::StateSnapshot::restore_state`] without a saved state,
+    /// [`crate::RowStates::keep_rows`] of more rows than it holds states of, or the batch
+    /// versions of these. `what` says which; the target's state is unchanged.
+    #[error("the target cannot roll its state back: {what}")]
+    StateRollback {
+        /// The refused call and why.
+        what: &'static str,
+    },
     /// A [`crate::BatchTarget`] slot is out of range, or listed twice in one
     /// [`crate::BatchTarget::forward_batch`] call.
     #[error("invalid slot {slot} ({reason}; the target has {max_slots} slots)")]

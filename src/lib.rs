@@ -141,8 +141,9 @@ pub mod verify;
 
 pub use error::{Error, ProposalFault, Result, RowKind};
 pub use model::{
-    BatchTarget, HiddenStates, PerSlot, SlotChunk, SlotInput, TargetFeatures, TargetModel,
-    TreeTarget,
+    BatchRollback, BatchRowStates, BatchStateSnapshot, BatchTarget, HiddenStates, PerSlot,
+    Rollback, RollbackMode, RowStates, SlotChunk, SlotInput, StateSnapshot, TargetFeatures,
+    TargetModel, TreeTarget, rollback_mode,
 };
 pub use propose::{
     CrossVocabProposer, Draft, DraftModelProposer, MergedProposer, NoProposer, PromptLookup,

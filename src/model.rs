@@ -11,6 +11,10 @@
 //! - [`TargetFeatures`]: the optional input side of a feature-conditioned draft model (an EAGLE
 //!   head): it holds the target's hidden states of the committed positions; offered through
 //!   [`TargetModel::target_features`] and fed by [`crate::propose::DraftModelProposer`].
+//! - [`Rollback`]: the optional rollback of a model whose state cannot be truncated (recurrent
+//!   and hybrid models: Mamba, RWKV, gated delta-net layers): [`StateSnapshot`] (snapshot and
+//!   replay) or [`RowStates`] (per-row states of the verify forward); offered through
+//!   [`TargetModel::rollback`], and per slot through [`BatchTarget::rollback`].
 //!
 //! This module sits below [`crate::propose`] and [`crate::decode`], which both drive models
 //! through it.
@@ -137,6 +141,17 @@ pub trait TargetModel {
     fn target_features(&mut self) -> Option<&mut dyn TargetFeatures> {
         None
     }
+
+    /// How the model rolls its state back, `None` (the default) when
+    /// [`TargetModel::truncate`] can drop any suffix (a KV cache). A model whose running state
+    /// has no positions to drop (recurrent and hybrid layers) returns
+    /// [`Rollback::Snapshot`] or [`Rollback::RowStates`] (see [`Rollback`] for the contract);
+    /// [`crate::decode::Generator`] and [`crate::propose::DraftModelProposer`] then use it
+    /// instead of truncating to a length other than 0. Such a model is driven with chains: the
+    /// loop does not use its [`TargetModel::tree`].
+    fn rollback(&mut self) -> Option<Rollback<'_>> {
+        None
+    }
 }
 
 impl<T: TargetModel + ?Sized> TargetModel for Box<T> {
@@ -166,6 +181,9 @@ impl<T: TargetModel + ?Sized> TargetModel for Box<T> {
     }
     fn target_features(&mut self) -> Option<&mut dyn TargetFeatures> {
         (**self).target_features()
+    }
+    fn rollback(&mut self) -> Option<Rollback<'_>> {
+        (**self).rollback()
     }
 }
 
@@ -197,6 +215,204 @@ impl<T: TargetModel + ?Sized> TargetModel for &mut T {
     fn target_features(&mut self) -> Option<&mut dyn TargetFeatures> {
         (**self).target_features()
     }
+    fn rollback(&mut self) -> Option<Rollback<'_>> {
+        (**self).rollback()
+    }
+}
+
+/// Which rollback a model offers: a plain value of [`Rollback`] / [`BatchRollback`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum RollbackMode {
+    /// [`TargetModel::truncate`] drops any suffix (a KV cache): no rollback capability (the
+    /// default).
+    #[default]
+    Truncate,
+    /// Snapshot and replay ([`StateSnapshot`]).
+    Snapshot,
+    /// Per-row states of the verify forward ([`RowStates`]).
+    RowStates,
+}
+
+/// How a model whose state cannot be truncated rolls a step back, offered through
+/// [`TargetModel::rollback`].
+///
+/// Recurrent and hybrid models (Mamba / Mamba-2, RWKV, gated delta-net layers as in Qwen3-Next,
+/// Jamba) hold a running state with no positions to drop, so after a verify forward over
+/// `[last, d_1 .. d_k]` that rejected drafts, `truncate` cannot bring the state back to
+/// `[last, d_1 .. d_a]`. Engines do it one of two ways, and the loop drives either:
+///
+/// - [`Rollback::Snapshot`] (checkpoint and replay; llama.cpp's recurrent-state checkpoints,
+///   `llama_state_seq_get_data` / `llama_state_seq_set_data`): the loop saves the state at the
+///   start of each step ([`StateSnapshot::save_state`]); after a rejection it restores it and
+///   **replays** the tokens to keep, `[last, d_1 .. d_a]` (`a + 1` tokens, one
+///   [`TargetModel::prefill`]: their logits are known from the verify forward, and the next step
+///   feeds the last emitted token as usual). The replay costs a forward of `a + 1` tokens per
+///   step with a rejection: [`crate::decode::Metrics::replayed_tokens`] and
+///   [`crate::decode::Metrics::replay_time`] count it, and the adaptive policy's cost of such a
+///   step is `c(k + 1) + c(a + 1)` ([`crate::decode::StepCosts::replay_secs`]). A step that
+///   accepts every draft needs no replay.
+/// - [`Rollback::RowStates`] (per-row states; vLLM's and SGLang's Mamba state handling under
+///   speculative decoding): the model keeps the state after each position its forwards append
+///   and the loop keeps the accepted row's ([`RowStates::keep_rows`]): no replay, at the cost
+///   of `k + 1` states of memory (a Mamba-2 layer's state is `heads * head_dim * state_size`
+///   floats per sequence). Public reports put it several times faster than replay (llama.cpp
+///   issue 28120: 44 vs 6 tokens/s on one model).
+///
+/// Contract of a model that offers either (checked by `conformance::check_rollback`, feature
+/// `conformance`):
+/// - [`TargetModel::truncate`]`(0)` resets the sequence (the loops call it at the start of a
+///   generation) and `truncate(seq_len())` changes nothing; any other length may be refused
+///   with [`crate::Error::StateRollback`], the state unchanged.
+/// - [`TargetModel::forward`] and [`TargetModel::prefill`] append as for any model, and their
+///   errors leave the state as it was.
+/// - The loop never asks such a model for trees: it verifies chains (tree requests fall back
+///   to chains, as on a model without [`TargetModel::tree`]).
+pub enum Rollback<'a> {
+    /// The model saves and restores its whole state.
+    Snapshot(&'a mut dyn StateSnapshot),
+    /// The model keeps the state after each appended position.
+    RowStates(&'a mut dyn RowStates),
+}
+
+impl Rollback<'_> {
+    /// The mode as a plain value.
+    pub fn mode(&self) -> RollbackMode {
+        match self {
+            Rollback::Snapshot(_) => RollbackMode::Snapshot,
+            Rollback::RowStates(_) => RollbackMode::RowStates,
+        }
+    }
+}
+
+impl std::fmt::Debug for Rollback<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Rollback::{:?}", self.mode())
+    }
+}
+
+/// The rollback mode of `model`: [`RollbackMode::Truncate`] when it offers no
+/// [`TargetModel::rollback`].
+pub fn rollback_mode<T: TargetModel + ?Sized>(model: &mut T) -> RollbackMode {
+    model
+        .rollback()
+        .map_or(RollbackMode::Truncate, |r| r.mode())
+}
+
+/// Snapshot and restore of a model's whole state ([`Rollback::Snapshot`]).
+///
+/// One snapshot is held at a time. The loop calls [`StateSnapshot::save_state`] before each
+/// verify forward and, after a rejection, [`StateSnapshot::restore_state`] followed by a
+/// [`TargetModel::prefill`] of the tokens to keep. Memory: one copy of the state (for a hybrid
+/// model that also holds a KV cache, whatever its snapshot holds: llama.cpp's full sequence
+/// state copies the KV cells too).
+pub trait StateSnapshot {
+    /// Saves the state of the sequence as it is now (its [`TargetModel::seq_len`] positions),
+    /// replacing the saved one.
+    ///
+    /// # Errors
+    /// [`crate::Error::Model`] for engine failures (nothing is saved then).
+    fn save_state(&mut self) -> Result<()>;
+
+    /// Restores the saved state: afterwards the model is exactly as when it was saved,
+    /// [`TargetModel::seq_len`] included. The snapshot stays: it may be restored again, until
+    /// the next [`StateSnapshot::save_state`] or [`TargetModel::truncate`]`(0)` (which drops
+    /// it).
+    ///
+    /// # Errors
+    /// [`crate::Error::StateRollback`] when no state is saved; [`crate::Error::Model`] for engine
+    /// failures. The state is unchanged on error.
+    fn restore_state(&mut self) -> Result<()>;
+}
+
+/// Per-row states ([`Rollback::RowStates`]): the model keeps the state after each position
+/// that [`TargetModel::forward`] appended since its **commit point**, and keeps the one asked
+/// for.
+///
+/// The commit point is the sequence's end after the last [`TargetModel::prefill`],
+/// [`TargetModel::truncate`]`(0)` or [`RowStates::keep_rows`] (a prefill's positions keep no
+/// states of their own). So in the loop, after the verify forward of `[last, d_1 .. d_k]` the
+/// model holds `k + 1` row states, and `keep_rows(a + 1)` leaves the state after
+/// `[last, d_1 .. d_a]`. A draft model fed one token per forward holds one state per draft
+/// ([`crate::propose::DraftModelProposer`] keeps the accepted ones the same way). Memory: one
+/// state per position since the commit point, plus the commit point's.
+pub trait RowStates {
+    /// Positions appended by [`TargetModel::forward`] since the commit point (whose states
+    /// are held), in tokens.
+    fn pending_rows(&self) -> usize;
+
+    /// Keeps the first `rows` positions appended since the commit point and drops the rest:
+    /// afterwards the state is the one after those positions, [`TargetModel::seq_len`] is the
+    /// commit point plus `rows`, and that is the new commit point. `rows == 0` goes back to the
+    /// commit point; `rows == pending_rows()` keeps everything.
+    ///
+    /// # Errors
+    /// [`crate::Error::StateRollback`] when `rows > pending_rows()`; [`crate::Error::Model`] for
+    /// engine failures. The state is unchanged on error.
+    fn keep_rows(&mut self, rows: usize) -> Result<()>;
+}
+
+/// The per-slot rollback of a [`BatchTarget`] whose slots' states cannot be truncated, offered
+/// through [`BatchTarget::rollback`]: [`Rollback`]'s two modes, for each slot on its own (the
+/// slot's commit point is set by its prefill chunks, `truncate(slot, 0)`, `release(slot)` and
+/// [`BatchRowStates::keep_rows`]; its chain chunks append row states).
+/// [`crate::decode::BatchGenerator`] saves the state of each decoding slot before the batched
+/// forward (snapshot mode) and, after the verification, restores and replays each slot that
+/// rejected drafts in a forward of its own (replays are not batched across slots), or keeps its
+/// accepted row. Trees are not used with such a target.
+pub enum BatchRollback<'a> {
+    /// Each slot saves and restores its state.
+    Snapshot(&'a mut dyn BatchStateSnapshot),
+    /// Each slot keeps the state after each appended position.
+    RowStates(&'a mut dyn BatchRowStates),
+}
+
+impl BatchRollback<'_> {
+    /// The mode as a plain value.
+    pub fn mode(&self) -> RollbackMode {
+        match self {
+            BatchRollback::Snapshot(_) => RollbackMode::Snapshot,
+            BatchRollback::RowStates(_) => RollbackMode::RowStates,
+        }
+    }
+}
+
+impl std::fmt::Debug for BatchRollback<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BatchRollback::{:?}", self.mode())
+    }
+}
+
+/// [`StateSnapshot`] per slot of a [`BatchTarget`].
+pub trait BatchStateSnapshot {
+    /// [`StateSnapshot::save_state`] of `slot`.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidSlot`]; engine failures.
+    fn save_state(&mut self, slot: usize) -> Result<()>;
+
+    /// [`StateSnapshot::restore_state`] of `slot`.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidSlot`]; [`crate::Error::StateRollback`] when the slot has no saved
+    /// state; engine failures.
+    fn restore_state(&mut self, slot: usize) -> Result<()>;
+}
+
+/// [`RowStates`] per slot of a [`BatchTarget`].
+pub trait BatchRowStates {
+    /// [`RowStates::pending_rows`] of `slot` (`&mut self`: [`PerSlot`] reaches its models'
+    /// [`TargetModel::rollback`], which takes `&mut`).
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidSlot`].
+    fn pending_rows(&mut self, slot: usize) -> Result<usize>;
+
+    /// [`RowStates::keep_rows`] of `slot`.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidSlot`]; [`crate::Error::StateRollback`] when
+    /// `rows > pending_rows(slot)`; engine failures.
+    fn keep_rows(&mut self, slot: usize, rows: usize) -> Result<()>;
 }
 
 /// Final hidden states of a target's last forward: an optional extension of [`TargetModel`],
@@ -460,6 +676,14 @@ pub trait BatchTarget {
     /// [`crate::Error::InvalidSlot`]; engine failures. The batch loop does not use a slot again
     /// after its release failed.
     fn release(&mut self, slot: usize) -> Result<()>;
+
+    /// How the slots roll their state back, `None` (the default) when
+    /// [`BatchTarget::truncate`] can drop any suffix. See [`BatchRollback`] (and [`Rollback`]
+    /// for the contract, per slot: `truncate(slot, 0)` and `truncate(slot, seq_len)` must work,
+    /// other lengths may be refused with [`crate::Error::StateRollback`]).
+    fn rollback(&mut self) -> Option<BatchRollback<'_>> {
+        None
+    }
 }
 
 impl<T: BatchTarget + ?Sized> BatchTarget for Box<T> {
@@ -492,6 +716,9 @@ impl<T: BatchTarget + ?Sized> BatchTarget for Box<T> {
     }
     fn release(&mut self, slot: usize) -> Result<()> {
         (**self).release(slot)
+    }
+    fn rollback(&mut self) -> Option<BatchRollback<'_>> {
+        (**self).rollback()
     }
 }
 
@@ -554,14 +781,18 @@ pub struct PerSlot<T> {
     rows: Vec<f32>,
     /// The smallest [`TreeTarget::max_tree_nodes`] over the models (0: chains only).
     tree_nodes: usize,
+    /// The models' common [`TargetModel::rollback`] mode.
+    rollback: RollbackMode,
 }
 
 impl<T: TargetModel> PerSlot<T> {
-    /// One slot per model. The models must share the vocabulary size and context length.
+    /// One slot per model. The models must share the vocabulary size, the context length and
+    /// the rollback mode ([`TargetModel::rollback`]; models that cannot truncate make a
+    /// [`BatchTarget`] with the same [`BatchTarget::rollback`], per slot).
     ///
     /// # Errors
-    /// [`crate::Error::InvalidConfig`] for an empty list or models of different vocabulary size
-    /// or context length.
+    /// [`crate::Error::InvalidConfig`] for an empty list or models of different vocabulary size,
+    /// context length or rollback mode.
     pub fn new(mut models: Vec<T>) -> Result<Self> {
         let Some(first) = models.first() else {
             return Err(crate::Error::InvalidConfig {
@@ -586,10 +817,19 @@ impl<T: TargetModel> PerSlot<T> {
             .map(|m| m.tree().map_or(0, |t| t.max_tree_nodes()))
             .min()
             .unwrap_or(0);
+        let rollback = rollback_mode(&mut models[0]);
+        if models.iter_mut().any(|m| rollback_mode(m) != rollback) {
+            return Err(crate::Error::InvalidConfig {
+                field: "models",
+                value: format!("{} models", models.len()),
+                reason: "every slot's model must have the same rollback mode",
+            });
+        }
         Ok(PerSlot {
             models,
             rows: Vec::new(),
             tree_nodes,
+            rollback,
         })
     }
 
@@ -601,6 +841,40 @@ impl<T: TargetModel> PerSlot<T> {
     /// Gives the models back.
     pub fn into_models(self) -> Vec<T> {
         self.models
+    }
+
+    /// The checks a model that cannot truncate would fail in a chunk, made before any chunk
+    /// runs: ids `>= vocab_size`, a chunk past the slot's context, a tree chunk.
+    fn check_chunks(&self, chunks: &[SlotChunk<'_>]) -> Result<()> {
+        let vocab = self.vocab_size();
+        for c in chunks {
+            let m = &self.models[c.slot];
+            let tokens = match c.input {
+                SlotInput::Prefill(t) | SlotInput::Chain(t) => t,
+                SlotInput::Tree { .. } => {
+                    return Err(crate::Error::TargetContract {
+                        what: "a tree chunk for a slot whose model cannot truncate",
+                    });
+                }
+            };
+            if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(crate::Error::TokenOutOfVocab {
+                    what: "batch chunk token",
+                    token: t,
+                    vocab_size: vocab,
+                });
+            }
+            if m.seq_len() + tokens.len() > m.max_context() {
+                return Err(crate::Error::model(format!(
+                    "slot {}: context overflow: {} + {} > {}",
+                    c.slot,
+                    m.seq_len(),
+                    tokens.len(),
+                    m.max_context()
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn slot_mut(&mut self, slot: usize) -> Result<&mut T> {
@@ -650,9 +924,15 @@ impl<T: TargetModel> BatchTarget for PerSlot<T> {
 
     /// Runs the chunks in order. On an error in chunk `i`, the slots of chunks before `i` are
     /// truncated back to their lengths before the call (a tree they appended is dropped), so
-    /// the call changes no slot.
+    /// the call changes no slot. Models that cannot truncate ([`TargetModel::rollback`]) cannot
+    /// be rolled back here: their chunks' token ids and context room are checked before any
+    /// chunk runs, and an engine failure in a later chunk leaves the earlier ones appended
+    /// (the batch loop then restores each decoding slot from its own snapshot or row states).
     fn forward_batch(&mut self, chunks: &[SlotChunk<'_>], logits: &mut Vec<f32>) -> Result<()> {
         check_slots(chunks, self.models.len())?;
+        if self.rollback != RollbackMode::Truncate {
+            self.check_chunks(chunks)?;
+        }
         logits.clear();
         let mut rows = std::mem::take(&mut self.rows);
         let mut out = Ok(());
@@ -680,7 +960,10 @@ impl<T: TargetModel> BatchTarget for PerSlot<T> {
         self.rows = rows;
         if out.is_err() {
             logits.clear();
-            for c in &chunks[..done] {
+            for c in chunks[..done]
+                .iter()
+                .filter(|_| self.rollback == RollbackMode::Truncate)
+            {
                 let m = &mut self.models[c.slot];
                 // Every chunk appended exactly its rows; a failed rollback would only hide the
                 // original error, which is the one returned.
@@ -705,5 +988,139 @@ impl<T: TargetModel> BatchTarget for PerSlot<T> {
 
     fn release(&mut self, slot: usize) -> Result<()> {
         self.slot_mut(slot)?.truncate(0)
+    }
+
+    /// The models' rollback, per slot (read at construction).
+    fn rollback(&mut self) -> Option<BatchRollback<'_>> {
+        match self.rollback {
+            RollbackMode::Truncate => None,
+            RollbackMode::Snapshot => Some(BatchRollback::Snapshot(self)),
+            RollbackMode::RowStates => Some(BatchRollback::RowStates(self)),
+        }
+    }
+}
+
+/// The error of a slot whose model stopped offering the rollback it offered at construction.
+const ROLLBACK_GONE: crate::Error = crate::Error::TargetContract {
+    what: "a slot's model no longer offers the rollback mode it had at PerSlot::new",
+};
+
+impl<T: TargetModel> BatchStateSnapshot for PerSlot<T> {
+    fn save_state(&mut self, slot: usize) -> Result<()> {
+        match self.slot_mut(slot)?.rollback() {
+            Some(Rollback::Snapshot(s)) => s.save_state(),
+            _ => Err(ROLLBACK_GONE),
+        }
+    }
+
+    fn restore_state(&mut self, slot: usize) -> Result<()> {
+        match self.slot_mut(slot)?.rollback() {
+            Some(Rollback::Snapshot(s)) => s.restore_state(),
+            _ => Err(ROLLBACK_GONE),
+        }
+    }
+}
+
+impl<T: TargetModel> BatchRowStates for PerSlot<T> {
+    fn pending_rows(&mut self, slot: usize) -> Result<usize> {
+        match self.slot_mut(slot)?.rollback() {
+            Some(Rollback::RowStates(r)) => Ok(r.pending_rows()),
+            _ => Err(ROLLBACK_GONE),
+        }
+    }
+
+    fn keep_rows(&mut self, slot: usize, rows: usize) -> Result<()> {
+        match self.slot_mut(slot)?.rollback() {
+            Some(Rollback::RowStates(r)) => r.keep_rows(rows),
+            _ => Err(ROLLBACK_GONE),
+        }
+    }
+}
+
+/// The error of a model whose [`TargetModel::rollback`] changed mode between calls.
+const MODE_CHANGED: crate::Error = crate::Error::TargetContract {
+    what: "rollback() no longer offers the mode it offered before",
+};
+
+/// [`StateSnapshot::save_state`] of `model` (snapshot mode).
+///
+/// # Errors
+/// The model's; [`crate::Error::TargetContract`] when it offers no snapshot.
+pub(crate) fn save_state<T: TargetModel + ?Sized>(model: &mut T) -> Result<()> {
+    match model.rollback() {
+        Some(Rollback::Snapshot(s)) => s.save_state(),
+        _ => Err(MODE_CHANGED),
+    }
+}
+
+/// [`StateSnapshot::restore_state`] of `model` (snapshot mode).
+///
+/// # Errors
+/// The model's; [`crate::Error::TargetContract`] when it offers no snapshot.
+pub(crate) fn restore_state<T: TargetModel + ?Sized>(model: &mut T) -> Result<()> {
+    match model.rollback() {
+        Some(Rollback::Snapshot(s)) => s.restore_state(),
+        _ => Err(MODE_CHANGED),
+    }
+}
+
+/// [`RowStates::keep_rows`] of `model` (per-row mode).
+///
+/// # Errors
+/// The model's; [`crate::Error::TargetContract`] when it offers no row states.
+pub(crate) fn keep_rows<T: TargetModel + ?Sized>(model: &mut T, rows: usize) -> Result<()> {
+    match model.rollback() {
+        Some(Rollback::RowStates(r)) => r.keep_rows(rows),
+        _ => Err(MODE_CHANGED),
+    }
+}
+
+/// [`RowStates::pending_rows`] of `model`; `None` unless it offers row states.
+pub(crate) fn pending_rows<T: TargetModel + ?Sized>(model: &mut T) -> Option<usize> {
+    match model.rollback() {
+        Some(Rollback::RowStates(r)) => Some(r.pending_rows()),
+        _ => None,
+    }
+}
+
+/// The error of a batch target whose [`BatchTarget::rollback`] changed mode between calls.
+const BATCH_MODE_CHANGED: crate::Error = crate::Error::TargetContract {
+    what: "BatchTarget::rollback() no longer offers the mode it offered before",
+};
+
+/// [`BatchStateSnapshot::save_state`] of `slot`.
+///
+/// # Errors
+/// The target's; [`crate::Error::TargetContract`] when it offers no snapshot.
+pub(crate) fn save_slot<B: BatchTarget + ?Sized>(target: &mut B, slot: usize) -> Result<()> {
+    match target.rollback() {
+        Some(BatchRollback::Snapshot(s)) => s.save_state(slot),
+        _ => Err(BATCH_MODE_CHANGED),
+    }
+}
+
+/// [`BatchStateSnapshot::restore_state`] of `slot`.
+///
+/// # Errors
+/// The target's; [`crate::Error::TargetContract`] when it offers no snapshot.
+pub(crate) fn restore_slot<B: BatchTarget + ?Sized>(target: &mut B, slot: usize) -> Result<()> {
+    match target.rollback() {
+        Some(BatchRollback::Snapshot(s)) => s.restore_state(slot),
+        _ => Err(BATCH_MODE_CHANGED),
+    }
+}
+
+/// [`BatchRowStates::keep_rows`] of `slot`.
+///
+/// # Errors
+/// The target's; [`crate::Error::TargetContract`] when it offers no row states.
+pub(crate) fn keep_slot_rows<B: BatchTarget + ?Sized>(
+    target: &mut B,
+    slot: usize,
+    rows: usize,
+) -> Result<()> {
+    match target.rollback() {
+        Some(BatchRollback::RowStates(r)) => r.keep_rows(slot, rows),
+        _ => Err(BATCH_MODE_CHANGED),
     }
 }

@@ -1033,3 +1033,220 @@ impl TreeTarget for ToyFeatureDraft {
         self.truncate(base + 1 + path.len())
     }
 }
+
+/// A toy recurrent language model that **cannot truncate**: it holds only a running state
+/// `s_p = tanh(A s_{p-1} + E[x_p])` (`[hidden]` floats, `s_{-1} = 0`; [`ToyRnn::step`]) and a
+/// position count, no tokens; the logits of a position are `W s_p` ([`ToyRnn::head`]). The
+/// same parameters as a [`ToyRnn`], so its logits are bit-identical to
+/// [`RecurrentToy::reference`] (a [`ToyModel`] that recomputes every prefix and can truncate),
+/// which makes plain greedy decoding of either the reference for speculative decoding of this
+/// one.
+///
+/// It rolls back through [`TargetModel::rollback`] in one of two modes, chosen at construction:
+/// [`RecurrentToy::snapshot`] ([`crate::Rollback::Snapshot`]: one saved copy of the state) or
+/// [`RecurrentToy::row_states`] ([`crate::Rollback::RowStates`]: the state after each position
+/// appended by `forward` since the commit point). [`TargetModel::truncate`]`(0)` resets it
+/// (state zero, the snapshot and the row states dropped), `truncate(seq_len())` changes
+/// nothing, any other length is refused with [`Error::StateRollback`] (or [`Error::Model`]
+/// beyond the length), the state unchanged. Errors of `forward` / `prefill` (an id `>= vocab`,
+/// a context overflow) change nothing. Use it as a [`crate::BatchTarget`] with
+/// [`crate::PerSlot`].
+#[derive(Debug, Clone)]
+pub struct RecurrentToy {
+    rnn: ToyRnn,
+    max_context: usize,
+    mode: crate::model::RollbackMode,
+    state: Vec<f32>,
+    len: usize,
+    /// Snapshot mode: the saved state and its length.
+    saved: Option<(Vec<f32>, usize)>,
+    /// Row-state mode: the state and length at the commit point, and the states after each
+    /// position appended since.
+    commit: (Vec<f32>, usize),
+    rows: Vec<Vec<f32>>,
+    /// Number of [`TargetModel::forward`] calls so far.
+    pub forward_calls: usize,
+    /// Tokens passed to [`TargetModel::forward`] so far.
+    pub forward_tokens: usize,
+    /// Tokens passed to [`TargetModel::prefill`] so far (prompt prefills and replays).
+    pub prefill_tokens: usize,
+    /// Successful [`crate::StateSnapshot::restore_state`] calls so far.
+    pub restores: usize,
+}
+
+impl RecurrentToy {
+    fn with_mode(rnn: ToyRnn, max_context: usize, mode: crate::model::RollbackMode) -> Self {
+        let zero = vec![0.0; rnn.hidden_size()];
+        RecurrentToy {
+            max_context,
+            mode,
+            state: zero.clone(),
+            len: 0,
+            saved: None,
+            commit: (zero, 0),
+            rows: Vec::new(),
+            rnn,
+            forward_calls: 0,
+            forward_tokens: 0,
+            prefill_tokens: 0,
+            restores: 0,
+        }
+    }
+
+    /// The model of `rnn`'s parameters in snapshot mode ([`crate::Rollback::Snapshot`]).
+    pub fn snapshot(rnn: ToyRnn, max_context: usize) -> Self {
+        Self::with_mode(rnn, max_context, crate::model::RollbackMode::Snapshot)
+    }
+
+    /// The model of `rnn`'s parameters with per-row states ([`crate::Rollback::RowStates`]).
+    pub fn row_states(rnn: ToyRnn, max_context: usize) -> Self {
+        Self::with_mode(rnn, max_context, crate::model::RollbackMode::RowStates)
+    }
+
+    /// Its rollback mode.
+    pub fn mode(&self) -> crate::model::RollbackMode {
+        self.mode
+    }
+
+    /// The running state, `[hidden]`.
+    pub fn state(&self) -> &[f32] {
+        &self.state
+    }
+
+    /// The same model as a [`ToyModel`] that recomputes the state of every prefix (and so can
+    /// truncate): the reference for plain decoding.
+    pub fn reference(&self) -> ToyModel {
+        self.rnn.target(self.max_context)
+    }
+
+    /// Refuses ids `>= vocab` and a context overflow before anything changes.
+    fn check(&self, tokens: &[u32]) -> Result<()> {
+        if self.len + tokens.len() > self.max_context {
+            return Err(Error::model(format!(
+                "context overflow: {} + {} > {}",
+                self.len,
+                tokens.len(),
+                self.max_context
+            )));
+        }
+        let vocab = self.rnn.vocab_size();
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(&t) => Err(Error::TokenOutOfVocab {
+                what: "model input",
+                token: t,
+                vocab_size: vocab,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Sets the commit point at the current end (row-state mode).
+    fn set_commit(&mut self) {
+        self.rows.clear();
+        self.commit = (self.state.clone(), self.len);
+    }
+}
+
+impl TargetModel for RecurrentToy {
+    fn vocab_size(&self) -> usize {
+        self.rnn.vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        self.max_context
+    }
+    fn seq_len(&self) -> usize {
+        self.len
+    }
+    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        self.check(tokens)?;
+        self.forward_calls += 1;
+        self.forward_tokens += tokens.len();
+        logits.clear();
+        for &t in tokens {
+            self.state = self.rnn.step(&self.state, t);
+            self.len += 1;
+            logits.extend(self.rnn.head(&self.state));
+            if self.mode == crate::model::RollbackMode::RowStates {
+                self.rows.push(self.state.clone());
+            }
+        }
+        Ok(())
+    }
+    fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        self.check(tokens)?;
+        self.prefill_tokens += tokens.len();
+        for &t in tokens {
+            self.state = self.rnn.step(&self.state, t);
+            self.len += 1;
+        }
+        self.set_commit();
+        Ok(())
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        if len == self.len {
+            return Ok(());
+        }
+        if len > self.len {
+            return Err(Error::model(format!(
+                "truncate to {len} beyond length {}",
+                self.len
+            )));
+        }
+        if len != 0 {
+            return Err(Error::StateRollback {
+                what: "truncate of a recurrent state to a length other than 0 or seq_len",
+            });
+        }
+        self.state.iter_mut().for_each(|x| *x = 0.0);
+        self.len = 0;
+        self.saved = None;
+        self.set_commit();
+        Ok(())
+    }
+    fn rollback(&mut self) -> Option<crate::model::Rollback<'_>> {
+        use crate::model::{Rollback, RollbackMode};
+        match self.mode {
+            RollbackMode::Snapshot => Some(Rollback::Snapshot(self)),
+            RollbackMode::RowStates => Some(Rollback::RowStates(self)),
+            RollbackMode::Truncate => None,
+        }
+    }
+}
+
+impl crate::model::StateSnapshot for RecurrentToy {
+    fn save_state(&mut self) -> Result<()> {
+        self.saved = Some((self.state.clone(), self.len));
+        Ok(())
+    }
+    fn restore_state(&mut self) -> Result<()> {
+        let Some((state, len)) = &self.saved else {
+            return Err(Error::StateRollback {
+                what: "restore_state without a saved state",
+            });
+        };
+        self.state.clone_from(state);
+        self.len = *len;
+        self.restores += 1;
+        Ok(())
+    }
+}
+
+impl crate::model::RowStates for RecurrentToy {
+    fn pending_rows(&self) -> usize {
+        self.rows.len()
+    }
+    fn keep_rows(&mut self, rows: usize) -> Result<()> {
+        if rows > self.rows.len() {
+            return Err(Error::StateRollback {
+                what: "keep_rows of more rows than were appended since the commit point",
+            });
+        }
+        self.state = match rows {
+            0 => self.commit.0.clone(),
+            r => self.rows[r - 1].clone(),
+        };
+        self.len = self.commit.1 + rows;
+        self.set_commit();
+        Ok(())
+    }
+}

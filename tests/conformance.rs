@@ -3,10 +3,10 @@
 #![cfg(feature = "conformance")]
 
 use speculative::conformance::{self, KitConfig, Outcome, Report};
-use speculative::test_util::{ToyFeatureDraft, ToyModel, ToyRnn};
+use speculative::test_util::{RecurrentToy, ToyFeatureDraft, ToyModel, ToyRnn};
 use speculative::{
-    DraftBlock, PerSlot, PromptLookup, PromptLookupConfig, Result, SuffixConfig, SuffixProposer,
-    TargetModel, TreeTarget,
+    DraftBlock, PerSlot, PromptLookup, PromptLookupConfig, Result, Rollback, RollbackMode,
+    RowStates, StateSnapshot, SuffixConfig, SuffixProposer, TargetModel, TreeTarget,
 };
 
 const PROMPTS: &[&[u32]] = &[&[1, 2, 3, 4, 5, 6, 7], &[9, 8, 9, 8, 9], &[3, 0]];
@@ -258,4 +258,121 @@ fn banned_tokens_pass_but_nan_and_empty_rows_fail_the_shape_check() {
         let r = conformance::check_target(|| Poisoned(markov(), x, whole), PROMPTS, &cfg);
         assert!(r.failed("target.shape"), "{x} {whole}: {r}");
     }
+}
+
+// ---- targets whose state cannot be truncated ----
+
+fn recurrent_snapshot() -> RecurrentToy {
+    RecurrentToy::snapshot(rnn(), 64)
+}
+
+fn recurrent_rows() -> RecurrentToy {
+    RecurrentToy::row_states(rnn(), 64)
+}
+
+fn recurrent_per_slot() -> PerSlot<RecurrentToy> {
+    PerSlot::new((0..3).map(|_| recurrent_rows()).collect()).unwrap()
+}
+
+// Every family on both modes of the recurrent toy (the loop checks drive them with a recurrent
+// draft model of the engine itself), and the batch family on PerSlot over it.
+speculative::conformance_tests!(kit_recurrent_snapshot, recurrent_snapshot, PROMPTS);
+speculative::conformance_tests!(kit_recurrent_rows, recurrent_rows, PROMPTS);
+speculative::conformance_tests!(batch kit_recurrent_per_slot, recurrent_per_slot, PROMPTS);
+
+#[test]
+fn the_rollback_family_runs_its_checks_on_both_modes_and_skips_others() {
+    let cfg = KitConfig::default();
+    for (r, mode_check) in [
+        (
+            conformance::check_rollback(recurrent_snapshot, PROMPTS, &cfg),
+            "rollback.snapshot",
+        ),
+        (
+            conformance::check_rollback(recurrent_rows, PROMPTS, &cfg),
+            "rollback.rows",
+        ),
+    ] {
+        r.assert_passed();
+        for check in ["rollback.truncate", mode_check, "rollback.errors"] {
+            assert!(
+                r.named(check).any(|c| c.outcome == Outcome::Passed),
+                "{check}: {r}"
+            );
+        }
+    }
+    let r = conformance::check_rollback(markov, PROMPTS, &cfg);
+    assert!(matches!(
+        r.named("rollback.offered").next().map(|c| &c.outcome),
+        Some(Outcome::Skipped { .. })
+    ));
+}
+
+/// A recurrent toy whose rollback lies: restore keeps the current state (snapshot mode), or
+/// keep_rows keeps every row (row states), while the lengths say otherwise.
+struct LyingRollback(RecurrentToy, usize);
+
+impl TargetModel for LyingRollback {
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        self.0.max_context()
+    }
+    fn seq_len(&self) -> usize {
+        self.0.seq_len() - self.1
+    }
+    fn forward(&mut self, tokens: &[u32], logits: &mut Vec<f32>) -> Result<()> {
+        self.0.forward(tokens, logits)
+    }
+    fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        self.0.prefill(tokens)
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.1 = 0;
+        self.0.truncate(len)
+    }
+    fn rollback(&mut self) -> Option<Rollback<'_>> {
+        Some(match self.0.mode() {
+            RollbackMode::Snapshot => Rollback::Snapshot(self),
+            _ => Rollback::RowStates(self),
+        })
+    }
+}
+
+impl StateSnapshot for LyingRollback {
+    fn save_state(&mut self) -> Result<()> {
+        self.0.save_state()
+    }
+    fn restore_state(&mut self) -> Result<()> {
+        // Claims the saved length, keeps the state.
+        let before = self.0.seq_len();
+        let mut probe = self.0.clone();
+        probe.restore_state()?;
+        self.1 += before - probe.seq_len();
+        Ok(())
+    }
+}
+
+impl RowStates for LyingRollback {
+    fn pending_rows(&self) -> usize {
+        self.0.pending_rows()
+    }
+    fn keep_rows(&mut self, rows: usize) -> Result<()> {
+        let all = self.0.pending_rows();
+        if rows > all {
+            return self.0.keep_rows(rows);
+        }
+        self.1 += all - rows;
+        self.0.keep_rows(all)
+    }
+}
+
+#[test]
+fn kit_reports_a_rollback_that_does_not_roll_back() {
+    let cfg = KitConfig::default();
+    let r = conformance::check_rollback(|| LyingRollback(recurrent_snapshot(), 0), PROMPTS, &cfg);
+    assert!(r.failed("rollback.snapshot"), "{r}");
+    let r = conformance::check_rollback(|| LyingRollback(recurrent_rows(), 0), PROMPTS, &cfg);
+    assert!(r.failed("rollback.rows"), "{r}");
 }

@@ -9,7 +9,7 @@ use super::util::{Fail, ok, prompt_input, prompts, record};
 use super::{ALPHA, KitConfig, Tolerance};
 use crate::decode::{DraftLength, GenerationParams, Generator, TreeDrafts};
 use crate::error::{Result, RowKind};
-use crate::model::{HiddenStates, TargetModel, TreeTarget};
+use crate::model::{HiddenStates, Rollback, RollbackMode, TargetModel, TreeTarget, rollback_mode};
 use crate::propose::{Draft, DraftModelProposer, NoProposer, ProposeRequest, Proposer};
 use crate::rng::Stream;
 use crate::sampling::{History, RowProcessor, SamplingConfig, TokenDist};
@@ -306,8 +306,15 @@ fn exact_law<T: TargetModel>(
     ok(m.forward(p, &mut logits), "forward(prompt)")?;
     let first = dist(&mut proc, &sc, &logits[logits.len() - v..])?;
     let mut cells = Vec::new();
+    let truncates = rollback_mode(&mut m) == RollbackMode::Truncate;
     for (&t1, &p1) in first.ids().iter().zip(first.probs()) {
-        ok(m.truncate(p.len()), "truncate(prompt length)")?;
+        if truncates {
+            ok(m.truncate(p.len()), "truncate(prompt length)")?;
+        } else {
+            // A state that cannot be truncated: a fresh engine per first token.
+            m = make();
+            ok(m.prefill(p), "prefill(prompt)")?;
+        }
         ok(m.forward(&[t1], &mut logits), "forward(first token)")?;
         let second = dist(&mut proc, &sc, &logits)?;
         for (&t2, &p2) in second.ids().iter().zip(second.probs()) {
@@ -469,6 +476,9 @@ impl<T: TargetModel> TargetModel for Tempered<T> {
     }
     fn hidden_states(&self) -> Option<&dyn HiddenStates> {
         None
+    }
+    fn rollback(&mut self) -> Option<Rollback<'_>> {
+        self.inner.rollback()
     }
 }
 

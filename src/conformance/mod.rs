@@ -53,7 +53,8 @@
 //!   logits without NaN or `+inf`, `-inf` banning a token, each row with a finite logit), `target.pieces` (forward in two calls and one token per call equal one
 //!   call), `target.prefill` (prefill of `n - 1` tokens, also after a forward, then forward of
 //!   the last equals one call), `target.truncate` (truncate to the length is a no-op; truncate
-//!   then forward equals a fresh forward, also after rejected tokens; truncate(0) restarts),
+//!   then forward equals a fresh forward, also after rejected tokens; truncate(0) restarts; for a
+//!   target that cannot truncate only the no-op and the restart, see `rollback.truncate`),
 //!   `target.errors` (an empty forward or prefill changes nothing; an id `>= vocab_size`, alone
 //!   or after a valid id, is refused by forward and prefill; truncate beyond the length is
 //!   refused; each leaves the sequence as it was, shown by the rows of the rest of the prompt),
@@ -112,6 +113,19 @@
 //!   [`ALPHA`]), `lossless.negative_control` (the same test on a proposer that lies about its
 //!   q must fail, or the test had no power on this engine and prompt, which fails too).
 //!
+//! - [`check_rollback`], a target whose state cannot be truncated ([`TargetModel::rollback`](
+//!   crate::TargetModel::rollback); skipped as `rollback.offered` when it is `None`):
+//!   `rollback.truncate` (`truncate(seq_len)` changes nothing, a middle truncation either works
+//!   or is refused with [`Error::StateRollback`] without change, `truncate(0)` restarts);
+//!   snapshot mode: `rollback.snapshot` (save, six other tokens by forward and prefill, restore
+//!   equals never advanced, after a forward and after a prefill; a second restore too); row
+//!   states: `rollback.rows` (after a prefill of half the prompt, a forward of `i` prompt tokens
+//!   and 3 others, `keep_rows(i)` leaves the state after the first `i` rows, for every `i`, also
+//!   over two forwards; `pending_rows` counts the rows since the commit point and is 0 after
+//!   `keep_rows`); `rollback.errors` (restore without a snapshot or after `truncate(0)`,
+//!   `keep_rows` beyond the pending rows: refused with [`Error::StateRollback`], nothing
+//!   changed). The loop with such a target is checked by [`check_lossless`] like any other's.
+//!
 //! # What a pass proves
 //!
 //! The checks are tests on the prompts given, not proofs: a pass says the engine met every rule
@@ -126,6 +140,7 @@ mod invariance;
 mod lossless;
 mod proposer;
 mod report;
+mod rollback;
 mod stats;
 mod target;
 mod tree;
@@ -140,6 +155,7 @@ pub use invariance::check_invariance;
 pub use lossless::{check_lossless, check_lossless_with};
 pub use proposer::check_proposer;
 pub use report::{CheckResult, Fit, Invariance, Outcome, Report};
+pub use rollback::check_rollback;
 pub use target::check_target;
 pub use tree::check_tree;
 
@@ -335,10 +351,10 @@ impl KitConfigBuilder {
 ///
 /// - `conformance_tests!(name, make, prompts)` and `conformance_tests!(name, make, prompts,
 ///   config)`: for a [`TargetModel`](crate::TargetModel), tests `target_model`,
-///   `batch_invariance`, `tree_target`, `hidden_states`, `target_features` and `lossless`
-///   ([`check_target`], [`check_invariance`], [`check_tree`], [`check_hidden`],
-///   [`check_features`], [`check_lossless`]; families the engine does not offer pass as
-///   skipped).
+///   `batch_invariance`, `tree_target`, `hidden_states`, `target_features`, `lossless` and
+///   `rollback` ([`check_target`], [`check_invariance`], [`check_tree`], [`check_hidden`],
+///   [`check_features`], [`check_lossless`], [`check_rollback`]; families the engine does not
+///   offer pass as skipped).
 /// - `conformance_tests!(batch name, make, prompts)` and with `config`: for a
 ///   [`BatchTarget`](crate::BatchTarget), test `batch_target` ([`check_batch`]).
 ///
@@ -377,6 +393,7 @@ macro_rules! conformance_tests {
             $crate::conformance_tests!(@one hidden_states, check_hidden, $make, $prompts, $cfg);
             $crate::conformance_tests!(@one target_features, check_features, $make, $prompts, $cfg);
             $crate::conformance_tests!(@one lossless, check_lossless, $make, $prompts, $cfg);
+            $crate::conformance_tests!(@one rollback, check_rollback, $make, $prompts, $cfg);
         }
     };
     (@one $test:ident, $check:ident, $make:expr, $prompts:expr, $cfg:expr) => {

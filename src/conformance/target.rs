@@ -5,7 +5,7 @@ use super::util::{
     Fail, compare_rows, ok, prompt_input, prompts, record, refused, same_len, seq_is, token,
 };
 use super::{KitConfig, Tolerance};
-use crate::model::TargetModel;
+use crate::model::{RollbackMode, TargetModel, rollback_mode};
 
 type Check = std::result::Result<(), Fail>;
 
@@ -208,6 +208,15 @@ fn truncate<T: TargetModel>(
     ok(m.forward(p, &mut rows), "forward(prompt)")?;
     ok(m.truncate(n), "truncate(seq_len)")?;
     seq_is(&m, n, "truncate(seq_len)")?;
+    if rollback_mode(&mut m) != RollbackMode::Truncate {
+        // A state that cannot be truncated: only the reset (the rest is `rollback.truncate`).
+        ok(m.truncate(0), "truncate(0)")?;
+        seq_is(&m, 0, "truncate(0)")?;
+        ok(m.forward(p, &mut rows), "forward(prompt) after truncate(0)")?;
+        return compare_rows(reference, &rows, v, 0, tol)
+            .map_err(|f| f.context("truncate(0), forward".into()))
+            .map(|_| ());
+    }
     ok(m.truncate(a), format!("truncate({a})"))?;
     seq_is(&m, a, &format!("truncate({a})"))?;
     ok(
@@ -341,6 +350,9 @@ fn context<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32]) -> Check {
     )?;
     refused(m.prefill(&fill[..1]), "prefill of 1 token at max_context")?;
     seq_is(&m, max, "the refused calls")?;
+    if rollback_mode(&mut m) != RollbackMode::Truncate {
+        return Ok(());
+    }
     ok(m.truncate(max - 1), "truncate(max_context - 1)")?;
     ok(
         m.forward(&fill[..1], &mut rows),

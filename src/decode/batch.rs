@@ -17,7 +17,7 @@ use super::sequence::{
 };
 use super::stop::{Detokenizer, FinishReason};
 use crate::error::{Error, Result};
-use crate::model::{BatchTarget, SlotChunk, SlotInput};
+use crate::model::{self, BatchTarget, RollbackMode, SlotChunk, SlotInput};
 use crate::propose::Proposer;
 use crate::verify::{DraftQ, SequenceParams, StepOutput, Verifier, VerifyBatch, VerifyRequest};
 
@@ -195,6 +195,11 @@ pub struct BatchStepStats {
     pub finished: usize,
     /// Time of the batched forward.
     pub forward_time: Duration,
+    /// Tokens replayed after rejections (targets in snapshot mode,
+    /// [`crate::BatchRollback::Snapshot`]), in tokens.
+    pub replayed: usize,
+    /// Time of those replays (restores and their forwards; part of `step_time`).
+    pub replay_time: Duration,
     /// Wall time of the whole step (planning and proposing, forward, verification, commits,
     /// callbacks).
     pub step_time: Duration,
@@ -218,6 +223,10 @@ pub struct BatchMetrics {
     pub emitted: u64,
     /// Time in batched forwards.
     pub forward_time: Duration,
+    /// Tokens replayed after rejections (snapshot mode).
+    pub replayed: u64,
+    /// Time of those replays.
+    pub replay_time: Duration,
     /// Wall time of all steps.
     pub step_time: Duration,
 }
@@ -248,6 +257,8 @@ struct Running {
     error: Option<Error>,
     /// Steps this decoding sequence was left out of for want of rows (it goes first next).
     waited: u32,
+    /// Time of this step's state save (snapshot mode).
+    saved: Duration,
 }
 
 /// A prefill chunk of a step: the running request's index, and the prompt range it appends.
@@ -322,6 +333,8 @@ pub struct BatchGenerator<B> {
     max_slots: usize,
     max_rows: usize,
     tree_nodes: usize,
+    /// How the slots roll back ([`BatchTarget::rollback`], read at construction).
+    rollback: RollbackMode,
     next_id: u64,
     waiting: VecDeque<(RequestId, BatchRequest)>,
     active: Vec<Running>,
@@ -367,7 +380,10 @@ impl<B: BatchTarget> BatchGenerator<B> {
         Ok(Self::build(target, config))
     }
 
-    fn build(target: B, config: BatchConfig) -> Self {
+    fn build(mut target: B, config: BatchConfig) -> Self {
+        let rollback = target
+            .rollback()
+            .map_or(RollbackMode::Truncate, |r| r.mode());
         let max_slots = target.max_slots();
         let max_rows = config
             .max_batch_tokens
@@ -376,7 +392,13 @@ impl<B: BatchTarget> BatchGenerator<B> {
         BatchGenerator {
             vocab: target.vocab_size(),
             max_context: target.max_context(),
-            tree_nodes: target.max_tree_nodes(),
+            // A target that cannot truncate verifies chains.
+            tree_nodes: if rollback == RollbackMode::Truncate {
+                target.max_tree_nodes()
+            } else {
+                0
+            },
+            rollback,
             target,
             config,
             max_slots,
@@ -587,6 +609,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
         let times = StepTimes {
             forward: stats.forward_time,
             verify: t_ver.elapsed(),
+            ..StepTimes::default()
         };
         let mut done = self.commit_all(&decoding, outs, times, &mut stats);
         self.prefill_progress(&prefill, &mut done);
@@ -602,6 +625,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
             vocab: self.vocab,
             max_context: self.max_context,
             max_tree_nodes: self.tree_nodes,
+            rollback: self.rollback,
         }
     }
 
@@ -660,6 +684,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
             started: false,
             error: None,
             waited: 0,
+            saved: Duration::ZERO,
         };
         let started = self
             .target
@@ -797,7 +822,8 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 continue;
             }
             let mark = s.seq.mark();
-            match s.seq.plan(&mut *s.proposer, limits, k_override) {
+            let planned = s.seq.plan(&mut *s.proposer, limits, k_override);
+            match planned.and_then(|p| save_planned(&mut self.target, s, p)) {
                 Ok(Some(p)) => {
                     *rows_left = rows_left.saturating_sub(p.rows());
                     s.plan = Some((p, mark));
@@ -808,7 +834,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 Ok(None) => {}
                 Err(e) => {
                     let len = s.seq.fail(mark);
-                    let _ = self.target.truncate(s.slot, len);
+                    rewind_slot(&mut self.target, s.slot, s.seq.fail_op(len));
                     s.error = Some(e);
                 }
             }
@@ -961,7 +987,9 @@ impl<B: BatchTarget> BatchGenerator<B> {
             stats.sequences += 1;
             stats.draft_rows += plan.drafted();
             match out.and_then(|out| commit_one(&mut self.target, s, &plan, out, times)) {
-                Ok(()) => {
+                Ok((replayed, replay_time)) => {
+                    stats.replayed += replayed;
+                    stats.replay_time += replay_time;
                     let chunk = s.seq.last_chunk();
                     stats.emitted += chunk.tokens.len();
                     if let Some(f) = s.stream.as_mut()
@@ -975,7 +1003,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 }
                 Err(e) => {
                     let len = s.seq.fail(mark);
-                    let _ = self.target.truncate(s.slot, len);
+                    rewind_slot(&mut self.target, s.slot, s.seq.fail_op(len));
                     s.error = Some(e);
                     done.push(i);
                 }
@@ -1018,11 +1046,15 @@ impl<B: BatchTarget> BatchGenerator<B> {
     /// The goodput policy learns the step's cost from the cost source (measured by default:
     /// the forward plus the rest of the step, that is the step time); the totals.
     fn learn(&mut self, stats: &BatchStepStats) {
-        let step_secs = self.costs.forward_secs(stats.rows, stats.forward_time)
-            + self.costs.propose_secs(
-                stats.draft_rows,
-                stats.step_time.saturating_sub(stats.forward_time),
-            );
+        let rest = stats
+            .step_time
+            .saturating_sub(stats.forward_time + stats.replay_time);
+        let mut step_secs = self.costs.forward_secs(stats.rows, stats.forward_time)
+            + self.costs.propose_secs(stats.draft_rows, rest);
+        if stats.replayed > 0 {
+            // Replays after rejections (snapshot mode): c(replay) on top of the step.
+            step_secs += self.costs.replay_secs(stats.replayed, stats.replay_time);
+        }
         self.cost.observe(stats.rows, step_secs);
         let m = &mut self.metrics;
         m.steps += 1;
@@ -1031,6 +1063,8 @@ impl<B: BatchTarget> BatchGenerator<B> {
         m.draft_rows += stats.draft_rows as u64;
         m.emitted += stats.emitted as u64;
         m.forward_time += stats.forward_time;
+        m.replayed += stats.replayed as u64;
+        m.replay_time += stats.replay_time;
         m.step_time += stats.step_time;
     }
 
@@ -1044,7 +1078,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
             let s = &mut self.active[i];
             if let Some((_, mark)) = s.plan.take() {
                 let len = s.seq.fail(mark);
-                let _ = self.target.truncate(s.slot, len);
+                rewind_slot(&mut self.target, s.slot, s.seq.fail_op(len));
             }
             s.error = Some(failed());
             hit.push(i);
@@ -1091,29 +1125,97 @@ impl<B: BatchTarget> BatchGenerator<B> {
 }
 
 /// The commit phase of one verified sequence, its cache operation on its slot, and its observe
-/// phase.
+/// phase. Returns the tokens replayed and the replay's time (snapshot mode).
 fn commit_one<B: BatchTarget>(
     target: &mut B,
     s: &mut Running,
     plan: &Plan,
     out: StepOutput,
     times: StepTimes,
-) -> Result<()> {
+) -> Result<(usize, Duration)> {
     let (cache, committed) = s.seq.commit(plan, &out, None)?;
-    match cache {
-        CacheOp::Keep(n) => target.truncate(s.slot, n)?,
-        CacheOp::CommitTree { path, len } => {
-            target.commit_tree(s.slot, path)?;
-            // An invalid slot reads as an impossible length, which is a broken contract.
-            if target.seq_len(s.slot).unwrap_or(usize::MAX) != len {
-                return Err(Error::TargetContract {
-                    what: "seq_len after commit_tree",
-                });
+    let (replay, replayed) = apply_slot(target, s.slot, cache, s.seq.context())?;
+    let times = StepTimes {
+        snapshot: s.saved,
+        replay,
+        replayed,
+        ..times
+    };
+    s.seq
+        .observe(&mut *s.proposer, &*s.costs, plan, out, committed, times)?;
+    Ok((replayed, replay))
+}
+
+/// Snapshot mode: saves the slot's state before the forward of a planned step (its time in
+/// `s.saved`); passes the plan through.
+fn save_planned<B: BatchTarget>(
+    target: &mut B,
+    s: &mut Running,
+    plan: Option<Plan>,
+) -> Result<Option<Plan>> {
+    s.saved = Duration::ZERO;
+    if plan.as_ref().is_some_and(Plan::saves_state) {
+        let t = Instant::now();
+        model::save_slot(target, s.slot)?;
+        s.saved = t.elapsed();
+    }
+    Ok(plan)
+}
+
+/// Applies a cache operation to `slot` (as [`super::Generator`]'s driver does to its target:
+/// truncation, the tree commit, or the rollback of a target that cannot truncate, whose replay
+/// of `context[from..len]` is one prefill chunk of its own); checks the slot's length except
+/// after a plain truncation. Returns the replay's time and tokens.
+fn apply_slot<B: BatchTarget>(
+    target: &mut B,
+    slot: usize,
+    op: CacheOp<'_>,
+    context: &[u32],
+) -> Result<(Duration, usize)> {
+    let none = (Duration::ZERO, 0);
+    let mut replay = none;
+    match op {
+        CacheOp::Keep(n) => return target.truncate(slot, n).map(|()| none),
+        CacheOp::CommitTree { path, .. } => target.commit_tree(slot, path)?,
+        CacheOp::Hold(_) => {}
+        CacheOp::Replay { from, len } => {
+            let t = Instant::now();
+            model::restore_slot(target, slot)?;
+            let input = SlotInput::Prefill(&context[from..len]);
+            target.forward_batch(&[SlotChunk { slot, input }], &mut Vec::new())?;
+            replay = (t.elapsed(), len - from);
+        }
+        CacheOp::KeepRows { rows, .. } => model::keep_slot_rows(target, slot, rows)?,
+        CacheOp::Restore(_) => model::restore_slot(target, slot)?,
+    }
+    // An invalid slot reads as an impossible length, which is a broken contract.
+    if target.seq_len(slot).unwrap_or(usize::MAX) != op.len() {
+        return Err(Error::TargetContract {
+            what: match op {
+                CacheOp::CommitTree { .. } => "seq_len after commit_tree",
+                _ => {
+                    "BatchTarget::seq_len(slot) after the step's rollback (replay, keep_rows, restore_state or none)"
+                }
+            },
+        });
+    }
+    Ok(replay)
+}
+
+/// After a failed step: brings `slot` back with `op` ([`Sequence::fail_op`]) as
+/// [`super::Generator`] does; a slot that cannot truncate is reset when that fails.
+fn rewind_slot<B: BatchTarget>(target: &mut B, slot: usize, op: CacheOp<'static>) {
+    match op {
+        CacheOp::Keep(len) => {
+            let _ = target.truncate(slot, len);
+        }
+        _ if target.seq_len(slot).ok() == Some(op.len()) => {}
+        _ => {
+            if apply_slot(target, slot, op, &[]).is_err() {
+                let _ = target.truncate(slot, 0);
             }
         }
     }
-    s.seq
-        .observe(&mut *s.proposer, &*s.costs, plan, out, committed, times)
 }
 
 /// The drafts of a step's verify requests, flattened for one [`VerifyBatch`]: tokens and

@@ -37,6 +37,15 @@ pub trait StepCosts: Send + Sync {
     /// which took `measured` (the proposer's calls for the step; for a batch step: everything
     /// but the forward, proposing and verifying every sequence).
     fn propose_secs(&self, drafted: usize, measured: Duration) -> f64;
+
+    /// Seconds to record for the replay of a step with a rejection on a target in snapshot mode
+    /// ([`crate::Rollback::Snapshot`]): restoring the state and a forward over `rows >= 1`
+    /// tokens without logits, which took `measured`. The policy's cost of such a step is
+    /// `forward_secs(k + 1, ..) + replay_secs(a + 1, ..)` (`a` accepted drafts). The default is
+    /// [`StepCosts::forward_secs`]`(rows, measured)`: the replay priced as a forward of its rows.
+    fn replay_secs(&self, rows: usize, measured: Duration) -> f64 {
+        self.forward_secs(rows, measured)
+    }
 }
 
 impl<C: StepCosts + ?Sized> StepCosts for Arc<C> {
@@ -46,6 +55,10 @@ impl<C: StepCosts + ?Sized> StepCosts for Arc<C> {
 
     fn propose_secs(&self, drafted: usize, measured: Duration) -> f64 {
         (**self).propose_secs(drafted, measured)
+    }
+
+    fn replay_secs(&self, rows: usize, measured: Duration) -> f64 {
+        (**self).replay_secs(rows, measured)
     }
 }
 

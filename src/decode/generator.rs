@@ -15,7 +15,7 @@ use super::sequence::{
 };
 use super::stop::{Detokenizer, FinishReason};
 use crate::error::{Error, Result};
-use crate::model::{SlotInput, TargetModel};
+use crate::model::{self, RollbackMode, SlotInput, TargetModel, rollback_mode};
 use crate::propose::Proposer;
 use crate::verify::Verifier;
 
@@ -250,16 +250,19 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         Ok(Session { g: self })
     }
 
-    /// The target's limits; its tree capacity only when the request drafts trees (`trees`).
+    /// The target's limits; its tree capacity only when the request drafts trees (`trees`)
+    /// and the target can truncate (one that cannot verifies chains).
     fn limits(&mut self, trees: bool) -> TargetLimits {
+        let rollback = rollback_mode(&mut self.target);
         TargetLimits {
             vocab: self.target.vocab_size(),
             max_context: self.target.max_context(),
-            max_tree_nodes: if trees {
+            max_tree_nodes: if trees && rollback == RollbackMode::Truncate {
                 self.target.tree().map_or(0, |t| t.max_tree_nodes())
             } else {
                 0
             },
+            rollback,
         }
     }
 
@@ -270,6 +273,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         let Some(plan) = self.seq.plan(&mut self.proposer, limits, None)? else {
             return Ok(false);
         };
+        let snapshot = self.save_state(&plan)?;
         let forward = self.forward(&plan)?;
         let t = Instant::now();
         let out = self
@@ -277,8 +281,14 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             .verify(&self.seq.verify_request(&plan, &self.logits))?;
         let verify = t.elapsed();
         let (cache, committed) = self.seq.commit(&plan, &out, hidden_view(&self.target))?;
-        apply_cache(&mut self.target, cache)?;
-        let times = super::sequence::StepTimes { forward, verify };
+        let (replay, replayed) = apply_cache(&mut self.target, cache, self.seq.context())?;
+        let times = super::sequence::StepTimes {
+            forward,
+            verify,
+            snapshot,
+            replay,
+            replayed,
+        };
         self.seq.observe(
             &mut self.proposer,
             &*self.costs,
@@ -288,6 +298,16 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             times,
         )?;
         Ok(true)
+    }
+
+    /// Snapshot mode: saves the target's state before the step's forward; the time it took.
+    fn save_state(&mut self, plan: &Plan) -> Result<Duration> {
+        if !plan.saves_state() {
+            return Ok(Duration::ZERO);
+        }
+        let t = Instant::now();
+        model::save_state(&mut self.target)?;
+        Ok(t.elapsed())
     }
 
     /// Forward phase: one target forward over the planned rows (`[last, d_1 .. d_k]`, without
@@ -337,21 +357,59 @@ fn hidden_view<T: TargetModel>(target: &T) -> Option<HiddenView<'_>> {
     })
 }
 
-/// Applies a commit's cache operation to the target: truncation, or the tree commit (then
-/// checks the sequence length).
-fn apply_cache<T: TargetModel>(target: &mut T, op: CacheOp<'_>) -> Result<()> {
+/// Applies a cache operation to the target: truncation, the tree commit, or a rollback of a
+/// target that cannot truncate (restore and replay `context[from..len]`, keep rows, restore);
+/// then checks the sequence length (except after a plain truncation). Returns the replay's
+/// time and tokens (zero without a replay).
+fn apply_cache<T: TargetModel>(
+    target: &mut T,
+    op: CacheOp<'_>,
+    context: &[u32],
+) -> Result<(Duration, usize)> {
+    let none = (Duration::ZERO, 0);
     match op {
-        CacheOp::Keep(n) => target.truncate(n),
-        CacheOp::CommitTree { path, len } => {
-            match target.tree() {
-                Some(tree) => tree.commit_tree(path)?,
-                None => {
-                    return Err(Error::TargetContract {
-                        what: "tree() returned None after a tree forward",
-                    });
-                }
+        CacheOp::Keep(n) => return target.truncate(n).map(|()| none),
+        CacheOp::CommitTree { path, .. } => match target.tree() {
+            Some(tree) => tree.commit_tree(path)?,
+            None => {
+                return Err(Error::TargetContract {
+                    what: "tree() returned None after a tree forward",
+                });
             }
-            check_seq_len(target, len, "seq_len after commit_tree")
+        },
+        CacheOp::Hold(_) => {}
+        CacheOp::Replay { from, len } => {
+            let t = Instant::now();
+            model::restore_state(target)?;
+            check_seq_len(target, from, "seq_len after restore_state")?;
+            target.prefill(&context[from..len])?;
+            check_seq_len(target, len, "seq_len after the replay")?;
+            return Ok((t.elapsed(), len - from));
+        }
+        CacheOp::KeepRows { rows, .. } => model::keep_rows(target, rows)?,
+        CacheOp::Restore(_) => model::restore_state(target)?,
+    }
+    let what = match op {
+        CacheOp::CommitTree { .. } => "seq_len after commit_tree",
+        _ => "seq_len after the step's rollback (keep_rows, restore_state or none)",
+    };
+    check_seq_len(target, op.len(), what)?;
+    Ok(none)
+}
+
+/// After a failed step: brings the target back with `op` ([`Sequence::fail_op`]); a target
+/// that cannot truncate and is not at the length already is reset (`truncate(0)`) when the
+/// rollback fails. Best effort: the next generation starts with `truncate(0)` anyway.
+fn rewind<T: TargetModel>(target: &mut T, op: CacheOp<'static>) {
+    match op {
+        CacheOp::Keep(len) => {
+            let _ = target.truncate(len);
+        }
+        _ if target.seq_len() == op.len() => {}
+        _ => {
+            if apply_cache(target, op, &[]).is_err() {
+                let _ = target.truncate(0);
+            }
         }
     }
 }
@@ -428,9 +486,8 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             Ok(true) => Ok(Some(self.g.seq.last_tokens())),
             Ok(false) => Ok(None),
             Err(e) => {
-                // Best effort: the next generation starts with truncate(0) anyway.
                 let len = self.g.seq.fail(mark);
-                let _ = self.g.target.truncate(len);
+                rewind(&mut self.g.target, self.g.seq.fail_op(len));
                 Err(e)
             }
         }

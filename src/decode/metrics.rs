@@ -53,6 +53,17 @@ pub struct Metrics {
     pub tree_nodes: usize,
     /// Sum of the depths of all tree steps (the deepest node of each).
     pub tree_depth: usize,
+    /// Steps that restored the target's snapshot and replayed the tokens to keep (targets in
+    /// [`RollbackMode::Snapshot`](crate::RollbackMode::Snapshot): a step that rejected
+    /// drafts).
+    pub replays: usize,
+    /// Tokens replayed by those steps (`accepted drafts + 1` each), in tokens.
+    pub replayed_tokens: usize,
+    /// Time spent restoring snapshots and replaying (not in `forward_time`).
+    pub replay_time: Duration,
+    /// Time spent saving the target's state before each verify forward (snapshot mode; not in
+    /// `forward_time`).
+    pub snapshot_time: Duration,
     /// Time spent in the prompt prefill forward.
     pub prefill_time: Duration,
     /// Time spent in [`crate::Proposer::propose`] and [`crate::Proposer::observe`].

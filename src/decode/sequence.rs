@@ -33,7 +33,7 @@ use super::params::GenerationParams;
 use super::policy::{AdaptiveState, DraftLength, TreeShape};
 use super::stop::{Detokenizer, FinishReason, StopScan, TextMark, TextTracker};
 use crate::error::{Error, ProposalFault, Result};
-use crate::model::SlotInput;
+use crate::model::{RollbackMode, SlotInput};
 use crate::propose::{Draft, ProposeRequest, Proposer, VerifiedRows};
 use crate::tree::{DraftBlock, TreeLimits};
 use crate::verify::{DraftProbs, SequenceState, StepEnd, StepOutput, TokenLogprob, VerifyRequest};
@@ -164,6 +164,9 @@ pub(crate) struct TargetLimits {
     /// Most nodes of one tree forward; 0 when the target has no tree support (or the request
     /// drafts no trees).
     pub max_tree_nodes: usize,
+    /// How the target rolls back rejected drafts ([`crate::TargetModel::rollback`]); a target
+    /// that cannot truncate is driven with chains (trees fall back to chains).
+    pub rollback: RollbackMode,
 }
 
 /// The final hidden states of the target's last forward, as the driver read them
@@ -221,6 +224,8 @@ pub(crate) struct Plan {
     suppress_rows: usize,
     /// The proposer's [`Proposer::row_candidates`].
     row_top_k: usize,
+    /// The driver saves the target's state before the forward (snapshot mode).
+    saves_state: bool,
 }
 
 impl Plan {
@@ -238,10 +243,19 @@ impl Plan {
     pub fn is_tree(&self) -> bool {
         self.tree
     }
+
+    /// Whether the driver must save the target's state before the step's forward
+    /// ([`crate::StateSnapshot::save_state`]; targets in snapshot mode), so that
+    /// [`CacheOp::Replay`] and [`CacheOp::Restore`] can restore it.
+    pub fn saves_state(&self) -> bool {
+        self.saves_state
+    }
 }
 
-/// What the engine must do to the sequence's KV cache after a commit: keep exactly the emitted
-/// tokens but the last.
+/// What the engine must do to the sequence's KV cache (or state) after a commit: keep exactly
+/// the emitted tokens but the last; or, after a failed step ([`Sequence::fail_op`]), go back to
+/// where the step started. Every variant names the length `len` the cache holds afterwards
+/// (the driver checks it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum CacheOp<'o> {
     /// Keep the first `n` positions (truncate a chain's rejected rows).
@@ -249,6 +263,29 @@ pub(crate) enum CacheOp<'o> {
     /// Keep the accepted `path` of the pending tree (node indices); the cache then holds `len`
     /// positions.
     CommitTree { path: &'o [u32], len: usize },
+    /// Nothing to do: the forward left exactly the `len` positions to keep (every draft
+    /// accepted, on a target that cannot truncate).
+    Hold(usize),
+    /// Snapshot mode: restore the state saved before the step's forward (`from` positions) and
+    /// replay `context[from..len]` ([`Sequence::context`]) with a prefill (no logits).
+    Replay { from: usize, len: usize },
+    /// Per-row states: keep the first `rows` positions the step's forward appended
+    /// ([`crate::RowStates::keep_rows`]).
+    KeepRows { rows: usize, len: usize },
+    /// Snapshot mode, after a failed step: restore the state saved before the step's forward.
+    Restore(usize),
+}
+
+impl CacheOp<'_> {
+    /// The cache length after the operation.
+    pub fn len(&self) -> usize {
+        match *self {
+            CacheOp::Keep(n) | CacheOp::Hold(n) | CacheOp::Restore(n) => n,
+            CacheOp::CommitTree { len, .. }
+            | CacheOp::Replay { len, .. }
+            | CacheOp::KeepRows { len, .. } => len,
+        }
+    }
 }
 
 /// What the commit phase kept, for [`Sequence::observe`]: the context length before the step,
@@ -261,11 +298,17 @@ pub(crate) struct Committed {
     reason: Option<FinishReason>,
 }
 
-/// The measured times of a step's engine phases.
-#[derive(Debug, Clone, Copy)]
+/// The measured times of a step's engine phases, and the rollback work the driver did.
+#[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct StepTimes {
     pub forward: Duration,
     pub verify: Duration,
+    /// Saving the target's state before the forward (snapshot mode).
+    pub snapshot: Duration,
+    /// Restoring and replaying ([`CacheOp::Replay`]).
+    pub replay: Duration,
+    /// Tokens replayed (0: no replay).
+    pub replayed: usize,
 }
 
 /// Ranges of the last step's output, for [`Sequence::last_chunk`].
@@ -467,6 +510,11 @@ impl Sequence {
         &self.context[self.prompt_len..]
     }
 
+    /// The prompt and the new tokens (the tokens of a [`CacheOp::Replay`]).
+    pub fn context(&self) -> &[u32] {
+        &self.context
+    }
+
     /// The text of the new tokens so far (`None` without a detokenizer).
     pub fn text(&self) -> Option<&str> {
         self.detokenizer.as_ref().map(|_| self.text.output())
@@ -580,6 +628,20 @@ impl Sequence {
         len - 1
     }
 
+    /// The cache operation that brings the target back to `len` positions after a failed step
+    /// ([`Sequence::fail`]'s length): truncation; on a target that cannot truncate, restoring
+    /// the step's snapshot, or keeping none of the rows appended since the last commit (the
+    /// step's forward). Drivers skip it when the target already holds `len` positions (a
+    /// failure before the forward), and reset the target (`truncate(0)`) when it fails or
+    /// leaves another length (a failure after the step's own cache operation).
+    pub fn fail_op(&self, len: usize) -> CacheOp<'static> {
+        match self.limits.rollback {
+            RollbackMode::Truncate => CacheOp::Keep(len),
+            RollbackMode::Snapshot => CacheOp::Restore(len),
+            RollbackMode::RowStates => CacheOp::KeepRows { rows: 0, len },
+        }
+    }
+
     /// Ends the generation (as cancelled if it was still running) and takes its result out.
     pub fn take_generation(&mut self, proposer: &mut dyn Proposer) -> Generation {
         if self.finish.is_none() {
@@ -639,6 +701,10 @@ impl Sequence {
         k_override: Option<usize>,
     ) -> Result<Option<Plan>> {
         self.limits = limits;
+        if limits.rollback != RollbackMode::Truncate {
+            // A target that cannot truncate verifies chains (tree requests fall back).
+            self.limits.max_tree_nodes = 0;
+        }
         let Some(ask) = self.budget(proposer, k_override) else {
             return Ok(None);
         };
@@ -647,6 +713,7 @@ impl Sequence {
         let mut plan = self.cut(ask)?;
         plan.time = t.elapsed();
         plan.row_top_k = proposer.row_candidates();
+        plan.saves_state = self.limits.rollback == RollbackMode::Snapshot;
         if !plan.tree {
             let last = self.context.last().copied().unwrap_or(0);
             self.feed.clear();
@@ -778,6 +845,7 @@ impl Sequence {
             shaped: ask.shaped,
             suppress_rows: ask.suppress_rows,
             row_top_k: 0,
+            saves_state: false,
         };
         if !self.draft.parents.is_empty() {
             self.tree_ends()?;
@@ -1048,7 +1116,7 @@ impl Sequence {
             // ends the sequence).
             self.append_hidden_rows(0..kept, plan.rows(), hidden);
             self.capture_hidden(kept - 1, hidden);
-            CacheOp::Keep(before + kept - 1)
+            chain_op(self.limits.rollback, before, kept, plan.rows())
         };
         let committed = Committed {
             before,
@@ -1140,13 +1208,22 @@ impl Sequence {
         m.propose_time += plan.time + observe_time;
         m.forward_time += times.forward;
         m.verify_time += times.verify;
+        m.snapshot_time += times.snapshot;
+        m.replay_time += times.replay;
+        m.replays += (times.replayed > 0) as usize;
+        m.replayed_tokens += times.replayed;
         if m.time_to_first_token.is_none() {
             m.time_to_first_token = Some(self.start.elapsed());
         }
         if let DraftLength::Adaptive(a) = &self.params.draft {
             // The policy learns its costs from the cost source (the measured times by default).
             let propose_secs = costs.propose_secs(plan.k, plan.time + observe_time);
-            let forward_secs = costs.forward_secs(plan.k + 1, times.forward);
+            // A step that replayed costs c(k + 1) + c(replay); saving the state counts with
+            // the forward.
+            let mut forward_secs = costs.forward_secs(plan.k + 1, times.forward + times.snapshot);
+            if times.replayed > 0 {
+                forward_secs += costs.replay_secs(times.replayed, times.replay);
+            }
             if plan.shaped {
                 // The tree policy learns by depth and sibling rank, and the cost by rows.
                 self.adaptive.observe_draft(
@@ -1245,6 +1322,22 @@ impl Sequence {
                 }
             }
         }
+    }
+}
+
+/// The cache operation after a chain step on a target in `mode`: the context held `before`
+/// tokens (the cache all but the last), the forward appended `rows` rows, `kept` tokens were
+/// emitted; the cache must hold `before + kept - 1` positions (the rows `[last, d_1 ..
+/// d_kept-1]`).
+fn chain_op(mode: RollbackMode, before: usize, kept: usize, rows: usize) -> CacheOp<'static> {
+    let (from, len) = (before - 1, before + kept - 1);
+    match mode {
+        RollbackMode::Truncate => CacheOp::Keep(len),
+        // Every row kept: the state after the forward is the one to keep.
+        RollbackMode::Snapshot if kept == rows => CacheOp::Hold(len),
+        RollbackMode::Snapshot => CacheOp::Replay { from, len },
+        // Also when every row is kept: `keep_rows` moves the commit point to the new end.
+        RollbackMode::RowStates => CacheOp::KeepRows { rows: kept, len },
     }
 }
 
@@ -1348,6 +1441,7 @@ mod tests {
         vocab: 8,
         max_context: 64,
         max_tree_nodes: 0,
+        rollback: RollbackMode::Truncate,
     };
 
     /// Logits rows `[rows, 8]` whose greedy choice is `next[i]` at row `i`.
@@ -1375,6 +1469,9 @@ mod tests {
     const TIMES: StepTimes = StepTimes {
         forward: Duration::ZERO,
         verify: Duration::ZERO,
+        snapshot: Duration::ZERO,
+        replay: Duration::ZERO,
+        replayed: 0,
     };
 
     #[test]
@@ -1431,6 +1528,41 @@ mod tests {
         assert_eq!(seq.finish_reason(), Some(FinishReason::Error));
         let g = seq.take_generation(&mut p);
         assert_eq!((g.tokens.len(), g.finish), (0, FinishReason::Error));
+    }
+
+    #[test]
+    fn chain_cache_ops_by_rollback_mode() {
+        use RollbackMode::*;
+        // A context of 5 tokens (the cache holds 4), a forward of 4 rows, 2 tokens emitted: the
+        // cache must hold 6.
+        assert_eq!(chain_op(Truncate, 5, 2, 4), CacheOp::Keep(6));
+        assert_eq!(
+            chain_op(Snapshot, 5, 2, 4),
+            CacheOp::Replay { from: 4, len: 6 }
+        );
+        assert_eq!(
+            chain_op(RowStates, 5, 2, 4),
+            CacheOp::KeepRows { rows: 2, len: 6 }
+        );
+        // Every row kept: nothing to replay; row states still move their commit point.
+        assert_eq!(chain_op(Snapshot, 5, 4, 4), CacheOp::Hold(8));
+        assert_eq!(
+            chain_op(RowStates, 5, 4, 4),
+            CacheOp::KeepRows { rows: 4, len: 8 }
+        );
+        let mut p = ScriptedProposer::new(vec![vec![3, 4, 5]]);
+        let params = GenerationParams::greedy(10)
+            .with_draft(DraftLength::Fixed(3))
+            .with_tree(crate::decode::TreeDrafts::nodes(6));
+        let mut seq = started(params, &mut p);
+        let limits = TargetLimits {
+            max_tree_nodes: 8,
+            rollback: Snapshot,
+            ..LIMITS
+        };
+        let plan = seq.plan(&mut p, limits, None).unwrap().unwrap();
+        assert!(plan.saves_state() && !plan.is_tree());
+        assert_eq!(seq.fail_op(3), CacheOp::Restore(3));
     }
 
     #[test]

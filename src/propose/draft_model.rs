@@ -4,7 +4,7 @@
 use super::sampler::DraftSampler;
 use super::{Draft, ProposeRequest, Proposer};
 use crate::error::{Error, Result};
-use crate::model::TargetModel;
+use crate::model::{self, RollbackMode, TargetModel, rollback_mode};
 use crate::tree::{DraftBlock, SiblingScheme};
 
 /// Shape of the token trees [`DraftModelProposer`] grows with [`Proposer::propose_tree`]
@@ -164,6 +164,17 @@ fn ranked(nodes: &[Node], idx: impl Iterator<Item = usize>) -> Vec<usize> {
 /// the first changed position on). [`Proposer::begin`] leaves them too: the first proposal of
 /// a generation replaces them all (its common prefix is empty).
 ///
+/// # Draft models that cannot truncate
+///
+/// A recurrent or hybrid draft model ([`TargetModel::rollback`], see [`crate::Rollback`]) is
+/// rolled back with the same capability as a target: in snapshot mode the proposer saves its
+/// state after each catch-up (before the drafts are fed) and, at the next proposal, restores
+/// it and feeds the accepted drafts again with the rest of the catch-up (one prefill: the
+/// replay); with row states it keeps the rows of the accepted drafts
+/// ([`crate::RowStates::keep_rows`]: each draft was one forward since the commit point). A
+/// context that diverged before the saved point starts over from an empty sequence. Such a
+/// model drafts chains ([`Proposer::propose_tree`] falls back to [`Proposer::propose`]).
+///
 /// # Trees
 ///
 /// [`Proposer::propose_tree`] grows EAGLE-2 style token trees when the draft model offers tree
@@ -181,6 +192,11 @@ pub struct DraftModelProposer<M> {
     /// Leading positions of `seen` whose target features the model holds (feature-conditioned
     /// models only): set to the context's feature rows at each proposal that has them.
     features_valid: usize,
+    /// A draft model in snapshot mode: the length of its saved state (saved after each
+    /// catch-up), `None` when none is saved.
+    snap: Option<usize>,
+    /// A draft model with row states: its commit point ([`crate::RowStates`]).
+    commit: usize,
 }
 
 impl<M: TargetModel> DraftModelProposer<M> {
@@ -194,6 +210,8 @@ impl<M: TargetModel> DraftModelProposer<M> {
             logits: Vec::new(),
             tree: DraftTreeConfig::default(),
             features_valid: 0,
+            snap: None,
+            commit: 0,
         }
     }
 
@@ -259,24 +277,87 @@ impl<M: TargetModel> DraftModelProposer<M> {
                 .count()
         }
         .min(ctx.len() - 1);
-        self.model.truncate(common)?;
-        self.seen.truncate(common);
+        let common = self.rewind(common)?;
         if common == 0 && ctx.len() > 1 {
             // First proposal of a generation: the prompt's rows need no logits.
             let head = &ctx[..ctx.len() - 1];
-            self.model.prefill(head)?;
-            self.seen.extend_from_slice(head);
+            self.prefill(head)?;
             self.feed(&ctx[ctx.len() - 1..])?;
         } else {
             // Only the last row's logits are read: the rows before it are prefilled.
             let last = ctx.len() - 1;
             if last > common {
-                self.model.prefill(&ctx[common..last])?;
-                self.seen.extend_from_slice(&ctx[common..last]);
+                self.prefill(&ctx[common..last])?;
             }
             self.feed(&ctx[last..])?;
         }
+        if rollback_mode(&mut self.model) == RollbackMode::Snapshot {
+            // The drafts are fed after this point: the next proposal restores it.
+            self.snap = None;
+            model::save_state(&mut self.model)?;
+            self.snap = Some(self.seen.len());
+        }
         Ok(())
+    }
+
+    /// Prefills `tokens` (their logits are not read) and records them as seen.
+    fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        self.model.prefill(tokens)?;
+        self.seen.extend_from_slice(tokens);
+        self.commit = self.seen.len();
+        Ok(())
+    }
+
+    /// Brings the model back to the first `common` tokens of `seen` and returns the length it
+    /// holds afterwards (`<= common`; the caller feeds the rest). A model that can truncate is
+    /// truncated to `common`. One that cannot ([`TargetModel::rollback`]) restores the state
+    /// saved after the last catch-up and reaches its length (the accepted drafts are then fed
+    /// again: the replay), or keeps the row states of the accepted drafts
+    /// ([`crate::RowStates::keep_rows`], no replay); when neither reaches back far enough (a
+    /// context that diverged before the last catch-up) it starts over from an empty sequence.
+    fn rewind(&mut self, common: usize) -> Result<usize> {
+        let reached = match rollback_mode(&mut self.model) {
+            RollbackMode::Truncate => {
+                self.model.truncate(common)?;
+                common
+            }
+            _ if common == 0 => self.reset()?,
+            RollbackMode::Snapshot if self.model.seq_len() == common => common,
+            RollbackMode::Snapshot => match self.snap.filter(|&s| s <= common) {
+                Some(s) => {
+                    model::restore_state(&mut self.model)?;
+                    if self.model.seq_len() == s {
+                        s
+                    } else {
+                        self.reset()?
+                    }
+                }
+                None => self.reset()?,
+            },
+            RollbackMode::RowStates => {
+                let held = model::pending_rows(&mut self.model).unwrap_or(0);
+                match common.checked_sub(self.commit).filter(|&r| r <= held) {
+                    Some(rows) => {
+                        model::keep_rows(&mut self.model, rows)?;
+                        self.commit = common;
+                        common
+                    }
+                    None => self.reset()?,
+                }
+            }
+        };
+        self.seen.truncate(reached);
+        Ok(reached)
+    }
+
+    /// Empties the model's sequence (`truncate(0)`, which every model supports) and forgets
+    /// its snapshot and commit point; returns 0.
+    fn reset(&mut self) -> Result<usize> {
+        self.model.truncate(0)?;
+        self.seen.clear();
+        self.snap = None;
+        self.commit = 0;
+        Ok(0)
     }
 
     /// Feature-conditioned draft models ([`TargetModel::target_features`]): hands the model the
@@ -330,8 +411,7 @@ impl<M: TargetModel> DraftModelProposer<M> {
         if consistent && len <= self.seen.len() {
             self.seen.truncate(len);
         } else {
-            self.model.truncate(0)?;
-            self.seen.clear();
+            self.reset()?;
         }
         Ok(())
     }
@@ -594,8 +674,7 @@ fn next_beam(
 
 impl<M: TargetModel> Proposer for DraftModelProposer<M> {
     fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
-        self.model.truncate(0)?;
-        self.seen.clear();
+        self.reset()?;
         self.features_valid = 0;
         Ok(())
     }
@@ -695,7 +774,13 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
     /// As [`Proposer::propose`], plus those of the draft model's tree forward and commit, and
     /// [`Error::ShapeMismatch`] when a tree forward's logits are not `[n + 1, vocab]`.
     fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
-        let tree_cap = self.model.tree().map(|t| t.max_tree_nodes());
+        // A draft model that cannot truncate drafts chains.
+        let truncates = rollback_mode(&mut self.model) == RollbackMode::Truncate;
+        let tree_cap = self
+            .model
+            .tree()
+            .map(|t| t.max_tree_nodes())
+            .filter(|_| truncates);
         let Some(tree_cap) = tree_cap.filter(|_| req.max_nodes > req.max_draft) else {
             let chain = ProposeRequest {
                 max_draft: req.max_draft.min(req.max_nodes),

@@ -1,7 +1,7 @@
 //! [`LlamaBatchTarget`]: several sequences in one llama.cpp context, [`BatchTarget`].
 
 use speculative::model::check_slots;
-use speculative::{BatchTarget, SlotChunk, SlotInput};
+use speculative::{BatchRollback, BatchStateSnapshot, BatchTarget, SlotChunk, SlotInput};
 
 use crate::engine::LlamaEngine;
 use crate::error::Result;
@@ -28,6 +28,9 @@ use crate::seqs::{LlamaConfig, Part, Seqs};
 ///
 /// Batch invariance: llama.cpp does not promise that a slot's logits are independent of the
 /// other rows of the call (see the crate docs for the measurement).
+///
+/// Recurrent and hybrid models (and [`LlamaConfig::force_snapshot`]) roll back by snapshot and
+/// replay per slot ([`BatchRollback::Snapshot`]), as [`crate::LlamaTarget`] does.
 pub struct LlamaBatchTarget {
     seqs: Seqs,
 }
@@ -129,5 +132,27 @@ impl BatchTarget for LlamaBatchTarget {
 
     fn release(&mut self, slot: usize) -> speculative::Result<()> {
         self.truncate(slot, 0)
+    }
+
+    fn rollback(&mut self) -> Option<BatchRollback<'_>> {
+        self.seqs
+            .snapshot()
+            .then_some(BatchRollback::Snapshot(self as &mut dyn BatchStateSnapshot))
+    }
+}
+
+impl BatchStateSnapshot for LlamaBatchTarget {
+    fn save_state(&mut self, slot: usize) -> speculative::Result<()> {
+        if slot >= self.seqs.slots() {
+            return Err(self.slot_error(slot));
+        }
+        Ok(self.seqs.save(slot)?)
+    }
+
+    fn restore_state(&mut self, slot: usize) -> speculative::Result<()> {
+        if slot >= self.seqs.slots() {
+            return Err(self.slot_error(slot));
+        }
+        Ok(self.seqs.restore(slot)?)
     }
 }

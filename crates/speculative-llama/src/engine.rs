@@ -156,6 +156,7 @@ pub struct LlamaEngine {
     vocab_size: usize,
     eos: u32,
     eog: Vec<u32>,
+    recurrent: bool,
 }
 
 impl std::fmt::Debug for LlamaEngine {
@@ -193,14 +194,9 @@ impl LlamaEngine {
                 "{e} (set SPECULATIVE_LLAMA_LOG=1 for llama.cpp's log)"
             ))
         })?;
-        // Recurrent and hybrid models cannot roll their state back to a position.
-        if model.is_recurrent() || model.is_hybrid() {
-            return Err(load_err(
-                "recurrent or hybrid architecture: its state cannot be rolled back to a position, \
-                 which rejecting drafts needs"
-                    .into(),
-            ));
-        }
+        // Recurrent and hybrid models cannot drop positions: their targets roll back by
+        // snapshot and replay (`LlamaTarget::rollback`).
+        let recurrent = model.is_recurrent() || model.is_hybrid();
         let vocab_size = usize::try_from(model.n_vocab())
             .ok()
             .filter(|&v| v > 0)
@@ -216,7 +212,16 @@ impl LlamaEngine {
             vocab_size,
             eos,
             eog,
+            recurrent,
         })
+    }
+
+    /// `true` for a recurrent or hybrid architecture (Mamba, RWKV, gated delta-net layers):
+    /// its state cannot drop positions, so [`crate::LlamaTarget`] and
+    /// [`crate::LlamaBatchTarget`] roll back by snapshot and replay
+    /// ([`speculative::Rollback::Snapshot`]).
+    pub fn is_recurrent(&self) -> bool {
+        self.recurrent
     }
 
     /// The llama-cpp-2 model, for what this crate does not wrap.

@@ -80,6 +80,18 @@ pub enum LlamaError {
         /// llama.cpp's answer.
         reason: String,
     },
+    /// llama.cpp could not save or restore a sequence's state (snapshot rollback).
+    #[error("saving or restoring the state of sequence {seq}: {reason}")]
+    State {
+        /// The sequence (slot).
+        seq: usize,
+        /// llama.cpp's answer.
+        reason: String,
+    },
+    /// A rollback the sequence cannot do (a truncation to a middle length in snapshot mode,
+    /// a restore without a saved state); becomes [`speculative::Error::StateRollback`].
+    #[error("the sequence cannot roll its state back: {0}")]
+    StateRollback(&'static str),
     /// llama.cpp returned logits of an unexpected size.
     #[error("llama.cpp returned {got} logits for a row, the vocabulary has {vocab_size}")]
     LogitsSize {
@@ -106,7 +118,10 @@ pub enum LlamaError {
 
 impl From<LlamaError> for speculative::Error {
     fn from(e: LlamaError) -> Self {
-        speculative::Error::model(e)
+        match e {
+            LlamaError::StateRollback(what) => speculative::Error::StateRollback { what },
+            e => speculative::Error::model(e),
+        }
     }
 }
 

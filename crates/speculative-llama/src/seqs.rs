@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::context::params::LlamaContextParams;
+use llama_cpp_2::context::session::{LlamaStateSeqFlags, SeqState};
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
@@ -61,6 +62,12 @@ pub struct LlamaConfig {
     /// Flash attention. Default [`FlashAttention::On`], which makes greedy speculative output
     /// identical to plain greedy output on the CPU backend (see [`FlashAttention`]).
     pub flash_attention: FlashAttention,
+    /// Roll back by snapshot and replay ([`speculative::Rollback::Snapshot`]) even when the
+    /// model could truncate its KV cache. Recurrent and hybrid models
+    /// ([`crate::LlamaEngine::is_recurrent`]) always do; this forces it on for the others (to
+    /// test the wiring on a transformer; it costs a copy of the sequence's KV cells per step).
+    /// Default `false`.
+    pub force_snapshot: bool,
 }
 
 impl Default for LlamaConfig {
@@ -72,6 +79,7 @@ impl Default for LlamaConfig {
             threads: 1,
             flash_attention: FlashAttention::On,
             unified_kv: false,
+            force_snapshot: false,
         }
     }
 }
@@ -107,6 +115,11 @@ impl LlamaConfig {
         self.flash_attention = flash_attention;
         self
     }
+    /// With snapshot rollback forced on or not ([`LlamaConfig::force_snapshot`]).
+    pub fn with_force_snapshot(mut self, force_snapshot: bool) -> Self {
+        self.force_snapshot = force_snapshot;
+        self
+    }
 }
 
 /// The most positions of one context (all sequences), well inside llama.cpp's `i32` positions.
@@ -135,6 +148,12 @@ pub(crate) struct Seqs {
     /// (batch index, row of the output) of the rows whose logits the current `llama_decode`
     /// returns.
     out_rows: Vec<(i32, usize)>,
+    /// Rollback by snapshot and replay (a recurrent or hybrid model, or forced).
+    snapshot: bool,
+    /// The model is recurrent or hybrid: its cells cannot be partly removed.
+    recurrent: bool,
+    /// Per sequence in snapshot mode: the saved state and its length.
+    saved: Vec<Option<(SeqState, usize)>>,
     /// Tests: fail the `llama_decode` after this many more succeed.
     #[cfg(test)]
     fail_after: Option<usize>,
@@ -212,6 +231,9 @@ impl Seqs {
             batch_tokens: n_batch as usize,
             vocab_size: engine.vocab_size(),
             out_rows: Vec::new(),
+            snapshot: engine.is_recurrent() || config.force_snapshot,
+            recurrent: engine.is_recurrent(),
+            saved: (0..slots).map(|_| None).collect(),
             #[cfg(test)]
             fail_after: None,
         })
@@ -231,6 +253,42 @@ impl Seqs {
     }
     pub(crate) fn len(&self, seq: usize) -> usize {
         self.lens[seq]
+    }
+    /// Whether the sequences roll back by snapshot and replay.
+    pub(crate) fn snapshot(&self) -> bool {
+        self.snapshot
+    }
+
+    /// Saves sequence `seq`'s whole state (`llama_state_seq_get_data`: its KV cells and, for a
+    /// recurrent or hybrid model, its recurrent state), replacing the saved one.
+    pub(crate) fn save(&mut self, seq: usize) -> Result<()> {
+        let state = self
+            .ctx
+            .state_seq_get(seq as i32, LlamaStateSeqFlags::empty())
+            .map_err(|e| LlamaError::State {
+                seq,
+                reason: e.to_string(),
+            })?;
+        self.saved[seq] = Some((state, self.lens[seq]));
+        Ok(())
+    }
+
+    /// Restores the state saved by [`Seqs::save`] (`llama_state_seq_set_data`, which replaces
+    /// the sequence's cells); the snapshot stays.
+    pub(crate) fn restore(&mut self, seq: usize) -> Result<()> {
+        let Some((state, len)) = &self.saved[seq] else {
+            return Err(LlamaError::StateRollback(
+                "restore_state without a saved state",
+            ));
+        };
+        self.ctx
+            .state_seq_set(state, seq as i32)
+            .map_err(|e| LlamaError::State {
+                seq,
+                reason: e.to_string(),
+            })?;
+        self.lens[seq] = *len;
+        Ok(())
     }
 
     /// Checks every part (sequence in range is the caller's job) before anything changes.
@@ -269,6 +327,13 @@ impl Seqs {
         if r.is_err() {
             logits.clear();
             for &(seq, len) in &before {
+                if self.recurrent {
+                    // A recurrent state cannot be cut back to `len`: the sequence is emptied
+                    // (its snapshot kept, from which the decoding loop restores it).
+                    let _ = self.ctx.clear_kv_cache_seq(Some(seq as u32), None, None);
+                    self.lens[seq] = 0;
+                    continue;
+                }
                 // Best effort: the decode error is the one to report.
                 let _ = self
                     .ctx
@@ -348,11 +413,19 @@ impl Seqs {
         Ok(())
     }
 
-    /// Drops every position of `seq` at index `>= len`.
+    /// Drops every position of `seq` at index `>= len`. In snapshot mode only `len == 0`
+    /// (which also drops the snapshot) and `len == seq_len` are taken.
     pub(crate) fn truncate(&mut self, seq: usize, len: usize) -> Result<()> {
         let seq_len = self.lens[seq];
         if len > seq_len {
             return Err(LlamaError::TruncateBeyond { seq, len, seq_len });
+        }
+        if self.snapshot && len == 0 {
+            self.saved[seq] = None;
+        } else if self.snapshot && len < seq_len {
+            return Err(LlamaError::StateRollback(
+                "truncate to a length other than 0 or seq_len in snapshot mode",
+            ));
         }
         if len < seq_len {
             self.ctx

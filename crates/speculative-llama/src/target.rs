@@ -1,6 +1,6 @@
 //! [`LlamaTarget`]: one sequence, [`TargetModel`].
 
-use speculative::TargetModel;
+use speculative::{Rollback, StateSnapshot, TargetModel};
 
 use crate::engine::LlamaEngine;
 use crate::error::Result;
@@ -29,6 +29,14 @@ use crate::seqs::{LlamaConfig, Part, Seqs};
 /// for greedy output.
 ///
 /// No tree forward ([`TargetModel::tree`] is `None`): the loop verifies chains.
+///
+/// Recurrent and hybrid models ([`LlamaEngine::is_recurrent`]), and any model with
+/// [`LlamaConfig::force_snapshot`], roll back by snapshot and replay: [`TargetModel::rollback`]
+/// is [`Rollback::Snapshot`], whose save and restore are llama.cpp's sequence state
+/// (`llama_state_seq_get_data` / `llama_state_seq_set_data`, the whole sequence: KV cells and
+/// recurrent state), and `truncate` takes only 0 and the current length
+/// ([`speculative::Error::StateRollback`] otherwise). A failed `llama_decode` of a recurrent
+/// model empties the sequence (it cannot be cut back), keeping the snapshot.
 pub struct LlamaTarget {
     seqs: Seqs,
 }
@@ -94,5 +102,21 @@ impl TargetModel for LlamaTarget {
             logits: false,
         };
         Ok(self.seqs.append(&[part], &mut Vec::new())?)
+    }
+
+    fn rollback(&mut self) -> Option<Rollback<'_>> {
+        self.seqs
+            .snapshot()
+            .then_some(Rollback::Snapshot(self as &mut dyn StateSnapshot))
+    }
+}
+
+impl StateSnapshot for LlamaTarget {
+    fn save_state(&mut self) -> speculative::Result<()> {
+        Ok(self.seqs.save(0)?)
+    }
+
+    fn restore_state(&mut self) -> speculative::Result<()> {
+        Ok(self.seqs.restore(0)?)
     }
 }
