@@ -25,8 +25,10 @@ use crate::tree::DraftBlock;
 /// A causal language model with a KV cache that can be rolled back.
 ///
 /// Call order in the decoding loop ([`crate::decode::Generator`]): at the start of a generation
-/// `truncate(0)`, then, for a prompt of `n >= 2` tokens, one [`TargetModel::prefill`] with
-/// `prompt[..n - 1]` (no logits needed). Then, once per speculative step, one
+/// `truncate(p)`, where `p` is the prefix of the prompt the cache already holds from the
+/// previous generation (0 with prefix reuse off or nothing in common; at most `n - 1`), then,
+/// when `p < n - 1`, one [`TargetModel::prefill`] with `prompt[p..n - 1]` (no logits needed).
+/// Then, once per speculative step, one
 /// [`TargetModel::forward`] with `[last token, d_1 .. d_k]`, reading back the logits of every
 /// appended position (`[k + 1, vocab]`), and after verification [`TargetModel::truncate`] to
 /// drop the KV entries of rejected drafts. [`crate::propose::DraftModelProposer`] drives a draft
@@ -100,8 +102,9 @@ pub trait TargetModel {
     fn truncate(&mut self, len: usize) -> Result<()>;
 
     /// Appends `tokens` (`n >= 1`) whose logits the caller will not read: the prompt before its
-    /// last token. [`crate::decode::Generator`] calls it once per generation of a prompt of two
-    /// or more tokens, right after `truncate(0)` and before the first [`TargetModel::forward`];
+    /// last token. [`crate::decode::Generator`] calls it once per generation with the prompt
+    /// tokens its cache does not hold yet, right after the `truncate` to the reused prefix and
+    /// before the first [`TargetModel::forward`];
     /// [`crate::propose::DraftModelProposer`] calls it on its draft model at its first proposal.
     /// Implementations must not assume an empty sequence: it appends, like `forward`.
     ///
@@ -151,6 +154,34 @@ pub trait TargetModel {
     /// loop does not use its [`TargetModel::tree`].
     fn rollback(&mut self) -> Option<Rollback<'_>> {
         None
+    }
+
+    /// `true` when [`TargetModel::copy_prefix_from`] works for this model (the default:
+    /// `false`). [`PerSlot`] then offers [`BatchTarget::copy_prefix`].
+    fn supports_prefix_copy(&self) -> bool {
+        false
+    }
+
+    /// Makes this model's sequence the first `len` positions of `src`'s (its KV entries
+    /// copied; whatever this model held is dropped, a pending tree too), so that a sequence
+    /// sharing a prefix with another (a common system prompt) need not prefill it again.
+    /// `src` must be the same model (the same weights and settings; [`PerSlot`]'s slots are),
+    /// and is left unchanged. Afterwards this model's logits and hidden states for any
+    /// continuation equal `src`'s for the same continuation. Not part of the object-safe
+    /// interface (`Self: Sized`).
+    ///
+    /// # Errors
+    /// [`crate::Error::TargetContract`] when the model does not support it (the default);
+    /// [`crate::Error::Model`] when `len > src.seq_len()`, `src` has a pending tree, or the
+    /// models differ. On error this model's sequence is unchanged or empty.
+    fn copy_prefix_from(&mut self, src: &Self, len: usize) -> Result<()>
+    where
+        Self: Sized,
+    {
+        let _ = (src, len);
+        Err(crate::Error::TargetContract {
+            what: "copy_prefix_from called on a TargetModel without prefix copy",
+        })
     }
 }
 
@@ -594,10 +625,13 @@ pub struct SlotChunk<'a> {
 /// prefill chunks none), `[sum of logit rows, vocab]` row-major.
 ///
 /// Call order in the batch loop ([`crate::decode::BatchGenerator`]): a slot is taken for a
-/// request with `truncate(slot, 0)`, receives its prompt but the last token in prefill chunks,
-/// then one chain or tree per step, followed by `truncate(slot, len)` (chains) or
+/// request with `truncate(slot, p)` (`p` the prefix of its prompt the slot's cache holds, kept
+/// from an earlier request or put there by [`BatchTarget::copy_prefix`]; 0 without prefix
+/// reuse), receives the rest of its prompt but the last token in prefill chunks, then one
+/// chain or tree per step, followed by `truncate(slot, len)` (chains) or
 /// `commit_tree(slot, path)` (trees) to drop rejected drafts; `release(slot)` when the request
-/// ends. A batch never lists a slot twice.
+/// ends (with prefix reuse, only when the slot's cache is not kept). A batch never lists a slot
+/// twice.
 ///
 /// Engines that run one sequence at a time get this trait from [`PerSlot`], which holds one
 /// [`TargetModel`] per slot and runs the chunks one after the other. Every slot starts empty
@@ -684,6 +718,30 @@ pub trait BatchTarget {
     fn rollback(&mut self) -> Option<BatchRollback<'_>> {
         None
     }
+
+    /// `true` when the engine copies prefixes between slots ([`BatchTarget::copy_prefix`]); the
+    /// default is `false`.
+    fn can_copy_prefix(&self) -> bool {
+        false
+    }
+
+    /// Makes slot `dst` hold the first `len` positions of slot `src` (their KV entries,
+    /// copied or shared; `dst`'s previous contents are dropped; `src` is unchanged), so that a
+    /// request sharing a prefix with another slot's sequence (a common system prompt) does not
+    /// prefill it again. Afterwards `dst`'s logits for any continuation equal those `src`
+    /// would give for it. The batch loop calls it between steps, when no slot has a pending
+    /// tree, for a `dst` it is about to give to a new request.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidSlot`]; [`crate::Error::Model`] when `src == dst` or
+    /// `len > seq_len(src)`; [`crate::Error::TargetContract`] when the engine does not copy
+    /// prefixes (the default). On error `dst` holds its previous contents or nothing.
+    fn copy_prefix(&mut self, src: usize, dst: usize, len: usize) -> Result<()> {
+        let _ = (src, dst, len);
+        Err(crate::Error::TargetContract {
+            what: "copy_prefix called on a BatchTarget without prefix copy",
+        })
+    }
 }
 
 impl<T: BatchTarget + ?Sized> BatchTarget for Box<T> {
@@ -719,6 +777,13 @@ impl<T: BatchTarget + ?Sized> BatchTarget for Box<T> {
     }
     fn rollback(&mut self) -> Option<BatchRollback<'_>> {
         (**self).rollback()
+    }
+
+    fn can_copy_prefix(&self) -> bool {
+        (**self).can_copy_prefix()
+    }
+    fn copy_prefix(&mut self, src: usize, dst: usize, len: usize) -> Result<()> {
+        (**self).copy_prefix(src, dst, len)
     }
 }
 
@@ -997,6 +1062,27 @@ impl<T: TargetModel> BatchTarget for PerSlot<T> {
             RollbackMode::Snapshot => Some(BatchRollback::Snapshot(self)),
             RollbackMode::RowStates => Some(BatchRollback::RowStates(self)),
         }
+    }
+
+    /// `true` when the slots' models support [`TargetModel::copy_prefix_from`].
+    fn can_copy_prefix(&self) -> bool {
+        self.models.iter().all(|m| m.supports_prefix_copy())
+    }
+
+    /// [`TargetModel::copy_prefix_from`] from `src`'s model into `dst`'s.
+    fn copy_prefix(&mut self, src: usize, dst: usize, len: usize) -> Result<()> {
+        self.slot_mut(src)?;
+        self.slot_mut(dst)?;
+        if src == dst {
+            return Err(crate::Error::model("copy_prefix from a slot into itself"));
+        }
+        let (a, b) = self.models.split_at_mut(src.max(dst));
+        let (from, to) = if src < dst {
+            (&a[src], &mut b[0])
+        } else {
+            (&b[0], &mut a[dst])
+        };
+        to.copy_prefix_from(from, len)
     }
 }
 

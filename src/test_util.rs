@@ -214,6 +214,23 @@ impl TargetModel for ToyModel {
     fn hidden_states(&self) -> Option<&dyn HiddenStates> {
         self.hidden.as_ref().map(|_| self as &dyn HiddenStates)
     }
+    fn supports_prefix_copy(&self) -> bool {
+        true
+    }
+    /// Copies `src`'s first `len` tokens (the caller guarantees the same logits function).
+    fn copy_prefix_from(&mut self, src: &Self, len: usize) -> Result<()> {
+        if len > src.tokens.len() || src.pending.is_some() || src.vocab != self.vocab {
+            return Err(Error::model(format!(
+                "copy_prefix_from: {len} positions of a sequence of {} (pending tree: {})",
+                src.tokens.len(),
+                src.pending.is_some()
+            )));
+        }
+        self.pending = None;
+        self.tokens.clear();
+        self.tokens.extend_from_slice(&src.tokens[..len]);
+        Ok(())
+    }
 }
 
 impl HiddenStates for ToyModel {

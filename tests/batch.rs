@@ -614,11 +614,13 @@ fn engine_faults_end_requests_with_errors_and_never_hang() {
     let p = || PromptLookup::new(1, 4).unwrap();
     let greedy = || GenerationParams::greedy(6).with_draft(DraftLength::Fixed(2));
     // A failed release retires the slot: the next request cannot run, and `step` says so
-    // instead of spinning.
+    // instead of spinning. (Slots are released when a request ends with prefix reuse off;
+    // with it on, a slot keeps its cache and is released only after an error.)
     let mut b = BatchGenerator::new(Probe {
         release_fails: true,
         ..Probe::new(1)
-    });
+    })
+    .with_prefix_reuse(false);
     let first = b
         .submit(BatchRequest::new(vec![1, 2, 3], greedy(), p()))
         .unwrap();

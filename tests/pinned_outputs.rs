@@ -403,7 +403,13 @@ fn generator_outputs_are_pinned() {
 #[test]
 fn batch_outputs_are_pinned() {
     let slots = PerSlot::new((0..4).map(|_| target()).collect()).unwrap();
-    let mut batch = BatchGenerator::new(slots).with_costs(costs());
+    // The pins (tokens and counts) are of the loop without prefix reuse; with it (the
+    // default) the tokens are the same (checked below), but a request that finds its prompt in
+    // a free slot prefills less, which changes the steps and so the adaptive requests' draft
+    // lengths.
+    let mut batch = BatchGenerator::new(slots)
+        .with_costs(costs())
+        .with_prefix_reuse(false);
     let mut ids = Vec::new();
     for c in cases() {
         let mut r = BatchRequest::new(c.prompt, c.params, (c.proposer)());
@@ -439,6 +445,35 @@ fn batch_outputs_are_pinned() {
             [m.steps, m.rows, m.prefill_rows, m.draft_rows, m.emitted],
             BATCH_METRICS,
             "batch metrics"
+        );
+    }
+}
+
+/// With prefix reuse on, the batch's tokens are still the pinned ones.
+#[test]
+fn batch_tokens_are_pinned_with_prefix_reuse() {
+    let slots = PerSlot::new((0..4).map(|_| target()).collect()).unwrap();
+    let mut batch = BatchGenerator::new(slots).with_costs(costs());
+    let mut ids = Vec::new();
+    for c in cases() {
+        let mut r = BatchRequest::new(c.prompt, c.params, (c.proposer)());
+        if c.text {
+            r = r.with_detokenizer(Box::new(vocab()));
+        }
+        ids.push((batch.submit(r).unwrap(), c.name));
+    }
+    let done = batch.run().unwrap();
+    for (i, (id, name)) in ids.iter().enumerate() {
+        let f = done.iter().find(|f| f.id == *id).unwrap();
+        let out = f.result.as_ref().unwrap();
+        assert_eq!(
+            out.tokens, BATCH[i].tokens,
+            "{name}: tokens with prefix reuse"
+        );
+        assert_eq!(
+            out.text.as_deref(),
+            BATCH[i].text,
+            "{name}: text with prefix reuse"
         );
     }
 }

@@ -15,6 +15,7 @@ use super::sequence::{
     CacheOp, Generation, GenerationError, Plan, Sequence, Start, StepMark, StepTimes, StreamChunk,
     TargetLimits, check_request,
 };
+use super::slots::{Placement, SlotPool};
 use super::stop::{Detokenizer, FinishReason};
 use crate::error::{Error, Result};
 use crate::model::{self, BatchTarget, RollbackMode, SlotChunk, SlotInput};
@@ -42,6 +43,8 @@ pub struct BatchRequest {
     proposer: Box<dyn Proposer + Send>,
     detokenizer: Option<Box<dyn Detokenizer + Send>>,
     stream: Option<StreamFn>,
+    /// The conversation the request belongs to ([`BatchRequest::with_conversation`]).
+    conversation: Option<u64>,
 }
 
 impl fmt::Debug for BatchRequest {
@@ -69,7 +72,19 @@ impl BatchRequest {
             proposer: Box::new(proposer),
             detokenizer: None,
             stream: None,
+            conversation: None,
         }
+    }
+
+    /// Tags the request with a conversation key (any value the caller chooses, for example a
+    /// hash of a session id): with prefix reuse on
+    /// ([`BatchGenerator::with_prefix_reuse`]), a request goes to the free slot the previous
+    /// request of the same conversation left, whose cache then holds the conversation so far.
+    /// Without a key the loop matches the longest cached prefix among the free slots; the key
+    /// only makes the match survive an edited history. It never changes the output.
+    pub fn with_conversation(mut self, key: u64) -> Self {
+        self.conversation = Some(key);
+        self
     }
 
     /// Adds a [`Detokenizer`]: the generation then reports its text, streams text, and may use
@@ -229,7 +244,15 @@ pub struct BatchMetrics {
     pub replay_time: Duration,
     /// Wall time of all steps.
     pub step_time: Duration,
+    /// Prompt tokens the admitted requests found in their slot's cache (kept from an earlier
+    /// request, or copied from another slot) and did not prefill.
+    pub prompt_tokens_reused: u64,
+    /// Prefix copies between slots ([`BatchTarget::copy_prefix`]).
+    pub prefix_copies: u64,
+    /// Positions copied by them.
+    pub prefix_copied_tokens: u64,
 }
+
 /// Where a running request is.
 enum Phase {
     /// `done` of the `prompt.len() - 1` prefill tokens are in its slot's KV cache.
@@ -259,6 +282,8 @@ struct Running {
     waited: u32,
     /// Time of this step's state save (snapshot mode).
     saved: Duration,
+    /// The request's conversation key ([`BatchRequest::with_conversation`]).
+    conversation: Option<u64>,
 }
 
 /// A prefill chunk of a step: the running request's index, and the prompt range it appends.
@@ -300,8 +325,25 @@ struct PrefillChunk {
 /// with [`super::AdaptiveConfig::probe_draft`] drafts at its probe intervals.
 ///
 /// **Scheduling**: requests take free slots in submission order; decode and draft rows are
-/// scheduled before prefill chunks (decoding sequences are never stalled by a long prompt);
-/// a slot is released when its request ends. Per-request [`Metrics`](super::Metrics) count the batched
+/// scheduled before prefill chunks (decoding sequences are never stalled by a long prompt).
+///
+/// **Prefix reuse** (on by default, [`BatchGenerator::with_prefix_reuse`]): a request that ends
+/// (without an error) keeps its slot's KV cache while the slot is free, and a new request
+/// takes the free slot of its conversation ([`BatchRequest::with_conversation`]) or the one
+/// whose cache starts its prompt, and prefills only the rest; a request with nothing in common
+/// takes an empty slot, else the least recently used free one (dropping its cache). With a
+/// target that copies prefixes between slots ([`BatchTarget::copy_prefix`]), a request whose
+/// longest cached prefix sits in a busy slot, or in a free slot holding more than the shared
+/// part, gets a copy of it (many requests with the same system prompt prefill it once, after
+/// the first one's prefill has run). Memory: the caches of free slots are the slots' own, so
+/// the total stays within `max_slots` caches of at most `max_context` positions, what the target
+/// holds with every slot busy (an engine that frees a slot's memory at
+/// [`BatchTarget::release`], like `FastBatch`, keeps it allocated while the slot is free; turn
+/// reuse off to release slots at once). Reuse never changes a request's output given
+/// batch-invariant logits: a kept or copied prefix holds the entries a prefill of the same
+/// tokens writes.
+///
+/// With reuse off, a slot is released when its request ends. Per-request [`Metrics`](super::Metrics) count the batched
 /// forward's whole time as each request's forward time, and `prefill_time` stays 0 (the
 /// prefill is chunked into shared steps).
 ///
@@ -338,7 +380,10 @@ pub struct BatchGenerator<B> {
     next_id: u64,
     waiting: VecDeque<(RequestId, BatchRequest)>,
     active: Vec<Running>,
-    free_slots: Vec<usize>,
+    /// Free slots and what their caches hold.
+    slots: SlotPool,
+    /// Keep and reuse slot caches across requests ([`BatchGenerator::with_prefix_reuse`]).
+    prefix_reuse: bool,
     finished: Vec<Finished>,
     cost: BatchCost,
     /// Where the goodput policy's step costs come from (and every request's adaptive policy,
@@ -406,7 +451,8 @@ impl<B: BatchTarget> BatchGenerator<B> {
             next_id: 0,
             waiting: VecDeque::new(),
             active: Vec::new(),
-            free_slots: (0..max_slots).rev().collect(),
+            slots: SlotPool::new(max_slots),
+            prefix_reuse: true,
             finished: Vec::new(),
             cost: BatchCost::default(),
             costs: Arc::new(MeasuredCosts),
@@ -416,6 +462,19 @@ impl<B: BatchTarget> BatchGenerator<B> {
             logits: Vec::new(),
             seeds: SeedSource::default(),
         }
+    }
+
+    /// Turns prefix reuse across requests on (the default) or off (type docs). Off, every slot
+    /// is released when its request ends and every request prefills its whole prompt, and
+    /// proposers are started with [`Proposer::begin`].
+    pub fn with_prefix_reuse(mut self, on: bool) -> Self {
+        self.prefix_reuse = on;
+        self
+    }
+
+    /// Prompt tokens the caches of the free slots hold (kept for reuse).
+    pub fn cached_tokens(&self) -> usize {
+        self.slots.held_tokens()
     }
 
     /// Sets where requests without a seed get theirs (default [`SeedSource::os`]): each such
@@ -576,7 +635,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
         let mut stats = BatchStepStats::default();
         stats.finished += self.admit();
         stats.finished += self.cancel_prefilling();
-        if self.active.is_empty() && !self.waiting.is_empty() && self.free_slots.is_empty() {
+        if self.active.is_empty() && !self.waiting.is_empty() && self.slots.is_empty() {
             return Err(Error::TargetContract {
                 what: "BatchTarget::release failed for every slot: no slot is left for the waiting requests",
             });
@@ -634,14 +693,12 @@ impl<B: BatchTarget> BatchGenerator<B> {
     /// ended here.
     fn admit(&mut self) -> usize {
         let mut ended_here = 0;
-        while !self.waiting.is_empty() {
-            let Some(slot) = self.free_slots.pop() else {
+        while let Some((id, req)) = self.waiting.pop_front() {
+            let Some(place) = self.place(&req.prompt, req.conversation) else {
+                self.waiting.push_front((id, req));
                 break;
             };
-            let Some((id, req)) = self.waiting.pop_front() else {
-                break;
-            };
-            let mut run = self.start(id, slot, req);
+            let mut run = self.start(id, place, req);
             let ended = run.error.is_some() || run.seq.finish_reason().is_some();
             if ended {
                 self.finish(run);
@@ -649,7 +706,8 @@ impl<B: BatchTarget> BatchGenerator<B> {
             } else {
                 // A one-token prompt has nothing to prefill; a request with no token to
                 // generate ends at its first plan, with nothing prefilled.
-                if run.seq.prompt().len() == 1 || run.seq.params().max_new_tokens == 0 {
+                let cached = matches!(run.phase, Phase::Prefill { done } if done + 1 == run.seq.prompt().len());
+                if cached || run.seq.params().max_new_tokens == 0 {
                     run.phase = Phase::Decoding;
                 }
                 self.active.push(run);
@@ -658,10 +716,56 @@ impl<B: BatchTarget> BatchGenerator<B> {
         ended_here
     }
 
-    /// A request of the queue, started in `slot` (validated at [`BatchGenerator::submit`]);
-    /// a failure to reset the slot or start the proposer is in its `error`.
-    fn start(&mut self, id: RequestId, slot: usize, req: BatchRequest) -> Running {
+    /// Takes a free slot for a request of `prompt` ([`SlotPool::take`]; the tokens the busy
+    /// slots hold are candidates for a prefix copy when the target copies prefixes).
+    fn place(&mut self, prompt: &[u32], conversation: Option<u64>) -> Option<Placement> {
+        let copy = self.prefix_reuse && self.target.can_copy_prefix();
+        let busy: Vec<(usize, &[u32])> = if copy {
+            self.active
+                .iter()
+                .filter_map(|r| {
+                    let n = self.target.seq_len(r.slot).ok()?;
+                    Some((r.slot, r.seq.context().get(..n)?))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        self.slots
+            .take(prompt, conversation, self.prefix_reuse, copy, &busy)
+    }
+
+    /// Brings the slot of `place` to its kept prefix: the prefix copy, then the truncation.
+    /// Returns the prompt tokens the slot holds (0 when the copy failed).
+    fn prepare_slot(&mut self, place: Placement) -> Result<usize> {
+        let mut keep = place.keep;
+        if let Some((src, len)) = place.copy {
+            if self.target.copy_prefix(src, place.slot, len).is_ok()
+                && self.target.seq_len(place.slot).ok() == Some(len)
+            {
+                self.metrics.prefix_copies += 1;
+                self.metrics.prefix_copied_tokens += len as u64;
+            } else {
+                // A failed copy only costs the prefill.
+                keep = 0;
+            }
+        }
+        if self.target.seq_len(place.slot)? < keep {
+            keep = 0;
+        }
+        self.target.truncate(place.slot, keep)?;
+        self.metrics.prompt_tokens_reused += keep as u64;
+        Ok(keep)
+    }
+
+    /// A request of the queue, started in the slot of `place` (validated at
+    /// [`BatchGenerator::submit`]); a failure to prepare the slot or start the proposer is in
+    /// its `error`.
+    fn start(&mut self, id: RequestId, place: Placement, req: BatchRequest) -> Running {
         let at = Instant::now();
+        let slot = place.slot;
+        let prepared = self.prepare_slot(place);
+        let reused = *prepared.as_ref().unwrap_or(&0);
         let mut seq = Sequence::new();
         seq.begin(Start {
             prompt: &req.prompt,
@@ -670,6 +774,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
             detokenizer: req.detokenizer.map(|d| Arc::new(d) as Arc<dyn Detokenizer>),
             limits: self.limits(),
             hidden_width: 0,
+            reused,
             at,
         });
         let mut run = Running {
@@ -678,18 +783,17 @@ impl<B: BatchTarget> BatchGenerator<B> {
             seq,
             proposer: req.proposer,
             costs: Arc::clone(&self.costs),
-            phase: Phase::Prefill { done: 0 },
+            phase: Phase::Prefill { done: reused },
             stream: req.stream,
             plan: None,
             started: false,
             error: None,
             waited: 0,
             saved: Duration::ZERO,
+            conversation: req.conversation,
         };
-        let started = self
-            .target
-            .truncate(slot, 0)
-            .and_then(|()| run.seq.start_proposer(&mut *run.proposer));
+        let reuse = self.prefix_reuse;
+        let started = prepared.and_then(|_| run.seq.start_proposer(&mut *run.proposer, reuse));
         match started {
             Ok(()) => run.started = true,
             Err(e) => run.error = Some(e),
@@ -1093,6 +1197,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
 
     /// Ends a request: its generation (cancelled when still running), its slot released.
     fn finish(&mut self, mut run: Running) {
+        let failed = run.error.is_some();
         let result = if run.started {
             let generation = run.seq.take_generation(&mut *run.proposer);
             match run.error.take() {
@@ -1113,14 +1218,32 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 partial: Box::new(Generation::empty(FinishReason::Error, run.seq.seed())),
             })
         };
-        // A slot whose release fails is not used again (its state is unknown); `step` reports
-        // when no usable slot is left for the waiting requests.
+        self.give_back(&run, failed);
+        self.finished.push(Finished { id: run.id, result });
+    }
+
+    /// Gives an ended request's slot back: with prefix reuse, after a request without an
+    /// error, the slot keeps its cache (the request's context but the last token, or the
+    /// prompt prefilled so far); otherwise it is released. A slot whose release fails is not
+    /// used again (its state is unknown); `step` reports when no usable slot is left for the
+    /// waiting requests.
+    fn give_back(&mut self, run: &Running, failed: bool) {
+        if self.prefix_reuse && run.started && !failed {
+            let held = self
+                .target
+                .seq_len(run.slot)
+                .ok()
+                .and_then(|n| run.seq.context().get(..n));
+            if let Some(tokens) = held {
+                self.slots.put(run.slot, tokens.to_vec(), run.conversation);
+                return;
+            }
+        }
         if self.target.release(run.slot).is_ok() {
-            self.free_slots.push(run.slot);
+            self.slots.put(run.slot, Vec::new(), None);
         } else {
             self.retired_slots += 1;
         }
-        self.finished.push(Finished { id: run.id, result });
     }
 }
 

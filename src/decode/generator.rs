@@ -33,6 +33,23 @@ use crate::verify::Verifier;
 /// to the proposer as [`ProposeRequest::target_hidden_rows`](crate::ProposeRequest::target_hidden_rows) (feature-conditioned draft models,
 /// see [`crate::TargetFeatures`]).
 ///
+/// **Prefix reuse** (on by default, [`Generator::with_prefix_reuse`]): after a generation the
+/// target's KV cache holds its prompt and output but the last token. A new generation whose
+/// prompt starts with some of those tokens (the next turn of a conversation, which resubmits
+/// the conversation so far; another request with the same system prompt) keeps the longest
+/// common prefix, truncates the cache to it and prefills only the rest; the proposer is
+/// started with [`Proposer::begin_reusing`] so that a draft model keeps its own cache the same
+/// way (and a feature-conditioned one its held target features of the kept positions), while
+/// proposers that index the context rebuild it from the prompt. At least the last prompt token
+/// is always fed (its row gives the first logits): a prompt that is all cached keeps
+/// `len - 1` tokens. The outputs are those of a fresh prefill of the same tokens for a target
+/// whose logits do not depend on how its cache was filled (batch-invariant engines: bit for
+/// bit); [`Metrics::prompt_tokens_reused`] and [`Metrics::prompt_tokens_prefilled`] say what
+/// was reused. Memory: nothing beyond the cache the target holds anyway (and, for a target with
+/// hidden states, the hidden rows of the last context, which the loop keeps for the
+/// proposer). The loop only reuses what it knows: [`Generator::target_mut`] forgets the cache,
+/// and so does a failed generation whose rollback failed.
+///
 /// `Generator<T, P>` is `Send` when `T` and `P` are.
 ///
 /// # Example
@@ -62,6 +79,12 @@ pub struct Generator<T, P> {
     /// The generation in progress (or the last one); its adaptive state persists across
     /// generations.
     seq: Sequence,
+    /// Keep the cached prefix across generations ([`Generator::with_prefix_reuse`]).
+    prefix_reuse: bool,
+    /// The target's cache holds `seq`'s context but its last token (set once a generation has
+    /// started; cleared before its first engine call, by [`Generator::target_mut`] and by a
+    /// failed rollback).
+    cache_known: bool,
 }
 
 impl<T: TargetModel, P: Proposer> Generator<T, P> {
@@ -76,7 +99,81 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             detokenizer: None,
             seeds: SeedSource::default(),
             seq: Sequence::new(),
+            prefix_reuse: true,
+            cache_known: false,
         }
+    }
+
+    /// Turns prefix reuse across generations on (the default) or off (type docs). Off, every
+    /// generation starts with `truncate(0)` and prefills its whole prompt, and the proposer is
+    /// started with [`Proposer::begin`] (a draft model then starts from an empty cache too).
+    pub fn with_prefix_reuse(mut self, on: bool) -> Self {
+        self.prefix_reuse = on;
+        self
+    }
+
+    /// The tokens the target's cache holds, when the generator knows them: after a
+    /// generation, its prompt and output but the last token (`None` before the first one,
+    /// after [`Generator::target_mut`] or a failed rollback).
+    pub fn cached_tokens(&self) -> Option<&[u32]> {
+        let n = self.target.seq_len();
+        (self.cache_known && self.seq.context().len() == n + 1).then(|| &self.seq.context()[..n])
+    }
+
+    /// Tells a new generator what its target's cache already holds: `tokens`, as
+    /// [`Generator::cached_tokens`] of the generator that filled it returned them, for a
+    /// driver that builds a generator per request around a target it keeps between requests.
+    /// The next generation then reuses their common prefix with its prompt (if prefix reuse is
+    /// on and the target's `seq_len` is `tokens.len()`; else it starts fresh). The caller
+    /// guarantees the contents. A target with hidden states gets no reuse from it (the hidden
+    /// rows of the kept positions are not known).
+    pub fn with_cached_tokens(mut self, tokens: &[u32]) -> Self {
+        self.seq.assume_cached(tokens, None, 0);
+        self.cache_known = true;
+        self
+    }
+
+    /// Fills the target's cache with `tokens` ahead of a request (a known system prompt, or a
+    /// conversation restored from elsewhere): truncates it to 0 and prefills them, keeping
+    /// their hidden rows when the target has hidden states, so that the next generation whose
+    /// prompt starts with them prefills only the rest (with prefix reuse on). Nothing is
+    /// generated and the proposer is not told.
+    ///
+    /// # Errors
+    /// [`Error::PromptTooLong`] for more than `max_context` tokens, [`Error::TokenOutOfVocab`]
+    /// for a token outside the vocabulary (nothing reaches the target then); the target's
+    /// truncate and prefill errors (the cache is then not reused).
+    pub fn prefill_cache(&mut self, tokens: &[u32]) -> Result<()> {
+        let limits = self.limits(false);
+        if tokens.len() > limits.max_context {
+            return Err(Error::PromptTooLong {
+                len: tokens.len(),
+                max_context: limits.max_context,
+            });
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= limits.vocab) {
+            return Err(Error::TokenOutOfVocab {
+                what: "prompt token",
+                token: t,
+                vocab_size: limits.vocab,
+            });
+        }
+        let width = self.target.hidden_states().map_or(0, |hs| hs.hidden_size());
+        self.cache_known = false;
+        self.target.truncate(0)?;
+        if !tokens.is_empty() {
+            self.target.prefill(tokens)?;
+            check_seq_len(&self.target, tokens.len(), "seq_len after prefill")?;
+        }
+        self.seq
+            .assume_cached(tokens, hidden_view(&self.target), width);
+        self.cache_known = true;
+        Ok(())
+    }
+
+    /// Whether prefix reuse is on ([`Generator::with_prefix_reuse`]).
+    pub fn prefix_reuse(&self) -> bool {
+        self.prefix_reuse
     }
 
     /// Adds a [`Detokenizer`]: generations then report their text, stream text, and may use stop
@@ -112,8 +209,10 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         &self.target
     }
 
-    /// The target model, mutably.
+    /// The target model, mutably. The generator then no longer knows what the target's cache
+    /// holds: the next generation starts from an empty cache (no prefix reuse for it).
     pub fn target_mut(&mut self) -> &mut T {
+        self.cache_known = false;
         &mut self.target
     }
 
@@ -208,7 +307,9 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         }
     }
 
-    /// Starts a generation: validates `params`, resets the target's sequence, prefills
+    /// Starts a generation: validates `params`, truncates the target's sequence to the prefix
+    /// of `prompt` it already holds (0 with prefix reuse off or nothing in common; at most
+    /// `n - 1` tokens, see [`Generator::with_prefix_reuse`]), prefills the rest of
     /// `prompt[..n - 1]` and returns a [`Session`] that advances one verify step per
     /// [`Session::step`]. The session is also an iterator over the tokens of each step.
     ///
@@ -228,8 +329,16 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         let limits = self.limits(false);
         check_request(prompt, params, &limits, self.detokenizer.is_some())?;
         let seed = params.seed.unwrap_or_else(|| self.seeds.next_seed());
-        self.target.truncate(0)?;
         let hidden_width = self.target.hidden_states().map_or(0, |hs| hs.hidden_size());
+        let mut reused = self.reusable_prefix(prompt, hidden_width);
+        // A target that cannot truncate keeps its cache only when the new prompt extends all
+        // of it (nothing to drop).
+        if reused != self.target.seq_len() && rollback_mode(&mut self.target) != RollbackMode::Truncate
+        {
+            reused = 0;
+        }
+        self.cache_known = false;
+        self.target.truncate(reused)?;
         self.seq.begin(Start {
             prompt,
             params: params.clone(),
@@ -237,17 +346,31 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             detokenizer: self.detokenizer.clone(),
             limits,
             hidden_width,
+            reused,
             at,
         });
-        if prompt.len() > 1 {
+        if prompt.len() - 1 > reused {
             let t = Instant::now();
-            self.target.prefill(&prompt[..prompt.len() - 1])?;
+            self.target.prefill(&prompt[reused..prompt.len() - 1])?;
             let time = t.elapsed();
             check_seq_len(&self.target, prompt.len() - 1, "seq_len after prefill")?;
             self.seq.prefilled(time, hidden_view(&self.target));
         }
-        self.seq.start_proposer(&mut self.proposer)?;
+        self.cache_known = true;
+        self.seq
+            .start_proposer(&mut self.proposer, self.prefix_reuse)?;
         Ok(Session { g: self })
+    }
+
+    /// The leading tokens of `prompt` the target's cache holds and the next generation keeps:
+    /// 0 with prefix reuse off or an unknown cache, else [`Sequence::reusable`] over the last
+    /// generation's context.
+    fn reusable_prefix(&self, prompt: &[u32], hidden_width: usize) -> usize {
+        if !self.prefix_reuse || !self.cache_known {
+            return 0;
+        }
+        self.seq
+            .reusable(prompt, self.target.seq_len(), hidden_width)
     }
 
     /// The target's limits; its tree capacity only when the request drafts trees (`trees`)
@@ -399,17 +522,18 @@ fn apply_cache<T: TargetModel>(
 
 /// After a failed step: brings the target back with `op` ([`Sequence::fail_op`]); a target
 /// that cannot truncate and is not at the length already is reset (`truncate(0)`) when the
-/// rollback fails. Best effort: the next generation starts with `truncate(0)` anyway.
-fn rewind<T: TargetModel>(target: &mut T, op: CacheOp<'static>) {
+/// rollback fails. Best effort: `false` when the cache is not known to hold the sequence's
+/// tokens afterwards (the next generation then does not reuse it).
+fn rewind<T: TargetModel>(target: &mut T, op: CacheOp<'static>) -> bool {
     match op {
-        CacheOp::Keep(len) => {
-            let _ = target.truncate(len);
-        }
-        _ if target.seq_len() == op.len() => {}
+        CacheOp::Keep(len) => target.truncate(len).is_ok(),
+        _ if target.seq_len() == op.len() => true,
         _ => {
             if apply_cache(target, op, &[]).is_err() {
                 let _ = target.truncate(0);
+                return false;
             }
+            true
         }
     }
 }
@@ -486,8 +610,11 @@ impl<T: TargetModel, P: Proposer> Session<'_, T, P> {
             Ok(true) => Ok(Some(self.g.seq.last_tokens())),
             Ok(false) => Ok(None),
             Err(e) => {
+                // Best effort: a cache whose rollback failed is not reused.
                 let len = self.g.seq.fail(mark);
-                rewind(&mut self.g.target, self.g.seq.fail_op(len));
+                if !rewind(&mut self.g.target, self.g.seq.fail_op(len)) {
+                    self.g.cache_known = false;
+                }
                 Err(e)
             }
         }

@@ -64,8 +64,18 @@ pub struct Metrics {
     /// Time spent saving the target's state before each verify forward (snapshot mode; not in
     /// `forward_time`).
     pub snapshot_time: Duration,
-    /// Time spent in the prompt prefill forward.
+    /// Time spent in the prompt prefill forward (only the prompt tokens not reused from the
+    /// cache are prefilled).
     pub prefill_time: Duration,
+    /// Prompt tokens whose KV entries the target's cache already held from an earlier
+    /// generation (prefix reuse, [`Generator::with_prefix_reuse`](crate::decode::Generator::with_prefix_reuse)
+    /// and the batch loop's idle slots): the target did not process them again. At most the
+    /// prompt length minus one.
+    pub prompt_tokens_reused: usize,
+    /// Prompt tokens the target processed: the prefill and the last prompt token (fed with the
+    /// first step). `prompt_tokens_reused + prompt_tokens_prefilled` is the prompt length; the
+    /// prefill part of the time to first token grows with this count, not with the prompt.
+    pub prompt_tokens_prefilled: usize,
     /// Time spent in [`crate::Proposer::propose`] and [`crate::Proposer::observe`].
     pub propose_time: Duration,
     /// Time spent in target verify forwards.
@@ -107,6 +117,17 @@ impl Metrics {
             .zip(&self.accepted_at)
             .map(|(&p, &a)| if p == 0 { 0.0 } else { a as f64 / p as f64 })
             .collect()
+    }
+
+    /// Share of the prompt tokens reused from the cache: `prompt_tokens_reused / (reused +
+    /// prefilled)` (0 for an empty count).
+    pub fn prompt_reuse_share(&self) -> f64 {
+        let total = self.prompt_tokens_reused + self.prompt_tokens_prefilled;
+        if total == 0 {
+            0.0
+        } else {
+            self.prompt_tokens_reused as f64 / total as f64
+        }
     }
 
     /// Mean number of nodes of a tree step (0 without tree steps).
@@ -227,6 +248,8 @@ impl Metrics {
             self.accepted_at[i] += a;
         }
         self.prefill_time += other.prefill_time;
+        self.prompt_tokens_reused += other.prompt_tokens_reused;
+        self.prompt_tokens_prefilled += other.prompt_tokens_prefilled;
         self.propose_time += other.propose_time;
         self.forward_time += other.forward_time;
         self.verify_time += other.verify_time;

@@ -74,6 +74,15 @@
 //! [`Generation::seed`]; a request with a seed is reproducible whatever the batch, the proposer
 //! and, for point-mass drafts, the draft length (case C15).
 //!
+//! # Prefix reuse
+//!
+//! Both loops keep the KV cache of a finished generation and reuse its longest common prefix
+//! with a later prompt (on by default; [`Generator::with_prefix_reuse`],
+//! [`BatchGenerator::with_prefix_reuse`]): a conversation's next turn, or another request with
+//! the same system prompt, prefills only its new tokens. The outputs do not change for a
+//! target whose logits do not depend on how its cache was filled;
+//! [`Metrics::prompt_tokens_reused`] reports what was kept.
+//!
 //! # Step costs
 //!
 //! Both policies learn step costs through a [`StepCosts`] source: the measured clock
@@ -89,6 +98,7 @@ mod params;
 mod policy;
 mod seed;
 mod sequence;
+mod slots;
 mod stop;
 
 pub use crate::model::TargetModel;

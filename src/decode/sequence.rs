@@ -192,6 +192,9 @@ pub(crate) struct Start<'a> {
     pub limits: TargetLimits,
     /// Width of the target's hidden states kept for the proposer (0: none).
     pub hidden_width: usize,
+    /// Leading prompt tokens the engine's cache already holds (kept from the previous
+    /// generation, [`Sequence::reusable`]; 0 for a fresh start); at most `prompt.len() - 1`.
+    pub reused: usize,
     /// When the request started (its total time counts from here).
     pub at: Instant,
 }
@@ -406,6 +409,8 @@ pub(crate) struct Sequence {
     hidden_rows_ok: bool,
     /// Width of a row of `hidden_rows`.
     hidden_width: usize,
+    /// Leading prompt tokens the engine's cache held at the start ([`Start::reused`]).
+    reused: usize,
 }
 
 impl Sequence {
@@ -436,13 +441,16 @@ impl Sequence {
             hidden_rows: Vec::new(),
             hidden_rows_ok: false,
             hidden_width: 0,
+            reused: 0,
         }
     }
 
     /// Starts a generation of the prompt of `s` (validated by [`check_request`]): resets every
     /// per-generation state (the adaptive policy keeps its estimates). The engine's cache must
-    /// be empty; the driver then prefills `prompt[..n - 1]` ([`Sequence::prefilled`]) and
-    /// starts the proposer ([`Sequence::start_proposer`]).
+    /// hold exactly `prompt[..s.reused]` (empty for a fresh start; the hidden rows of those
+    /// positions are kept from the previous generation); the driver then prefills
+    /// `prompt[s.reused..n - 1]` ([`Sequence::prefilled`]) and starts the proposer
+    /// ([`Sequence::start_proposer`]).
     pub fn begin(&mut self, s: Start<'_>) {
         self.context.clear();
         self.context.extend_from_slice(s.prompt);
@@ -460,29 +468,93 @@ impl Sequence {
         self.cancelled = false;
         self.start = s.at;
         self.hidden.clear();
-        self.hidden_rows.clear();
+        // `reusable` guaranteed the kept positions' rows when the target has hidden states.
+        self.hidden_rows.truncate(s.reused * s.hidden_width);
         self.hidden_width = s.hidden_width;
         self.hidden_rows_ok = s.hidden_width > 0;
+        self.reused = s.reused;
+        self.metrics.prompt_tokens_reused = s.reused;
+        self.metrics.prompt_tokens_prefilled = s.prompt.len() - s.reused;
+        if s.reused > 0 && s.reused + 1 == s.prompt.len() {
+            // Nothing left to prefill: the row that predicted the last prompt token is kept.
+            let rows = std::mem::take(&mut self.hidden_rows);
+            let h = s.hidden_width;
+            self.capture_hidden(
+                s.reused - 1,
+                Some(HiddenView {
+                    size: h,
+                    last: Some(&rows),
+                }),
+            );
+            self.hidden_rows = rows;
+        }
         self.adaptive.begin_generation();
     }
 
-    /// The driver prefilled `prompt[..n - 1]` in one forward that took `time` (`n >= 2`), whose
-    /// hidden states are `hidden`.
+    /// Makes the sequence's state say that the engine's cache holds `tokens` (the context but
+    /// its last token, as after a generation): the context becomes `tokens` and a placeholder
+    /// last token that [`Sequence::reusable`] never compares. `hidden` (width `width`) are the
+    /// hidden states of a prefill of exactly `tokens`, or `None` when they are not known (no
+    /// hidden rows are then kept).
+    pub fn assume_cached(&mut self, tokens: &[u32], hidden: Option<HiddenView<'_>>, width: usize) {
+        self.context.clear();
+        self.context.extend_from_slice(tokens);
+        self.context.push(u32::MAX);
+        self.prompt_len = self.context.len();
+        self.hidden_rows.clear();
+        self.hidden_width = width;
+        self.hidden_rows_ok = width > 0 && hidden.is_some();
+        if !tokens.is_empty() {
+            self.append_hidden_rows(0..tokens.len(), tokens.len(), hidden);
+        }
+    }
+
+    /// How many leading tokens of `prompt` a new generation can keep of an engine cache that
+    /// holds `cached_len` positions, given that the cache holds this sequence's context but
+    /// its last token (the loops' invariant after every step): the longest common prefix of
+    /// that and `prompt`, at most `prompt.len() - 1` (the first step feeds the last prompt
+    /// token, whose row gives the first logits). 0 when the cache is not in that state, or
+    /// when the target keeps hidden rows of width `hidden_width > 0` and this sequence's are
+    /// not complete (the proposer must see every position's row).
+    pub fn reusable(&self, prompt: &[u32], cached_len: usize, hidden_width: usize) -> usize {
+        if self.context.len() != cached_len + 1 || prompt.is_empty() {
+            return 0;
+        }
+        let common = self.context[..cached_len]
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(prompt.len() - 1);
+        let rows_ok = hidden_width == 0
+            || (self.hidden_rows_ok
+                && self.hidden_width == hidden_width
+                && self.hidden_rows.len() >= common * hidden_width);
+        if rows_ok { common } else { 0 }
+    }
+
+    /// The driver prefilled `prompt[reused..n - 1]` in one forward that took `time`
+    /// (`reused < n - 1`), whose hidden states are `hidden`.
     pub fn prefilled(&mut self, time: Duration, hidden: Option<HiddenView<'_>>) {
         self.metrics.prefill_time = time;
-        let n = self.prompt_len - 1;
+        let n = self.prompt_len - 1 - self.reused;
         self.capture_hidden(n.saturating_sub(1), hidden);
         self.append_hidden_rows(0..n, n, hidden);
     }
 
-    /// Tells the proposer the prompt ([`Proposer::begin`]); a prompt that fills the context
-    /// ends the generation at once.
+    /// Tells the proposer the prompt ([`Proposer::begin`], or [`Proposer::begin_reusing`] when
+    /// the driver keeps cached prefixes, `reuse`); a prompt that fills the context ends the
+    /// generation at once.
     ///
     /// # Errors
     /// The proposer's.
-    pub fn start_proposer(&mut self, proposer: &mut dyn Proposer) -> Result<()> {
+    pub fn start_proposer(&mut self, proposer: &mut dyn Proposer, reuse: bool) -> Result<()> {
         let t = Instant::now();
-        proposer.begin(&self.context)?;
+        if reuse {
+            proposer.begin_reusing(&self.context)?;
+        } else {
+            proposer.begin(&self.context)?;
+        }
         self.metrics.propose_time += t.elapsed();
         if self.context.len() == self.limits.max_context {
             self.end(FinishReason::ContextFull, proposer);
@@ -493,6 +565,11 @@ impl Sequence {
     /// The request's parameters.
     pub fn params(&self) -> &GenerationParams {
         &self.params
+    }
+
+    /// The prompt followed by the tokens emitted so far (the tokens of a [`CacheOp::Replay`]).
+    pub fn context(&self) -> &[u32] {
+        &self.context
     }
 
     /// The prompt.
@@ -508,11 +585,6 @@ impl Sequence {
     /// The new tokens so far.
     pub fn tokens(&self) -> &[u32] {
         &self.context[self.prompt_len..]
-    }
-
-    /// The prompt and the new tokens (the tokens of a [`CacheOp::Replay`]).
-    pub fn context(&self) -> &[u32] {
-        &self.context
     }
 
     /// The text of the new tokens so far (`None` without a detokenizer).
@@ -1460,9 +1532,10 @@ mod tests {
             detokenizer: None,
             limits: LIMITS,
             hidden_width: 0,
+            reused: 0,
             at: Instant::now(),
         });
-        seq.start_proposer(p).unwrap();
+        seq.start_proposer(p, false).unwrap();
         seq
     }
 

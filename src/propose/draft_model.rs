@@ -679,6 +679,15 @@ impl<M: TargetModel> Proposer for DraftModelProposer<M> {
         Ok(())
     }
 
+    /// Keeps the draft model's cache, what it has seen and the features it set: the first
+    /// proposal of the generation truncates them to the longest common prefix of what the
+    /// model has seen and the context and recomputes the rest (see "State across requests" in
+    /// the type docs), so the drafts equal those after [`Proposer::begin`] (for a model whose
+    /// logits depend only on its sequence) while the shared prefix is not fed again.
+    fn begin_reusing(&mut self, _prompt: &[u32]) -> Result<()> {
+        Ok(())
+    }
+
     /// Proposes up to `req.max_draft` tokens (fewer near the model's context limit, or when a
     /// draft ends at EOS); see [`DraftModelProposer`].
     ///

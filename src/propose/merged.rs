@@ -782,6 +782,15 @@ impl Proposer for MergedProposer {
         Ok(())
     }
 
+    /// Forwards `begin_reusing` to every proposer.
+    fn begin_reusing(&mut self, prompt: &[u32]) -> Result<()> {
+        self.pending = false;
+        for sub in &mut self.subs {
+            sub.begin_reusing(prompt)?;
+        }
+        Ok(())
+    }
+
     /// Forwards `finish` to every proposer.
     fn finish(&mut self, sequence: &[u32]) {
         self.pending = false;

@@ -484,6 +484,23 @@ pub trait Proposer {
         Ok(())
     }
 
+    /// Called once at the start of a generation in place of [`Proposer::begin`] when the loop
+    /// keeps cached prefixes across generations ([`crate::decode::Generator::with_prefix_reuse`],
+    /// on by default): the target's KV cache may already hold a prefix of `prompt` (an earlier
+    /// turn of the conversation, a shared system prompt), and the proposer may keep what it
+    /// holds of that prefix too. Its drafts must still equal those of a proposer started with
+    /// `begin` on the same prompt. [`DraftModelProposer`] keeps its draft model's cache (and a
+    /// feature-conditioned model's held target features) up to the longest common prefix of
+    /// what it has seen and the context, which its first proposal computes. The default calls
+    /// [`Proposer::begin`], which is always correct: proposers that index the context (prompt
+    /// lookup, suffix) rebuild their index from `prompt` there.
+    ///
+    /// # Errors
+    /// Implementation defined.
+    fn begin_reusing(&mut self, prompt: &[u32]) -> Result<()> {
+        self.begin(prompt)
+    }
+
     /// Called once when a generation ends with the full sequence (prompt + output), so that
     /// proposers with a shared corpus (suffix) can learn from it. The default does nothing.
     fn finish(&mut self, sequence: &[u32]) {
@@ -522,6 +539,9 @@ impl<P: Proposer + ?Sized> Proposer for Box<P> {
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         (**self).begin(prompt)
     }
+    fn begin_reusing(&mut self, prompt: &[u32]) -> Result<()> {
+        (**self).begin_reusing(prompt)
+    }
     fn finish(&mut self, sequence: &[u32]) {
         (**self).finish(sequence)
     }
@@ -548,6 +568,9 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
     }
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         (**self).begin(prompt)
+    }
+    fn begin_reusing(&mut self, prompt: &[u32]) -> Result<()> {
+        (**self).begin_reusing(prompt)
     }
     fn finish(&mut self, sequence: &[u32]) {
         (**self).finish(sequence)

@@ -309,6 +309,12 @@ struct RunArgs {
     /// Under a grammar, do not put the grammar-forced tokens in front of the proposers' drafts.
     #[arg(long)]
     no_forced_drafts: bool,
+    /// Prefix reuse across the turns of a conversation (and consecutive requests): `on` (each
+    /// run starts from the cache its conversation's previous turn left, as a server keeps it),
+    /// `off` (a full prefill per run), or `both` (every run in both modes, each with its own
+    /// baseline; reuse-on records are labelled ` +reuse`).
+    #[arg(long, default_value = "on")]
+    prefix_reuse: String,
 }
 
 #[derive(Args)]
@@ -529,6 +535,17 @@ fn run_engine(
         reps: a.reps,
         carry: a.carry,
         forced_drafts: !a.no_forced_drafts,
+        prefix_reuse: match a.prefix_reuse.as_str() {
+            "on" => vec![true],
+            "off" => vec![false],
+            "both" => vec![false, true],
+            other => {
+                return Err(bad_arg(
+                    "--prefix-reuse",
+                    format!("{other} (on, off or both)"),
+                ));
+            }
+        },
     };
     // The model's vocabulary for llguidance, when some request is constrained.
     let grammar_vocab = if prepared.iter().any(|r| r.grammar.is_some()) {

@@ -55,6 +55,13 @@ pub struct Matrix {
     /// With grammar-constrained requests: put the grammar-forced tokens in front of every
     /// speculative configuration's drafts (`speculative_guidance::ForcedDrafts`).
     pub forced_drafts: bool,
+    /// Prefix reuse modes to run, each with its own baseline and lanes (records of the
+    /// reuse-on mode are labelled ` +reuse`; speed-ups compare runs of the same mode). Reuse on:
+    /// before each run the target's cache is given what the same lane's previous run of the
+    /// conversation (or, for a stand-alone request, the lane's previous request) left, as a
+    /// server that keeps each conversation's cache would have it, untimed; the run reuses the
+    /// common prefix. Empty means `[false]`.
+    pub prefix_reuse: Vec<bool>,
 }
 
 /// Creates a proposer from its name.
@@ -66,6 +73,9 @@ pub type ProposerFactory<'a> = dyn FnMut(&str) -> Result<Box<dyn Proposer>> + 'a
 struct Lane {
     proposer: Option<Box<dyn Proposer>>,
     sessions: HashMap<String, Vec<(String, Vec<u32>)>>,
+    /// Prefix reuse: the tokens each conversation's cache holds (key: the session, `""` for
+    /// stand-alone requests); `None` with reuse off.
+    caches: Option<HashMap<String, Vec<u32>>>,
 }
 
 impl Lane {
@@ -78,6 +88,26 @@ impl Lane {
                 self.sessions.get(&t.session).map(|v| &v[..]).unwrap_or(&[]),
                 &t.message,
             ),
+        }
+    }
+
+    /// The cache this lane's run of `r` starts from (reuse on), empty for a first turn.
+    fn cached(&self, r: &PreparedRequest) -> Option<&[u32]> {
+        let key = r.turn.as_ref().map_or("", |t| &t.session);
+        self.caches
+            .as_ref()
+            .map(|c| c.get(key).map_or(&[][..], |v| &v[..]))
+    }
+
+    /// Keeps what a run of `input` for `r` left in the cache (reuse on).
+    fn keep_cache(&mut self, r: &PreparedRequest, input: &RunInput<'_>, output: &[u32]) {
+        let key = r
+            .turn
+            .as_ref()
+            .map_or("", |t| t.session.as_str())
+            .to_string();
+        if let Some(c) = self.caches.as_mut() {
+            c.insert(key, input.cached_after(output));
         }
     }
 
@@ -167,6 +197,7 @@ pub fn run_matrix(
                 eos,
                 rep: w,
                 constraint: constraint(vocab, r0, matrix.forced_drafts),
+                cached: None,
             };
             let s = matrix
                 .configs
@@ -182,10 +213,80 @@ pub fn run_matrix(
             progress("warm-up");
         }
     }
+    let modes: Vec<bool> = if matrix.prefix_reuse.is_empty() {
+        vec![false]
+    } else {
+        matrix.prefix_reuse.clone()
+    };
     let mut out = Vec::new();
     for rep in 0..matrix.reps {
+        for &reuse in &modes {
+            let o = run_rep(
+                vocab, target, factory, requests, eos, matrix, build, progress, &keys, rep, reuse,
+            )?;
+            out.extend(o);
+        }
+    }
+    if modes.contains(&true) && modes.contains(&false) {
+        mark_reuse_identical(&mut out);
+    }
+    Ok(out)
+}
+
+/// Sets [`RunRecord::reuse_identical`] of every reuse-on record that has a reuse-off twin
+/// (same request, repetition and configuration label).
+fn mark_reuse_identical(out: &mut [RunRecord]) {
+    let off: HashMap<(usize, usize, String), Vec<u32>> = out
+        .iter()
+        .filter(|r| !r.prefix_reuse)
+        .map(|r| ((r.request, r.rep, r.label.clone()), r.tokens.clone()))
+        .collect();
+    for r in out.iter_mut().filter(|r| r.prefix_reuse) {
+        let label = r.label.trim_end_matches(" +reuse").to_string();
+        if let Some(t) = off.get(&(r.request, r.rep, label)) {
+            r.reuse_identical = Some(*t == r.tokens);
+        }
+    }
+}
+
+/// One repetition of [`run_matrix`] in one prefix-reuse mode.
+#[allow(clippy::too_many_arguments)]
+fn run_rep(
+    vocab: Option<&speculative_guidance::Vocabulary>,
+    target: &mut dyn TargetModel,
+    factory: &mut ProposerFactory<'_>,
+    requests: &[PreparedRequest],
+    eos: &[u32],
+    matrix: &Matrix,
+    build: &mut PromptBuilder<'_>,
+    progress: &mut dyn FnMut(&str),
+    keys: &[(f32, f32, u64)],
+    rep: usize,
+    reuse: bool,
+) -> Result<Vec<RunRecord>> {
+    fn constraint<'a>(
+        vocab: Option<&'a speculative_guidance::Vocabulary>,
+        r: &'a PreparedRequest,
+        forced_drafts: bool,
+    ) -> Option<Constraint<'a>> {
+        Some(Constraint {
+            vocab: vocab?,
+            grammar: r.grammar.as_ref()?,
+            forced_drafts,
+        })
+    }
+    let mut none = speculative::NoProposer;
+    let caches = || reuse.then(HashMap::new);
+    let mut out = Vec::new();
+    {
         // One lane per baseline key, then one per configuration.
-        let mut base_lanes: Vec<Lane> = keys.iter().map(|_| Lane::default()).collect();
+        let mut base_lanes: Vec<Lane> = keys
+            .iter()
+            .map(|_| Lane {
+                caches: caches(),
+                ..Lane::default()
+            })
+            .collect();
         let mut lanes: Vec<Lane> = Vec::with_capacity(matrix.configs.len());
         for c in &matrix.configs {
             lanes.push(Lane {
@@ -195,6 +296,7 @@ pub fn run_matrix(
                     None
                 },
                 sessions: HashMap::new(),
+                caches: caches(),
             });
         }
         for (ri, r) in requests.iter().enumerate() {
@@ -207,6 +309,7 @@ pub fn run_matrix(
                     .collect();
                 let sampling = matrix.configs[group[0]].sampling()?;
                 let prompt = base_lanes[ki].prompt(r, build)?;
+                let base_cached = base_lanes[ki].cached(r).map(<[u32]>::to_vec);
                 let input = RunInput {
                     request: ri,
                     kind: &r.kind,
@@ -215,8 +318,10 @@ pub fn run_matrix(
                     eos,
                     rep,
                     constraint: constraint(vocab, r, matrix.forced_drafts),
+                    cached: base_cached.as_deref(),
                 };
                 let base = run_one(target, &mut none, &input, None, &sampling, seed)?;
+                base_lanes[ki].keep_cache(r, &input, &base.tokens);
                 base_lanes[ki].answered(r, &base.tokens);
                 progress(&format!("request {ri} rep {rep} plain"));
                 let n = group.len();
@@ -225,8 +330,10 @@ pub fn run_matrix(
                     let c = &matrix.configs[ci];
                     let lane = &mut lanes[ci];
                     let prompt = lane.prompt(r, build)?;
+                    let cached = lane.cached(r).map(<[u32]>::to_vec);
                     let input = RunInput {
                         prompt: &prompt,
+                        cached: cached.as_deref(),
                         ..input
                     };
                     let mut fresh;
@@ -238,6 +345,7 @@ pub fn run_matrix(
                         }
                     };
                     let mut rec = run_one(target, prop, &input, Some(c), &sampling, seed)?;
+                    lane.keep_cache(r, &input, &rec.tokens);
                     lane.answered(r, &rec.tokens);
                     if base.tokens_per_s > 0.0 {
                         rec.speedup = Some(rec.tokens_per_s / base.tokens_per_s);

@@ -59,6 +59,13 @@ pub struct Aggregate {
     pub decode_speedup: Option<Summary>,
     /// Greedy runs whose output equalled plain greedy, and greedy runs.
     pub greedy_identical: Option<(usize, usize)>,
+    /// Share of the prompt tokens found in the cache (prefix reuse), over all runs.
+    #[serde(default)]
+    pub prompt_reused_share: f64,
+    /// Reuse-on runs whose output equalled the same run with reuse off, and such runs (when
+    /// both modes ran).
+    #[serde(default)]
+    pub reuse_identical: Option<(usize, usize)>,
 }
 
 /// Bucket width (tokens) of acceptance by output position.
@@ -115,6 +122,9 @@ pub fn aggregate(records: &[RunRecord]) -> Vec<Aggregate> {
             let speed: Vec<f64> = rs.iter().filter_map(|r| r.speedup).collect();
             let dspeed: Vec<f64> = rs.iter().filter_map(|r| r.decode_speedup).collect();
             let greedy: Vec<bool> = rs.iter().filter_map(|r| r.greedy_identical).collect();
+            let same: Vec<bool> = rs.iter().filter_map(|r| r.reuse_identical).collect();
+            let reused: usize = rs.iter().map(|r| r.prompt_reused).sum();
+            let fed: usize = rs.iter().map(|r| r.prompt_prefilled).sum();
             Aggregate {
                 kind,
                 label,
@@ -150,6 +160,9 @@ pub fn aggregate(records: &[RunRecord]) -> Vec<Aggregate> {
                 decode_speedup: (!dspeed.is_empty()).then(|| Summary::of(&dspeed)),
                 greedy_identical: (!greedy.is_empty())
                     .then(|| (greedy.iter().filter(|&&g| g).count(), greedy.len())),
+                prompt_reused_share: ratio(reused, reused + fed),
+                reuse_identical: (!same.is_empty())
+                    .then(|| (same.iter().filter(|&&g| g).count(), same.len())),
             }
         })
         .collect()
@@ -158,8 +171,8 @@ pub fn aggregate(records: &[RunRecord]) -> Vec<Aggregate> {
 /// The markdown table for people: one row per (kind, configuration).
 pub fn markdown(aggs: &[Aggregate]) -> String {
     let mut s = String::new();
-    s.push_str("| kind | config | runs | tok/s | speed-up (mean ± sd, min-max) | decode speed-up | accept rate | mean acc. len | TTFT ms | TPOT ms | ITL p50/p90/p99 ms | e2e s | propose % | peak RSS MiB | greedy identical |\n");
-    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    s.push_str("| kind | config | runs | tok/s | speed-up (mean ± sd, min-max) | decode speed-up | accept rate | mean acc. len | TTFT ms | TPOT ms | ITL p50/p90/p99 ms | e2e s | propose % | peak RSS MiB | greedy identical | prompt reused % | = reuse off |\n");
+    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for a in aggs {
         let sp = a
             .speedup
@@ -175,7 +188,7 @@ pub fn markdown(aggs: &[Aggregate]) -> String {
             .unwrap_or_else(|| "-".into());
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.1} | {} | {} | {:.3} | {:.2} | {:.1} | {:.2} | {:.1}/{:.1}/{:.1} | {:.2} | {:.1} | {} | {} |",
+            "| {} | {} | {} | {:.1} | {} | {} | {:.3} | {:.2} | {:.1} | {:.2} | {:.1}/{:.1}/{:.1} | {:.2} | {:.1} | {} | {} | {:.1} | {} |",
             a.kind,
             a.label,
             a.runs,
@@ -194,7 +207,11 @@ pub fn markdown(aggs: &[Aggregate]) -> String {
             a.peak_rss_kib
                 .map(|k| format!("{:.0}", k as f64 / 1024.0))
                 .unwrap_or_else(|| "-".into()),
-            gi
+            gi,
+            a.prompt_reused_share * 100.0,
+            a.reuse_identical
+                .map(|(i, n)| format!("{i}/{n}"))
+                .unwrap_or_else(|| "-".into())
         );
     }
     s

@@ -190,6 +190,19 @@ pub struct RunRecord {
     /// Mean nodes per tree step (0 without tree steps).
     #[serde(default)]
     pub mean_tree_nodes: f64,
+    /// The run reused cached prefixes ([`RunInput::cached`]; prefix reuse on).
+    #[serde(default)]
+    pub prefix_reuse: bool,
+    /// Prompt tokens found in the target's cache (not prefilled).
+    #[serde(default)]
+    pub prompt_reused: usize,
+    /// Prompt tokens the target processed (prefill and the first step's last prompt token).
+    #[serde(default)]
+    pub prompt_prefilled: usize,
+    /// Runs with reuse on, when the same run has the reuse-off mode too: whether the tokens
+    /// equal the reuse-off run's of the same request, configuration and repetition.
+    #[serde(default)]
+    pub reuse_identical: Option<bool>,
 }
 
 /// Wraps a proposer to record each step's draft length and outcome.
@@ -232,6 +245,9 @@ impl Proposer for Recording<'_> {
     }
     fn begin(&mut self, prompt: &[u32]) -> speculative::Result<()> {
         self.inner.begin(prompt)
+    }
+    fn begin_reusing(&mut self, prompt: &[u32]) -> speculative::Result<()> {
+        self.inner.begin_reusing(prompt)
     }
     fn finish(&mut self, sequence: &[u32]) {
         self.inner.finish(sequence)
@@ -285,6 +301,21 @@ pub struct RunInput<'a> {
     pub rep: usize,
     /// The request's grammar (structured output), if any.
     pub constraint: Option<Constraint<'a>>,
+    /// Prefix reuse: the tokens the target's cache holds before this run (what this
+    /// conversation's previous turn left, as a server that keeps it would have), put there
+    /// untimed with [`speculative::decode::Generator::prefill_cache`]; the run then reuses
+    /// their common prefix with its prompt. `None`: reuse off (a full prefill).
+    pub cached: Option<&'a [u32]>,
+}
+
+impl RunInput<'_> {
+    /// The tokens the target's cache holds after a run of this input that emitted `tokens`:
+    /// the prompt and the output but the last token.
+    pub fn cached_after(&self, tokens: &[u32]) -> Vec<u32> {
+        let mut all: Vec<u32> = self.prompt.iter().chain(tokens).copied().collect();
+        all.pop();
+        all
+    }
 }
 
 /// A grammar constraint of one request: every run (baseline included) masks its rows with a
@@ -358,9 +389,12 @@ pub fn run_one(
     };
     reset_peak_rss();
     let mut arrivals: Vec<(f64, usize)> = Vec::new();
+    let mut g = Generator::new(&mut *target, &mut rec).with_prefix_reuse(input.cached.is_some());
+    if let Some(c) = input.cached {
+        g.prefill_cache(c)?;
+    }
     let start = Instant::now();
     let out = {
-        let mut g = Generator::new(&mut *target, &mut rec);
         g.generate_with(input.prompt, &params, |t| {
             arrivals.push((start.elapsed().as_secs_f64(), t.len()));
             std::ops::ControlFlow::Continue(())
@@ -368,6 +402,7 @@ pub fn run_one(
         .map_err(speculative::Error::from)?
     };
     let e2e = start.elapsed().as_secs_f64();
+    drop(g);
     let peak = peak_rss_kib();
     let ttft = arrivals.first().map(|a| a.0).unwrap_or(e2e);
     let itl = inter_token_latencies(&arrivals);
@@ -375,7 +410,14 @@ pub fn run_one(
     Ok(RunRecord {
         request: input.request,
         kind: input.kind.to_string(),
-        label: config.map(|c| c.label()).unwrap_or_else(|| "plain".into()),
+        label: {
+            let l = config.map(|c| c.label()).unwrap_or_else(|| "plain".into());
+            if input.cached.is_some() {
+                format!("{l} +reuse")
+            } else {
+                l
+            }
+        },
         config: config.cloned(),
         rep: input.rep,
         prompt_tokens: input.prompt.len(),
@@ -408,6 +450,10 @@ pub fn run_one(
         greedy_identical: None,
         tree_steps: m.tree_steps,
         mean_tree_nodes: m.mean_tree_nodes(),
+        prefix_reuse: input.cached.is_some(),
+        prompt_reused: m.prompt_tokens_reused,
+        prompt_prefilled: m.prompt_tokens_prefilled,
+        reuse_identical: None,
     })
 }
 

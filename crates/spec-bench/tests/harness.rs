@@ -71,6 +71,7 @@ fn records() -> Vec<RunRecord> {
         reps: 2,
         carry: false,
         forced_drafts: false,
+        prefix_reuse: Vec::new(),
     };
     let mut n = 0;
     let out = run_matrix(
@@ -271,6 +272,7 @@ fn conversations_resubmit_their_own_outputs_and_carry_keeps_the_suffix_corpus() 
                 reps: 1,
                 carry,
                 forced_drafts: false,
+                prefix_reuse: Vec::new(),
             },
             &mut build,
             &mut |_| {},
@@ -365,6 +367,7 @@ fn constrained_requests_follow_their_grammar_in_every_run() {
             reps: 1,
             carry: false,
             forced_drafts: true,
+            prefix_reuse: Vec::new(),
         },
         &mut |_, _| unreachable!("no conversation turns"),
         &mut |_| {},

@@ -115,11 +115,12 @@ pub(crate) trait Engine {
 /// `target_features`, `TargetModel::target_features` offers the type's own
 /// [`speculative::TargetFeatures`] implementation.
 macro_rules! target_glue {
-    ($t:ty, hidden_states = $field:ident) => {
+    ($t:ty, hidden_states = $field:ident $(, { $($extra:item)* })?) => {
         $crate::engine::target_glue!(@model $t {
             fn hidden_states(&self) -> Option<&dyn speculative::HiddenStates> {
                 Some(self)
             }
+            $($($extra)*)?
         });
         $crate::engine::target_glue!(@tree $t);
         impl speculative::HiddenStates for $t {

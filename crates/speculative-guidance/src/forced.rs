@@ -369,6 +369,11 @@ impl<P: Proposer> Proposer for ForcedDrafts<P> {
         self.inner.begin(prompt)
     }
 
+    fn begin_reusing(&mut self, prompt: &[u32]) -> Result<()> {
+        self.forced = 0;
+        self.inner.begin_reusing(prompt)
+    }
+
     fn finish(&mut self, sequence: &[u32]) {
         self.inner.finish(sequence)
     }

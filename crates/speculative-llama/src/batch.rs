@@ -139,6 +139,28 @@ impl BatchTarget for LlamaBatchTarget {
             .snapshot()
             .then_some(BatchRollback::Snapshot(self as &mut dyn BatchStateSnapshot))
     }
+
+    /// `true`: llama.cpp copies sequences (`llama_memory_seq_cp`).
+    fn can_copy_prefix(&self) -> bool {
+        true
+    }
+
+    /// Makes `dst` hold `src`'s first `len` positions with llama.cpp's sequence copy: shared
+    /// cells with [`LlamaConfig::unified_kv`], else a copy of `src`'s whole per-sequence KV
+    /// buffer (`max_context` positions, done at the next decode) followed by the removal of
+    /// the positions from `len` on.
+    ///
+    /// # Errors
+    /// [`speculative::Error::InvalidSlot`]; [`speculative::Error::Model`] wrapping
+    /// [`crate::LlamaError`] for `src == dst`, `len > seq_len(src)` or a refused removal.
+    fn copy_prefix(&mut self, src: usize, dst: usize, len: usize) -> speculative::Result<()> {
+        for s in [src, dst] {
+            if s >= self.seqs.slots() {
+                return Err(self.slot_error(s));
+            }
+        }
+        Ok(self.seqs.copy_prefix(src, dst, len)?)
+    }
 }
 
 impl BatchStateSnapshot for LlamaBatchTarget {

@@ -413,6 +413,50 @@ impl Seqs {
         Ok(())
     }
 
+    /// Makes `dst` hold the first `len` positions of `src` (`src` unchanged) with llama.cpp's
+    /// sequence copy (`llama_memory_seq_cp`): in a unified cache the cells are shared (no data
+    /// copied); with a cache per sequence llama.cpp copies `src`'s whole stream buffer into
+    /// `dst`'s at the next decode (it copies only whole buffers), and the positions from `len`
+    /// on are then removed from `dst`.
+    ///
+    /// # Errors
+    /// [`LlamaError::Config`] for `src == dst`; [`LlamaError::TruncateBeyond`] for
+    /// `len > len(src)` (nothing changed); [`LlamaError::Cache`] when llama.cpp refuses the
+    /// removal (`dst` is then empty).
+    pub(crate) fn copy_prefix(&mut self, src: usize, dst: usize, len: usize) -> Result<()> {
+        if src == dst {
+            return Err(LlamaError::Config {
+                field: "copy_prefix",
+                value: format!("{src} -> {dst}"),
+                reason: "the source and destination slots must differ",
+            });
+        }
+        let seq_len = self.lens[src];
+        if len > seq_len {
+            return Err(LlamaError::TruncateBeyond {
+                seq: src,
+                len,
+                seq_len,
+            });
+        }
+        self.truncate(dst, 0)?;
+        let ids = |s: usize| i32::try_from(s).unwrap_or(i32::MAX);
+        self.ctx
+            .copy_kv_cache_seq(ids(src), ids(dst), None, None)
+            .map_err(|e| LlamaError::Cache {
+                seq: dst,
+                from: 0,
+                reason: e.to_string(),
+            })?;
+        self.lens[dst] = seq_len;
+        if let Err(e) = self.truncate(dst, len) {
+            let _ = self.ctx.clear_kv_cache_seq(Some(dst as u32), None, None);
+            self.lens[dst] = 0;
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// Drops every position of `seq` at index `>= len`. In snapshot mode only `len == 0`
     /// (which also drops the snapshot) and `len == seq_len` are taken.
     pub(crate) fn truncate(&mut self, seq: usize, len: usize) -> Result<()> {

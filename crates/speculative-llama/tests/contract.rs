@@ -448,3 +448,57 @@ fn a_requantized_copy_loads_and_agrees_with_the_source() {
     ));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Prefix copy between slots (`llama_memory_seq_cp`): after copying slot 0's first `k`
+/// positions into slot 1 (which held something else), a chain on slot 1 gives the logits of a
+/// single sequence that prefilled the same `k` tokens, for a cache per sequence (whole-buffer
+/// copy) and a unified cache (shared cells); slot 0 is unchanged; bad copies are refused.
+#[test]
+fn a_copied_prefix_continues_like_a_fresh_prefill() {
+    let e = engine();
+    let p = prompt();
+    let k = p.len() - 4;
+    let chain = [330u32, 1690, 28];
+    let mut single = e.target(&LlamaConfig::default()).unwrap();
+    single.prefill(&p[..k]).unwrap();
+    let mut want = Vec::new();
+    single.forward(&chain, &mut want).unwrap();
+    for unified in [false, true] {
+        let cfg = LlamaConfig::default()
+            .with_slots(3)
+            .with_context(256)
+            .with_unified_kv(unified);
+        let mut b = LlamaBatchTarget::new(e, &cfg).unwrap();
+        assert!(b.can_copy_prefix());
+        let mut logits = Vec::new();
+        b.forward_batch(&[prefill_of(0, &p), prefill_of(1, &p[..5])], &mut logits)
+            .unwrap();
+        b.copy_prefix(0, 1, k).unwrap();
+        assert_eq!((b.seq_len(0).unwrap(), b.seq_len(1).unwrap()), (p.len(), k));
+        b.forward_batch(&[chain_of(1, &chain)], &mut logits)
+            .unwrap();
+        assert!(max_diff(&logits, &want) <= TOL, "unified {unified}");
+        let v = e.vocab_size();
+        for r in 0..chain.len() {
+            assert_eq!(
+                argmax(&logits[r * v..(r + 1) * v]),
+                argmax(&want[r * v..(r + 1) * v])
+            );
+        }
+        // Slot 0 still holds its prompt: its next row follows the whole prompt.
+        b.truncate(0, p.len() - 1).unwrap();
+        b.forward_batch(&[chain_of(0, &p[p.len() - 1..])], &mut logits)
+            .unwrap();
+        let mut whole = e.target(&LlamaConfig::default()).unwrap();
+        let mut w = Vec::new();
+        whole.forward(&p, &mut w).unwrap();
+        assert!(max_diff(&logits, &w[(p.len() - 1) * v..]) <= TOL);
+        assert!(b.copy_prefix(0, 0, 1).is_err());
+        assert!(b.copy_prefix(0, 2, p.len() + 1).is_err());
+        assert!(matches!(
+            b.copy_prefix(0, 3, 1),
+            Err(speculative::Error::InvalidSlot { .. })
+        ));
+        assert_eq!(b.seq_len(2).unwrap(), 0);
+    }
+}

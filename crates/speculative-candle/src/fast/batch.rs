@@ -323,6 +323,36 @@ impl BatchTarget for FastBatch {
         self.slot_mut(slot)?.commit_tree(&w.config, path)
     }
 
+    /// `true`: slots copy prefixes by copying their cache rows.
+    fn can_copy_prefix(&self) -> bool {
+        true
+    }
+
+    /// Copies the keys and values of `src`'s first `len` positions into `dst` (whose cache
+    /// grows as needed; `src` unchanged): afterwards `dst`'s logits for any continuation are
+    /// bit-identical to `src`'s, and to those of a slot that prefilled the same tokens.
+    /// Costs `len · kv_bytes_per_position` bytes of copying, no forward.
+    ///
+    /// # Errors
+    /// [`speculative::Error::InvalidSlot`]; [`speculative::Error::Model`] for `src == dst`,
+    /// `len > seq_len(src)` or a pending tree in `src` (`dst` is then unchanged).
+    fn copy_prefix(&mut self, src: usize, dst: usize, len: usize) -> speculative::Result<()> {
+        self.slot_ref(src)?;
+        self.slot_ref(dst)?;
+        if src == dst {
+            return Err(
+                CandleError::InvalidArgument("copy_prefix from a slot into itself".into()).into(),
+            );
+        }
+        let (a, b) = self.slots.split_at_mut(src.max(dst));
+        let (from, to) = if src < dst {
+            (&a[src], &mut b[0])
+        } else {
+            (&b[0], &mut a[dst])
+        };
+        Ok(to.copy_prefix_from(from, len)?)
+    }
+
     /// Empties `slot` (`seq_len` 0, no pending tree) and frees its KV cache.
     ///
     /// # Errors

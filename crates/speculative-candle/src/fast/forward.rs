@@ -867,6 +867,31 @@ impl SeqState {
                 .sum::<usize>()
     }
 
+    /// Makes this sequence the first `len` positions of `src` (a sequence of the same model):
+    /// their keys and values copied, nothing pending.
+    ///
+    /// # Errors
+    /// [`CandleError::InvalidArgument`] when `len > src.seq_len`, `src` has a pending tree or
+    /// the caches differ in shape (this sequence is then unchanged).
+    pub(crate) fn copy_prefix_from(&mut self, src: &SeqState, len: usize) -> Result<()> {
+        if len > src.seq_len || src.pending.is_some() || self.cache.len() != src.cache.len() {
+            return Err(CandleError::InvalidArgument(format!(
+                "copy_prefix_from: {len} positions of a sequence of {} (pending tree: {}, \
+                 layers {} vs {})",
+                src.seq_len,
+                src.pending.is_some(),
+                src.cache.len(),
+                self.cache.len()
+            )));
+        }
+        for (d, s) in self.cache.iter_mut().zip(&src.cache) {
+            d.copy_prefix_from(s, len);
+        }
+        self.seq_len = len;
+        self.pending = None;
+        Ok(())
+    }
+
     /// See [`FastTarget::kv_snapshot`].
     pub(crate) fn kv_snapshot(&self) -> Vec<(Vec<f32>, Vec<f32>)> {
         self.cache
@@ -1209,4 +1234,28 @@ impl Engine for FastTarget {
     }
 }
 
-target_glue!(FastTarget, hidden_states = hidden);
+target_glue!(FastTarget, hidden_states = hidden, {
+    fn supports_prefix_copy(&self) -> bool {
+        true
+    }
+
+    /// Copies the keys and values of `src`'s first `len` positions (a `FastTarget` over the
+    /// same [`FastWeights`] and layer count): afterwards this model's logits for any
+    /// continuation are bit-identical to `src`'s (`speculative::PerSlot` uses it for
+    /// [`speculative::BatchTarget::copy_prefix`]).
+    ///
+    /// # Errors
+    /// [`speculative::Error::Model`] (source [`CandleError`]) for another model's `src`,
+    /// `len > src.seq_len()` or a pending tree in `src`; this model is then unchanged.
+    fn copy_prefix_from(&mut self, src: &Self, len: usize) -> speculative::Result<()> {
+        if !Arc::ptr_eq(&self.weights, &src.weights) || self.n_layers != src.n_layers {
+            return Err(CandleError::InvalidArgument(
+                "copy_prefix_from: a FastTarget over other weights or layers".into(),
+            )
+            .into());
+        }
+        self.seq.copy_prefix_from(&src.seq, len)?;
+        self.hidden.clear();
+        Ok(())
+    }
+});

@@ -145,6 +145,19 @@ impl KvCache {
         self.v[pos * rows..(pos + 1) * rows].copy_from_slice(&v[..rows]);
     }
 
+    /// Makes this cache hold positions `0 .. len` of `src` (the same shape; `len` within what
+    /// `src` holds): its keys and values copied, so the attention over them reads the same
+    /// bits.
+    pub(crate) fn copy_prefix_from(&mut self, src: &KvCache, len: usize) {
+        self.reserve(len, 0);
+        let rows = self.nkv * self.d;
+        for r in 0..rows {
+            self.kt[r * self.cap..r * self.cap + len]
+                .copy_from_slice(&src.kt[r * src.cap..r * src.cap + len]);
+        }
+        self.v[..len * rows].copy_from_slice(&src.v[..len * rows]);
+    }
+
     /// Bytes held by the keys and values (the capacity, not only the positions in use).
     pub(crate) fn memory_bytes(&self) -> usize {
         (self.kt.capacity() + self.v.capacity()) * std::mem::size_of::<f32>()
