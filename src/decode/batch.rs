@@ -750,7 +750,10 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 keep = 0;
             }
         }
-        if self.target.seq_len(place.slot)? < keep {
+        let held = self.target.seq_len(place.slot)?;
+        // A target that cannot truncate keeps a slot's cache only when the prompt extends all
+        // of it (nothing to drop).
+        if held < keep || (keep != held && self.target.rollback().is_some()) {
             keep = 0;
         }
         self.target.truncate(place.slot, keep)?;

@@ -333,7 +333,8 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         let mut reused = self.reusable_prefix(prompt, hidden_width);
         // A target that cannot truncate keeps its cache only when the new prompt extends all
         // of it (nothing to drop).
-        if reused != self.target.seq_len() && rollback_mode(&mut self.target) != RollbackMode::Truncate
+        if reused != self.target.seq_len()
+            && rollback_mode(&mut self.target) != RollbackMode::Truncate
         {
             reused = 0;
         }
