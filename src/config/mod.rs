@@ -19,9 +19,9 @@
 //! let params: GenerationParams = serde_json::from_str(json).unwrap();
 //! let sampling = SamplingConfig::builder()
 //!     .temperature(0.7).top_p(0.8).top_k(20).repetition_penalty(1.05).build()?;
-//! assert_eq!(params.sampling, sampling);
-//! assert_eq!(params.max_new_tokens, 128);
-//! assert_eq!(params.stop.eos, [151645, 151643]);
+//! assert_eq!(params.sampling(), &sampling);
+//! assert_eq!(params.max_new_tokens(), 128);
+//! assert_eq!(params.stop().eos, [151645, 151643]);
 //! # Ok::<(), speculative::Error>(())
 //! ```
 //!
@@ -106,7 +106,7 @@
 //!               "temperature": 0.6, "top_p": 0.9, "transformers_version": "4.45.0" }"#;
 //! assert!(serde_json::from_str::<GenerationParams>(hf).is_err()); // strict: bos_token_id
 //! let params = serde_json::from_str::<Lenient<GenerationParams>>(hf).unwrap().0;
-//! assert_eq!(params.stop.eos, [2]);
+//! assert_eq!(params.stop().eos, [2]);
 //! ```
 //!
 //! # Errors
