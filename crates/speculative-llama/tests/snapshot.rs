@@ -26,6 +26,7 @@ fn params() -> GenerationParams {
         .fold(StopConditions::default(), |s, &t| s.with_eos(t));
     GenerationParams::greedy(40)
         .with_stop(stop)
+        .expect("EOS ids alone are valid stop conditions")
         .with_draft(DraftLength::Fixed(4))
 }
 
