@@ -362,6 +362,20 @@ fn error_case<B: BatchTarget>(
             )?
         }
     }
+    unchanged_after(&mut b, ps, refs, &halves, tol, case)
+}
+
+/// After the refused call of `case`: every slot still holds its first half (`halves`), and the
+/// second halves give the reference rows `refs` (within `tol`).
+fn unchanged_after<B: BatchTarget>(
+    b: &mut B,
+    ps: &[&[u32]],
+    refs: &[Vec<f32>],
+    halves: &[usize],
+    tol: Tolerance,
+    case: &str,
+) -> Check {
+    let (v, n) = (b.vocab_size(), ps.len());
     for (i, &half) in halves.iter().enumerate() {
         let slot = slot_of(i, n);
         same_len(
@@ -376,7 +390,7 @@ fn error_case<B: BatchTarget>(
             input: SlotInput::Chain(&ps[i][halves[i]..]),
         })
         .collect();
-    let got = run(&mut b, &rest)?;
+    let got = run(b, &rest)?;
     for i in 0..n {
         compare_rows(&refs[i][halves[i] * v..], &got[i], v, halves[i], tol)
             .map_err(|f| f.context(format!("prompt {i} after the refused call ({case})")))?;

@@ -80,56 +80,94 @@ fn lossless<T: TargetModel, Q: Proposer, P: AsRef<[u32]>>(
     let Some(ps) = prompts(&mut report, prompts_in, vocab, max_context) else {
         return report;
     };
-    let k = cfg.draft_len();
     for (i, p) in ps.iter().enumerate() {
-        let plain = match run_greedy(make, NoProposer, p, cfg, 0) {
-            Ok(t) => t,
-            Err(f) => {
-                report.push("lossless.greedy", prompt_input(i, p), f.into_outcome());
-                continue;
-            }
-        };
-        let input = |what: &str| format!("{}, {what}", prompt_input(i, p));
+        greedy_checks(
+            &mut report,
+            make,
+            user.as_deref_mut(),
+            i,
+            p,
+            cfg,
+            tree,
+            vocab,
+        );
+    }
+    sampled_checks(&mut report, make, user, ps[0], cfg);
+    report
+}
+
+/// `lossless.greedy` on prompt `i`: plain greedy decoding against the loop with the engine as
+/// its own (tempered) draft model, random drafts, tree drafts where the engine has trees, and
+/// the user's proposer.
+#[allow(clippy::too_many_arguments)]
+fn greedy_checks<T: TargetModel, Q: Proposer>(
+    report: &mut Report,
+    make: &mut impl FnMut() -> T,
+    user: Option<&mut (dyn FnMut() -> Q + '_)>,
+    i: usize,
+    p: &[u32],
+    cfg: &KitConfig,
+    tree: bool,
+    vocab: usize,
+) {
+    let k = cfg.draft_len();
+    let plain = match run_greedy(make, NoProposer, p, cfg, 0) {
+        Ok(t) => t,
+        Err(f) => {
+            report.push("lossless.greedy", prompt_input(i, p), f.into_outcome());
+            return;
+        }
+    };
+    let input = |what: &str| format!("{}, {what}", prompt_input(i, p));
+    let m = make();
+    let r = same_greedy(
+        make,
+        DraftModelProposer::new(Tempered::new(m)),
+        p,
+        cfg,
+        0,
+        &plain,
+    );
+    record(
+        report,
+        "lossless.greedy",
+        &input("the engine as its own draft model"),
+        r,
+    );
+    let r = same_greedy(make, RandomDrafts { vocab }, p, cfg, 0, &plain);
+    record(report, "lossless.greedy", &input("random drafts"), r);
+    if tree {
         let m = make();
         let r = same_greedy(
             make,
             DraftModelProposer::new(Tempered::new(m)),
             p,
             cfg,
-            0,
+            2 * k,
             &plain,
         );
         record(
-            &mut report,
+            report,
             "lossless.greedy",
-            &input("the engine as its own draft model"),
+            &input(&format!("tree drafts of {} nodes", 2 * k)),
             r,
         );
-        let r = same_greedy(make, RandomDrafts { vocab }, p, cfg, 0, &plain);
-        record(&mut report, "lossless.greedy", &input("random drafts"), r);
-        if tree {
-            let m = make();
-            let r = same_greedy(
-                make,
-                DraftModelProposer::new(Tempered::new(m)),
-                p,
-                cfg,
-                2 * k,
-                &plain,
-            );
-            record(
-                &mut report,
-                "lossless.greedy",
-                &input(&format!("tree drafts of {} nodes", 2 * k)),
-                r,
-            );
-        }
-        if let Some(u) = user.as_mut() {
-            let r = same_greedy(make, u(), p, cfg, 0, &plain);
-            record(&mut report, "lossless.greedy", &input("your proposer"), r);
-        }
     }
-    let p = ps[0];
+    if let Some(u) = user {
+        let r = same_greedy(make, u(), p, cfg, 0, &plain);
+        record(report, "lossless.greedy", &input("your proposer"), r);
+    }
+}
+
+/// `lossless.sampled` and `lossless.negative_control` on prompt `p`: the first tokens' law of
+/// plain sampling against the loop's, and against a lying draft that must fail.
+fn sampled_checks<T: TargetModel, Q: Proposer>(
+    report: &mut Report,
+    make: &mut impl FnMut() -> T,
+    mut user: Option<&mut dyn FnMut() -> Q>,
+    p: &[u32],
+    cfg: &KitConfig,
+) {
     let input = format!(
         "{}, {} samples, top-k {}",
         prompt_input(0, p),
@@ -153,15 +191,14 @@ fn lossless<T: TargetModel, Q: Proposer, P: AsRef<[u32]>>(
                     )
                 }
             };
-            push_fit(&mut report, "lossless.sampled", &input, r, true);
+            push_fit(report, "lossless.sampled", &input, r, true);
             let r = match law.liar() {
                 Some(liar) => sampled(make, liar, p, cfg, &law, "lossless.negative_control"),
                 None => Err(Fail::skip("the first token has a single candidate")),
             };
-            push_fit(&mut report, "lossless.negative_control", &input, r, false);
+            push_fit(report, "lossless.negative_control", &input, r, false);
         }
     }
-    report
 }
 
 fn push_fit(

@@ -56,60 +56,46 @@ where
             rows: &reference,
             tol,
         };
-        record(
-            &mut report,
-            "rollback.truncate",
-            &input,
-            truncation(&mut make, &rf),
-        );
-        let cases: Vec<(&str, Check)> = match mode {
-            RollbackMode::Snapshot => {
-                record(
-                    &mut report,
-                    "rollback.snapshot",
-                    &input,
-                    snapshot(&mut make, &rf),
-                );
-                vec![
-                    (
-                        "restore without a saved state",
-                        no_snapshot(&mut make, &rf, false),
-                    ),
-                    (
-                        "restore after truncate(0)",
-                        no_snapshot(&mut make, &rf, true),
-                    ),
-                ]
-            }
-            _ => {
-                record(
-                    &mut report,
-                    "rollback.rows",
-                    &input,
-                    row_states(&mut make, &rf),
-                );
-                vec![
-                    (
-                        "keep_rows beyond the pending rows",
-                        too_many_rows(&mut make, &rf, 1),
-                    ),
-                    (
-                        "keep_rows right after a prefill",
-                        too_many_rows(&mut make, &rf, 0),
-                    ),
-                ]
-            }
-        };
-        for (case, r) in cases {
-            record(
-                &mut report,
-                "rollback.errors",
-                &format!("{input}, {case}"),
-                r,
-            );
-        }
+        check_prompt(&mut report, &mut make, mode, &input, &rf);
     }
     report
+}
+
+/// The checks of one prompt (its reference rows in `rf`): truncation, then the mode's own
+/// check (`rollback.snapshot` or `rollback.rows`) and its refusals (`rollback.errors`).
+fn check_prompt<T: TargetModel>(
+    report: &mut Report,
+    make: &mut impl FnMut() -> T,
+    mode: RollbackMode,
+    input: &str,
+    rf: &Ref<'_>,
+) {
+    record(report, "rollback.truncate", input, truncation(make, rf));
+    let cases: Vec<(&str, Check)> = if mode == RollbackMode::Snapshot {
+        record(report, "rollback.snapshot", input, snapshot(make, rf));
+        vec![
+            (
+                "restore without a saved state",
+                no_snapshot(make, rf, false),
+            ),
+            ("restore after truncate(0)", no_snapshot(make, rf, true)),
+        ]
+    } else {
+        record(report, "rollback.rows", input, row_states(make, rf));
+        vec![
+            (
+                "keep_rows beyond the pending rows",
+                too_many_rows(make, rf, 1),
+            ),
+            (
+                "keep_rows right after a prefill",
+                too_many_rows(make, rf, 0),
+            ),
+        ]
+    };
+    for (case, r) in cases {
+        record(report, "rollback.errors", &format!("{input}, {case}"), r);
+    }
 }
 
 /// A prompt and its one-call rows.
