@@ -173,17 +173,6 @@ pub fn run_matrix(
             keys.push(k);
         }
     }
-    fn constraint<'a>(
-        vocab: Option<&'a speculative_guidance::Vocabulary>,
-        r: &'a PreparedRequest,
-        forced_drafts: bool,
-    ) -> Option<Constraint<'a>> {
-        Some(Constraint {
-            vocab: vocab?,
-            grammar: r.grammar.as_ref()?,
-            forced_drafts,
-        })
-    }
     let mut none = speculative::NoProposer;
     // Warm-up on the first request (fresh proposers, discarded).
     if let Some(r0) = requests.first() {
@@ -249,6 +238,19 @@ fn mark_reuse_identical(out: &mut [RunRecord]) {
     }
 }
 
+/// The grammar constraint of request `r` under `vocab` (`None` when either is absent).
+fn constraint<'a>(
+    vocab: Option<&'a speculative_guidance::Vocabulary>,
+    r: &'a PreparedRequest,
+    forced_drafts: bool,
+) -> Option<Constraint<'a>> {
+    Some(Constraint {
+        vocab: vocab?,
+        grammar: r.grammar.as_ref()?,
+        forced_drafts,
+    })
+}
+
 /// One repetition of [`run_matrix`] in one prefix-reuse mode.
 #[allow(clippy::too_many_arguments)]
 fn run_rep(
@@ -264,17 +266,6 @@ fn run_rep(
     rep: usize,
     reuse: bool,
 ) -> Result<Vec<RunRecord>> {
-    fn constraint<'a>(
-        vocab: Option<&'a speculative_guidance::Vocabulary>,
-        r: &'a PreparedRequest,
-        forced_drafts: bool,
-    ) -> Option<Constraint<'a>> {
-        Some(Constraint {
-            vocab: vocab?,
-            grammar: r.grammar.as_ref()?,
-            forced_drafts,
-        })
-    }
     let mut none = speculative::NoProposer;
     let caches = || reuse.then(HashMap::new);
     let mut out = Vec::new();
