@@ -13,7 +13,7 @@ use super::policy::DraftLength;
 use super::seed::SeedSource;
 use super::sequence::{
     CacheOp, Generation, GenerationError, Plan, Sequence, Start, StepMark, StepTimes, StreamChunk,
-    TargetLimits, check_request,
+    TargetLimits, check_request, kept_prefix,
 };
 use super::slots::{Placement, SlotPool};
 use super::stop::{Detokenizer, FinishReason};
@@ -751,11 +751,7 @@ impl<B: BatchTarget> BatchGenerator<B> {
             }
         }
         let held = self.target.seq_len(place.slot)?;
-        // A target that cannot truncate keeps a slot's cache only when the prompt extends all
-        // of it (nothing to drop).
-        if held < keep || (keep != held && self.target.rollback().is_some()) {
-            keep = 0;
-        }
+        let keep = kept_prefix(keep, held, self.target.rollback().is_none());
         self.target.truncate(place.slot, keep)?;
         self.metrics.prompt_tokens_reused += keep as u64;
         Ok(keep)

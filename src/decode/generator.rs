@@ -11,7 +11,7 @@ use super::policy::AdaptiveState;
 use super::seed::SeedSource;
 use super::sequence::{
     CacheOp, Generation, GenerationError, HiddenView, Plan, Sequence, Start, StepStats,
-    StreamChunk, TargetLimits, check_request,
+    StreamChunk, TargetLimits, check_request, kept_prefix,
 };
 use super::stop::{Detokenizer, FinishReason};
 use crate::error::{Error, Result};
@@ -330,14 +330,12 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         check_request(prompt, params, &limits, self.detokenizer.is_some())?;
         let seed = params.seed.unwrap_or_else(|| self.seeds.next_seed());
         let hidden_width = self.target.hidden_states().map_or(0, |hs| hs.hidden_size());
-        let mut reused = self.reusable_prefix(prompt, hidden_width);
-        // A target that cannot truncate keeps its cache only when the new prompt extends all
-        // of it (nothing to drop).
-        if reused != self.target.seq_len()
-            && rollback_mode(&mut self.target) != RollbackMode::Truncate
-        {
-            reused = 0;
-        }
+        let truncates = rollback_mode(&mut self.target) == RollbackMode::Truncate;
+        let reused = kept_prefix(
+            self.reusable_prefix(prompt, hidden_width),
+            self.target.seq_len(),
+            truncates,
+        );
         self.cache_known = false;
         self.target.truncate(reused)?;
         self.seq.begin(Start {

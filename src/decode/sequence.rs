@@ -1502,6 +1502,18 @@ fn check_proposal(d: &Draft, ask: Ask, vocab: usize, proposer: &'static str) -> 
     Ok(())
 }
 
+/// The cached prefix a driver keeps of the `reusable` tokens ([`Sequence::reusable`]) when the
+/// engine holds `held` positions: all of them, or 0 when the engine holds fewer or when it
+/// cannot truncate (`truncates == false`: [`crate::TargetModel::rollback`] /
+/// [`crate::BatchTarget::rollback`] offered) and keeping them would drop positions.
+pub(crate) fn kept_prefix(reusable: usize, held: usize, truncates: bool) -> usize {
+    if held < reusable || (reusable != held && !truncates) {
+        0
+    } else {
+        reusable
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1547,6 +1559,14 @@ mod tests {
         replayed: 0,
     };
 
+    #[test]
+    fn kept_prefix_drops_nothing_a_target_cannot_truncate() {
+        assert_eq!(kept_prefix(5, 8, true), 5);
+        assert_eq!(kept_prefix(5, 8, false), 0);
+        assert_eq!(kept_prefix(8, 8, false), 8);
+        assert_eq!(kept_prefix(9, 8, true), 0);
+        assert_eq!(kept_prefix(0, 8, false), 0);
+    }
     #[test]
     fn a_step_runs_on_plain_values() {
         let mut p = ScriptedProposer::new(vec![vec![3, 4, 5]]);
