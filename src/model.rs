@@ -253,6 +253,7 @@ impl<T: TargetModel + ?Sized> TargetModel for &mut T {
 
 /// Which rollback a model offers: a plain value of [`Rollback`] / [`BatchRollback`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum RollbackMode {
     /// [`TargetModel::truncate`] drops any suffix (a KV cache): no rollback capability (the
     /// default).
@@ -298,6 +299,7 @@ pub enum RollbackMode {
 ///   errors leave the state as it was.
 /// - The loop never asks such a model for trees: it verifies chains (tree requests fall back
 ///   to chains, as on a model without [`TargetModel::tree`]).
+#[non_exhaustive]
 pub enum Rollback<'a> {
     /// The model saves and restores its whole state.
     Snapshot(&'a mut dyn StateSnapshot),
@@ -390,6 +392,7 @@ pub trait RowStates {
 /// forward (snapshot mode) and, after the verification, restores and replays each slot that
 /// rejected drafts in a forward of its own (replays are not batched across slots), or keeps its
 /// accepted row. Trees are not used with such a target.
+#[non_exhaustive]
 pub enum BatchRollback<'a> {
     /// Each slot saves and restores its state.
     Snapshot(&'a mut dyn BatchStateSnapshot),

@@ -504,6 +504,7 @@ fn the_toy_refuses_truncation_and_bad_rollbacks_with_typed_errors() {
                 assert_eq!(r.pending_rows(), 3);
                 assert!(matches!(r.keep_rows(4), Err(Error::StateRollback { .. })));
             }
+            _ => panic!("RecurrentToy offers snapshot or row states only"),
         }
         assert_eq!((m.seq_len(), m.state()), (3, &state[..]));
         m.truncate(0).unwrap();
