@@ -145,8 +145,15 @@ fn greedy_batch_equals_plain_decoding_in_both_modes() {
         }
         let m = batch.metrics();
         match mode {
-            RollbackMode::Snapshot => assert!(m.replayed > 0),
-            _ => assert_eq!(m.replayed, 0),
+            RollbackMode::Snapshot => {
+                assert!(m.replayed > 0);
+                // The slots that replay in a step share one batched forward.
+                assert!(
+                    m.replay_forwards > 0 && m.replay_forwards < m.replays,
+                    "{m:?}"
+                );
+            }
+            _ => assert_eq!((m.replayed, m.replays, m.replay_forwards), (0, 0, 0)),
         }
     }
 }

@@ -12,8 +12,8 @@ use super::params::GenerationParams;
 use super::policy::DraftLength;
 use super::seed::SeedSource;
 use super::sequence::{
-    CacheOp, Generation, GenerationError, Plan, Sequence, Start, StepMark, StepTimes, StreamChunk,
-    TargetLimits, check_request, kept_prefix,
+    CacheOp, Committed, Generation, GenerationError, Plan, Sequence, Start, StepMark, StepTimes,
+    StreamChunk, TargetLimits, check_request, kept_prefix,
 };
 use super::slots::{Placement, SlotPool};
 use super::stop::{Detokenizer, FinishReason};
@@ -215,6 +215,9 @@ pub struct BatchStepStats {
     pub replayed: usize,
     /// Time of those replays (restores and their forwards; part of `step_time`).
     pub replay_time: Duration,
+    /// Sequences that replayed; they replay together in one batched forward after the
+    /// step's commits (0 or 1 replay forward per step).
+    pub replaying: usize,
     /// Wall time of the whole step (planning and proposing, forward, verification, commits,
     /// callbacks).
     pub step_time: Duration,
@@ -242,6 +245,10 @@ pub struct BatchMetrics {
     pub replayed: u64,
     /// Time of those replays.
     pub replay_time: Duration,
+    /// Sequence replays (one per sequence and step with a replay).
+    pub replays: u64,
+    /// Batched replay forwards (at most one per step, for all its replaying sequences).
+    pub replay_forwards: u64,
     /// Wall time of all steps.
     pub step_time: Duration,
     /// Prompt tokens the admitted requests found in their slot's cache (kept from an earlier
@@ -1075,7 +1082,9 @@ impl<B: BatchTarget> BatchGenerator<B> {
     }
 
     /// The commit and observe phases of every verified sequence, and its stream callback.
-    /// Returns the indices of the requests that ended.
+    /// Sequences whose rollback is a replay (snapshot mode) replay together in one batched
+    /// forward after the others committed ([`BatchGenerator::replay_all`]). Returns the
+    /// indices of the requests that ended.
     fn commit_all(
         &mut self,
         decoding: &[usize],
@@ -1084,35 +1093,115 @@ impl<B: BatchTarget> BatchGenerator<B> {
         stats: &mut BatchStepStats,
     ) -> Vec<usize> {
         let mut done: Vec<usize> = Vec::new();
+        let mut replaying: Vec<Replaying> = Vec::new();
         for (&i, out) in decoding.iter().zip(outs) {
             let s = &mut self.active[i];
             let (plan, mark) = s.plan.take().expect("a decoding sequence is planned");
             stats.sequences += 1;
             stats.draft_rows += plan.drafted();
-            match out.and_then(|out| commit_one(&mut self.target, s, &plan, out, times)) {
-                Ok((replayed, replay_time)) => {
-                    stats.replayed += replayed;
-                    stats.replay_time += replay_time;
-                    let chunk = s.seq.last_chunk();
-                    stats.emitted += chunk.tokens.len();
-                    if let Some(f) = s.stream.as_mut()
-                        && f(chunk).is_break()
-                    {
-                        s.seq.cancel();
-                    }
-                    if s.seq.finish_reason().is_some() || s.seq.is_cancelled() {
-                        done.push(i);
-                    }
+            let times = StepTimes {
+                snapshot: s.saved,
+                ..times
+            };
+            let committed = out.and_then(|out| commit_slot(&mut self.target, s, &plan, out));
+            let r = match committed {
+                Ok((out, c, Some((from, len)))) => {
+                    replaying.push(Replaying {
+                        i,
+                        plan,
+                        mark,
+                        out,
+                        committed: c,
+                        from,
+                        len,
+                        times,
+                    });
+                    continue;
                 }
-                Err(e) => {
-                    let len = s.seq.fail(mark);
-                    rewind_slot(&mut self.target, s.slot, s.seq.fail_op(len));
-                    s.error = Some(e);
-                    done.push(i);
+                Ok((out, c, None)) => {
+                    s.seq
+                        .observe(&mut *s.proposer, &*s.costs, &plan, out, c, times)
                 }
-            }
+                Err(e) => Err(e),
+            };
+            settle_one(&mut self.target, s, i, mark, r, stats, &mut done);
         }
+        self.replay_all(replaying, stats, &mut done);
         done
+    }
+
+    /// The replays of a step (snapshot mode): restores each replaying slot's saved state, then
+    /// feeds every slot's accepted tokens in one batched forward (prefill chunks, no logits
+    /// read), checks each slot's length and runs the observe phases. The replay's time is
+    /// shared among the sequences by tokens replayed. A slot whose restore fails, or every
+    /// replaying slot when the forward fails, ends its request with the error.
+    fn replay_all(
+        &mut self,
+        replaying: Vec<Replaying>,
+        stats: &mut BatchStepStats,
+        done: &mut Vec<usize>,
+    ) {
+        if replaying.is_empty() {
+            return;
+        }
+        let t = Instant::now();
+        let restored: Vec<Result<()>> = replaying
+            .iter()
+            .map(|r| model::restore_slot(&mut self.target, self.active[r.i].slot))
+            .collect();
+        let chunks: Vec<SlotChunk<'_>> = replaying
+            .iter()
+            .zip(&restored)
+            .filter(|(_, ok)| ok.is_ok())
+            .map(|(r, _)| {
+                let s = &self.active[r.i];
+                let input = SlotInput::Prefill(&s.seq.context()[r.from..r.len]);
+                SlotChunk {
+                    slot: s.slot,
+                    input,
+                }
+            })
+            .collect();
+        let fed = if chunks.is_empty() {
+            Ok(())
+        } else {
+            self.target
+                .forward_batch(&chunks, &mut Vec::new())
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        let elapsed = t.elapsed();
+        let tokens: usize = replaying.iter().map(|r| r.len - r.from).sum();
+        for (r, restore) in replaying.into_iter().zip(restored) {
+            let s = &mut self.active[r.i];
+            let n = r.len - r.from;
+            let times = StepTimes {
+                replay: elapsed.mul_f64(n as f64 / tokens.max(1) as f64),
+                replayed: n,
+                ..r.times
+            };
+            let res = restore
+                .and_then(|()| {
+                    fed.clone().map_err(|msg| {
+                        Error::Model(format!("the batched replay forward failed: {msg}").into())
+                    })
+                })
+                .and_then(|()| check_slot_len(&self.target, s.slot, r.len))
+                .and_then(|()| {
+                    stats.replayed += n;
+                    stats.replay_time += times.replay;
+                    stats.replaying += 1;
+                    s.seq.observe(
+                        &mut *s.proposer,
+                        &*s.costs,
+                        &r.plan,
+                        r.out,
+                        r.committed,
+                        times,
+                    )
+                });
+            settle_one(&mut self.target, s, r.i, r.mark, res, stats, done);
+        }
     }
 
     /// Records the prefill chunks fed; a request whose prompt is in starts decoding (after a
@@ -1168,6 +1257,8 @@ impl<B: BatchTarget> BatchGenerator<B> {
         m.forward_time += stats.forward_time;
         m.replayed += stats.replayed as u64;
         m.replay_time += stats.replay_time;
+        m.replays += stats.replaying as u64;
+        m.replay_forwards += (stats.replaying > 0) as u64;
         m.step_time += stats.step_time;
     }
 
@@ -1246,26 +1337,79 @@ impl<B: BatchTarget> BatchGenerator<B> {
     }
 }
 
-/// The commit phase of one verified sequence, its cache operation on its slot, and its observe
-/// phase. Returns the tokens replayed and the replay's time (snapshot mode).
-fn commit_one<B: BatchTarget>(
+/// A verified sequence whose commit left a replay (snapshot mode) for the step's one batched
+/// replay forward ([`BatchGenerator::replay_all`]): `context[from..len]` to feed after its
+/// slot's state is restored.
+struct Replaying {
+    /// Index of the running request.
+    i: usize,
+    plan: Plan,
+    mark: StepMark,
+    out: StepOutput,
+    committed: Committed,
+    from: usize,
+    len: usize,
+    times: StepTimes,
+}
+
+/// The commit phase of one verified sequence and its cache operation on its slot, except a
+/// replay, which is returned (`Some((from, len))`) for the batched replay.
+fn commit_slot<B: BatchTarget>(
     target: &mut B,
     s: &mut Running,
     plan: &Plan,
     out: StepOutput,
-    times: StepTimes,
-) -> Result<(usize, Duration)> {
+) -> Result<(StepOutput, Committed, Option<(usize, usize)>)> {
     let (cache, committed) = s.seq.commit(plan, &out, None)?;
-    let (replay, replayed) = apply_slot(target, s.slot, cache, s.seq.context())?;
-    let times = StepTimes {
-        snapshot: s.saved,
-        replay,
-        replayed,
-        ..times
-    };
-    s.seq
-        .observe(&mut *s.proposer, &*s.costs, plan, out, committed, times)?;
-    Ok((replayed, replay))
+    if let CacheOp::Replay { from, len } = cache {
+        return Ok((out, committed, Some((from, len))));
+    }
+    apply_slot(target, s.slot, cache)?;
+    Ok((out, committed, None))
+}
+
+/// After a sequence's observe phase (`r`): its stream callback and whether it ended (pushed to
+/// `done`); on an error, the sequence fails back to `mark` and its slot is rewound.
+fn settle_one<B: BatchTarget>(
+    target: &mut B,
+    s: &mut Running,
+    i: usize,
+    mark: StepMark,
+    r: Result<()>,
+    stats: &mut BatchStepStats,
+    done: &mut Vec<usize>,
+) {
+    match r {
+        Ok(()) => {
+            let chunk = s.seq.last_chunk();
+            stats.emitted += chunk.tokens.len();
+            if let Some(f) = s.stream.as_mut()
+                && f(chunk).is_break()
+            {
+                s.seq.cancel();
+            }
+            if s.seq.finish_reason().is_some() || s.seq.is_cancelled() {
+                done.push(i);
+            }
+        }
+        Err(e) => {
+            let len = s.seq.fail(mark);
+            rewind_slot(target, s.slot, s.seq.fail_op(len));
+            s.error = Some(e);
+            done.push(i);
+        }
+    }
+}
+
+/// [`Error::TargetContract`] unless `slot` holds `len` positions (an invalid slot reads as an
+/// impossible length).
+fn check_slot_len<B: BatchTarget>(target: &B, slot: usize, len: usize) -> Result<()> {
+    if target.seq_len(slot).unwrap_or(usize::MAX) != len {
+        return Err(Error::TargetContract {
+            what: "BatchTarget::seq_len(slot) after the step's replay (restore_state and the replayed tokens)",
+        });
+    }
+    Ok(())
 }
 
 /// Snapshot mode: saves the slot's state before the forward of a planned step (its time in
@@ -1284,28 +1428,19 @@ fn save_planned<B: BatchTarget>(
     Ok(plan)
 }
 
-/// Applies a cache operation to `slot` (as [`super::Generator`]'s driver does to its target:
-/// truncation, the tree commit, or the rollback of a target that cannot truncate, whose replay
-/// of `context[from..len]` is one prefill chunk of its own); checks the slot's length except
-/// after a plain truncation. Returns the replay's time and tokens.
-fn apply_slot<B: BatchTarget>(
-    target: &mut B,
-    slot: usize,
-    op: CacheOp<'_>,
-    context: &[u32],
-) -> Result<(Duration, usize)> {
-    let none = (Duration::ZERO, 0);
-    let mut replay = none;
+/// Applies a cache operation other than a replay to `slot` (as [`super::Generator`]'s driver
+/// does to its target: truncation, the tree commit, or the rollback of a target that cannot
+/// truncate); checks the slot's length except after a plain truncation. A replay is done by
+/// [`BatchGenerator::replay_all`] for all slots at once; here it is a contract error.
+fn apply_slot<B: BatchTarget>(target: &mut B, slot: usize, op: CacheOp<'_>) -> Result<()> {
     match op {
-        CacheOp::Keep(n) => return target.truncate(slot, n).map(|()| none),
+        CacheOp::Keep(n) => return target.truncate(slot, n),
         CacheOp::CommitTree { path, .. } => target.commit_tree(slot, path)?,
         CacheOp::Hold(_) => {}
-        CacheOp::Replay { from, len } => {
-            let t = Instant::now();
-            model::restore_slot(target, slot)?;
-            let input = SlotInput::Prefill(&context[from..len]);
-            target.forward_batch(&[SlotChunk { slot, input }], &mut Vec::new())?;
-            replay = (t.elapsed(), len - from);
+        CacheOp::Replay { .. } => {
+            return Err(Error::TargetContract {
+                what: "a replay outside the batched replay",
+            });
         }
         CacheOp::KeepRows { rows, .. } => model::keep_slot_rows(target, slot, rows)?,
         CacheOp::Restore(_) => model::restore_slot(target, slot)?,
@@ -1316,12 +1451,12 @@ fn apply_slot<B: BatchTarget>(
             what: match op {
                 CacheOp::CommitTree { .. } => "seq_len after commit_tree",
                 _ => {
-                    "BatchTarget::seq_len(slot) after the step's rollback (replay, keep_rows, restore_state or none)"
+                    "BatchTarget::seq_len(slot) after the step's rollback (keep_rows, restore_state or none)"
                 }
             },
         });
     }
-    Ok(replay)
+    Ok(())
 }
 
 /// After a failed step: brings `slot` back with `op` ([`Sequence::fail_op`]) as
@@ -1333,7 +1468,7 @@ fn rewind_slot<B: BatchTarget>(target: &mut B, slot: usize, op: CacheOp<'static>
         }
         _ if target.seq_len(slot).ok() == Some(op.len()) => {}
         _ => {
-            if apply_slot(target, slot, op, &[]).is_err() {
+            if apply_slot(target, slot, op).is_err() {
                 let _ = target.truncate(slot, 0);
             }
         }

@@ -260,6 +260,9 @@ pub struct AdaptiveState {
     seen: Vec<f64>,
     /// EMA of forward seconds by number of tokens (rows) fed (index n).
     cost: Vec<Option<f64>>,
+    /// EMA of replay seconds by tokens replayed (index r; targets in snapshot mode only,
+    /// empty until the first replay).
+    replay_cost: Vec<Option<f64>>,
     propose_per_token: Option<f64>,
     zero_run: usize,
     /// Current interval between probes (0 before the first probe: `probe_interval`).
@@ -436,37 +439,86 @@ fn count(acc: &mut f64, seen: &mut f64, decay: f64, hit: bool) {
 }
 
 impl AdaptiveState {
-    /// Estimated acceptance probability of position `i` given that `0..i` were accepted.
+    /// Estimated acceptance probability of position `i` given that `0..i` were accepted: the
+    /// decayed counts of position `i` shrunk toward the estimate of position `i - 1`,
+    /// `p_i = (accepted_i + 2 p_{i-1}) / (tested_i + 2)` with `p_{-1} = 0.5` (a Beta prior of
+    /// weight 2 centred on the previous position). A position that was never tested thus
+    /// inherits the estimate of the one before it, so a policy that has settled on a short
+    /// draft still values the next position as what it last saw and tries it, instead of
+    /// holding the uninformed 0.5 against it for good.
     pub fn acceptance(&self, i: usize) -> f64 {
-        let a = self.acc.get(i).copied().unwrap_or(0.0);
-        let s = self.seen.get(i).copied().unwrap_or(0.0);
-        (a + 1.0) / (s + 2.0)
+        let mut p = 0.5;
+        for j in 0..=i {
+            let a = self.acc.get(j).copied().unwrap_or(0.0);
+            let s = self.seen.get(j).copied().unwrap_or(0.0);
+            p = (a + 2.0 * p) / (s + 2.0);
+        }
+        p
     }
 
     /// Estimated seconds of a target forward over `n >= 1` tokens, if anything was measured.
     pub fn forward_cost(&self, n: usize) -> Option<f64> {
-        if let Some(Some(c)) = self.cost.get(n) {
-            return Some(*c);
+        curve_at(&self.cost, n)
+    }
+
+    /// Estimated seconds of a replay of `rows >= 1` tokens after a rejection (snapshot mode,
+    /// [`crate::Rollback::Snapshot`]): the replays measured so far ([`AdaptiveState::observe_replay`]),
+    /// their value at `rows` or the least-squares line through them; with a single measured
+    /// replay length, that replay plus the forward curve's difference between the two lengths.
+    /// `None` before the first replay (a target that rolls back without replaying never has one).
+    pub fn replay_cost(&self, rows: usize) -> Option<f64> {
+        let pts = self.replay_cost.iter().filter(|c| c.is_some()).count();
+        if pts == 1
+            && let Some((r0, c0)) = self
+                .replay_cost
+                .iter()
+                .enumerate()
+                .find_map(|(r, c)| c.map(|c| (r, c)))
+            && r0 != rows
+        {
+            let shift = self.forward_cost(rows).zip(self.forward_cost(r0));
+            return Some(shift.map_or(c0, |(a, b)| (c0 + a - b).max(1e-12)));
         }
-        let pts: Vec<(f64, f64)> = self
-            .cost
-            .iter()
-            .enumerate()
-            .filter_map(|(n, c)| c.map(|c| (n as f64, c)))
-            .collect();
-        match pts.len() {
-            0 => None,
-            1 => Some(pts[0].1),
-            _ => {
-                let m = pts.len() as f64;
-                let mx = pts.iter().map(|p| p.0).sum::<f64>() / m;
-                let my = pts.iter().map(|p| p.1).sum::<f64>() / m;
-                let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-                let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
-                let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
-                Some((my + slope * (n as f64 - mx)).max(1e-12))
-            }
+        curve_at(&self.replay_cost, rows)
+    }
+
+    /// Expected replay seconds of a step with `k` drafts (snapshot mode): a rejection of draft
+    /// position `a` (the first `a` accepted) replays `a + 1` tokens, so
+    /// `sum_{a<k} prod_{i<a} p_i (1 - p_a) r(a + 1)` with `p_i` = [`AdaptiveState::acceptance`]
+    /// and `r` = [`AdaptiveState::replay_cost`]. Zero before the first replay and for `k = 0`.
+    pub fn expected_replay(&self, k: usize) -> f64 {
+        let p: Vec<f64> = (0..k).map(|i| self.acceptance(i)).collect();
+        self.replay_of(&p)
+    }
+
+    /// The expected replay seconds for per-position acceptances `p` (see
+    /// [`AdaptiveState::expected_replay`]).
+    fn replay_of(&self, p: &[f64]) -> f64 {
+        if self.replay_cost.is_empty() {
+            return 0.0;
         }
+        let (mut reach, mut e) = (1.0, 0.0);
+        for (a, &p) in p.iter().enumerate() {
+            e += reach * (1.0 - p) * self.replay_cost(a + 1).unwrap_or(0.0);
+            reach *= p;
+        }
+        e
+    }
+
+    /// The values the chain policy ([`AdaptiveState::choose`]) gives draft positions `0..k`:
+    /// the optimistic acceptance `min(1, p + sd / 2)` of [`AdaptiveState::tree_value`], with
+    /// `p` = [`AdaptiveState::acceptance`] and `sd` its Beta posterior's standard deviation
+    /// (`sqrt(p (1 - p) / (tested + 3))`). A position judged on a step or two is thus tried
+    /// again until its estimate is firm: one early rejection at position 2 cannot keep the
+    /// policy at `k = 1` for good.
+    fn chain_values(&self, k: usize) -> Vec<f64> {
+        (0..k)
+            .map(|i| {
+                let p = self.acceptance(i);
+                let seen = self.seen.get(i).copied().unwrap_or(0.0);
+                (p + 0.5 * (p * (1.0 - p) / (seen + 3.0)).sqrt()).min(1.0)
+            })
+            .collect()
     }
 
     /// Estimated seconds of a target forward over `rows >= 1` rows (a tree of `rows - 1`
@@ -494,7 +546,13 @@ impl AdaptiveState {
         e
     }
 
-    /// The draft length to use, at most `cap`.
+    /// The draft length to use, at most `cap`: the `k` in `0..=min(max_draft, cap)` of the most
+    /// expected tokens per second, `E(k) / (c(k + 1) + k t_propose + R(k))`, with `E` from the
+    /// optimistic position values of [`AdaptiveState::tree_value`]'s kind (a position tested a
+    /// few times only is worth a little more than its estimate, so it is tried again), `c` the
+    /// forward cost curve, `t_propose` the proposing time per draft token and `R` the expected
+    /// replay ([`AdaptiveState::expected_replay`]; zero for targets that never replayed). While
+    /// plain decoding wins, probes as [`AdaptiveConfig::probe_interval`] says.
     pub fn choose(&mut self, cfg: &AdaptiveConfig, cap: usize) -> usize {
         let max_k = cfg.max_draft.min(cap);
         if max_k == 0 {
@@ -510,8 +568,11 @@ impl AdaptiveState {
         let tp = self.propose_per_token.unwrap_or(0.0);
         let mut best = (0usize, f64::NEG_INFINITY);
         for k in 0..=max_k {
-            let t = self.forward_cost(k + 1).unwrap_or(f64::INFINITY) + k as f64 * tp;
-            let rate = self.expected_tokens(k) / t;
+            let values = self.chain_values(k);
+            let t = self.forward_cost(k + 1).unwrap_or(f64::INFINITY)
+                + k as f64 * tp
+                + self.replay_of(&values);
+            let rate = tokens_of(&values) / t;
             if rate > best.1 {
                 best = (k, rate);
             }
@@ -788,6 +849,25 @@ impl AdaptiveState {
         }
     }
 
+    /// Records one replay of `rows` tokens after a rejection (snapshot mode) that took
+    /// `seconds` (restoring the state and the forward over the replayed tokens). The replay is
+    /// priced apart from the step's forward ([`AdaptiveState::expected_replay`], from the
+    /// acceptance estimates), so one replaying step does not inflate the forward cost of its
+    /// draft length for later steps. `rows == 0` and non-finite or negative times are ignored.
+    pub fn observe_replay(&mut self, cfg: &AdaptiveConfig, rows: usize, seconds: f64) {
+        if rows == 0 || !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        if self.replay_cost.len() <= rows {
+            self.replay_cost.resize(rows + 1, None);
+        }
+        let w = cfg.time_smoothing;
+        self.replay_cost[rows] = Some(match self.replay_cost[rows] {
+            Some(c) => (1.0 - w) * c + w * seconds,
+            None => seconds,
+        });
+    }
+
     /// Records one tree step chosen with depth `depth` (the `k` that [`AdaptiveState::choose`]
     /// returned): `accepted` nodes on the accepted path, `tested_next` when the walk stopped at
     /// a node with children (the next depth was tested and rejected; a path that ends at a leaf
@@ -940,6 +1020,53 @@ impl AdaptiveState {
         for i in 0..reached {
             count(&mut self.acc[i], &mut self.seen[i], cfg.decay, i < accepted);
         }
+        // In a step that speculated, the positions it did not test forget at the same rate,
+        // so an estimate that no longer gets tested (a longer draft than the policy now
+        // chooses) fades back to its prior, the estimate of the position before it, and is
+        // tried again. Plain steps leave them alone: there the probes decide.
+        let untested = if k > 0 { reached..self.acc.len() } else { 0..0 };
+        for i in untested {
+            self.acc[i] *= cfg.decay;
+            self.seen[i] *= cfg.decay;
+        }
+    }
+}
+
+/// Expected tokens of a chain step whose positions have the values `p`:
+/// `1 + sum_j prod_{i<=j} p_i`.
+fn tokens_of(p: &[f64]) -> f64 {
+    let (mut e, mut prod) = (1.0, 1.0);
+    for &p in p {
+        prod *= p;
+        e += prod;
+    }
+    e
+}
+
+/// A cost curve of moving averages by row count (index `n`) read at `n`: the average there,
+/// else the least-squares line through the measured row counts (slope at least 0; a single
+/// measured count: its value). `None` when nothing was measured.
+fn curve_at(curve: &[Option<f64>], n: usize) -> Option<f64> {
+    if let Some(Some(c)) = curve.get(n) {
+        return Some(*c);
+    }
+    let pts: Vec<(f64, f64)> = curve
+        .iter()
+        .enumerate()
+        .filter_map(|(n, c)| c.map(|c| (n as f64, c)))
+        .collect();
+    match pts.len() {
+        0 => None,
+        1 => Some(pts[0].1),
+        _ => {
+            let m = pts.len() as f64;
+            let mx = pts.iter().map(|p| p.0).sum::<f64>() / m;
+            let my = pts.iter().map(|p| p.1).sum::<f64>() / m;
+            let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+            let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+            let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+            Some((my + slope * (n as f64 - mx)).max(1e-12))
+        }
     }
 }
 
@@ -978,6 +1105,72 @@ mod tests {
         }
         assert_eq!(s.choose(&cfg, 100), cfg.max_draft);
         assert_eq!(s.choose(&cfg, 3), 3);
+    }
+
+    /// A deterministic acceptance pattern: draft position `i` of step `t` is accepted unless
+    /// `(7 t + 3 i) % 20 == 0` (about 95 % per position).
+    fn accepted_of(t: usize, k: usize) -> usize {
+        (0..k).take_while(|i| (7 * t + 3 * i) % 20 != 0).count()
+    }
+
+    #[test]
+    fn a_replay_is_priced_apart_from_the_forward_of_its_draft_length() {
+        let cfg = AdaptiveConfig::default();
+        let mut s = AdaptiveState::default();
+        let c = |n: usize| 0.010 + 0.002 * n as f64;
+        // Warm-up at k = 8 rejected at position 1: a replay of 2 tokens.
+        let k = s.choose(&cfg, 100);
+        assert_eq!(k, 8);
+        s.observe(&cfg, k, 1, c(k + 1), 0.0);
+        s.observe_replay(&cfg, 2, c(2));
+        assert_eq!(
+            s.forward_cost(9),
+            Some(c(9)),
+            "the replay is not filed under 9 rows"
+        );
+        assert_eq!(s.replay_cost(2), Some(c(2)));
+        // One measured replay length: the others follow the forward curve's slope.
+        s.observe(&cfg, 0, 0, c(1), 0.0);
+        assert!((s.replay_cost(4).unwrap() - c(4)).abs() < 1e-12);
+        // The expected replay of k drafts is the chance of a rejection at each position times
+        // the replay of the tokens before it: zero for k = 0, growing with k.
+        assert_eq!(s.expected_replay(0), 0.0);
+        let p0 = s.acceptance(0);
+        assert!((s.expected_replay(1) - (1.0 - p0) * c(1)).abs() < 1e-12);
+        assert!(s.expected_replay(4) > s.expected_replay(1));
+        // With drafts right about 95 % of the time the policy settles on long drafts.
+        let mut ks = Vec::new();
+        for t in 0..300 {
+            let k = s.choose(&cfg, 100);
+            let a = accepted_of(t, k);
+            s.observe(&cfg, k, a, c(k + 1), 0.0);
+            if a < k {
+                s.observe_replay(&cfg, a + 1, c(a + 1));
+            }
+            ks.push(k);
+        }
+        let mean = ks[200..].iter().sum::<usize>() as f64 / 100.0;
+        assert!(mean >= 4.0, "mean k {mean}");
+    }
+
+    #[test]
+    fn an_early_rejection_does_not_hold_a_position_down_for_good() {
+        let cfg = AdaptiveConfig::default();
+        let mut s = AdaptiveState::default();
+        // A steep curve: a draft row costs as much as the step's fixed part.
+        let c = |n: usize| 0.010 + 0.010 * n as f64;
+        let mut ks = Vec::new();
+        for t in 0..300 {
+            let k = s.choose(&cfg, 100);
+            // The warm-up draft is rejected at position 1; later drafts are right ~95 %.
+            let a = if t == 0 { 1 } else { accepted_of(t, k) };
+            s.observe(&cfg, k, a, c(k + 1), 0.0);
+            ks.push(k);
+        }
+        // At 95 % per position the best fixed k on this curve is 3-5; the policy gets there
+        // instead of staying at k = 1 behind the one rejection at position 1.
+        let mean = ks[200..].iter().sum::<usize>() as f64 / 100.0;
+        assert!(mean >= 2.5, "mean k {mean}: {:?}", &ks[..40]);
     }
 
     #[test]
@@ -1280,7 +1473,10 @@ mod tests {
         let chain = DraftBlock::chain(&tokens[..3]);
         s.observe_draft(&cfg, &chain, &[0, 1], 0.005, 0.0);
         assert_eq!(&s.seen[..3], &[1.0, 1.0, 1.0]);
-        assert!((s.acceptance(2) - 1.0 / 3.0).abs() < 1e-12);
+        // Each position shrunk toward the one before: 2/3, (1 + 4/3) / 3, (0 + 14/9) / 3.
+        assert!((s.acceptance(0) - 2.0 / 3.0).abs() < 1e-12);
+        assert!((s.acceptance(1) - 7.0 / 9.0).abs() < 1e-12);
+        assert!((s.acceptance(2) - 14.0 / 27.0).abs() < 1e-12);
         assert_eq!(s.tree_seen[2], vec![1.0]);
         // A path that leaves the block is read up to its first wrong node.
         s.observe_draft(&cfg, &block, &[0, 3], 0.01, 0.0);

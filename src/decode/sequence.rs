@@ -1290,11 +1290,13 @@ impl Sequence {
         if let DraftLength::Adaptive(a) = &self.params.draft {
             // The policy learns its costs from the cost source (the measured times by default).
             let propose_secs = costs.propose_secs(plan.k, plan.time + observe_time);
-            // A step that replayed costs c(k + 1) + c(replay); saving the state counts with
-            // the forward.
-            let mut forward_secs = costs.forward_secs(plan.k + 1, times.forward + times.snapshot);
+            // Saving the state counts with the forward; a replay (snapshot mode) is learned
+            // apart, as the cost of its tokens, and priced by the policy from its acceptance
+            // estimates (`AdaptiveState::expected_replay`).
+            let forward_secs = costs.forward_secs(plan.k + 1, times.forward + times.snapshot);
             if times.replayed > 0 {
-                forward_secs += costs.replay_secs(times.replayed, times.replay);
+                let secs = costs.replay_secs(times.replayed, times.replay);
+                self.adaptive.observe_replay(a, times.replayed, secs);
             }
             if plan.shaped {
                 // The tree policy learns by depth and sibling rank, and the cost by rows.
