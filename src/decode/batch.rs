@@ -1352,6 +1352,10 @@ struct Replaying {
     times: StepTimes,
 }
 
+/// What [`commit_slot`] gives back: the step's output, what it committed, and the context range
+/// `(from, len)` left to replay (snapshot mode), if any.
+type SlotCommit = (StepOutput, Committed, Option<(usize, usize)>);
+
 /// The commit phase of one verified sequence and its cache operation on its slot, except a
 /// replay, which is returned (`Some((from, len))`) for the batched replay.
 fn commit_slot<B: BatchTarget>(
@@ -1359,7 +1363,7 @@ fn commit_slot<B: BatchTarget>(
     s: &mut Running,
     plan: &Plan,
     out: StepOutput,
-) -> Result<(StepOutput, Committed, Option<(usize, usize)>)> {
+) -> Result<SlotCommit> {
     let (cache, committed) = s.seq.commit(plan, &out, None)?;
     if let CacheOp::Replay { from, len } = cache {
         return Ok((out, committed, Some((from, len))));

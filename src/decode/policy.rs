@@ -1110,7 +1110,9 @@ mod tests {
     /// A deterministic acceptance pattern: draft position `i` of step `t` is accepted unless
     /// `(7 t + 3 i) % 20 == 0` (about 95 % per position).
     fn accepted_of(t: usize, k: usize) -> usize {
-        (0..k).take_while(|i| (7 * t + 3 * i) % 20 != 0).count()
+        (0..k)
+            .take_while(|i| !(7 * t + 3 * i).is_multiple_of(20))
+            .count()
     }
 
     #[test]
