@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! train_draft_head generate --prompts P.jsonl --out data.bin [--threads 2]
+//! train_draft_head generate-tokens --conversations C.jsonl --out DIR [--slots 16] [--lookup]
 //! train_draft_head train --data data.bin --out head.safetensors --log log.json [--steps 600]
 //! train_draft_head eval --data data.bin --head head.safetensors
 //! ```
@@ -15,6 +16,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
 use speculative::{NoProposer, SamplingConfig};
+use speculative_candle::distil;
 use speculative_candle::fast::head::{DraftHead, DraftHeadWeights, frequency_ranked};
 use speculative_candle::train::{
     Dataset, GenSettings, Sequence, TrainConfig, Trainer, evaluate, feature_rms, record_features,
@@ -61,6 +63,43 @@ enum Cmd {
         /// Seed of the sampled answers.
         #[arg(long, default_value_t = 7)]
         seed: u64,
+    },
+    /// Answer conversations with the batch loop and store token ids only, resumably
+    /// (`speculative_candle::distil`): run it again on the same --out to continue.
+    GenerateTokens {
+        /// JSON lines of conversations (scripts/make-eagle3-conversations.py).
+        #[arg(long)]
+        conversations: PathBuf,
+        /// Output directory (manifest.json and shard-NNNNN.jsonl).
+        #[arg(long)]
+        out: PathBuf,
+        /// Longest answer, in tokens.
+        #[arg(long, default_value_t = 256)]
+        max_tokens: usize,
+        /// Base seed of the answers.
+        #[arg(long, default_value_t = 29)]
+        seed: u64,
+        /// Conversations per shard.
+        #[arg(long, default_value_t = 500)]
+        shard_conversations: u64,
+        /// Sequences per forward (FastBatch slots).
+        #[arg(long, default_value_t = 16)]
+        slots: usize,
+        /// Matmul threads.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Rows per forward.
+        #[arg(long, default_value_t = 512)]
+        max_batch_tokens: usize,
+        /// Draft with prompt lookup (1..=3-grams, adaptive length); lossless, the data do not change.
+        #[arg(long)]
+        lookup: bool,
+        /// Stop after N conversations in this run.
+        #[arg(long)]
+        limit: Option<u64>,
+        /// Seconds between progress lines.
+        #[arg(long, default_value_t = 60.0)]
+        progress_secs: f64,
     },
     /// Train a head on a dataset.
     Train {
@@ -152,11 +191,78 @@ fn subset_of(data: &Dataset, idx: &[usize]) -> Dataset {
     }
 }
 
+/// `generate-tokens`: the batch loop over the conversations, into a resumable token store.
+fn generate_tokens(
+    path: &std::path::Path,
+    weights: Arc<FastWeights>,
+    cmd: Cmd,
+) -> Result<(), DynError> {
+    let Cmd::GenerateTokens {
+        conversations,
+        out,
+        max_tokens,
+        seed,
+        shard_conversations,
+        slots,
+        threads,
+        max_batch_tokens,
+        lookup,
+        limit,
+        progress_secs,
+    } = cmd
+    else {
+        return Err("not generate-tokens".into());
+    };
+    let bytes = std::fs::read(&conversations)?;
+    let convs = distil::parse_conversations(std::str::from_utf8(&bytes)?)?;
+    let cfg = distil::DistilConfig {
+        max_tokens,
+        seed,
+        shard_conversations,
+        slots,
+        threads,
+        max_batch_tokens,
+        drafting: if lookup {
+            distil::Drafting::PromptLookup { min_n: 1, max_n: 3 }
+        } else {
+            distil::Drafting::Off
+        },
+        limit,
+        progress_secs,
+    };
+    let id = distil::identity(path, &bytes, convs.len() as u64, &cfg)?;
+    let mut store = distil::TokenStore::open(&out, id)?;
+    let tok = GgufTokenizer::load(path)?;
+    eprintln!(
+        "generate-tokens: {} conversations, {} already written ({} answer tokens); slots {slots}, threads {threads}, lookup {lookup}",
+        convs.len(),
+        store.next_conv(),
+        store.manifest().answer_tokens()
+    );
+    let s = distil::generate_tokens(weights, &tok, &convs, &mut store, &cfg, &mut |l| {
+        eprintln!("{l}")
+    })?;
+    let m = store.manifest();
+    println!(
+        "this run: {} conversations, {} answer tokens in {:.0} s ({:.1} answer tokens/s); in all {} conversations, {} turns, {} answer tokens in {}",
+        s.conversations,
+        s.answer_tokens,
+        s.seconds,
+        s.answer_tokens as f64 / s.seconds.max(1e-9),
+        m.conversations_done(),
+        m.turns(),
+        m.answer_tokens(),
+        out.display()
+    );
+    Ok(())
+}
+
 fn run() -> Result<(), DynError> {
     let a = Args::parse();
     let path = a.model.clone().unwrap_or_else(default_model_path);
     let weights = FastWeights::load(&path, FastFormat::Q8)?;
     match a.cmd {
+        c @ Cmd::GenerateTokens { .. } => generate_tokens(&path, weights.clone(), c)?,
         Cmd::Generate {
             prompts,
             out,
