@@ -543,6 +543,27 @@ pub trait TargetFeatures {
     }
 }
 
+/// Checks that a draft model reads the feature rows a target hands over: the draft's
+/// [`TargetFeatures::feature_layout`] equals the target's [`HiddenStates::feature_layout`]
+/// (same layers, same order, same width). Call it where the pair is built: the loop and
+/// [`crate::propose::DraftModelProposer`] only see the row width, which two layouts of as many
+/// layers share.
+///
+/// # Errors
+/// [`crate::Error::InvalidConfig`] (field `feature_layout`) naming both layouts.
+pub fn check_feature_layouts(target: &dyn HiddenStates, draft: &dyn TargetFeatures) -> Result<()> {
+    let (t, d) = (target.feature_layout(), draft.feature_layout());
+    if t == d {
+        Ok(())
+    } else {
+        Err(crate::Error::config(
+            "feature_layout",
+            format!("target {t:?}, draft {d:?}"),
+            "the draft model must read the layers the target hands over",
+        ))
+    }
+}
+
 /// Token-tree forward and commit: an optional extension of [`TargetModel`], offered through
 /// [`TargetModel::tree`].
 ///

@@ -13,9 +13,11 @@ use speculative::conformance::{self, KitConfig};
 use speculative::decode::{GenerationParams, Generator, TreeDrafts};
 use speculative::{
     Draft, DraftBlock, FeatureLayer, FeatureLayout, ProposeRequest, Proposer, TargetModel,
+    check_feature_layouts,
 };
 use speculative_candle::fast::RandomSpec;
-use speculative_candle::{FastFormat, FastTarget, FastWeights};
+use speculative_candle::fast::head::{DraftHead, DraftHeadWeights};
+use speculative_candle::{FastFormat, FastTarget, FastWeights, default_head_path};
 
 fn tiny() -> Arc<FastWeights> {
     FastWeights::random(&RandomSpec::default(), FastFormat::Q8).unwrap()
@@ -169,7 +171,7 @@ impl Proposer for Checker {
         let n = self.calls.lock().unwrap().len();
         let last = *req.context.last().unwrap();
         // Every third step k = 0; else the last token repeated (mostly rejected: a rollback).
-        if n % 3 != 0 {
+        if !n.is_multiple_of(3) {
             draft
                 .tokens
                 .extend(std::iter::repeat_n(last, req.max_draft.min(3)));
@@ -186,7 +188,7 @@ impl Proposer for Checker {
         draft.clear();
         let n = self.calls.lock().unwrap().len();
         let last = *req.context.last().unwrap();
-        if n % 3 == 0 || req.max_draft == 0 || req.max_nodes == 0 {
+        if n.is_multiple_of(3) || req.max_draft == 0 || req.max_nodes == 0 {
             return Ok(()); // a k = 0 step
         }
         if req.max_draft >= 2 && req.max_nodes >= 3 && req.max_branch >= 2 {
@@ -258,4 +260,12 @@ fn conformance_on_the_real_model_with_eagle3_layers() {
     let prompts = vec![chat("Name a river."), vec![1, 2, 3]];
     let cfg = KitConfig::builder().samples(50).build().unwrap();
     conformance::check_hidden(make, &prompts, &cfg).assert_passed();
+    // The shipped EAGLE head reads the final hidden state: it pairs with the default target
+    // only.
+    let mut head = DraftHead::new(DraftHeadWeights::load(default_head_path(), w.clone()).unwrap());
+    let plain = FastTarget::new(w.clone());
+    let eagle3 = make();
+    let feats = head.target_features().unwrap();
+    assert!(check_feature_layouts(plain.hidden_states().unwrap(), &*feats).is_ok());
+    assert!(check_feature_layouts(eagle3.hidden_states().unwrap(), &*feats).is_err());
 }
