@@ -289,7 +289,7 @@ pub fn generate_tokens(
         run.write_ready(store)?;
         if run.last_log.elapsed().as_secs_f64() >= cfg.progress_secs {
             run.last_log = Instant::now();
-            log(&run.progress(store, end));
+            log(&run.progress(store, end, batch.metrics().emitted));
         }
     }
     Ok(DistilSummary {
@@ -408,18 +408,19 @@ impl Run {
         Ok(())
     }
 
-    /// A progress line: conversations and answer tokens written, this run's rate.
-    fn progress(&self, store: &TokenStore, end: u64) -> String {
+    /// A progress line: conversations and answer tokens written, and this run's rate of
+    /// generated answer tokens (`emitted`, written or still in flight).
+    fn progress(&self, store: &TokenStore, end: u64, emitted: u64) -> String {
         let secs = self.t0.elapsed().as_secs_f64();
         let m = store.manifest();
         format!(
-            "{:.0} s: conversations {}/{end} ({} turns), answer tokens {} in all; this run {} answer tokens, {:.1} answer tokens/s",
+            "{:.0} s: conversations {}/{end} ({} turns), answer tokens {} written in all; this run {} generated, {:.1} answer tokens/s",
             secs,
             m.conversations_done(),
             m.turns(),
             m.answer_tokens(),
-            self.answer_tokens,
-            self.answer_tokens as f64 / secs.max(1e-9),
+            emitted,
+            emitted as f64 / secs.max(1e-9),
         )
     }
 }
