@@ -6,6 +6,7 @@
 //! train_draft_head generate-tokens --conversations C.jsonl --out DIR [--slots 16] [--lookup]
 //! train_draft_head train --data data.bin --out head.safetensors --log log.json [--steps 600]
 //! train_draft_head eval --data data.bin --head head.safetensors
+//! train_draft_head bench-step [--steps 5] [--unroll 1] [--seqs 8] [--len 256]
 //! ```
 
 use std::collections::BTreeMap;
@@ -130,6 +131,21 @@ enum Cmd {
         /// Every Nth greedy sequence is held out for validation.
         #[arg(long, default_value_t = 20)]
         val_every: usize,
+    },
+    /// Seconds per training step of the one-layer head on synthetic data (random features and
+    /// tokens: the cost does not depend on the values), for comparing training libraries.
+    BenchStep {
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// Passes per step (1: no unrolled pass).
+        #[arg(long, default_value_t = 1)]
+        unroll: usize,
+        /// Sequences per step.
+        #[arg(long, default_value_t = 8)]
+        seqs: usize,
+        /// Tokens per sequence.
+        #[arg(long, default_value_t = 256)]
+        len: usize,
     },
     /// Validation accuracy of a head file.
     Eval {
@@ -257,12 +273,69 @@ fn generate_tokens(
     Ok(())
 }
 
+/// `bench-step`: times `steps` optimiser steps (after one warm-up step) on a synthetic batch
+/// of `seqs` sequences of `len` tokens (prompt 16 tokens), 8,192-id subset.
+fn bench_step(weights: Arc<FastWeights>, cmd: Cmd) -> Result<(), DynError> {
+    let Cmd::BenchStep {
+        steps,
+        unroll,
+        seqs,
+        len,
+    } = cmd
+    else {
+        return Err("not bench-step".into());
+    };
+    let c = weights.config();
+    let (h, vocab) = (c.hidden_size, c.vocab_size as u64);
+    let mut rng = speculative_candle::train::SplitMix::new(3);
+    let data = Dataset {
+        hidden: h,
+        seqs: (0..seqs)
+            .map(|_| Sequence {
+                tokens: (0..len).map(|_| (rng.next_u64() % vocab) as u32).collect(),
+                prompt_len: 16,
+                temperature: 0.0,
+                features: (0..len * h)
+                    .map(|_| half::f16::from_f64(rng.normal()))
+                    .collect(),
+            })
+            .collect(),
+    };
+    let cfg = TrainConfig {
+        steps: steps + 1,
+        unroll,
+        batch_tokens: seqs * len,
+        max_len: len,
+        ..TrainConfig::default()
+    };
+    let ids: Vec<u32> = (0..8192).collect();
+    let mut trainer = Trainer::new(cfg, weights.clone(), ids)?;
+    let idx: Vec<usize> = (0..seqs).collect();
+    trainer.step(&data, &idx)?;
+    let mut times = Vec::new();
+    for _ in 0..steps {
+        let t0 = Instant::now();
+        trainer.step(&data, &idx)?;
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "candle: {} positions per step, unroll {unroll}: median {:.3} s per step (min {:.3}, max {:.3}, {steps} steps)",
+        seqs * len,
+        times[times.len() / 2],
+        times[0],
+        times[times.len() - 1]
+    );
+    Ok(())
+}
+
 fn run() -> Result<(), DynError> {
     let a = Args::parse();
     let path = a.model.clone().unwrap_or_else(default_model_path);
     let weights = FastWeights::load(&path, FastFormat::Q8)?;
     match a.cmd {
         c @ Cmd::GenerateTokens { .. } => generate_tokens(&path, weights.clone(), c)?,
+        c @ Cmd::BenchStep { .. } => bench_step(weights.clone(), c)?,
         Cmd::Generate {
             prompts,
             out,
