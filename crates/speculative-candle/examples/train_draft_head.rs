@@ -7,6 +7,7 @@
 //! train_draft_head train --data data.bin --out head.safetensors --log log.json [--steps 600]
 //! train_draft_head eval --data data.bin --head head.safetensors
 //! train_draft_head bench-step [--steps 5] [--unroll 1] [--seqs 8] [--len 256]
+//! train_draft_head feature-rate --tokens DIR [--limit 40]
 //! ```
 
 use std::collections::BTreeMap;
@@ -146,6 +147,18 @@ enum Cmd {
         /// Tokens per sequence.
         #[arg(long, default_value_t = 256)]
         len: usize,
+    },
+    /// Positions per second of recomputing EAGLE-3 features (a prefill of each stored sequence
+    /// with FeatureLayout::eagle3 on a FastTarget) over the first records of a token store.
+    FeatureRate {
+        /// A `generate-tokens` output directory.
+        #[arg(long)]
+        tokens: PathBuf,
+        /// Records to prefill.
+        #[arg(long, default_value_t = 40)]
+        limit: usize,
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
     },
     /// Validation accuracy of a head file.
     Eval {
@@ -329,6 +342,39 @@ fn bench_step(weights: Arc<FastWeights>, cmd: Cmd) -> Result<(), DynError> {
     Ok(())
 }
 
+/// `feature-rate`: prefills the first `limit` stored sequences with EAGLE-3's default layers
+/// and reports positions per second (the features training recomputes instead of storing).
+fn feature_rate(weights: Arc<FastWeights>, cmd: Cmd) -> Result<(), DynError> {
+    let Cmd::FeatureRate {
+        tokens,
+        limit,
+        threads,
+    } = cmd
+    else {
+        return Err("not feature-rate".into());
+    };
+    let (_, recs) = distil::read_records(&tokens)?;
+    let c = weights.config();
+    let layout = speculative::FeatureLayout::eagle3(c.n_layers, c.hidden_size)?;
+    let mut target = FastTarget::new(weights.clone())
+        .with_threads(threads)
+        .with_feature_layout(layout)?;
+    let (mut positions, t0) = (0usize, Instant::now());
+    for r in recs.iter().take(limit) {
+        speculative::TargetModel::truncate(&mut target, 0)?;
+        speculative::TargetModel::prefill(&mut target, &r.tokens)?;
+        positions += r.tokens.len();
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    println!(
+        "{} sequences, {positions} positions in {secs:.1} s: {:.0} positions/s of [3 x {}] features",
+        limit.min(recs.len()),
+        positions as f64 / secs,
+        c.hidden_size
+    );
+    Ok(())
+}
+
 fn run() -> Result<(), DynError> {
     let a = Args::parse();
     let path = a.model.clone().unwrap_or_else(default_model_path);
@@ -336,6 +382,7 @@ fn run() -> Result<(), DynError> {
     match a.cmd {
         c @ Cmd::GenerateTokens { .. } => generate_tokens(&path, weights.clone(), c)?,
         c @ Cmd::BenchStep { .. } => bench_step(weights.clone(), c)?,
+        c @ Cmd::FeatureRate { .. } => feature_rate(weights.clone(), c)?,
         Cmd::Generate {
             prompts,
             out,
