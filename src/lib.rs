@@ -141,9 +141,9 @@ pub mod verify;
 
 pub use error::{Error, ProposalFault, Result, RowKind};
 pub use model::{
-    BatchRollback, BatchRowStates, BatchStateSnapshot, BatchTarget, HiddenStates, PerSlot,
-    Rollback, RollbackMode, RowStates, SlotChunk, SlotInput, StateSnapshot, TargetFeatures,
-    TargetModel, TreeTarget, rollback_mode,
+    BatchRollback, BatchRowStates, BatchStateSnapshot, BatchTarget, FeatureLayer, FeatureLayout,
+    HiddenStates, PerSlot, Rollback, RollbackMode, RowStates, SlotChunk, SlotInput, StateSnapshot,
+    TargetFeatures, TargetModel, TreeTarget, check_feature_layouts, rollback_mode,
 };
 pub use propose::{
     CrossVocabProposer, Draft, DraftModelProposer, MergedProposer, NoProposer, PromptLookup,

@@ -7,7 +7,9 @@
 //!   its ancestors) and the commit of an accepted path; an engine offers it through
 //!   [`TargetModel::tree`]. Without it the loop verifies chains.
 //! - [`HiddenStates`]: the optional final hidden states of the last forward, read by heads
-//!   proposers (MTP / Medusa / EAGLE); offered through [`TargetModel::hidden_states`].
+//!   proposers (MTP / Medusa / EAGLE); offered through [`TargetModel::hidden_states`]. A
+//!   target may instead hand over the states of chosen layers ([`FeatureLayout`]: EAGLE-3's
+//!   fused low / middle / high layers) through the same rows.
 //! - [`TargetFeatures`]: the optional input side of a feature-conditioned draft model (an EAGLE
 //!   head): it holds the target's hidden states of the committed positions; offered through
 //!   [`TargetModel::target_features`] and fed by [`crate::propose::DraftModelProposer`].
@@ -21,6 +23,9 @@
 
 use crate::error::Result;
 use crate::tree::DraftBlock;
+
+mod layout;
+pub use layout::{FeatureLayer, FeatureLayout};
 
 /// A causal language model with a KV cache that can be rolled back.
 ///
@@ -465,6 +470,19 @@ pub trait HiddenStates {
     /// the generation ([`crate::ProposeRequest::target_hidden_rows`]); rows of another count
     /// than the call appended end that buffer for the generation.
     fn last_hidden(&self) -> Option<&[f32]>;
+
+    /// What each row of [`HiddenStates::last_hidden`] holds: the hidden states of the layers
+    /// of the layout, concatenated in its order (row `r`'s columns `j · width .. (j + 1) ·
+    /// width` are `layers[j]` of the `r`-th appended position; [`FeatureLayout`]). Must satisfy
+    /// `feature_layout().row_width() == hidden_size()`. The default, for engines that hand over
+    /// the final hidden state only, is [`FeatureLayout::final_only`]`(hidden_size())`; an
+    /// engine configured to expose other layers (for EAGLE-3 or MTP drafters) returns them
+    /// here, and every row it appends (forward, prefill, tree forward, k = 0 steps) carries
+    /// them, so the loop's per-position rows, kept across steps and cut on rollback, carry
+    /// them too.
+    fn feature_layout(&self) -> FeatureLayout {
+        FeatureLayout::final_only(self.hidden_size())
+    }
 }
 
 /// The target's hidden states held by a feature-conditioned draft model: an optional extension
@@ -515,6 +533,35 @@ pub trait TargetFeatures {
     /// [`TargetFeatures::hidden_size`]; the held features and the sequence are then unchanged.
     /// [`crate::Error::Model`] for engine failures.
     fn set_target_hidden(&mut self, start: usize, rows: &[f32]) -> Result<()>;
+
+    /// The layout of the feature rows this model reads ([`HiddenStates::feature_layout`] of
+    /// the target it was trained on; `row_width()` must equal
+    /// [`TargetFeatures::hidden_size`]). Default: [`FeatureLayout::final_only`]`(hidden_size())`
+    /// (EAGLE-1/2). The caller that builds the pair checks that it equals the target's.
+    fn feature_layout(&self) -> FeatureLayout {
+        FeatureLayout::final_only(self.hidden_size())
+    }
+}
+
+/// Checks that a draft model reads the feature rows a target hands over: the draft's
+/// [`TargetFeatures::feature_layout`] equals the target's [`HiddenStates::feature_layout`]
+/// (same layers, same order, same width). Call it where the pair is built: the loop and
+/// [`crate::propose::DraftModelProposer`] only see the row width, which two layouts of as many
+/// layers share.
+///
+/// # Errors
+/// [`crate::Error::InvalidConfig`] (field `feature_layout`) naming both layouts.
+pub fn check_feature_layouts(target: &dyn HiddenStates, draft: &dyn TargetFeatures) -> Result<()> {
+    let (t, d) = (target.feature_layout(), draft.feature_layout());
+    if t == d {
+        Ok(())
+    } else {
+        Err(crate::Error::config(
+            "feature_layout",
+            format!("target {t:?}, draft {d:?}"),
+            "the draft model must read the layers the target hands over",
+        ))
+    }
 }
 
 /// Token-tree forward and commit: an optional extension of [`TargetModel`], offered through

@@ -19,9 +19,11 @@ where
     let mut report = Report::new("HiddenStates", std::any::type_name::<T>());
     let probe = make();
     let (vocab, max_context) = (probe.vocab_size(), probe.max_context());
-    let h = probe.hidden_states().map(|s| s.hidden_size());
+    let hs = probe
+        .hidden_states()
+        .map(|s| (s.hidden_size(), s.feature_layout()));
     drop(probe);
-    let Some(h) = h else {
+    let Some((h, layout)) = hs else {
         report.push(
             "hidden.support",
             "the engine",
@@ -42,12 +44,27 @@ where
         );
         return report;
     }
+    let layout_ok = if layout.row_width() == h {
+        Ok(())
+    } else {
+        Err(Fail::new(
+            format!("feature_layout().row_width() == hidden_size() ({h})"),
+            format!("{} ({layout:?})", layout.row_width()),
+        ))
+    };
+    record(&mut report, "hidden.layout", "feature_layout()", layout_ok);
     let Some(ps) = prompts(&mut report, prompts_in, vocab, max_context) else {
         return report;
     };
     for (i, p) in ps.iter().enumerate() {
         let input = prompt_input(i, p);
         record(&mut report, "hidden.shape", &input, shape(&mut make, p, h));
+        record(
+            &mut report,
+            "hidden.rollback",
+            &input,
+            rollback(&mut make, p, h, cfg.tolerance()),
+        );
         record(
             &mut report,
             "hidden.rows",
@@ -107,6 +124,38 @@ fn shape<T: TargetModel>(make: &mut impl FnMut() -> T, p: &[u32], h: usize) -> C
         )?;
         read(&m, tree.tokens.len() + 1, h, "forward_tree")?;
     }
+    Ok(())
+}
+
+/// Rows after rejected tokens and their truncation are a fresh forward's (skipped, as passed,
+/// for a target that cannot truncate: its rollback is checked by the rollback family).
+fn rollback<T: TargetModel>(
+    make: &mut impl FnMut() -> T,
+    p: &[u32],
+    h: usize,
+    tol: Tolerance,
+) -> Check {
+    let n = p.len();
+    let mut logits = Vec::new();
+    let mut m = make();
+    if crate::model::rollback_mode(&mut m) != crate::model::RollbackMode::Truncate {
+        return Ok(());
+    }
+    ok(m.forward(p, &mut logits), "forward(prompt)")?;
+    let whole = read(&m, n, h, "forward(prompt)")?;
+    let mut m = make();
+    ok(
+        m.forward(&p[..n - 1], &mut logits),
+        "forward(prompt[..n - 1])",
+    )?;
+    let junk: Vec<u32> = p.iter().rev().take(3).copied().collect();
+    ok(m.forward(&junk, &mut logits), "forward(3 rejected tokens)")?;
+    read(&m, junk.len(), h, "forward(3 rejected tokens)")?;
+    ok(m.truncate(n - 1), "truncate(n - 1)")?;
+    ok(m.forward(&p[n - 1..], &mut logits), "forward(last token)")?;
+    let last = read(&m, 1, h, "forward(last token) after the truncation")?;
+    compare_rows(&whole[(n - 1) * h..], &last, h, n - 1, tol)
+        .map_err(|f| f.context("hidden row after rejected tokens and truncate".into()))?;
     Ok(())
 }
 

@@ -77,11 +77,15 @@
 //!   an out-of-vocab root and an overflowing tree are refused, each without change; commit
 //!   without a pending tree or of a non-path is refused).
 //! - [`check_hidden`], [`HiddenStates`](crate::HiddenStates) (skipped when not offered):
+//!   `hidden.layout` ([`HiddenStates::feature_layout`](crate::HiddenStates::feature_layout)'s
+//!   `row_width()` is `hidden_size()`: the rows hold the layers the engine claims, concatenated),
 //!   `hidden.shape` (`[n, hidden_size]` finite rows after forward, prefill and tree forward),
+//!   `hidden.rollback` (after rejected tokens and a truncation, the next row equals a fresh
+//!   forward's; skipped for targets that cannot truncate),
 //!   `hidden.rows` (a position's row does not depend on the call that computed it: one call,
 //!   pieces and prefill + forward agree; a tree node's row equals its path's chain row). That a
-//!   row is the final hidden state before the output head is the engine's to prove: the kit
-//!   sees no weights.
+//!   row holds the layers its layout names (by default the final hidden state before the
+//!   output head) is the engine's to prove: the kit sees no weights.
 //! - [`check_features`], [`TargetFeatures`](crate::TargetFeatures) of a feature-conditioned
 //!   draft model (skipped when not offered), with synthetic features: `features.set` (held
 //!   length and the sequence's truncation to `start + 1`), `features.errors` (start past the

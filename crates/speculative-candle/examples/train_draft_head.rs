@@ -3,8 +3,11 @@
 //!
 //! ```text
 //! train_draft_head generate --prompts P.jsonl --out data.bin [--threads 2]
+//! train_draft_head generate-tokens --conversations C.jsonl --out DIR [--slots 16] [--lookup]
 //! train_draft_head train --data data.bin --out head.safetensors --log log.json [--steps 600]
 //! train_draft_head eval --data data.bin --head head.safetensors
+//! train_draft_head bench-step [--steps 5] [--unroll 1] [--seqs 8] [--len 256]
+//! train_draft_head feature-rate --tokens DIR [--limit 40]
 //! ```
 
 use std::collections::BTreeMap;
@@ -15,6 +18,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions};
 use speculative::{NoProposer, SamplingConfig};
+use speculative_candle::distil;
 use speculative_candle::fast::head::{DraftHead, DraftHeadWeights, frequency_ranked};
 use speculative_candle::train::{
     Dataset, GenSettings, Sequence, TrainConfig, Trainer, evaluate, feature_rms, record_features,
@@ -62,6 +66,43 @@ enum Cmd {
         #[arg(long, default_value_t = 7)]
         seed: u64,
     },
+    /// Answer conversations with the batch loop and store token ids only, resumably
+    /// (`speculative_candle::distil`): run it again on the same --out to continue.
+    GenerateTokens {
+        /// JSON lines of conversations (scripts/make-eagle3-conversations.py).
+        #[arg(long)]
+        conversations: PathBuf,
+        /// Output directory (manifest.json and shard-NNNNN.jsonl).
+        #[arg(long)]
+        out: PathBuf,
+        /// Longest answer, in tokens.
+        #[arg(long, default_value_t = 256)]
+        max_tokens: usize,
+        /// Base seed of the answers.
+        #[arg(long, default_value_t = 29)]
+        seed: u64,
+        /// Conversations per shard.
+        #[arg(long, default_value_t = 500)]
+        shard_conversations: u64,
+        /// Sequences per forward (FastBatch slots).
+        #[arg(long, default_value_t = 16)]
+        slots: usize,
+        /// Matmul threads.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Rows per forward.
+        #[arg(long, default_value_t = 512)]
+        max_batch_tokens: usize,
+        /// Draft with prompt lookup (1..=3-grams, adaptive length); lossless, the data do not change.
+        #[arg(long)]
+        lookup: bool,
+        /// Stop after N conversations in this run.
+        #[arg(long)]
+        limit: Option<u64>,
+        /// Seconds between progress lines.
+        #[arg(long, default_value_t = 60.0)]
+        progress_secs: f64,
+    },
     /// Train a head on a dataset.
     Train {
         /// Dataset files (comma-separated), concatenated.
@@ -91,6 +132,33 @@ enum Cmd {
         /// Every Nth greedy sequence is held out for validation.
         #[arg(long, default_value_t = 20)]
         val_every: usize,
+    },
+    /// Seconds per training step of the one-layer head on synthetic data (random features and
+    /// tokens: the cost does not depend on the values), for comparing training libraries.
+    BenchStep {
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// Passes per step (1: no unrolled pass).
+        #[arg(long, default_value_t = 1)]
+        unroll: usize,
+        /// Sequences per step.
+        #[arg(long, default_value_t = 8)]
+        seqs: usize,
+        /// Tokens per sequence.
+        #[arg(long, default_value_t = 256)]
+        len: usize,
+    },
+    /// Positions per second of recomputing EAGLE-3 features (a prefill of each stored sequence
+    /// with FeatureLayout::eagle3 on a FastTarget) over the first records of a token store.
+    FeatureRate {
+        /// A `generate-tokens` output directory.
+        #[arg(long)]
+        tokens: PathBuf,
+        /// Records to prefill.
+        #[arg(long, default_value_t = 40)]
+        limit: usize,
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
     },
     /// Validation accuracy of a head file.
     Eval {
@@ -152,11 +220,169 @@ fn subset_of(data: &Dataset, idx: &[usize]) -> Dataset {
     }
 }
 
+/// `generate-tokens`: the batch loop over the conversations, into a resumable token store.
+fn generate_tokens(
+    path: &std::path::Path,
+    weights: Arc<FastWeights>,
+    cmd: Cmd,
+) -> Result<(), DynError> {
+    let Cmd::GenerateTokens {
+        conversations,
+        out,
+        max_tokens,
+        seed,
+        shard_conversations,
+        slots,
+        threads,
+        max_batch_tokens,
+        lookup,
+        limit,
+        progress_secs,
+    } = cmd
+    else {
+        return Err("not generate-tokens".into());
+    };
+    let bytes = std::fs::read(&conversations)?;
+    let convs = distil::parse_conversations(std::str::from_utf8(&bytes)?)?;
+    let cfg = distil::DistilConfig {
+        max_tokens,
+        seed,
+        shard_conversations,
+        slots,
+        threads,
+        max_batch_tokens,
+        drafting: if lookup {
+            distil::Drafting::PromptLookup { min_n: 1, max_n: 3 }
+        } else {
+            distil::Drafting::Off
+        },
+        limit,
+        progress_secs,
+    };
+    let id = distil::identity(path, &bytes, convs.len() as u64, &cfg)?;
+    let mut store = distil::TokenStore::open(&out, id)?;
+    let tok = GgufTokenizer::load(path)?;
+    eprintln!(
+        "generate-tokens: {} conversations, {} already written ({} answer tokens); slots {slots}, threads {threads}, lookup {lookup}",
+        convs.len(),
+        store.next_conv(),
+        store.manifest().answer_tokens()
+    );
+    let s = distil::generate_tokens(weights, &tok, &convs, &mut store, &cfg, &mut |l| {
+        eprintln!("{l}")
+    })?;
+    let m = store.manifest();
+    println!(
+        "this run: {} conversations, {} answer tokens in {:.0} s ({:.1} answer tokens/s); in all {} conversations, {} turns, {} answer tokens in {}",
+        s.conversations,
+        s.answer_tokens,
+        s.seconds,
+        s.answer_tokens as f64 / s.seconds.max(1e-9),
+        m.conversations_done(),
+        m.turns(),
+        m.answer_tokens(),
+        out.display()
+    );
+    Ok(())
+}
+
+/// `bench-step`: times `steps` optimiser steps (after one warm-up step) on a synthetic batch
+/// of `seqs` sequences of `len` tokens (prompt 16 tokens), 8,192-id subset.
+fn bench_step(weights: Arc<FastWeights>, cmd: Cmd) -> Result<(), DynError> {
+    let Cmd::BenchStep {
+        steps,
+        unroll,
+        seqs,
+        len,
+    } = cmd
+    else {
+        return Err("not bench-step".into());
+    };
+    let c = weights.config();
+    let (h, vocab) = (c.hidden_size, c.vocab_size as u64);
+    let mut rng = speculative_candle::train::SplitMix::new(3);
+    let data = Dataset {
+        hidden: h,
+        seqs: (0..seqs)
+            .map(|_| Sequence {
+                tokens: (0..len).map(|_| (rng.next_u64() % vocab) as u32).collect(),
+                prompt_len: 16,
+                temperature: 0.0,
+                features: (0..len * h)
+                    .map(|_| half::f16::from_f64(rng.normal()))
+                    .collect(),
+            })
+            .collect(),
+    };
+    let cfg = TrainConfig {
+        steps: steps + 1,
+        unroll,
+        batch_tokens: seqs * len,
+        max_len: len,
+        ..TrainConfig::default()
+    };
+    let ids: Vec<u32> = (0..8192).collect();
+    let mut trainer = Trainer::new(cfg, weights.clone(), ids)?;
+    let idx: Vec<usize> = (0..seqs).collect();
+    trainer.step(&data, &idx)?;
+    let mut times = Vec::new();
+    for _ in 0..steps {
+        let t0 = Instant::now();
+        trainer.step(&data, &idx)?;
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "candle: {} positions per step, unroll {unroll}: median {:.3} s per step (min {:.3}, max {:.3}, {steps} steps)",
+        seqs * len,
+        times[times.len() / 2],
+        times[0],
+        times[times.len() - 1]
+    );
+    Ok(())
+}
+
+/// `feature-rate`: prefills the first `limit` stored sequences with EAGLE-3's default layers
+/// and reports positions per second (the features training recomputes instead of storing).
+fn feature_rate(weights: Arc<FastWeights>, cmd: Cmd) -> Result<(), DynError> {
+    let Cmd::FeatureRate {
+        tokens,
+        limit,
+        threads,
+    } = cmd
+    else {
+        return Err("not feature-rate".into());
+    };
+    let (_, recs) = distil::read_records(&tokens)?;
+    let c = weights.config();
+    let layout = speculative::FeatureLayout::eagle3(c.n_layers, c.hidden_size)?;
+    let mut target = FastTarget::new(weights.clone())
+        .with_threads(threads)
+        .with_feature_layout(layout)?;
+    let (mut positions, t0) = (0usize, Instant::now());
+    for r in recs.iter().take(limit) {
+        speculative::TargetModel::truncate(&mut target, 0)?;
+        speculative::TargetModel::prefill(&mut target, &r.tokens)?;
+        positions += r.tokens.len();
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    println!(
+        "{} sequences, {positions} positions in {secs:.1} s: {:.0} positions/s of [3 x {}] features",
+        limit.min(recs.len()),
+        positions as f64 / secs,
+        c.hidden_size
+    );
+    Ok(())
+}
+
 fn run() -> Result<(), DynError> {
     let a = Args::parse();
     let path = a.model.clone().unwrap_or_else(default_model_path);
     let weights = FastWeights::load(&path, FastFormat::Q8)?;
     match a.cmd {
+        c @ Cmd::GenerateTokens { .. } => generate_tokens(&path, weights.clone(), c)?,
+        c @ Cmd::BenchStep { .. } => bench_step(weights.clone(), c)?,
+        c @ Cmd::FeatureRate { .. } => feature_rate(weights.clone(), c)?,
         Cmd::Generate {
             prompts,
             out,

@@ -105,6 +105,13 @@ pub(crate) trait Engine {
 
     /// [`speculative::TreeTarget::commit_tree`].
     fn commit_path(&mut self, path: &[u32]) -> speculative::Result<()>;
+
+    /// The feature layout and the `[n, row_width]` rows of the last call when the engine hands
+    /// over other states than the final hidden state ([`speculative::HiddenStates`] then
+    /// reports them); `None` (the default): the final hidden states of the macro's field.
+    fn features(&self) -> Option<(&speculative::FeatureLayout, &[f32])> {
+        None
+    }
 }
 
 /// Implements [`speculative::TargetModel`] and [`speculative::TreeTarget`] for a type that
@@ -125,14 +132,26 @@ macro_rules! target_glue {
         $crate::engine::target_glue!(@tree $t);
         impl speculative::HiddenStates for $t {
             fn hidden_size(&self) -> usize {
-                $crate::engine::Engine::model_config(self).hidden_size
+                match $crate::engine::Engine::features(self) {
+                    Some((layout, _)) => layout.row_width(),
+                    None => $crate::engine::Engine::model_config(self).hidden_size,
+                }
             }
 
             fn last_hidden(&self) -> Option<&[f32]> {
-                if self.$field.is_empty() {
-                    None
-                } else {
-                    Some(&self.$field)
+                let rows = match $crate::engine::Engine::features(self) {
+                    Some((_, rows)) => rows,
+                    None => &self.$field,
+                };
+                if rows.is_empty() { None } else { Some(rows) }
+            }
+
+            fn feature_layout(&self) -> speculative::FeatureLayout {
+                match $crate::engine::Engine::features(self) {
+                    Some((layout, _)) => layout.clone(),
+                    None => speculative::FeatureLayout::final_only(
+                        $crate::engine::Engine::model_config(self).hidden_size,
+                    ),
                 }
             }
         }

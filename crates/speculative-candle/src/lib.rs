@@ -148,6 +148,7 @@ pub fn use_single_thread_if_unset() -> usize {
     candle_core::utils::get_num_threads()
 }
 
+pub mod distil;
 pub mod fast;
 pub mod train;
 pub use fast::{FastBatch, FastFormat, FastTarget, FastWeights, KernelPath};

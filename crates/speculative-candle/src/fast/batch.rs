@@ -297,6 +297,7 @@ impl BatchTarget for FastBatch {
             &mut segs,
             &mut self.hidden,
             logits,
+            None,
         )?;
         Ok(())
     }

@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use candle_core::quantized::GgmlDType;
-use speculative::DraftBlock;
+use speculative::{DraftBlock, FeatureLayer, FeatureLayout};
 
 use super::f32mat::F32Matrix;
 use super::ops::{self, KvCache};
@@ -635,6 +635,9 @@ pub struct FastTarget {
     hidden: Vec<f32>,
     /// Most nodes of one tree forward (0: no tree support).
     max_tree_nodes: usize,
+    /// The feature layout handed over instead of the final hidden states, and the last call's
+    /// rows in it ([`FastTarget::with_feature_layout`]).
+    taps: Option<(FeatureLayout, Vec<f32>)>,
 }
 
 impl FastTarget {
@@ -676,7 +679,35 @@ impl FastTarget {
             seq,
             hidden: Vec::new(),
             max_tree_nodes: DEFAULT_MAX_TREE_NODES,
+            taps: None,
         }
+    }
+
+    /// Hands over the hidden states of `layout`'s layers instead of the final hidden state
+    /// only: afterwards [`speculative::HiddenStates::last_hidden`] holds, for every row of
+    /// each forward, prefill and tree forward, the layout's states concatenated in its order
+    /// (`[n, layout.row_width()]`), [`speculative::HiddenStates::hidden_size`] is
+    /// `row_width()` and [`speculative::HiddenStates::feature_layout`] returns `layout`. The
+    /// states are copied from the residual stream while the layers run (no extra pass:
+    /// `n · row_width` floats of copying per call), so they are the bits a fresh forward of the
+    /// same tokens computes. [`FeatureLayout::final_only`] restores the default.
+    ///
+    /// # Errors
+    /// [`CandleError::InvalidArgument`] when `layout.width()` is not the model's hidden size
+    /// or a `Residual(i)` has `i > n_layers()` (this instance's layers).
+    pub fn with_feature_layout(mut self, layout: FeatureLayout) -> Result<Self> {
+        let h = self.weights.config.hidden_size;
+        if layout.width() != h {
+            return Err(CandleError::InvalidArgument(format!(
+                "feature layout width {} is not the hidden size {h}",
+                layout.width()
+            )));
+        }
+        layout
+            .check_layers(self.n_layers)
+            .map_err(|e| CandleError::InvalidArgument(e.to_string()))?;
+        self.taps = (!layout.is_final_only()).then(|| (layout, Vec::new()));
+        Ok(self)
     }
 
     /// Sets the most nodes one tree forward takes
@@ -733,6 +764,7 @@ impl FastTarget {
             seq: self.seq.clone(),
             hidden: self.hidden.clone(),
             max_tree_nodes: self.max_tree_nodes,
+            taps: self.taps.clone(),
         }
     }
 
@@ -800,6 +832,7 @@ impl FastTarget {
             tree,
             logits: wants,
         }];
+        let mut taps = self.taps.as_mut().map(|(layout, out)| Taps { layout, out });
         run_rows(
             &w,
             self.n_layers,
@@ -807,6 +840,7 @@ impl FastTarget {
             &mut segs,
             &mut self.hidden,
             logits.unwrap_or(&mut unused),
+            taps.as_mut(),
         )
     }
 
@@ -988,6 +1022,10 @@ pub(crate) struct Segment<'a> {
 /// (`[sum of their rows, vocab]`) into `logits` (left untouched when none asks). On success
 /// each segment's `seq_len` grows by its rows (a tree becomes pending); on error no segment's
 /// `seq_len` or pending tree changes (cache entries past `seq_len` are never read).
+///
+/// With `taps`, also writes every row's states of the layout's layers into `taps.out`
+/// (`[rows, row_width]`, [`Taps`]), copied from the residual stream as the layers run (no
+/// extra pass).
 pub(crate) fn run_rows(
     w: &FastWeights,
     n_layers: usize,
@@ -995,13 +1033,20 @@ pub(crate) fn run_rows(
     segs: &mut [Segment<'_>],
     hidden: &mut Vec<f32>,
     logits: &mut Vec<f32>,
+    mut taps: Option<&mut Taps<'_>>,
 ) -> Result<()> {
     let cfg = &w.config;
     let eps = cfg.rms_eps as f32;
     reserve_segments(cfg, n_layers, segs);
     let mut x = embed_rows(w, segs);
+    if let Some(t) = taps.as_deref_mut() {
+        t.begin(x.len() / cfg.hidden_size);
+    }
     let mut b = RowBufs::default();
     for (li, layer) in w.layers[..n_layers].iter().enumerate() {
+        if let Some(t) = taps.as_deref_mut() {
+            t.copy(FeatureLayer::Residual(li), &x);
+        }
         rms_norm(&x, &layer.attn_norm, eps, &mut b.a);
         layer.wqkv.matmul(&b.a, &mut b.qkv, exec)?;
         attend_segments(w, li, segs, &mut b, exec.simd);
@@ -1016,6 +1061,10 @@ pub(crate) fn run_rows(
         ffn_residual(layer, &mut x, eps, &mut bufs, exec)?;
     }
     rms_norm(&x, &w.output_norm, eps, hidden);
+    if let Some(t) = taps {
+        t.copy(FeatureLayer::Residual(n_layers), &x);
+        t.copy(FeatureLayer::Final, hidden);
+    }
     head_logits(w, segs, hidden, logits, exec)?;
     for s in segs.iter_mut() {
         if let Some((rows, block)) = s.tree {
@@ -1024,6 +1073,31 @@ pub(crate) fn run_rows(
         s.seq.seq_len += s.tokens.len();
     }
     Ok(())
+}
+
+/// The feature rows of one [`run_rows`] call: for each row, the states of `layout`'s layers
+/// concatenated in its order, into `out` (`[rows, layout.row_width()]`, cleared first).
+pub(crate) struct Taps<'a> {
+    pub(crate) layout: &'a FeatureLayout,
+    pub(crate) out: &'a mut Vec<f32>,
+}
+
+impl Taps<'_> {
+    fn begin(&mut self, rows: usize) {
+        self.out.clear();
+        self.out.resize(rows * self.layout.row_width(), 0.0);
+    }
+
+    /// Copies `x` (`[rows, width]`) into the block of `layer`, when the layout has it.
+    fn copy(&mut self, layer: FeatureLayer, x: &[f32]) {
+        let Some(j) = self.layout.position(layer) else {
+            return;
+        };
+        let (h, rw) = (self.layout.width(), self.layout.row_width());
+        for (dst, src) in self.out.chunks_exact_mut(rw).zip(x.chunks_exact(h)) {
+            dst[j * h..(j + 1) * h].copy_from_slice(src);
+        }
+    }
 }
 
 /// Scratch buffers of one [`run_rows`] call.
@@ -1232,6 +1306,10 @@ impl Engine for FastTarget {
     fn commit_path(&mut self, path: &[u32]) -> speculative::Result<()> {
         self.seq.commit_tree(&self.weights.config, path)
     }
+
+    fn features(&self) -> Option<(&FeatureLayout, &[f32])> {
+        self.taps.as_ref().map(|(l, rows)| (l, rows.as_slice()))
+    }
 }
 
 target_glue!(FastTarget, hidden_states = hidden, {
@@ -1256,6 +1334,9 @@ target_glue!(FastTarget, hidden_states = hidden, {
         }
         self.seq.copy_prefix_from(&src.seq, len)?;
         self.hidden.clear();
+        if let Some((_, rows)) = self.taps.as_mut() {
+            rows.clear();
+        }
         Ok(())
     }
 });
