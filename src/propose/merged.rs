@@ -15,6 +15,11 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
+use std::time::Instant;
+
+use super::merge_costs::{
+    Decision, Ledger, MeasuredMergeCosts, MergeCosts, MergePolicy, PROBE_DRAFT, StepTime, bucket,
+};
 use super::ngram::{EdgeMap, edge_key, normalize_chain};
 use super::{Draft, ProposeRequest, Proposer, VerifiedRows};
 use crate::error::{Error, ProposalFault, Result};
@@ -160,9 +165,17 @@ impl Trie {
     }
 
     /// Writes the best tree: the top `max_nodes` nodes by score, ancestor-closed, at most
-    /// `max_branch` children per node (depths were limited when the trie was built); see
-    /// "The rule" on [`MergedProposer`] for the order of the nodes.
-    fn write_tree(&mut self, max_nodes: usize, max_branch: usize, draft: &mut Draft) {
+    /// `max_branch` children per node (depths were limited when the trie was built), cut to
+    /// the leading ones that maximise `(1 + sum of scores) / secs(rows)` when `secs` (the
+    /// step's seconds by verify rows) is given; see "The rule" on [`MergedProposer`] for the
+    /// order of the nodes.
+    fn write_tree(
+        &mut self,
+        max_nodes: usize,
+        max_branch: usize,
+        secs: Option<&dyn Fn(usize) -> f64>,
+        draft: &mut Draft,
+    ) {
         let n = self.nodes.len();
         self.order.clear();
         self.order.extend(0..n as u32);
@@ -173,7 +186,9 @@ impl Trie {
         self.kept_children.clear();
         self.kept_children.resize(n + 1, 0);
         let mut count = 0usize;
-        for &id in &order {
+        // `count <= i`: writing `order[count]` never touches a node still to be read.
+        for i in 0..n {
+            let id = order[i];
             if count == max_nodes {
                 break;
             }
@@ -192,7 +207,21 @@ impl Trie {
             }
             self.kept_children[row] += 1;
             self.kept[id as usize] = true;
+            // The kept nodes, in rank order, at the front of `order` (every prefix is
+            // ancestor-closed: a parent ranks before its children).
+            order[count] = id;
             count += 1;
+        }
+        if let Some(secs) = secs {
+            let keep = best_prefix(
+                order[..count]
+                    .iter()
+                    .map(|&id| self.nodes[id as usize].score),
+                secs,
+            );
+            for &id in &order[keep..count] {
+                self.kept[id as usize] = false;
+            }
         }
         self.order = order;
         self.emit(draft);
@@ -260,12 +289,18 @@ impl Trie {
     }
 
     /// Writes the path with the largest expected accepted length (the sum of the scores along
-    /// it; ties to the earlier end node) as a chain.
-    fn write_chain(&mut self, draft: &mut Draft) {
+    /// it; ties to the earlier end node) as a chain; when `secs` (the step's seconds by verify
+    /// rows) is given, the path (the empty one included) with the largest expected tokens per
+    /// second, `(1 + sum) / secs(depth + 1)`.
+    fn write_chain(&mut self, secs: Option<&dyn Fn(usize) -> f64>, draft: &mut Draft) {
         let n = self.nodes.len();
         // Expected accepted length of the path ending at each node.
         self.sums.clear();
-        let mut best: Option<(f64, u32)> = None;
+        let value = |sum: f64, depth: u32| match secs {
+            Some(f) => (1.0 + sum) / f(depth as usize + 1),
+            None => sum,
+        };
+        let mut best: Option<(f64, u32)> = secs.map(|f| (1.0 / f(1), NONE));
         for id in 0..n {
             let node = &self.nodes[id];
             let s = node.score
@@ -275,8 +310,9 @@ impl Trie {
                     self.sums[node.parent as usize]
                 };
             self.sums.push(s);
-            if best.is_none_or(|(b, _)| s > b) {
-                best = Some((s, id as u32));
+            let v = value(s, node.depth);
+            if best.is_none_or(|(b, _)| v > b) {
+                best = Some((v, id as u32));
             }
         }
         let Some((_, mut id)) = best else {
@@ -289,6 +325,21 @@ impl Trie {
         }
         draft.tokens.reverse();
     }
+}
+
+/// The number of leading nodes (scores `scores`, in rank order) that maximises the expected
+/// tokens per second of the step, `(1 + sum of their scores) / secs(n + 1)` over `n` (`n + 1`
+/// verify rows); ties to the fewer nodes.
+fn best_prefix(scores: impl Iterator<Item = f64>, secs: &dyn Fn(usize) -> f64) -> usize {
+    let (mut best, mut best_n, mut sum) = (1.0 / secs(1), 0, 1.0);
+    for (i, p) in scores.enumerate() {
+        sum += p;
+        let v = sum / secs(i + 2);
+        if v > best {
+            (best, best_n) = (v, i + 1);
+        }
+    }
+    best_n
 }
 
 /// Merges the drafts of several proposers into one prefix tree per step and keeps the nodes
@@ -407,6 +458,20 @@ impl Trie {
 pub struct MergedProposer {
     subs: Vec<Box<dyn Proposer + Send>>,
     decay: f64,
+    policy: MergePolicy,
+    costs: Box<dyn MergeCosts>,
+    /// What the cost-aware rule learned of each member's gain and cost.
+    ledger: Ledger,
+    /// The members in the order they are considered at the pending step (cheapest first).
+    order: Vec<usize>,
+    /// The bucket each member was asked in at the pending step (`None`: not asked).
+    asked: Vec<Option<usize>>,
+    /// Seconds the members' calls of the pending step took (as the cost source records them).
+    spent: f64,
+    /// End of the last proposal and its verify rows, to time the rest of the step.
+    last_end: Option<(Instant, usize)>,
+    /// Proposer masks of the accepted path's nodes (scratch of the learning).
+    path: Vec<u64>,
     /// `stats[s][d - 1]`: decayed counts of proposer `s` at depth `d`.
     stats: Vec<Vec<Counts>>,
     /// Each proposer's draft of the pending step.
@@ -430,6 +495,7 @@ impl std::fmt::Debug for MergedProposer {
                 &self.subs.iter().map(|s| s.name()).collect::<Vec<_>>(),
             )
             .field("decay", &self.decay)
+            .field("policy", &self.policy)
             .finish()
     }
 }
@@ -459,6 +525,14 @@ impl MergedProposer {
         Ok(MergedProposer {
             subs: proposers,
             decay: DEFAULT_MERGE_DECAY,
+            policy: MergePolicy::default(),
+            costs: Box::new(MeasuredMergeCosts),
+            ledger: Ledger::new(n),
+            order: (0..n).collect(),
+            asked: vec![None; n],
+            spent: 0.0,
+            last_end: None,
+            path: Vec::new(),
             stats: vec![Vec::new(); n],
             sub_drafts: vec![Draft::default(); n],
             trie: Trie::default(),
@@ -480,6 +554,45 @@ impl MergedProposer {
         }
         self.decay = decay;
         Ok(self)
+    }
+
+    /// Sets the rule that chooses the members asked and the nodes kept ([`MergePolicy`];
+    /// default [`MergePolicy::CostAware`]; [`MergePolicy::Reach`] is the rule before it).
+    pub fn with_policy(mut self, policy: MergePolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The rule that chooses the members asked and the nodes kept. `O(1)`.
+    pub fn policy(&self) -> MergePolicy {
+        self.policy
+    }
+
+    /// Sets where the cost-aware rule learns its costs from ([`MeasuredMergeCosts`], the
+    /// default, or [`super::FixedMergeCosts`] for reproducible choices); forgets the costs
+    /// learned so far.
+    pub fn with_costs(mut self, costs: impl MergeCosts + 'static) -> Self {
+        self.costs = Box::new(costs);
+        self.ledger.clear();
+        self.last_end = None;
+        self
+    }
+
+    /// Whether proposer `i` was asked for a draft at the last proposal (every proposer under
+    /// [`MergePolicy::Reach`]; `false` for an unknown proposer). `O(1)`.
+    pub fn was_asked(&self, proposer: usize) -> bool {
+        self.asked.get(proposer).is_some_and(Option::is_some)
+    }
+
+    /// Proposer `i`'s learned marginal accepted tokens per step over the proposers asked
+    /// before it, when the candidates gathered before it had an expected accepted length `e`
+    /// (`None`: no candidate; see "Cost-aware merging" on [`MergedProposer`]); 1 before any
+    /// observation (and for an unknown proposer). `O(1)`.
+    pub fn marginal_gain(&self, proposer: usize, expected_before: Option<f64>) -> f64 {
+        if proposer >= self.subs.len() {
+            return 1.0;
+        }
+        self.ledger.gain(proposer, bucket(expected_before))
     }
 
     /// The decay of the acceptance counts per step. `O(1)`.
@@ -509,11 +622,14 @@ impl MergedProposer {
         self.counts(proposer, depth).rate()
     }
 
-    /// Forgets every learned rate (back to the prior). `O(proposers * depths)`.
+    /// Forgets every learned rate (back to the prior), and the cost-aware rule's gains and
+    /// costs. `O(proposers * depths)`.
     pub fn reset_rates(&mut self) {
         for s in &mut self.stats {
             s.clear();
         }
+        self.ledger.clear();
+        self.last_end = None;
     }
 
     fn counts(&self, proposer: usize, depth: usize) -> Counts {
@@ -534,32 +650,126 @@ impl MergedProposer {
         best
     }
 
-    /// Asks every proposer for its draft (`tree`: `propose_tree`) and merges the drafts into
-    /// the trie, scored.
+    /// Asks the proposers for their drafts (`tree`: `propose_tree`; under
+    /// [`MergePolicy::CostAware`] only those that pay, see "Cost-aware merging") and merges the
+    /// drafts into the trie, scored.
     fn gather(&mut self, req: &ProposeRequest<'_>, tree: bool) -> Result<()> {
         self.pending = false;
         self.trie.clear();
-        for (sub, d) in self.subs.iter_mut().zip(&mut self.sub_drafts) {
-            if tree {
-                sub.propose_tree(req, d)?;
-            } else {
-                sub.propose(req, d)?;
+        self.spent = 0.0;
+        self.asked.fill(None);
+        if self.policy == MergePolicy::Reach {
+            for s in 0..self.subs.len() {
+                self.ask(s, 0, req, tree)?;
             }
-        }
-        for s in 0..self.subs.len() {
-            self.insert(s, req.max_draft)?;
-        }
-        for id in 0..self.trie.nodes.len() {
-            let node = self.trie.nodes[id];
-            let parent = if node.parent == NONE {
-                1.0
-            } else {
-                self.trie.nodes[node.parent as usize].score
-            };
-            self.trie.nodes[id].score = parent * self.node_rate(node.proposers, node.depth);
+            self.rescore();
+        } else {
+            self.time_step();
+            self.gather_costed(req, tree)?;
         }
         self.pending = true;
         Ok(())
+    }
+
+    /// The cost-aware gathering: the members cheapest first (learned seconds per call, ties to
+    /// the earlier member), each asked when its learned gain in the bucket of the candidates
+    /// gathered so far pays for its time (or as a probe).
+    fn gather_costed(&mut self, req: &ProposeRequest<'_>, tree: bool) -> Result<()> {
+        let ledger = &self.ledger;
+        self.order.sort_by(|&a, &b| {
+            ledger
+                .member_secs(a)
+                .total_cmp(&ledger.member_secs(b))
+                .then(a.cmp(&b))
+        });
+        let rows = 1 + if tree { req.max_nodes } else { req.max_draft };
+        let base = self.ledger.step_secs(rows);
+        let mut expected: Option<f64> = None;
+        for i in 0..self.order.len() {
+            let s = self.order[i];
+            let b = bucket(expected);
+            let decision = match base {
+                None => Decision::Pays,
+                Some(t) => {
+                    let tokens = 1.0 + expected.unwrap_or(0.0);
+                    self.ledger.decide(s, b, tokens, t + self.spent)
+                }
+            };
+            match decision {
+                Decision::Skip => {
+                    self.sub_drafts[s].clear();
+                    continue;
+                }
+                Decision::Pays => self.ask(s, b, req, tree)?,
+                Decision::Probe => {
+                    let short = req
+                        .max_draft(req.max_draft.min(PROBE_DRAFT))
+                        .max_nodes(req.max_nodes.min(PROBE_DRAFT));
+                    self.ask(s, b, &short, tree)?;
+                }
+            }
+            expected = self.rescore();
+        }
+        Ok(())
+    }
+
+    /// Asks proposer `s` for its draft, times the call and merges the draft into the trie
+    /// (not scored); `b` is the bucket it is asked in.
+    fn ask(&mut self, s: usize, b: usize, req: &ProposeRequest<'_>, tree: bool) -> Result<()> {
+        let d = &mut self.sub_drafts[s];
+        let t = Instant::now();
+        if tree {
+            self.subs[s].propose_tree(req, d)?;
+        } else {
+            self.subs[s].propose(req, d)?;
+        }
+        if self.policy != MergePolicy::Reach {
+            let secs = self.costs.member_secs(s, d.len(), t.elapsed());
+            self.ledger.record_call(s, secs, self.decay);
+            self.spent += secs;
+        }
+        self.asked[s] = Some(b);
+        self.insert(s, req.max_draft)
+    }
+
+    /// Scores every node (the product of the conditional rates along its path) and returns the
+    /// largest expected accepted length of a path (`None` for an empty trie).
+    fn rescore(&mut self) -> Option<f64> {
+        self.trie.sums.clear();
+        let mut best: Option<f64> = None;
+        for id in 0..self.trie.nodes.len() {
+            let node = self.trie.nodes[id];
+            let (parent, above) = if node.parent == NONE {
+                (1.0, 0.0)
+            } else {
+                let p = node.parent as usize;
+                (self.trie.nodes[p].score, self.trie.sums[p])
+            };
+            let score = parent * self.node_rate(node.proposers, node.depth);
+            self.trie.nodes[id].score = score;
+            self.trie.sums.push(above + score);
+            best = Some(best.map_or(above + score, |b: f64| b.max(above + score)));
+        }
+        best
+    }
+
+    /// Records the rest of the previous step (from the end of its proposal to now) against its
+    /// verify rows, when the previous proposal was observed and nothing else came between.
+    fn time_step(&mut self) {
+        if let Some((t, rows)) = self.last_end.take() {
+            let secs = self.costs.step_secs(rows, t.elapsed());
+            self.ledger.record_step(rows, secs, self.decay);
+        }
+    }
+
+    /// The learned seconds of a step by verify rows (the rest of the step plus the members'
+    /// calls of this one), for the cost-aware cut; `None` under [`MergePolicy::Reach`] or
+    /// before a step was timed.
+    fn step_time(&self) -> Option<StepTime> {
+        if self.policy == MergePolicy::Reach {
+            return None;
+        }
+        self.ledger.step_time(self.spent)
     }
 
     /// Merges proposer `s`'s draft into the trie (nodes deeper than `max_depth` left out).
@@ -614,6 +824,7 @@ impl MergedProposer {
 
     /// Updates the rates from the pending step's trie and `emitted` (see "Learning").
     fn learn(&mut self, emitted: &[u32]) {
+        self.path.clear();
         let mut cur = NONE;
         for (d, &token) in emitted.iter().enumerate() {
             self.step.fill(Counts::default());
@@ -653,7 +864,29 @@ impl MergedProposer {
             if next == NONE {
                 break;
             }
+            self.path.push(self.trie.nodes[next as usize].proposers);
             cur = next;
+        }
+        if self.policy != MergePolicy::Reach {
+            self.learn_gains();
+        }
+    }
+
+    /// Records each asked member's marginal accepted tokens of the pending step: the leading
+    /// nodes of the accepted path it proposed, less the most any member asked before it
+    /// proposed (a node's proposers are among its parent's, so a set of members reaches the
+    /// depth of its best member).
+    fn learn_gains(&mut self) {
+        let mut before = 0usize;
+        for &s in &self.order {
+            let Some(b) = self.asked[s] else {
+                continue;
+            };
+            let bit = 1u64 << s;
+            let alone = self.path.iter().take_while(|&&m| m & bit != 0).count();
+            self.ledger
+                .record_gain(s, b, alone.saturating_sub(before) as f64, self.decay);
+            before = before.max(alone);
         }
     }
 }
@@ -695,7 +928,11 @@ impl Proposer for MergedProposer {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
         self.gather(req, false)?;
-        self.trie.write_chain(draft);
+        let time = self.step_time();
+        let secs = time.map(|t| move |rows: usize| t.secs(rows));
+        self.trie
+            .write_chain(secs.as_ref().map(|f| f as &dyn Fn(usize) -> f64), draft);
+        self.last_end = Some((Instant::now(), draft.len() + 1));
         Ok(())
     }
 
@@ -709,7 +946,12 @@ impl Proposer for MergedProposer {
     fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
         self.gather(req, true)?;
-        self.trie.write_tree(req.max_nodes, req.max_branch, draft);
+        let time = self.step_time();
+        let secs = time.map(|t| move |rows: usize| t.secs(rows));
+        let secs = secs.as_ref().map(|f| f as &dyn Fn(usize) -> f64);
+        self.trie
+            .write_tree(req.max_nodes, req.max_branch, secs, draft);
+        self.last_end = Some((Instant::now(), draft.len() + 1));
         Ok(())
     }
 
@@ -722,6 +964,10 @@ impl Proposer for MergedProposer {
         let pending = std::mem::replace(&mut self.pending, false);
         if pending {
             self.learn(emitted);
+        } else {
+            // A step without a proposal came between: the time since the last one is not one
+            // step's.
+            self.last_end = None;
         }
         for (sub, d) in self.subs.iter_mut().zip(&self.sub_drafts) {
             let own = if pending {
@@ -776,6 +1022,7 @@ impl Proposer for MergedProposer {
     /// The first error of a proposer, as it is.
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         self.pending = false;
+        self.last_end = None;
         for sub in &mut self.subs {
             sub.begin(prompt)?;
         }
@@ -785,6 +1032,7 @@ impl Proposer for MergedProposer {
     /// Forwards `begin_reusing` to every proposer.
     fn begin_reusing(&mut self, prompt: &[u32]) -> Result<()> {
         self.pending = false;
+        self.last_end = None;
         for sub in &mut self.subs {
             sub.begin_reusing(prompt)?;
         }
@@ -794,6 +1042,7 @@ impl Proposer for MergedProposer {
     /// Forwards `finish` to every proposer.
     fn finish(&mut self, sequence: &[u32]) {
         self.pending = false;
+        self.last_end = None;
         for sub in &mut self.subs {
             sub.finish(sequence);
         }
@@ -895,6 +1144,12 @@ mod tests {
 
     const CTX: [u32; 3] = [0, 0, 0];
 
+    /// A merge under the rule before the cost-aware one (every member asked, the budget
+    /// filled): what most tests below pin.
+    fn reach(subs: Vec<Box<dyn Proposer + Send>>) -> Result<MergedProposer> {
+        Ok(MergedProposer::new(subs)?.with_policy(MergePolicy::Reach))
+    }
+
     fn tree(m: &mut MergedProposer, depth: usize, nodes: usize, branch: usize) -> Draft {
         let cfg = SamplingConfig::greedy();
         let mut req = ProposeRequest::new(&CTX, &cfg, depth);
@@ -941,7 +1196,7 @@ mod tests {
     #[test]
     fn construction_is_checked() {
         assert!(matches!(
-            MergedProposer::new(Vec::new()),
+            reach(Vec::new()),
             Err(Error::InvalidConfig {
                 field: "proposers",
                 ..
@@ -949,20 +1204,20 @@ mod tests {
         ));
         let many: Vec<Box<dyn Proposer + Send>> = (0..65).map(|_| chain(&[1])).collect();
         assert!(matches!(
-            MergedProposer::new(many),
+            reach(many),
             Err(Error::InvalidConfig {
                 field: "proposers",
                 ..
             })
         ));
         for bad in [0.0, -0.5, 1.5, f64::NAN] {
-            let m = MergedProposer::new(vec![chain(&[1])]).unwrap();
+            let m = reach(vec![chain(&[1])]).unwrap();
             assert!(matches!(
                 m.with_decay(bad),
                 Err(Error::InvalidConfig { field: "decay", .. })
             ));
         }
-        let m = MergedProposer::new(vec![chain(&[1]), chain(&[2])])
+        let m = reach(vec![chain(&[1]), chain(&[2])])
             .unwrap()
             .with_decay(1.0)
             .unwrap();
@@ -977,7 +1232,7 @@ mod tests {
     fn overlapping_drafts_merge_into_one_trie() {
         // A: chain 1 2 3. B: tree 1 -> 2 -> 4, 1 -> 6, root -> 5.
         let (b, _) = fixed(&[1, 2, 4, 5, 6], &[0, 1, 2, 0, 1]);
-        let mut m = MergedProposer::new(vec![chain(&[1, 2, 3]), b]).unwrap();
+        let mut m = reach(vec![chain(&[1, 2, 3]), b]).unwrap();
         let d = tree(&mut m, 8, 16, usize::MAX);
         valid(&d, 8, 16, usize::MAX);
         assert_eq!(
@@ -1003,14 +1258,14 @@ mod tests {
         let tokens = [1, 2, 3, 4, 5, 6];
         let parents = [0, 1, 0, 3, 1, 2];
         let (p, _) = fixed(&tokens, &parents);
-        let mut m = MergedProposer::new(vec![p]).unwrap();
+        let mut m = reach(vec![p]).unwrap();
         for _ in 0..3 {
             let d = tree(&mut m, 4, 6, 3);
             assert_eq!((&d.tokens[..], &d.parents[..]), (&tokens[..], &parents[..]));
             m.observe(1, &[1, 9]).unwrap();
         }
         // Chains, tree and chain steps.
-        let mut m = MergedProposer::new(vec![chain(&[4, 5, 6])]).unwrap();
+        let mut m = reach(vec![chain(&[4, 5, 6])]).unwrap();
         let d = tree(&mut m, 4, 8, 2);
         assert_eq!(
             (&d.tokens[..], d.parents.is_empty()),
@@ -1029,8 +1284,7 @@ mod tests {
                 .propose_tree(&req, &mut want)
                 .unwrap();
             assert!(!want.is_empty());
-            let mut m =
-                MergedProposer::new(vec![Box::new(PromptLookup::new(1, 3).unwrap())]).unwrap();
+            let mut m = reach(vec![Box::new(PromptLookup::new(1, 3).unwrap())]).unwrap();
             let mut got = Draft::default();
             m.propose_tree(&req, &mut got).unwrap();
             assert_eq!(got, want, "depth {depth} nodes {nodes}");
@@ -1067,7 +1321,7 @@ mod tests {
         }
         let (a, _) = fixed(&tokens, &parents);
         let (b, _) = fixed(&leaves, &parents);
-        let mut m = MergedProposer::new(vec![a, b]).unwrap();
+        let mut m = reach(vec![a, b]).unwrap();
         for (depth, nodes, branch) in [
             (3, 64, usize::MAX),
             (3, 10, usize::MAX),
@@ -1093,7 +1347,7 @@ mod tests {
 
     #[test]
     fn rates_are_learned_with_decay() {
-        let mut m = MergedProposer::new(vec![chain(&[1, 2]), chain(&[1, 3])])
+        let mut m = reach(vec![chain(&[1, 2]), chain(&[1, 3])])
             .unwrap()
             .with_decay(0.5)
             .unwrap();
@@ -1128,7 +1382,7 @@ mod tests {
     #[test]
     fn ranking_follows_the_learned_rates() {
         // B is listed first and wins ties; A is the one that is right.
-        let mut m = MergedProposer::new(vec![chain(&[7, 8, 9]), chain(&[1, 2, 3])]).unwrap();
+        let mut m = reach(vec![chain(&[7, 8, 9]), chain(&[1, 2, 3])]).unwrap();
         // At the prior the top 3 by reach: both depth-1 nodes and B's depth-2 node.
         let d = tree(&mut m, 3, 3, 8);
         assert_eq!(
@@ -1153,7 +1407,7 @@ mod tests {
     #[test]
     fn chain_steps_pick_the_longest_expected_path() {
         // At the prior, 3 nodes (0.5 + 0.25 + 0.125) beat 1 (0.5) whatever the order.
-        let mut m = MergedProposer::new(vec![chain(&[4]), chain(&[1, 2, 3])]).unwrap();
+        let mut m = reach(vec![chain(&[4]), chain(&[1, 2, 3])]).unwrap();
         let d = chain_of(&mut m, 8);
         assert_eq!(
             (d.tokens.as_slice(), d.parents.is_empty()),
@@ -1175,7 +1429,7 @@ mod tests {
         // B: 1 -> 5, 1 -> 2 -> 3 -> 4 (the matching branch is not the first).
         let (b, lb) = fixed(&[1, 5, 2, 3, 4], &[0, 1, 1, 3, 4]);
         let (c, lc) = fixed(&[9, 2], &[]);
-        let mut m = MergedProposer::new(vec![a, b, c]).unwrap();
+        let mut m = reach(vec![a, b, c]).unwrap();
         m.begin(&[0]).unwrap();
         tree(&mut m, 4, 2, 8);
         // Only two nodes were drafted and accepted; the bonus token 3 is not an accepted draft.
@@ -1215,7 +1469,7 @@ mod tests {
         let (a, la) = mk(2);
         let (b, lb) = mk(0);
         let (c, lc) = mk(4);
-        let mut m = MergedProposer::new(vec![a, b, c]).unwrap();
+        let mut m = reach(vec![a, b, c]).unwrap();
         assert_eq!(m.row_candidates(), 4);
         let mut rows = RowCandidates::default();
         rows.push_row(&[5, 6, 7, 8]);
@@ -1230,8 +1484,114 @@ mod tests {
         assert_eq!(la.lock().unwrap().rows, [vec![vec![5, 6], vec![9]]]);
         assert!(lb.lock().unwrap().rows.is_empty());
         assert_eq!(lc.lock().unwrap().rows, [vec![vec![5, 6, 7, 8], vec![9]]]);
-        let m = MergedProposer::new(vec![chain(&[1])]).unwrap();
+        let m = reach(vec![chain(&[1])]).unwrap();
         assert_eq!(m.row_candidates(), 0);
+    }
+
+    /// A cost-aware merge over `subs` with fixed costs: a step costs 10 ms plus `per_row`
+    /// seconds per verify row; member `costly` (if any) 2 ms per call plus 1 ms per token.
+    fn costed(
+        subs: Vec<Box<dyn Proposer + Send>>,
+        per_row: f64,
+        costly: Option<usize>,
+    ) -> MergedProposer {
+        let mut c = super::super::FixedMergeCosts::new(0.010, per_row).unwrap();
+        if let Some(s) = costly {
+            c = c.with_member(s, 0.002, 0.001).unwrap();
+        }
+        MergedProposer::new(subs).unwrap().with_costs(c)
+    }
+
+    /// One step against the target's text `truth`: a tree of `nodes` nodes (depth 4), the
+    /// accepted path, and `observe` with the correction or bonus token. Returns the draft.
+    fn step_against(m: &mut MergedProposer, truth: &[u32], nodes: usize) -> Draft {
+        let d = tree(m, 4, nodes, usize::MAX);
+        let accepted = own_accepted(&d, truth, truth.len() - 1);
+        m.observe(accepted, &truth[..accepted + 1]).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_costly_member_that_is_never_accepted_is_not_asked_but_probed() {
+        // A is right and free; B is always wrong and costs 2 ms + 1 ms per token.
+        let truth = [1, 2, 3, 4];
+        let mut m = costed(vec![chain(&[1, 2, 3]), chain(&[7, 8, 9])], 0.0005, Some(1));
+        let mut asked = 0;
+        for i in 0..200 {
+            let d = step_against(&mut m, &truth, 6 + i % 3);
+            assert!(m.was_asked(0));
+            if m.was_asked(1) {
+                asked += 1;
+            } else {
+                assert!(!d.tokens.contains(&7), "an unasked member has no nodes");
+            }
+        }
+        // Once per bucket at the prior, then probes every 8, 16, 32, 64 skipped steps.
+        assert!((2..=12).contains(&asked), "asked {asked} times");
+        let gain = m.marginal_gain(1, Some(3.0));
+        assert!(gain < 0.35, "{gain}");
+        assert!(m.marginal_gain(0, None) > 2.5);
+        // The old rule asks everyone, always.
+        let mut r = reach(vec![chain(&[1, 2, 3]), chain(&[7, 8, 9])]).unwrap();
+        for _ in 0..20 {
+            let d = step_against(&mut r, &truth, 6);
+            assert!(r.was_asked(1) && d.tokens.contains(&7));
+        }
+    }
+
+    #[test]
+    fn a_free_member_that_is_never_accepted_loses_its_nodes_to_the_row_cost() {
+        let truth = [1, 2, 3, 4];
+        // Rows cost 4 ms each against a 10 ms step: B's nodes (reach about 0.02) do not pay.
+        let mut m = costed(vec![chain(&[1, 2, 3]), chain(&[7, 8, 9])], 0.004, None);
+        let mut last = Draft::default();
+        // Budgets of 3 to 6 nodes, so that the step time is seen at several row counts.
+        for i in 0..60 {
+            last = step_against(&mut m, &truth, 3 + i % 4);
+            assert!(m.was_asked(1), "a free member is always asked");
+        }
+        assert_eq!(last.tokens, [1, 2, 3]);
+        // Free rows: every candidate fits the budget and is kept.
+        let mut m = costed(vec![chain(&[1, 2, 3]), chain(&[7, 8, 9])], 0.0, None);
+        for i in 0..60 {
+            last = step_against(&mut m, &truth, 6 + i % 3);
+        }
+        assert_eq!(last.len(), 6);
+        // Rows so dear that no node pays: no draft at all.
+        let mut m = costed(vec![chain(&[7, 8, 9])], 1.0, None);
+        for i in 0..60 {
+            last = step_against(&mut m, &truth, 1 + i % 3);
+        }
+        assert!(last.is_empty());
+    }
+
+    #[test]
+    fn cost_aware_chains_stop_where_rows_stop_paying() {
+        // A is right for two tokens, then wrong.
+        let truth = [1, 2, 3, 4, 5];
+        let mut m = costed(vec![chain(&[1, 2, 9, 9, 9])], 0.004, None);
+        let cfg = SamplingConfig::greedy();
+        let mut d = Draft::default();
+        for i in 0..80 {
+            let req = ProposeRequest::new(&CTX, &cfg, 3 + i % 3);
+            m.propose(&req, &mut d).unwrap();
+            let accepted = own_accepted(&d, &truth, truth.len() - 1);
+            m.observe(accepted, &truth[..accepted + 1]).unwrap();
+        }
+        assert_eq!(d.tokens, [1, 2]);
+    }
+
+    #[test]
+    fn cost_aware_choices_are_deterministic_with_fixed_costs() {
+        let run = || {
+            let subs = vec![chain(&[1, 2, 3]), chain(&[1, 5]), chain(&[7, 8, 9])];
+            let mut m = costed(subs, 0.001, Some(2));
+            let truth = [1, 2, 5, 6];
+            (0..50)
+                .map(|i| step_against(&mut m, &truth, 3 + i % 5))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(), run());
     }
 
     #[test]
@@ -1244,7 +1604,7 @@ mod tests {
             fail: true,
             log,
         });
-        let mut m = MergedProposer::new(vec![chain(&[1]), failing]).unwrap();
+        let mut m = reach(vec![chain(&[1]), failing]).unwrap();
         let cfg = SamplingConfig::greedy();
         let req = ProposeRequest::new(&CTX, &cfg, 2);
         let mut d = Draft::default();
@@ -1252,7 +1612,7 @@ mod tests {
         assert_eq!(e.to_string(), "proposer error: fixed failed");
         // A malformed tree names its proposer.
         let (bad, _) = fixed(&[1, 2], &[0, 2]);
-        let mut m = MergedProposer::new(vec![chain(&[1]), bad]).unwrap();
+        let mut m = reach(vec![chain(&[1]), bad]).unwrap();
         let e = m.propose_tree(&req, &mut d).unwrap_err();
         assert!(
             matches!(
@@ -1294,7 +1654,7 @@ mod tests {
                 .iter()
                 .map(|(parents, tokens)| fixed(tokens, parents).0)
                 .collect();
-            let mut m = MergedProposer::new(boxed).unwrap();
+            let mut m = reach(boxed).unwrap();
             let d = tree(&mut m, depth, nodes, branch);
             valid(&d, depth, nodes, branch);
             // Every candidate path within the depth, over all proposers.
