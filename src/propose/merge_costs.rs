@@ -446,8 +446,11 @@ mod tests {
         }
         // Probes after 8, then 16 more skipped steps.
         assert_eq!(asked, [7, 23]);
-        // Another bucket has its own record (the prior: one token) and pays.
-        assert_eq!(l.decide(1, 3, 1.0, 1.0), Decision::Pays);
+        // A bucket not seen yet starts from the member's mean elsewhere: it does not pay
+        // there either; a member never measured starts at one token.
+        assert!((l.gain(1, 3) - 1.0 / 21.0).abs() < 1e-12);
+        assert_eq!(l.decide(1, 3, 1.0, 1.0), Decision::Skip);
+        assert_eq!(l.gain(0, 3), 1.0);
         // Gains that pay bring it back.
         for _ in 0..40 {
             l.record_gain(1, 0, 2.0, 0.9);
