@@ -10,7 +10,9 @@
 //! estimated reach probability, the product of conditional acceptance rates along its path
 //! (the expansion rule of EAGLE-2, Li et al. 2024, and the acceptance-vector model of Sequoia,
 //! Chen et al. 2024), with the rates learned per proposer and depth from what the target
-//! emitted.
+//! emitted. The merge is cost-aware by default ([`super::MergePolicy::CostAware`]): a member
+//! that does not pay for its time on the request is not asked, and a node is kept only while
+//! its reach pays for the verify row it costs (see "Cost-aware merging" on [`MergedProposer`]).
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -288,12 +290,11 @@ impl Trie {
         normalize_chain(draft);
     }
 
-    /// Writes the path with the largest expected accepted length (the sum of the scores along
-    /// it; ties to the earlier end node) as a chain; when `secs` (the step's seconds by verify
-    /// rows) is given, the path (the empty one included) with the largest expected tokens per
-    /// second, `(1 + sum) / secs(depth + 1)`.
-    fn write_chain(&mut self, secs: Option<&dyn Fn(usize) -> f64>, draft: &mut Draft) {
-        let n = self.nodes.len();
+    /// The end node of the path with the largest expected accepted length (the sum of the
+    /// scores along it; ties to the earlier end node); when `secs` (the step's seconds by
+    /// verify rows) is given, of the path (the empty one, [`NONE`], included) with the largest
+    /// expected tokens per second, `(1 + sum) / secs(depth + 1)`. [`NONE`] for an empty trie.
+    fn best_chain_end(&mut self, secs: Option<&dyn Fn(usize) -> f64>) -> u32 {
         // Expected accepted length of the path ending at each node.
         self.sums.clear();
         let value = |sum: f64, depth: u32| match secs {
@@ -301,7 +302,7 @@ impl Trie {
             None => sum,
         };
         let mut best: Option<(f64, u32)> = secs.map(|f| (1.0 / f(1), NONE));
-        for id in 0..n {
+        for id in 0..self.nodes.len() {
             let node = &self.nodes[id];
             let s = node.score
                 + if node.parent == NONE {
@@ -315,15 +316,34 @@ impl Trie {
                 best = Some((v, id as u32));
             }
         }
-        let Some((_, mut id)) = best else {
-            return;
-        };
+        best.map_or(NONE, |(_, id)| id)
+    }
+
+    /// Writes the path to [`Trie::best_chain_end`] as a chain.
+    fn write_chain(&mut self, secs: Option<&dyn Fn(usize) -> f64>, draft: &mut Draft) {
+        let mut id = self.best_chain_end(secs);
         while id != NONE {
             let node = &self.nodes[id as usize];
             draft.tokens.push(node.token);
             id = node.parent;
         }
         draft.tokens.reverse();
+    }
+
+    /// How many leading nodes of the accepted path `path` (trie ids from the root's child)
+    /// lie on the path from the root to `end` ([`NONE`]: none).
+    fn accepted_to(&self, path: &[u32], mut end: u32) -> usize {
+        // The deepest node of the path to `end` that is on the accepted path (trie paths are
+        // unique, so every node above it is too).
+        while end != NONE {
+            let node = &self.nodes[end as usize];
+            let d = node.depth as usize;
+            if path.get(d - 1) == Some(&end) {
+                return d;
+            }
+            end = node.parent;
+        }
+        0
     }
 }
 
@@ -349,7 +369,9 @@ fn best_prefix(scores: impl Iterator<Item = f64>, secs: &dyn Fn(usize) -> f64) -
 ///
 /// At each step every proposer is asked for its draft with the same request
 /// ([`Proposer::propose_tree`] for a tree step, [`Proposer::propose`] for a chain step), in the
-/// order given to [`MergedProposer::new`]. Then:
+/// order given to [`MergedProposer::new`] (under [`MergePolicy::CostAware`], the default, only
+/// the proposers that pay, cheapest first, and the selection is cut by cost: see "Cost-aware
+/// merging" below; [`MergePolicy::Reach`] is this rule exactly). Then:
 ///
 /// 1. **Merge.** All candidates go into one prefix trie: identical paths (the same tokens from
 ///    the root) are one node, which remembers every proposer that proposed it. Nodes deeper
@@ -376,6 +398,41 @@ fn best_prefix(scores: impl Iterator<Item = f64>, secs: &dyn Fn(usize) -> f64) -
 /// the path with the largest expected accepted length (the sum of the scores of its nodes; ties
 /// to the earlier proposer), at most `req.max_draft` tokens. With one proposer that is its own
 /// chain.
+///
+/// # Cost-aware merging ([`MergePolicy::CostAware`], the default)
+///
+/// A draft head costs a forward of the head per drafted token, prompt lookup and suffix next to
+/// nothing, and every node costs a verify row. The merge learns, online and with the decay of
+/// the rates:
+///
+/// - **each member's time per call** `t(s)` and **the rest of a step** by verify rows, `T(rows)`
+///   (the target's forward and the loop: a decayed least-squares line, slope at least 0), from
+///   the clock through the cost source ([`MergedProposer::with_costs`]: [`MeasuredMergeCosts`],
+///   the default, or [`super::FixedMergeCosts`], with which every choice depends only on the
+///   emitted tokens: deterministic);
+/// - **each member's marginal accepted tokens** `g(s, b)`: at every step it drafts, the leading
+///   nodes of the accepted path it proposed, less the most any member asked before it at that
+///   step proposed (known exactly for every candidate, kept or not, as the rates are). Learned
+///   per bucket `b` of the expected accepted length `E` of the candidates gathered before it
+///   (none; `E` in `(0, 0.5]`, `(0.5, 1]`, `(1, 2]`, above 2: a draft head adds much when the
+///   copy proposers have nothing, little when they hold a long likely copy), as a decayed mean
+///   with one pseudo-step at the member's mean over all buckets (itself with one pseudo-step at
+///   one token).
+///
+/// At each step the members are considered cheapest first (`t(s)`, ties to the earlier
+/// member). Member `s` is asked when `g(s, b) / (1 + E) >= t(s) / (T(rows) + spent)`, with
+/// `rows` the request's bound plus one and `spent` the time of the members asked before it:
+/// the condition for asking it to raise the expected tokens per second, `(1 + E + g) / (T +
+/// t) >= (1 + E) / T`. A member that does not pay gets no nodes and is not called; after 8
+/// skipped steps in a bucket it is asked once anyway for a probe of at most 2 tokens (nodes),
+/// the interval doubling after each probe up to 64 and reset when it pays. Every member is
+/// asked while no step was timed yet (the first step). Then the nodes are ranked as in "The
+/// rule", and only the leading ones that maximise the step's expected tokens per second,
+/// `(1 + sum of their reach) / (T(n + 1) + spent)`, are kept (for a chain step: the path and
+/// length that maximise it; the empty draft when no node pays). While the step time was seen
+/// at one row count only, `T` is flat and no node is cut by cost. Every member is still told
+/// every step ([`Proposer::observe`], with 0 accepted when it was not asked), so its state
+/// follows the context. Costs: `O(P log P)` per step more for `P` members.
 ///
 /// # Losslessness: the merged draft is a point mass
 ///
@@ -470,8 +527,13 @@ pub struct MergedProposer {
     spent: f64,
     /// End of the last proposal and its verify rows, to time the rest of the step.
     last_end: Option<(Instant, usize)>,
-    /// Proposer masks of the accepted path's nodes (scratch of the learning).
-    path: Vec<u64>,
+    /// Trie ids of the accepted path's nodes (scratch of the learning).
+    path: Vec<u32>,
+    /// Chain steps: the end node of the chain the merge would write after each asked member
+    /// (with the members asked before it), to learn each member's gain on the chosen chain.
+    chain_ends: Vec<u32>,
+    /// Whether the pending step is a tree step.
+    tree_step: bool,
     /// `stats[s][d - 1]`: decayed counts of proposer `s` at depth `d`.
     stats: Vec<Vec<Counts>>,
     /// Each proposer's draft of the pending step.
@@ -533,6 +595,8 @@ impl MergedProposer {
             spent: 0.0,
             last_end: None,
             path: Vec::new(),
+            chain_ends: vec![NONE; n],
+            tree_step: false,
             stats: vec![Vec::new(); n],
             sub_drafts: vec![Draft::default(); n],
             trie: Trie::default(),
@@ -658,6 +722,7 @@ impl MergedProposer {
         self.trie.clear();
         self.spent = 0.0;
         self.asked.fill(None);
+        self.tree_step = tree;
         if self.policy == MergePolicy::Reach {
             for s in 0..self.subs.len() {
                 self.ask(s, 0, req, tree)?;
@@ -709,6 +774,12 @@ impl MergedProposer {
                 }
             }
             expected = self.rescore();
+            if !tree {
+                let time = self.step_time();
+                let secs = time.map(|t| move |rows: usize| t.secs(rows));
+                let secs = secs.as_ref().map(|f| f as &dyn Fn(usize) -> f64);
+                self.chain_ends[s] = self.trie.best_chain_end(secs);
+            }
         }
         Ok(())
     }
@@ -864,7 +935,7 @@ impl MergedProposer {
             if next == NONE {
                 break;
             }
-            self.path.push(self.trie.nodes[next as usize].proposers);
+            self.path.push(next);
             cur = next;
         }
         if self.policy != MergePolicy::Reach {
@@ -872,21 +943,36 @@ impl MergedProposer {
         }
     }
 
-    /// Records each asked member's marginal accepted tokens of the pending step: the leading
-    /// nodes of the accepted path it proposed, less the most any member asked before it
-    /// proposed (a node's proposers are among its parent's, so a set of members reaches the
-    /// depth of its best member).
+    /// Records each asked member's marginal accepted tokens of the pending step. Tree steps:
+    /// the leading nodes of the accepted path it proposed, less the most any member asked
+    /// before it proposed (a node's proposers are among its parent's, so a set of members
+    /// reaches the depth of its best member). Chain steps: the accepted length of the chain
+    /// the merge chose with it, less that of the chain it would have chosen without it and
+    /// the members after it (negative when its candidates displaced a better chain).
     fn learn_gains(&mut self) {
         let mut before = 0usize;
         for &s in &self.order {
             let Some(b) = self.asked[s] else {
                 continue;
             };
-            let bit = 1u64 << s;
-            let alone = self.path.iter().take_while(|&&m| m & bit != 0).count();
-            self.ledger
-                .record_gain(s, b, alone.saturating_sub(before) as f64, self.decay);
-            before = before.max(alone);
+            let gain = if self.tree_step {
+                let bit = 1u64 << s;
+                let nodes = &self.trie.nodes;
+                let alone = self
+                    .path
+                    .iter()
+                    .take_while(|&&id| nodes[id as usize].proposers & bit != 0)
+                    .count();
+                let g = alone.saturating_sub(before) as f64;
+                before = before.max(alone);
+                g
+            } else {
+                let with = self.trie.accepted_to(&self.path, self.chain_ends[s]);
+                let g = with as f64 - before as f64;
+                before = with;
+                g
+            };
+            self.ledger.record_gain(s, b, gain, self.decay);
         }
     }
 }

@@ -36,8 +36,8 @@ use spec_bench::sim::{AcceptanceModel, CostTable, default_batches, simulate};
 use spec_bench::{BenchError, Result, workload};
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::propose::{
-    DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SharedCorpus, SuffixConfig,
-    SuffixProposer, TokenRecycling, TreeTemplate,
+    DraftModelProposer, MergePolicy, MergedProposer, PromptLookup, RecyclingConfig, SharedCorpus,
+    SuffixConfig, SuffixProposer, TokenRecycling, TreeTemplate,
 };
 use speculative::{BatchTarget, NoProposer, Proposer, TargetModel};
 use speculative_candle::fast::head::{DraftHead, DraftHeadWeights};
@@ -244,7 +244,9 @@ struct RunArgs {
     /// head, --draft-head), draft-model:FILE (any GGUF as the draft model on the fast forward:
     /// same tokenizer as the target -> token drafts; another tokenizer -> cross-vocabulary
     /// drafts, re-tokenised for greedy requests and TLI for sampling; the report says which),
-    /// merged:A+B+... (one tree merged from those, e.g. merged:draft-head+prompt-lookup+suffix),
+    /// merged:A+B+... (one tree merged from those, cost-aware, e.g.
+    /// merged:draft-head+prompt-lookup+suffix), merged-reach:A+B+... (the same members under the
+    /// rule before the cost-aware one: every member every step, the budget filled by reach),
     /// early-exit:N (first N layers as draft), same-model.
     #[arg(long, value_delimiter = ',', default_value = "prompt-lookup,suffix")]
     proposers: Vec<String>,
@@ -705,19 +707,28 @@ fn named_proposer(
             None => Box::new(TokenRecycling::new(vocab, RecyclingConfig::default())?),
         },
         other => {
-            let Some(list) = other.strip_prefix("merged:") else {
-                return Err(BenchError::Invalid {
-                    what: "proposer",
-                    reason: format!(
-                        "{other} (expected prompt-lookup, suffix, recycling, draft-head, draft-model:FILE, merged:A+B, early-exit:N, same-model, none)"
-                    ),
-                });
+            // `merged:` is the cost-aware merge (the default rule), `merged-reach:` the rule
+            // before it (every member every step, the budget filled by reach probability).
+            let (list, policy) = match (
+                other.strip_prefix("merged:"),
+                other.strip_prefix("merged-reach:"),
+            ) {
+                (Some(l), _) => (l, MergePolicy::CostAware),
+                (_, Some(l)) => (l, MergePolicy::Reach),
+                _ => {
+                    return Err(BenchError::Invalid {
+                        what: "proposer",
+                        reason: format!(
+                            "{other} (expected prompt-lookup, suffix, recycling, draft-head, draft-model:FILE, merged:A+B, merged-reach:A+B, early-exit:N, same-model, none)"
+                        ),
+                    });
+                }
             };
             let subs = list
                 .split('+')
                 .map(|n| named_proposer(n, vocab, table, head, shared))
                 .collect::<Result<Vec<_>>>()?;
-            Box::new(MergedProposer::new(subs)?)
+            Box::new(MergedProposer::new(subs)?.with_policy(policy))
         }
     })
 }
