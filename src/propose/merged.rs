@@ -1668,6 +1668,29 @@ mod tests {
     }
 
     #[test]
+    fn a_member_whose_chain_displaces_a_better_one_is_dropped_from_chain_steps() {
+        // A's one-token chain is right; B (costly) proposes a longer wrong chain, which wins
+        // the chain at the prior rates (expected length 0.94 against 0.5): its gain on the
+        // chosen chain is -1 (a candidate-level count would say 0), and it is dropped.
+        let truth = [1, 2, 3];
+        let mut m = costed(vec![chain(&[1]), chain(&[5, 6, 7, 8])], 0.0, Some(1));
+        let cfg = SamplingConfig::greedy();
+        let mut d = Draft::default();
+        let mut drafts = Vec::new();
+        for i in 0..12 {
+            let req = ProposeRequest::new(&CTX, &cfg, 4 - i % 2);
+            m.propose(&req, &mut d).unwrap();
+            drafts.push((d.tokens.clone(), m.was_asked(1)));
+            let accepted = own_accepted(&d, &truth, truth.len() - 1);
+            m.observe(accepted, &truth[..accepted + 1]).unwrap();
+        }
+        assert_eq!(drafts[0].0, [5, 6, 7, 8]);
+        assert!(m.marginal_gain(1, Some(0.5)) < 0.0);
+        assert!(drafts[1..].iter().all(|(t, _)| t == &[1]), "{drafts:?}");
+        assert!(drafts[1..].iter().filter(|(_, b)| *b).count() <= 2, "{drafts:?}");
+    }
+
+    #[test]
     fn cost_aware_choices_are_deterministic_with_fixed_costs() {
         let run = || {
             let subs = vec![chain(&[1, 2, 3]), chain(&[1, 5]), chain(&[7, 8, 9])];
