@@ -1687,7 +1687,10 @@ mod tests {
         assert_eq!(drafts[0].0, [5, 6, 7, 8]);
         assert!(m.marginal_gain(1, Some(0.5)) < 0.0);
         assert!(drafts[1..].iter().all(|(t, _)| t == &[1]), "{drafts:?}");
-        assert!(drafts[1..].iter().filter(|(_, b)| *b).count() <= 2, "{drafts:?}");
+        assert!(
+            drafts[1..].iter().filter(|(_, b)| *b).count() <= 2,
+            "{drafts:?}"
+        );
     }
 
     #[test]

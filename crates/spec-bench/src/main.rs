@@ -281,9 +281,12 @@ struct RunArgs {
     /// Default maximum new tokens (a request's max_tokens wins).
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
-    /// Only the first N requests of the workload.
+    /// Only the first N requests of the workload (after --kinds).
     #[arg(long)]
     limit: Option<usize>,
+    /// Only requests of these kinds (default: all), e.g. `--kinds rewrite`.
+    #[arg(long, value_delimiter = ',')]
+    kinds: Vec<String>,
     /// A token-recycling table warmed by `spec-bench warm-recycling` (any `--top-k`; its
     /// vocabulary must be the model's), loaded into every `recycling` proposer (alone or merged)
     /// of the run; without it the tables start empty (top-k 8).
@@ -392,7 +395,11 @@ fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> BenchError + '_ 
 }
 
 fn run(a: RunArgs) -> Result<()> {
-    let requests = workload::load(&a.workload)?;
+    let mut requests = workload::load(&a.workload)?;
+    requests.retain(|r| a.kinds.is_empty() || a.kinds.contains(&r.kind));
+    if requests.is_empty() {
+        return Err(bad_arg("--kinds", "no request of these kinds".into()));
+    }
     let requests = &requests[..a.limit.unwrap_or(requests.len()).min(requests.len())];
     let path = a.model.model.clone().unwrap_or_else(default_model_path);
     let mut records: Vec<RunRecord> = Vec::new();
