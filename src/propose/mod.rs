@@ -31,6 +31,7 @@ mod cross_vocab;
 mod draft_model;
 mod heads;
 mod merge_costs;
+mod merge_trie;
 mod merged;
 mod ngram;
 mod prompt_lookup;
