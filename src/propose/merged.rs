@@ -97,7 +97,10 @@ impl Counts {
 ///   emitted tokens: deterministic);
 /// - **each member's marginal accepted tokens** `g(s, b)`: at every step it drafts, the leading
 ///   nodes of the accepted path it proposed, less the most any member asked before it at that
-///   step proposed (known exactly for every candidate, kept or not, as the rates are). Learned
+///   step proposed (known exactly for every candidate, kept or not, as the rates are; chain
+///   steps: the accepted length of the chain chosen with it less that of the chain chosen
+///   without it), **net of the verify rows it added**, charged as the tokens they cost at the
+///   step's rate, `(1 + E) * (T(rows with) - T(rows without)) / (T + spent)`. Learned
 ///   per bucket `b` of the expected accepted length `E` of the candidates gathered before it
 ///   (none; `E` in `(0, 0.5]`, `(0.5, 1]`, `(1, 2]`, above 2: a draft head adds much when the
 ///   copy proposers have nothing, little when they hold a long likely copy), as a decayed mean
@@ -106,9 +109,11 @@ impl Counts {
 ///
 /// At each step the members are considered cheapest first (`t(s)`, ties to the earlier
 /// member). Member `s` is asked when `g(s, b) / (1 + E) >= t(s) / (T(rows) + spent)`, with
-/// `rows` the request's bound plus one and `spent` the time of the members asked before it:
-/// the condition for asking it to raise the expected tokens per second, `(1 + E + g) / (T +
-/// t) >= (1 + E) / T`. A member that does not pay gets no nodes and is not called; after 8
+/// `rows` the verify rows of the draft without it (the chain the merge would write from the
+/// members asked before it plus one; tree steps: their nodes, at most the budget, plus one)
+/// and `spent` the time of the members asked before it: with `g` net of its rows, the
+/// condition for asking it to raise the expected tokens per second, `(1 + E + g) / (T + t)
+/// >= (1 + E) / T`, its rows included in `T`. A member that does not pay gets no nodes and is not called; after 8
 /// skipped steps in a bucket it is asked once anyway for a probe of at most 2 tokens (nodes),
 /// the interval doubling after each probe up to 64 and reset when it pays. Every member is
 /// asked while no step was timed yet (the first step). Then the nodes are ranked as in "The
@@ -208,6 +213,9 @@ pub struct MergedProposer {
     order: Vec<usize>,
     /// The bucket each member was asked in at the pending step (`None`: not asked).
     asked: Vec<Option<usize>>,
+    /// What the decision to ask each member weighed (the pending step): the expected tokens
+    /// per step without it, `1 + E`, and the step's seconds without it, `T(rows) + spent`.
+    asked_at: Vec<(f64, f64)>,
     /// Seconds the members' calls of the pending step took (as the cost source records them).
     spent: f64,
     /// End of the last proposal and its verify rows, to time the rest of the step.
@@ -277,6 +285,7 @@ impl MergedProposer {
             ledger: Ledger::new(n),
             order: (0..n).collect(),
             asked: vec![None; n],
+            asked_at: vec![(1.0, 0.0); n],
             spent: 0.0,
             last_end: None,
             path: Vec::new(),
@@ -432,18 +441,19 @@ impl MergedProposer {
                 .total_cmp(&ledger.member_secs(b))
                 .then(a.cmp(&b))
         });
-        let rows = 1 + if tree { req.max_nodes } else { req.max_draft };
-        let base = self.ledger.step_secs(rows);
+        // Verify rows of the draft without the member considered: the chain the merge would
+        // write from the members asked so far (tree steps: their nodes, at most the budget).
+        let mut rows = 1usize;
         let mut expected: Option<f64> = None;
         for i in 0..self.order.len() {
             let s = self.order[i];
             let b = bucket(expected);
+            let tokens = 1.0 + expected.unwrap_or(0.0);
+            let base = self.ledger.step_secs(rows);
+            self.asked_at[s] = (tokens, base.unwrap_or(0.0) + self.spent);
             let decision = match base {
                 None => Decision::Pays,
-                Some(t) => {
-                    let tokens = 1.0 + expected.unwrap_or(0.0);
-                    self.ledger.decide(s, b, tokens, t + self.spent)
-                }
+                Some(t) => self.ledger.decide(s, b, tokens, t + self.spent),
             };
             match decision {
                 Decision::Skip => {
@@ -464,6 +474,14 @@ impl MergedProposer {
                 let secs = time.map(|t| move |rows: usize| t.secs(rows));
                 let secs = secs.as_ref().map(|f| f as &dyn Fn(usize) -> f64);
                 self.chain_ends[s] = self.trie.best_chain_end(secs);
+                let end = self.chain_ends[s];
+                rows = 1 + if end == NONE {
+                    0
+                } else {
+                    self.trie.nodes[end as usize].depth as usize
+                };
+            } else {
+                rows = 1 + self.trie.nodes.len().min(req.max_nodes);
             }
         }
         Ok(())
@@ -628,21 +646,34 @@ impl MergedProposer {
         }
     }
 
-    /// Records each asked member's marginal accepted tokens of the pending step. Tree steps:
-    /// the leading nodes of the accepted path it proposed, less the most any member asked
-    /// before it proposed (a node's proposers are among its parent's, so a set of members
-    /// reaches the depth of its best member). Chain steps: the accepted length of the chain
-    /// the merge chose with it, less that of the chain it would have chosen without it and
-    /// the members after it (negative when its candidates displaced a better chain).
+    /// Records each asked member's marginal accepted tokens of the pending step, net of the
+    /// verify rows it added. Tree steps: the leading nodes of the accepted path it proposed,
+    /// less the most any member asked before it proposed (a node's proposers are among its
+    /// parent's, so a set of members reaches the depth of its best member); its rows: the kept
+    /// nodes that no member asked before it proposed. Chain steps: the accepted length of the
+    /// chain the merge chose with it, less that of the chain it would have chosen without it
+    /// and the members after it (negative when its candidates displaced a better chain); its
+    /// rows: the difference of the two chains' lengths. The rows are charged as the tokens
+    /// they cost at the step's rate without the member, `(1 + E) * (T(with) - T(without)) /
+    /// (T + spent)` (the quantities its ask decision weighed), so that the decision
+    /// `g / (1 + E) >= t / (T + spent)` asks it only when its tokens pay for its call and its
+    /// rows.
     fn learn_gains(&mut self) {
-        let mut before = 0usize;
-        for &s in &self.order {
+        let (mut before, mut before_end, mut before_mask) = (0usize, NONE, 0u64);
+        // Tree steps: the draft's verify rows (`kept` is this step's, written by `write_tree`).
+        let rows = if self.tree_step {
+            self.trie.kept.iter().filter(|&&k| k).count() + 1
+        } else {
+            0
+        };
+        for i in 0..self.order.len() {
+            let s = self.order[i];
             let Some(b) = self.asked[s] else {
                 continue;
             };
-            let gain = if self.tree_step {
-                let bit = 1u64 << s;
-                let nodes = &self.trie.nodes;
+            let bit = 1u64 << s;
+            let nodes = &self.trie.nodes;
+            let (gain, with_rows, without_rows) = if self.tree_step {
                 let alone = self
                     .path
                     .iter()
@@ -650,14 +681,40 @@ impl MergedProposer {
                     .count();
                 let g = alone.saturating_sub(before) as f64;
                 before = before.max(alone);
-                g
+                let own = (0..nodes.len())
+                    .filter(|&id| self.trie.kept[id])
+                    .filter(|&id| nodes[id].proposers & bit != 0)
+                    .filter(|&id| nodes[id].proposers & before_mask == 0)
+                    .count();
+                (g, rows, rows - own)
             } else {
-                let with = self.trie.accepted_to(&self.path, self.chain_ends[s]);
+                let end = self.chain_ends[s];
+                let with = self.trie.accepted_to(&self.path, end);
                 let g = with as f64 - before as f64;
-                before = with;
-                g
+                let depth = |e: u32| {
+                    if e == NONE {
+                        0
+                    } else {
+                        nodes[e as usize].depth
+                    }
+                };
+                let r = (depth(end) as usize + 1, depth(before_end) as usize + 1);
+                (before, before_end) = (with, end);
+                (g, r.0, r.1)
             };
-            self.ledger.record_gain(s, b, gain, self.decay);
+            before_mask |= bit;
+            let net = gain - self.rows_in_tokens(s, with_rows, without_rows);
+            self.ledger.record_gain(s, b, net, self.decay);
+        }
+    }
+
+    /// The tokens that `with - without` extra verify rows cost at member `s`'s decision rate
+    /// (see [`MergedProposer::learn_gains`]); 0 while no step was timed, and for fewer rows.
+    fn rows_in_tokens(&self, s: usize, with: usize, without: usize) -> f64 {
+        let (tokens, secs) = self.asked_at[s];
+        match (self.ledger.step_secs(with), self.ledger.step_secs(without)) {
+            (Some(w), Some(wo)) if with > without && secs > 0.0 => tokens * (w - wo) / secs,
+            _ => 0.0,
         }
     }
 }
@@ -1376,6 +1433,41 @@ mod tests {
             drafts[1..].iter().filter(|(_, b)| *b).count() <= 2,
             "{drafts:?}"
         );
+    }
+
+    /// Chain steps of a merge of an empty member and `[1, 9]` (member 1: 2 ms + 1 ms per
+    /// token) against a target whose next token is 1 every other step, rows costing `per_row`
+    /// each on top of 10 ms; draft bounds 1 and 2 alternate so that the row cost is seen.
+    /// Returns the steps at which member 1 was asked.
+    fn half_right_member(per_row: f64) -> usize {
+        let mut m = costed(vec![chain(&[]), chain(&[1, 9])], per_row, Some(1));
+        let cfg = SamplingConfig::greedy();
+        let mut d = Draft::default();
+        let mut asked = 0;
+        for i in 0..200 {
+            let truth: &[u32] = if i % 2 == 0 { &[1, 2, 3] } else { &[4, 5, 6] };
+            let req = ProposeRequest::new(&CTX, &cfg, 1 + (i / 2) % 2);
+            m.propose(&req, &mut d).unwrap();
+            if m.was_asked(1) {
+                asked += 1;
+            } else {
+                assert!(d.is_empty(), "an unasked member has no nodes");
+            }
+            let accepted = own_accepted(&d, truth, truth.len() - 1);
+            m.observe(accepted, &truth[..accepted + 1]).unwrap();
+        }
+        asked
+    }
+
+    #[test]
+    fn a_member_whose_tokens_do_not_pay_for_its_rows_is_not_asked() {
+        // Half a token per step for 3.7 ms: with 8 ms rows, 1.5 tokens in 26 + 3.7 ms (50
+        // tokens/s) against 1 in 18 ms (56/s) does not pay, though the call alone would
+        // (0.5 token against 3.7 / 18 = 0.2); with free rows it pays (109/s against 100/s).
+        let dear = half_right_member(0.008);
+        assert!(dear <= 25, "asked {dear} of 200 steps");
+        let free = half_right_member(0.0);
+        assert!(free >= 190, "asked {free} of 200 steps");
     }
 
     #[test]
