@@ -207,7 +207,7 @@ impl Mean {
     }
 }
 
-/// A decayed least-squares line `y = a + b x`.
+/// A weighted least-squares line `y = a + b x`.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Line {
     w: f64,
@@ -218,16 +218,13 @@ struct Line {
 }
 
 impl Line {
-    fn push(&mut self, x: f64, y: f64, decay: f64) {
-        for (s, v) in [
-            (&mut self.w, 1.0),
-            (&mut self.x, x),
-            (&mut self.y, y),
-            (&mut self.xx, x * x),
-            (&mut self.xy, x * y),
-        ] {
-            *s = *s * decay + v;
-        }
+    /// Adds the point `(x, y)` with weight `w`.
+    fn add(&mut self, x: f64, y: f64, w: f64) {
+        self.w += w;
+        self.x += w * x;
+        self.y += w * y;
+        self.xx += w * x * x;
+        self.xy += w * x * y;
     }
 
     /// The line at `x` (slope at least 0; flat while one `x` was seen), `None` before a sample.
@@ -243,6 +240,54 @@ impl Line {
             0.0
         };
         Some((my + slope * (x - mx)).max(1e-12))
+    }
+}
+
+/// Samples kept per verify row count: the median of the last ones is the row count's time, so
+/// that a slow outlier on a shared machine does not count (the decode policy's forward-cost rule,
+/// [`crate::decode::AdaptiveConfig`]).
+const STEP_SAMPLES: usize = 7;
+
+/// Row counts above this share the last slot (and its x).
+const MAX_ROW_SLOT: usize = 64;
+
+/// The rest of a step's seconds by verify rows: per row count the median of its last
+/// [`STEP_SAMPLES`] times, and the least-squares line through those medians weighted by their
+/// sample counts (slope at least 0, flat while one row count was seen).
+#[derive(Debug, Clone, Default)]
+struct StepCurve {
+    /// Per row count: the last times (a ring) and how many were recorded.
+    samples: Vec<([f64; STEP_SAMPLES], usize)>,
+    /// The line through the medians.
+    fit: Line,
+}
+
+impl StepCurve {
+    fn push(&mut self, rows: usize, secs: f64) {
+        let r = rows.min(MAX_ROW_SLOT);
+        if self.samples.len() <= r {
+            self.samples.resize(r + 1, ([0.0; STEP_SAMPLES], 0));
+        }
+        let (ring, n) = &mut self.samples[r];
+        ring[*n % STEP_SAMPLES] = secs;
+        *n += 1;
+        let mut fit = Line::default();
+        for (x, (ring, n)) in self.samples.iter().enumerate() {
+            let k = (*n).min(STEP_SAMPLES);
+            if k == 0 {
+                continue;
+            }
+            let mut v = *ring;
+            let v = &mut v[..k];
+            v.sort_unstable_by(f64::total_cmp);
+            let median = if k % 2 == 1 {
+                v[k / 2]
+            } else {
+                (v[k / 2 - 1] + v[k / 2]) / 2.0
+            };
+            fit.add(x as f64, median, k as f64);
+        }
+        self.fit = fit;
     }
 }
 
@@ -286,7 +331,7 @@ pub(super) struct Ledger {
     /// Each member's decayed seconds per draft call.
     secs: Vec<Mean>,
     /// The rest of a step's seconds against its verify rows.
-    step: Line,
+    step: StepCurve,
 }
 
 /// Why a member is asked at a step.
@@ -306,7 +351,7 @@ impl Ledger {
             gains: vec![[Mean::default(); BUCKETS]; members],
             probes: vec![[Probe::default(); BUCKETS]; members],
             secs: vec![Mean::default(); members],
-            step: Line::default(),
+            step: StepCurve::default(),
         }
     }
 
@@ -322,14 +367,14 @@ impl Ledger {
     /// The learned seconds of the rest of a step over `rows` verify rows (`None` before a
     /// step was timed).
     pub(super) fn step_secs(&self, rows: usize) -> Option<f64> {
-        self.step.at(rows as f64)
+        self.step.fit.at(rows as f64)
     }
 
     /// The learned seconds of a step by verify rows, plus `extra` seconds (`None` before a
     /// step was timed).
     pub(super) fn step_time(&self, extra: f64) -> Option<StepTime> {
-        self.step.at(1.0).map(|_| StepTime {
-            line: self.step,
+        self.step.fit.at(1.0).map(|_| StepTime {
+            line: self.step.fit,
             extra,
         })
     }
@@ -381,8 +426,8 @@ impl Ledger {
     }
 
     /// Records the rest of a step: `rows` verify rows in `secs` seconds.
-    pub(super) fn record_step(&mut self, rows: usize, secs: f64, decay: f64) {
-        self.step.push(rows as f64, secs, decay);
+    pub(super) fn record_step(&mut self, rows: usize, secs: f64) {
+        self.step.push(rows, secs);
     }
 }
 
@@ -418,14 +463,36 @@ mod tests {
     fn the_step_line_is_fitted_with_a_nonnegative_slope() {
         let mut l = Line::default();
         assert_eq!(l.at(3.0), None);
-        l.push(2.0, 1.2, 1.0);
+        l.add(2.0, 1.2, 1.0);
         assert_eq!(l.at(9.0), Some(1.2));
-        l.push(4.0, 1.4, 1.0);
+        l.add(4.0, 1.4, 1.0);
         assert!((l.at(6.0).unwrap() - 1.6).abs() < 1e-12);
         let mut down = Line::default();
-        down.push(1.0, 2.0, 1.0);
-        down.push(3.0, 1.0, 1.0);
+        down.add(1.0, 2.0, 1.0);
+        down.add(3.0, 1.0, 1.0);
         assert!((down.at(10.0).unwrap() - 1.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_step_curve_ignores_a_slow_outlier() {
+        let mut c = StepCurve::default();
+        assert_eq!(c.fit.at(1.0), None);
+        for _ in 0..7 {
+            c.push(2, 1.0);
+            c.push(4, 1.2);
+        }
+        assert!((c.fit.at(6.0).unwrap() - 1.4).abs() < 1e-12);
+        // Three slow steps out of seven at 4 rows: the median is still 1.2.
+        for _ in 0..3 {
+            c.push(4, 10.0);
+        }
+        assert!((c.fit.at(6.0).unwrap() - 1.4).abs() < 1e-12);
+        // A fourth makes it the majority of the last seven: the curve follows.
+        c.push(4, 10.0);
+        assert!(c.fit.at(4.0).unwrap() > 5.0);
+        // Row counts past the last slot share it.
+        c.push(1000, 3.0);
+        assert_eq!(c.samples.len(), MAX_ROW_SLOT + 1);
     }
 
     #[test]

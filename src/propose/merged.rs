@@ -45,6 +45,14 @@ impl Counts {
     fn rate(&self) -> f64 {
         (self.accepted + 1.0) / (self.tested + 2.0)
     }
+
+    /// The posterior mean plus half the posterior standard deviation (at most 1): the value a
+    /// cost-aware merge plans with, so that a depth seen on few steps is drafted again (the
+    /// optimism of the decode policy's tree plan, [`crate::decode::AdaptiveConfig`]).
+    fn optimistic(&self) -> f64 {
+        let m = self.rate();
+        (m + 0.5 * (m * (1.0 - m) / (self.tested + 3.0)).sqrt()).min(1.0)
+    }
 }
 
 /// Merges the drafts of several proposers into one prefix tree per step and keeps the nodes
@@ -91,7 +99,9 @@ impl Counts {
 /// the rates:
 ///
 /// - **each member's time per call** `t(s)` and **the rest of a step** by verify rows, `T(rows)`
-///   (the target's forward and the loop: a decayed least-squares line, slope at least 0), from
+///   (the target's forward and the loop: per row count the median of its last 7 times, so
+///   that a slow outlier on a shared machine does not count, and the least-squares line
+///   through those medians weighted by their sample counts, slope at least 0), from
 ///   the clock through the cost source ([`MergedProposer::with_costs`]: [`MeasuredMergeCosts`],
 ///   the default, or [`super::FixedMergeCosts`], with which every choice depends only on the
 ///   emitted tokens: deterministic);
@@ -117,7 +127,10 @@ impl Counts {
 /// skipped steps in a bucket it is asked once anyway for a probe of at most 2 tokens (nodes),
 /// the interval doubling after each probe up to 64 and reset when it pays. Every member is
 /// asked while no step was timed yet (the first step). Then the nodes are ranked as in "The
-/// rule", and only the leading ones that maximise the step's expected tokens per second,
+/// rule" (each rate planned with its posterior mean plus half its posterior standard
+/// deviation, `sqrt(r (1 - r) / (t + 3))`, at most 1: a depth tested on few steps, as the deep
+/// positions of a copy are, is drafted again rather than cut for good), and only the leading
+/// ones that maximise the step's expected tokens per second,
 /// `(1 + sum of their reach) / (T(n + 1) + spent)`, are kept (for a chain step: the path and
 /// length that maximise it; the empty draft when no node pays). While the step time was seen
 /// at one row count only, `T` is flat and no node is cut by cost. Every member is still told
@@ -397,13 +410,20 @@ impl MergedProposer {
             .unwrap_or_default()
     }
 
-    /// The conditional rate of a node proposed by the set `proposers` at `depth`.
+    /// The conditional rate of a node proposed by the set `proposers` at `depth` (under
+    /// [`MergePolicy::CostAware`] the optimistic one, see "Cost-aware merging").
     fn node_rate(&self, mut proposers: u64, depth: u32) -> f64 {
         let mut best = 0.0f64;
         while proposers != 0 {
             let s = proposers.trailing_zeros() as usize;
             proposers &= proposers - 1;
-            best = best.max(self.rate(s, depth as usize));
+            let c = self.counts(s, depth as usize);
+            let r = if self.policy == MergePolicy::Reach {
+                c.rate()
+            } else {
+                c.optimistic()
+            };
+            best = best.max(r);
         }
         best
     }
@@ -532,7 +552,7 @@ impl MergedProposer {
     fn time_step(&mut self) {
         if let Some((t, rows)) = self.last_end.take() {
             let secs = self.costs.step_secs(rows, t.elapsed());
-            self.ledger.record_step(rows, secs, self.decay);
+            self.ledger.record_step(rows, secs);
         }
     }
 
@@ -1412,8 +1432,8 @@ mod tests {
     #[test]
     fn a_member_whose_chain_displaces_a_better_one_is_dropped_from_chain_steps() {
         // A's one-token chain is right; B (costly) proposes a longer wrong chain, which wins
-        // the chain at the prior rates (expected length 0.94 against 0.5): its gain on the
-        // chosen chain is -1 (a candidate-level count would say 0), and it is dropped.
+        // the chain at the prior's planning rates (expected length 1.50 against 0.64): its gain
+        // on the chosen chain is -1 (a candidate-level count would say 0), and it is dropped.
         let truth = [1, 2, 3];
         let mut m = costed(vec![chain(&[1]), chain(&[5, 6, 7, 8])], 0.0, Some(1));
         let cfg = SamplingConfig::greedy();
@@ -1427,7 +1447,7 @@ mod tests {
             m.observe(accepted, &truth[..accepted + 1]).unwrap();
         }
         assert_eq!(drafts[0].0, [5, 6, 7, 8]);
-        assert!(m.marginal_gain(1, Some(0.5)) < 0.0);
+        assert!(m.marginal_gain(1, Some(0.64)) < 0.0);
         assert!(drafts[1..].iter().all(|(t, _)| t == &[1]), "{drafts:?}");
         assert!(
             drafts[1..].iter().filter(|(_, b)| *b).count() <= 2,
