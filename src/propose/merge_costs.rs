@@ -180,6 +180,11 @@ const PROBE_MAX: u32 = 64;
 /// the leading tokens, where a member that does not pay shows it first.
 pub(super) const PROBE_DRAFT: usize = 2;
 
+/// A member whose call costs at most this share of the step is asked whatever its learned
+/// gain (net of its rows, which can be briefly negative while the rates learn): skipping it
+/// saves next to nothing, and its nodes are cut one by one where their rows do not pay.
+const FREE_SHARE: f64 = 0.01;
+
 /// Prior of a member's marginal gain: one pseudo-step at one token (optimistic, so a new member
 /// is tried before it is judged).
 const GAIN_PRIOR: f64 = 1.0;
@@ -392,9 +397,12 @@ impl Ledger {
     }
 
     /// Whether member `s` pays in bucket `b`: `gain / tokens >= cost / secs`, with `tokens`
-    /// the expected tokens per step and `secs` the step's seconds without it.
+    /// the expected tokens per step and `secs` the step's seconds without it; a member whose
+    /// call costs at most [`FREE_SHARE`] of the step always does (its nodes are still cut one
+    /// by one where their rows do not pay).
     fn pays(&self, s: usize, b: usize, tokens: f64, secs: f64) -> bool {
-        self.gain(s, b) * secs >= tokens * self.member_secs(s)
+        let t = self.member_secs(s);
+        t <= FREE_SHARE * secs || self.gain(s, b) * secs >= tokens * t
     }
 
     /// Decides whether member `s` is asked in bucket `b` (see [`Ledger::pays`]); a member that

@@ -123,7 +123,9 @@ impl Counts {
 /// members asked before it plus one; tree steps: their nodes, at most the budget, plus one)
 /// and `spent` the time of the members asked before it: with `g` net of its rows, the
 /// condition for asking it to raise the expected tokens per second, `(1 + E + g) / (T + t)
-/// >= (1 + E) / T`, its rows included in `T`. A member that does not pay gets no nodes and is not called; after 8
+/// >= (1 + E) / T`, its rows included in `T`; a member whose call costs at most 1 % of the
+/// step is always asked (prompt lookup, suffix: skipping them saves nothing, and their nodes
+/// are cut one by one). A member that does not pay gets no nodes and is not called; after 8
 /// skipped steps in a bucket it is asked once anyway for a probe of at most 2 tokens (nodes),
 /// the interval doubling after each probe up to 64 and reset when it pays. Every member is
 /// asked while no step was timed yet (the first step). Then the nodes are ranked as in "The
