@@ -335,6 +335,8 @@ pub(super) struct Ledger {
     probes: Vec<[Probe; BUCKETS]>,
     /// Each member's decayed seconds per draft call.
     secs: Vec<Mean>,
+    /// Each member's decayed tokens (nodes) drafted per call.
+    drafted: Vec<Mean>,
     /// The rest of a step's seconds against its verify rows.
     step: StepCurve,
 }
@@ -356,6 +358,7 @@ impl Ledger {
             gains: vec![[Mean::default(); BUCKETS]; members],
             probes: vec![[Probe::default(); BUCKETS]; members],
             secs: vec![Mean::default(); members],
+            drafted: vec![Mean::default(); members],
             step: StepCurve::default(),
         }
     }
@@ -367,6 +370,20 @@ impl Ledger {
     /// Member `s`'s learned seconds per call (0 before it was timed).
     pub(super) fn member_secs(&self, s: usize) -> f64 {
         self.secs[s].get().unwrap_or(0.0)
+    }
+
+    /// Member `s`'s learned seconds per drafted token (its seconds per call over its tokens
+    /// per call; 0 before it drafted a token).
+    pub(super) fn token_secs(&self, s: usize) -> f64 {
+        match self.drafted[s].get() {
+            Some(n) if n > 0.0 => self.member_secs(s) / n,
+            _ => 0.0,
+        }
+    }
+
+    /// Whether member `s`'s call costs at most [`FREE_SHARE`] of a step of `secs` seconds.
+    pub(super) fn is_free(&self, s: usize, secs: f64) -> bool {
+        self.member_secs(s) <= FREE_SHARE * secs
     }
 
     /// The learned seconds of the rest of a step over `rows` verify rows (`None` before a
@@ -401,8 +418,7 @@ impl Ledger {
     /// call costs at most [`FREE_SHARE`] of the step always does (its nodes are still cut one
     /// by one where their rows do not pay).
     fn pays(&self, s: usize, b: usize, tokens: f64, secs: f64) -> bool {
-        let t = self.member_secs(s);
-        t <= FREE_SHARE * secs || self.gain(s, b) * secs >= tokens * t
+        self.is_free(s, secs) || self.gain(s, b) * secs >= tokens * self.member_secs(s)
     }
 
     /// Decides whether member `s` is asked in bucket `b` (see [`Ledger::pays`]); a member that
@@ -423,9 +439,10 @@ impl Ledger {
         Decision::Skip
     }
 
-    /// Records member `s`'s call: `secs` seconds.
-    pub(super) fn record_call(&mut self, s: usize, secs: f64, decay: f64) {
+    /// Records member `s`'s call: `secs` seconds, `drafted` tokens (nodes).
+    pub(super) fn record_call(&mut self, s: usize, secs: f64, drafted: usize, decay: f64) {
         self.secs[s].push(secs, decay);
+        self.drafted[s].push(drafted as f64, decay);
     }
 
     /// Records member `s`'s marginal accepted tokens `gain` at a step it was asked in bucket `b`.
@@ -509,7 +526,7 @@ mod tests {
         // Untimed: free, so it pays.
         assert_eq!(l.decide(1, 0, 1.0, 1.0), Decision::Pays);
         // 0.5 s per call against a 1 s step: it must add half a token per step.
-        l.record_call(1, 0.5, 1.0);
+        l.record_call(1, 0.5, 4, 1.0);
         for _ in 0..20 {
             l.record_gain(1, 0, 0.0, 1.0);
         }

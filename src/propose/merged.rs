@@ -125,7 +125,11 @@ impl Counts {
 /// condition for asking it to raise the expected tokens per second, `(1 + E + g) / (T + t)
 /// >= (1 + E) / T`, its rows included in `T`; a member whose call costs at most 1 % of the
 /// step is always asked (prompt lookup, suffix: skipping them saves nothing, and their nodes
-/// are cut one by one). A member that does not pay gets no nodes and is not called; after 8
+/// are cut one by one). A costly member that pays is asked only for the depth its own nodes can
+/// pay for: the deepest whose reach on its own path `p` (its planning rates multiplied) still
+/// meets `p (T + spent) >= (1 + E) (row + token)`, with `row` the learned time of one more
+/// verify row and `token` its learned time per drafted token (a draft head is then not run
+/// for positions the cost cut would drop anyway). A member that does not pay gets no nodes and is not called; after 8
 /// skipped steps in a bucket it is asked once anyway for a probe of at most 2 tokens (nodes),
 /// the interval doubling after each probe up to 64 and reset when it pays. Every member is
 /// asked while no step was timed yet (the first step). Then the nodes are ranked as in "The
@@ -482,7 +486,14 @@ impl MergedProposer {
                     self.sub_drafts[s].clear();
                     continue;
                 }
-                Decision::Pays => self.ask(s, b, req, tree)?,
+                Decision::Pays => match base {
+                    Some(t) if !self.ledger.is_free(s, t + self.spent) => {
+                        let depth =
+                            self.paying_depth(s, req.max_draft, tokens, t + self.spent, rows);
+                        self.ask(s, b, &req.max_draft(depth), tree)?
+                    }
+                    _ => self.ask(s, b, req, tree)?,
+                },
                 Decision::Probe => {
                     let short = req
                         .max_draft(req.max_draft.min(PROBE_DRAFT))
@@ -509,6 +520,31 @@ impl MergedProposer {
         Ok(())
     }
 
+    /// The draft depth costly member `s` is asked for (at most `bound`, at least 1): the
+    /// deepest `d` whose node on the member's own path, of reach `p` (the product of its
+    /// planning rates to `d`), still raises the step's expected tokens per second, `p * secs
+    /// >= tokens * (row + token)`, with `row` the learned time of one more verify row after
+    /// `rows` and `token` the member's time per drafted token (`tokens`, `secs`: the step's
+    /// expected tokens and seconds without it). The nodes past it would be cut by cost anyway;
+    /// not drafting them saves the member's time.
+    fn paying_depth(&self, s: usize, bound: usize, tokens: f64, secs: f64, rows: usize) -> usize {
+        let row = match (self.ledger.step_secs(rows + 1), self.ledger.step_secs(rows)) {
+            (Some(a), Some(b)) => (a - b).max(0.0),
+            _ => 0.0,
+        };
+        let cost = tokens * (row + self.ledger.token_secs(s));
+        let mut reach = 1.0;
+        let mut depth = 0;
+        while depth < bound {
+            reach *= self.counts(s, depth + 1).optimistic();
+            if depth >= 1 && reach * secs < cost {
+                break;
+            }
+            depth += 1;
+        }
+        depth.max(1).min(bound.max(1))
+    }
+
     /// Asks proposer `s` for its draft, times the call and merges the draft into the trie
     /// (not scored); `b` is the bucket it is asked in.
     fn ask(&mut self, s: usize, b: usize, req: &ProposeRequest<'_>, tree: bool) -> Result<()> {
@@ -521,7 +557,7 @@ impl MergedProposer {
         }
         if self.policy != MergePolicy::Reach {
             let secs = self.costs.member_secs(s, d.len(), t.elapsed());
-            self.ledger.record_call(s, secs, self.decay);
+            self.ledger.record_call(s, secs, d.len(), self.decay);
             self.spent += secs;
         }
         self.asked[s] = Some(b);
@@ -1490,6 +1526,42 @@ mod tests {
         assert!(dear <= 25, "asked {dear} of 200 steps");
         let free = half_right_member(0.0);
         assert!(free >= 190, "asked {free} of 200 steps");
+    }
+
+    #[test]
+    fn a_costly_member_is_asked_only_for_the_depth_its_nodes_pay_for() {
+        // B (2 ms + 1 ms per token) is right for two tokens and then wrong; A has nothing.
+        // Past depth 2 its reach falls to about 0.1, below what a token of its time costs
+        // (1 ms against a 10 ms step): it is asked for 2 or 3 tokens, not the bound of 6.
+        let truth = [1, 2, 3, 4, 5, 6, 7];
+        let member = || chain(&[1, 2, 9, 9, 9, 9]);
+        let mut m = costed(vec![chain(&[]), member()], 0.0005, Some(1));
+        let cfg = SamplingConfig::greedy();
+        let mut d = Draft::default();
+        let mut drafted = Vec::new();
+        for i in 0..60 {
+            let req = ProposeRequest::new(&CTX, &cfg, 5 + i % 2);
+            m.propose(&req, &mut d).unwrap();
+            assert!(m.was_asked(1));
+            drafted.push(m.sub_drafts[1].len());
+            let accepted = own_accepted(&d, &truth, truth.len() - 1);
+            m.observe(accepted, &truth[..accepted + 1]).unwrap();
+        }
+        assert_eq!(drafted[0], 5, "untimed: the full bound");
+        assert!(
+            drafted[30..].iter().all(|&n| (2..=3).contains(&n)),
+            "{drafted:?}"
+        );
+        assert_eq!(d.tokens, [1, 2]);
+        // The old rule asks every member for the full bound.
+        let mut r = reach(vec![chain(&[]), member()]).unwrap();
+        for i in 0..20 {
+            let req = ProposeRequest::new(&CTX, &cfg, 5 + i % 2);
+            r.propose(&req, &mut d).unwrap();
+            assert_eq!(r.sub_drafts[1].len(), 5 + i % 2);
+            let accepted = own_accepted(&d, &truth, truth.len() - 1);
+            r.observe(accepted, &truth[..accepted + 1]).unwrap();
+        }
     }
 
     #[test]
