@@ -122,8 +122,8 @@ impl Counts {
 /// `rows` the verify rows of the draft without it (the chain the merge would write from the
 /// members asked before it plus one; tree steps: their nodes, at most the budget, plus one)
 /// and `spent` the time of the members asked before it: with `g` net of its rows, the
-/// condition for asking it to raise the expected tokens per second, `(1 + E + g) / (T + t)
-/// >= (1 + E) / T`, its rows included in `T`; a member whose call costs at most 1 % of the
+/// condition for asking it to raise the expected tokens per second,
+/// `(1 + E + g) / (T + t) >= (1 + E) / T`, its rows included in `T`; a member whose call costs at most 1 % of the
 /// step is always asked (prompt lookup, suffix: skipping them saves nothing, and their nodes
 /// are cut one by one). A costly member that pays is asked only for the depth its own nodes can
 /// pay for: the deepest whose reach on its own path `p` (its planning rates multiplied) still
@@ -522,8 +522,8 @@ impl MergedProposer {
 
     /// The draft depth costly member `s` is asked for (at most `bound`, at least 1): the
     /// deepest `d` whose node on the member's own path, of reach `p` (the product of its
-    /// planning rates to `d`), still raises the step's expected tokens per second, `p * secs
-    /// >= tokens * (row + token)`, with `row` the learned time of one more verify row after
+    /// planning rates to `d`), still raises the step's expected tokens per second:
+    /// `p * secs >= tokens * (row + token)`, with `row` the learned time of one more verify row after
     /// `rows` and `token` the member's time per drafted token (`tokens`, `secs`: the step's
     /// expected tokens and seconds without it). The nodes past it would be cut by cost anyway;
     /// not drafting them saves the member's time.
