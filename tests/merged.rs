@@ -23,8 +23,10 @@ mod common;
 use common::tree::{DetChoice, LawCalc, Models, Shape};
 use common::{Fit, chi_square};
 use speculative::decode::{DraftLength, GenerationParams, Generator, TreeDrafts};
-use speculative::propose::{SuffixConfig, SuffixProposer};
+use speculative::propose::{FixedMergeCosts, MergePolicy, SuffixConfig, SuffixProposer};
 use speculative::test_util::{RandomProposer, ToyModel, WrongProposer};
+use std::sync::{Arc, Mutex};
+
 use speculative::{
     Draft, MergedProposer, NoProposer, PromptLookup, ProposeRequest, Proposer, Result,
     SamplingConfig, SiblingScheme,
@@ -45,13 +47,24 @@ fn random(vocab: usize, salt: u64) -> Box<dyn Proposer + Send> {
     Box::new(RandomProposer::new(vocab, salt))
 }
 
-/// Prompt lookup + suffix (+ random junk when `junk`).
+/// Prompt lookup + suffix (+ random junk when `junk`), cost-aware with fixed costs (a step
+/// 10 ms plus 0.5 ms per row, the junk 2 ms per call plus 1 ms per token): deterministic.
 fn merge(vocab: usize, salt: u64, junk: bool) -> MergedProposer {
     let mut subs = vec![lookup(), suffix()];
     if junk {
         subs.push(random(vocab, salt));
     }
-    MergedProposer::new(subs).unwrap()
+    let costs = FixedMergeCosts::new(0.010, 0.0005)
+        .unwrap()
+        .with_member(2, 0.002, 0.001)
+        .unwrap();
+    MergedProposer::new(subs).unwrap().with_costs(costs)
+}
+
+/// The same members under the rule before the cost-aware one (every member asked, the budget
+/// filled): branching trees at most steps.
+fn merge_reach(vocab: usize, salt: u64, junk: bool) -> MergedProposer {
+    merge(vocab, salt, junk).with_policy(MergePolicy::Reach)
 }
 
 fn plain(model: &ToyModel, prompt: &[u32], params: &GenerationParams) -> Vec<u32> {
@@ -308,7 +321,7 @@ fn merged_trees_are_lossless_under_stochastic_verification() {
         ),
     ];
     for (i, (name, cfg)) in configs.iter().enumerate() {
-        let (fits, tree_steps) = fit(cfg, merge(V, 3, true), n, 1_000_000 * (i as u64 + 1));
+        let (fits, tree_steps) = fit(cfg, merge_reach(V, 3, true), n, 1_000_000 * (i as u64 + 1));
         show(name, &fits);
         // Branching trees at a good share of the steps (single paths go as chains).
         assert!(tree_steps as u64 > n / 5, "{tree_steps}");
@@ -319,7 +332,7 @@ fn merged_trees_are_lossless_under_stochastic_verification() {
     }
     // Negative control: the same trees verified with a draft model's q kept.
     let control = KeepQ {
-        inner: merge(V, 3, true),
+        inner: merge_reach(V, 3, true),
         draft: ToyModel::markov(V, 2, 1.3, 11 ^ 0x5EED),
     };
     let (fits, _) = fit(&configs[0].1, control, n, 9_000_000);
@@ -369,8 +382,9 @@ fn the_learned_ranking_keeps_the_proposer_that_is_right() {
     let m2 = model.clone();
     let wrong = WrongProposer::new(vocab as u32, move |p: &[u32]| greedy_next(&m2, p));
     // The wrong proposer is listed first: it wins every tie of the prior.
-    let mut merged =
-        MergedProposer::new(vec![Box::new(wrong), Box::new(Oracle(model.clone()))]).unwrap();
+    let mut merged = MergedProposer::new(vec![Box::new(wrong), Box::new(Oracle(model.clone()))])
+        .unwrap()
+        .with_policy(MergePolicy::Reach);
     let cfg = SamplingConfig::greedy();
     let mut context = vec![1u32, 2, 3];
     let mut draft = Draft::default();
@@ -406,8 +420,9 @@ fn the_learned_ranking_keeps_the_proposer_that_is_right() {
     // In the loop: the merged tree accepts (nearly) the whole budget after warm-up.
     let m2 = model.clone();
     let wrong = WrongProposer::new(vocab as u32, move |p: &[u32]| greedy_next(&m2, p));
-    let merged =
-        MergedProposer::new(vec![Box::new(wrong), Box::new(Oracle(model.clone()))]).unwrap();
+    let merged = MergedProposer::new(vec![Box::new(wrong), Box::new(Oracle(model.clone()))])
+        .unwrap()
+        .with_costs(FixedMergeCosts::new(0.010, 0.0005).unwrap());
     let mut g = Generator::new(model.clone().with_tree(8), merged);
     let params = GenerationParams::greedy(60)
         .with_draft(DraftLength::Fixed(4))
@@ -433,4 +448,130 @@ fn has_path(d: &Draft, tokens: &[u32]) -> bool {
                 .zip(tokens)
                 .all(|(&j, &t)| d.tokens[j as usize] == t)
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cost-aware merging: never below the best member (modelled costs, no clock).
+
+/// Step cost of the model below: 10 ms per verify plus 0.5 ms per row; a costly member 2 ms
+/// per call plus 1 ms per drafted token (a draft model's order of magnitude against a cheap
+/// copy proposer).
+const BASE: f64 = 0.010;
+const PER_ROW: f64 = 0.0005;
+const CALL: f64 = 0.002;
+const TOKEN: f64 = 0.001;
+
+/// Counts a member's draft calls and drafted tokens.
+struct Counted<P> {
+    inner: P,
+    calls: Arc<Mutex<(usize, usize)>>,
+}
+
+impl<P: Proposer> Proposer for Counted<P> {
+    fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+        self.inner.propose(req, draft)?;
+        let mut c = self.calls.lock().unwrap();
+        c.0 += 1;
+        c.1 += draft.len();
+        Ok(())
+    }
+    fn observe(&mut self, accepted: usize, emitted: &[u32]) -> Result<()> {
+        self.inner.observe(accepted, emitted)
+    }
+    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+        self.inner.begin(prompt)
+    }
+    fn finish(&mut self, sequence: &[u32]) {
+        self.inner.finish(sequence)
+    }
+}
+
+/// The modelled tokens per second of greedy generations (chains of 6) over a few prompts with
+/// `proposer`, whose costly member's calls are counted in `calls`: every verify step costs
+/// `BASE + PER_ROW * rows`, every call of the costly member `CALL + TOKEN * drafted`.
+fn modelled_speed<P: Proposer>(
+    model: &ToyModel,
+    proposer: P,
+    calls: &Arc<Mutex<(usize, usize)>>,
+) -> f64 {
+    let mut g = Generator::new(model.clone(), proposer);
+    let params = GenerationParams::greedy(80).with_draft(DraftLength::Fixed(6));
+    let (mut tokens, mut secs) = (0usize, 0.0f64);
+    for p in 0..4u64 {
+        let prompt = prompt(700 + p, 8);
+        let out = g.generate(&prompt, &params).unwrap();
+        assert_eq!(
+            out.tokens,
+            plain(model, &prompt, &params),
+            "prompt {prompt:?}"
+        );
+        let m = &out.metrics;
+        tokens += m.emitted;
+        secs += BASE * m.target_calls as f64 + PER_ROW * (m.target_calls + m.proposed) as f64;
+    }
+    let (n, drafted) = *calls.lock().unwrap();
+    secs += CALL * n as f64 + TOKEN * drafted as f64;
+    tokens as f64 / secs
+}
+
+/// A costly member (`Counted`) and its call counter.
+fn counted<P: Proposer + Send + 'static>(p: P) -> (Counted<P>, Arc<Mutex<(usize, usize)>>) {
+    let calls = Arc::new(Mutex::new((0, 0)));
+    let c = Counted {
+        inner: p,
+        calls: calls.clone(),
+    };
+    (c, calls)
+}
+
+/// Prompt lookup + the costly member `costly` (member 1), cost-aware (or `reach`: the old rule).
+fn with_lookup<P: Proposer + Send + 'static>(costly: Counted<P>, reach: bool) -> MergedProposer {
+    let costs = FixedMergeCosts::new(BASE, PER_ROW)
+        .unwrap()
+        .with_member(1, CALL, TOKEN)
+        .unwrap();
+    let m = MergedProposer::new(vec![lookup(), Box::new(costly)])
+        .unwrap()
+        .with_costs(costs);
+    if reach {
+        m.with_policy(MergePolicy::Reach)
+    } else {
+        m
+    }
+}
+
+#[test]
+fn the_cost_aware_merge_matches_the_best_member() {
+    // A peaked model (greedy text loops: prompt lookup dominates) and a costly member that is
+    // never right: the merge must not pay for it. The old rule (every member every step) is the
+    // negative control: it must fall below.
+    let model = ToyModel::markov(8, 2, 3.0, 5);
+    let wrong = || {
+        WrongProposer::new(8, {
+            let m = model.clone();
+            move |p: &[u32]| greedy_next(&m, p)
+        })
+    };
+    let none = Arc::new(Mutex::new((0, 0)));
+    let lookup_alone = modelled_speed(&model, lookup(), &none);
+    let (c, calls) = counted(wrong());
+    let merged = modelled_speed(&model, with_lookup(c, false), &calls);
+    let (c, calls) = counted(wrong());
+    let old = modelled_speed(&model, with_lookup(c, true), &calls);
+    println!("wrong member: lookup {lookup_alone:.1} merged {merged:.1} old {old:.1} tok/s");
+    assert!(
+        merged >= 0.97 * lookup_alone,
+        "{merged} against {lookup_alone}"
+    );
+    assert!(old < 0.97 * lookup_alone, "the control did not fail: {old}");
+
+    // A costly member that is always right (the target's own greedy continuation): the merge
+    // must keep asking it.
+    let (c, calls) = counted(Oracle(model.clone()));
+    let oracle_alone = modelled_speed(&model, c, &calls);
+    let (c, calls) = counted(Oracle(model.clone()));
+    let merged = modelled_speed(&model, with_lookup(c, false), &calls);
+    println!("right member: lookup {lookup_alone:.1} oracle {oracle_alone:.1} merged {merged:.1}");
+    let best = oracle_alone.max(lookup_alone);
+    assert!(merged >= 0.97 * best, "{merged} against {best}");
 }

@@ -10,12 +10,16 @@
 //! estimated reach probability, the product of conditional acceptance rates along its path
 //! (the expansion rule of EAGLE-2, Li et al. 2024, and the acceptance-vector model of Sequoia,
 //! Chen et al. 2024), with the rates learned per proposer and depth from what the target
-//! emitted.
+//! emitted. The merge is cost-aware by default ([`super::MergePolicy::CostAware`]): a member
+//! that does not pay for its time on the request is not asked, and a node is kept only while
+//! its reach pays for the verify row it costs (see "Cost-aware merging" on [`MergedProposer`]).
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::time::Instant;
 
-use super::ngram::{EdgeMap, edge_key, normalize_chain};
+use super::merge_costs::{
+    Decision, Ledger, MeasuredMergeCosts, MergeCosts, MergePolicy, PROBE_DRAFT, StepTime, bucket,
+};
+use super::merge_trie::{NONE, Trie};
 use super::{Draft, ProposeRequest, Proposer, VerifiedRows};
 use crate::error::{Error, ProposalFault, Result};
 use crate::tree::TreeFault;
@@ -29,9 +33,6 @@ pub const MAX_MERGED_PROPOSERS: usize = 64;
 /// ([`crate::decode::AdaptiveConfig::decay`]).
 pub const DEFAULT_MERGE_DECAY: f64 = 0.98;
 
-/// "None" for node ids and links; also the root as a parent.
-const NONE: u32 = u32::MAX;
-
 /// Decayed counts of one (proposer, depth): tested candidates and accepted ones.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Counts {
@@ -44,250 +45,13 @@ impl Counts {
     fn rate(&self) -> f64 {
         (self.accepted + 1.0) / (self.tested + 2.0)
     }
-}
 
-/// One node of the candidate trie: a distinct path proposed by at least one proposer.
-#[derive(Debug, Clone, Copy)]
-struct Node {
-    token: u32,
-    /// Parent node id, or [`NONE`] for a child of the root.
-    parent: u32,
-    /// 1 for a child of the root.
-    depth: u32,
-    /// Bit `s` set when proposer `s` proposed this path.
-    proposers: u64,
-    /// Estimated reach probability (product of the conditional rates along the path).
-    score: f64,
-    /// Children in insertion order (linked list).
-    first_child: u32,
-    last_child: u32,
-    next_sibling: u32,
-}
-
-/// The prefix trie of every candidate of one step (kept in the draft or not), with the
-/// scratch of the selection.
-#[derive(Debug, Clone, Default)]
-struct Trie {
-    nodes: Vec<Node>,
-    /// `(parent id + 1, token) -> id`, the root being 0 (`NONE + 1` wraps to 0).
-    edges: EdgeMap,
-    root_first: u32,
-    root_last: u32,
-    /// Ids by decreasing score (selection order).
-    order: Vec<u32>,
-    /// Whether each node is in the draft.
-    kept: Vec<bool>,
-    /// Kept children per node (index `id + 1`; 0 is the root).
-    kept_children: Vec<usize>,
-    /// Kept nodes sorted by (parent, best sibling first), and the links made from it.
-    groups: Vec<u32>,
-    first_kept: Vec<u32>,
-    next_kept: Vec<u32>,
-    /// Draft row of each emitted node (its draft index + 1).
-    out_row: Vec<u32>,
-    /// Expected accepted length of the path to each node (chain steps).
-    sums: Vec<f64>,
-}
-
-impl Trie {
-    fn clear(&mut self) {
-        self.nodes.clear();
-        self.edges.clear();
-        self.root_first = NONE;
-        self.root_last = NONE;
-    }
-
-    /// The child of `parent` (or of the root, [`NONE`]) with `token`, created at `depth` when
-    /// absent; proposer bit `bit` is added to it.
-    ///
-    /// # Errors
-    /// [`Error::Proposer`] when the trie would exceed `2^32 - 2` nodes.
-    fn child(&mut self, parent: u32, token: u32, depth: u32, bit: u64) -> Result<u32> {
-        let key = edge_key(parent.wrapping_add(1), token);
-        if let Some(&id) = self.edges.get(&key) {
-            self.nodes[id as usize].proposers |= bit;
-            return Ok(id);
-        }
-        let id = u32::try_from(self.nodes.len())
-            .ok()
-            .filter(|&i| i < NONE - 1)
-            .ok_or_else(|| Error::proposer("merged candidate tree exceeds 2^32 - 2 nodes"))?;
-        self.nodes.push(Node {
-            token,
-            parent,
-            depth,
-            proposers: bit,
-            score: 0.0,
-            first_child: NONE,
-            last_child: NONE,
-            next_sibling: NONE,
-        });
-        self.edges.insert(key, id);
-        let last = if parent == NONE {
-            self.root_last
-        } else {
-            self.nodes[parent as usize].last_child
-        };
-        if last == NONE {
-            if parent == NONE {
-                self.root_first = id;
-            } else {
-                self.nodes[parent as usize].first_child = id;
-            }
-        } else {
-            self.nodes[last as usize].next_sibling = id;
-        }
-        if parent == NONE {
-            self.root_last = id;
-        } else {
-            self.nodes[parent as usize].last_child = id;
-        }
-        Ok(id)
-    }
-
-    fn first_child_of(&self, parent: u32) -> u32 {
-        if parent == NONE {
-            self.root_first
-        } else {
-            self.nodes[parent as usize].first_child
-        }
-    }
-
-    /// The ranking of nodes `a` and `b` (`Less`: `a` first): higher score, then earlier node.
-    fn better(&self, a: u32, b: u32) -> std::cmp::Ordering {
-        let (sa, sb) = (self.nodes[a as usize].score, self.nodes[b as usize].score);
-        sb.total_cmp(&sa).then(a.cmp(&b))
-    }
-
-    /// Writes the best tree: the top `max_nodes` nodes by score, ancestor-closed, at most
-    /// `max_branch` children per node (depths were limited when the trie was built); see
-    /// "The rule" on [`MergedProposer`] for the order of the nodes.
-    fn write_tree(&mut self, max_nodes: usize, max_branch: usize, draft: &mut Draft) {
-        let n = self.nodes.len();
-        self.order.clear();
-        self.order.extend(0..n as u32);
-        let mut order = std::mem::take(&mut self.order);
-        order.sort_unstable_by(|&a, &b| self.better(a, b));
-        self.kept.clear();
-        self.kept.resize(n, false);
-        self.kept_children.clear();
-        self.kept_children.resize(n + 1, 0);
-        let mut count = 0usize;
-        for &id in &order {
-            if count == max_nodes {
-                break;
-            }
-            let node = &self.nodes[id as usize];
-            // The parent ranks before its children (its score is at least theirs, and it is
-            // the earlier node), so its fate is known.
-            let row = if node.parent == NONE {
-                0
-            } else if self.kept[node.parent as usize] {
-                node.parent as usize + 1
-            } else {
-                continue;
-            };
-            if self.kept_children[row] >= max_branch {
-                continue;
-            }
-            self.kept_children[row] += 1;
-            self.kept[id as usize] = true;
-            count += 1;
-        }
-        self.order = order;
-        self.emit(draft);
-    }
-
-    /// Emits the kept nodes into `draft` (cleared by the caller) in a topological order with
-    /// every sibling group best first: repeatedly the earliest (smallest id) node whose parent
-    /// and better siblings are already out. When the ranking agrees with the insertion order
-    /// (a single proposer), that is the insertion order: the proposer's own node order.
-    fn emit(&mut self, draft: &mut Draft) {
-        let n = self.nodes.len();
-        self.groups.clear();
-        self.groups
-            .extend((0..n as u32).filter(|&id| self.kept[id as usize]));
-        let mut groups = std::mem::take(&mut self.groups);
-        groups.sort_unstable_by(|&a, &b| {
-            let (pa, pb) = (
-                self.nodes[a as usize].parent.wrapping_add(1),
-                self.nodes[b as usize].parent.wrapping_add(1),
-            );
-            pa.cmp(&pb).then(self.better(a, b))
-        });
-        // first_kept[parent + 1], next_kept[id].
-        self.first_kept.clear();
-        self.first_kept.resize(n + 1, NONE);
-        self.next_kept.clear();
-        self.next_kept.resize(n, NONE);
-        for (i, &id) in groups.iter().enumerate() {
-            let p = self.nodes[id as usize].parent.wrapping_add(1) as usize;
-            if i == 0 || self.nodes[groups[i - 1] as usize].parent.wrapping_add(1) as usize != p {
-                self.first_kept[p] = id;
-            }
-            if let Some(&next) = groups.get(i + 1)
-                && self.nodes[next as usize].parent.wrapping_add(1) as usize == p
-            {
-                self.next_kept[id as usize] = next;
-            }
-        }
-        self.groups = groups;
-        self.out_row.clear();
-        self.out_row.resize(n, 0);
-        let mut heap = BinaryHeap::new();
-        if self.first_kept[0] != NONE {
-            heap.push(Reverse(self.first_kept[0]));
-        }
-        while let Some(Reverse(id)) = heap.pop() {
-            let node = self.nodes[id as usize];
-            let parent_row = if node.parent == NONE {
-                0
-            } else {
-                self.out_row[node.parent as usize]
-            };
-            draft.tokens.push(node.token);
-            draft.parents.push(parent_row);
-            // At most `max_nodes` draft nodes, each a trie node below 2^32 - 2.
-            self.out_row[id as usize] = draft.tokens.len() as u32;
-            if self.first_kept[id as usize + 1] != NONE {
-                heap.push(Reverse(self.first_kept[id as usize + 1]));
-            }
-            if self.next_kept[id as usize] != NONE {
-                heap.push(Reverse(self.next_kept[id as usize]));
-            }
-        }
-        normalize_chain(draft);
-    }
-
-    /// Writes the path with the largest expected accepted length (the sum of the scores along
-    /// it; ties to the earlier end node) as a chain.
-    fn write_chain(&mut self, draft: &mut Draft) {
-        let n = self.nodes.len();
-        // Expected accepted length of the path ending at each node.
-        self.sums.clear();
-        let mut best: Option<(f64, u32)> = None;
-        for id in 0..n {
-            let node = &self.nodes[id];
-            let s = node.score
-                + if node.parent == NONE {
-                    0.0
-                } else {
-                    self.sums[node.parent as usize]
-                };
-            self.sums.push(s);
-            if best.is_none_or(|(b, _)| s > b) {
-                best = Some((s, id as u32));
-            }
-        }
-        let Some((_, mut id)) = best else {
-            return;
-        };
-        while id != NONE {
-            let node = &self.nodes[id as usize];
-            draft.tokens.push(node.token);
-            id = node.parent;
-        }
-        draft.tokens.reverse();
+    /// The posterior mean plus half the posterior standard deviation (at most 1): the value a
+    /// cost-aware merge plans with, so that a depth seen on few steps is drafted again (the
+    /// optimism of the decode policy's tree plan, [`crate::decode::AdaptiveConfig`]).
+    fn optimistic(&self) -> f64 {
+        let m = self.rate();
+        (m + 0.5 * (m * (1.0 - m) / (self.tested + 3.0)).sqrt()).min(1.0)
     }
 }
 
@@ -298,7 +62,9 @@ impl Trie {
 ///
 /// At each step every proposer is asked for its draft with the same request
 /// ([`Proposer::propose_tree`] for a tree step, [`Proposer::propose`] for a chain step), in the
-/// order given to [`MergedProposer::new`]. Then:
+/// order given to [`MergedProposer::new`] (under [`MergePolicy::CostAware`], the default, only
+/// the proposers that pay, cheapest first, and the selection is cut by cost: see "Cost-aware
+/// merging" below; [`MergePolicy::Reach`] is this rule exactly). Then:
 ///
 /// 1. **Merge.** All candidates go into one prefix trie: identical paths (the same tokens from
 ///    the root) are one node, which remembers every proposer that proposed it. Nodes deeper
@@ -325,6 +91,57 @@ impl Trie {
 /// the path with the largest expected accepted length (the sum of the scores of its nodes; ties
 /// to the earlier proposer), at most `req.max_draft` tokens. With one proposer that is its own
 /// chain.
+///
+/// # Cost-aware merging ([`MergePolicy::CostAware`], the default)
+///
+/// A draft head costs a forward of the head per drafted token, prompt lookup and suffix next to
+/// nothing, and every node costs a verify row. The merge learns, online and with the decay of
+/// the rates:
+///
+/// - **each member's time per call** `t(s)` and **the rest of a step** by verify rows, `T(rows)`
+///   (the target's forward and the loop: per row count the median of its last 7 times, so
+///   that a slow outlier on a shared machine does not count, and the least-squares line
+///   through those medians weighted by their sample counts, slope at least 0), from
+///   the clock through the cost source ([`MergedProposer::with_costs`]: [`MeasuredMergeCosts`],
+///   the default, or [`super::FixedMergeCosts`], with which every choice depends only on the
+///   emitted tokens: deterministic);
+/// - **each member's marginal accepted tokens** `g(s, b)`: at every step it drafts, the leading
+///   nodes of the accepted path it proposed, less the most any member asked before it at that
+///   step proposed (known exactly for every candidate, kept or not, as the rates are; chain
+///   steps: the accepted length of the chain chosen with it less that of the chain chosen
+///   without it), **net of the verify rows it added**, charged as the tokens they cost at the
+///   step's rate, `(1 + E) * (T(rows with) - T(rows without)) / (T + spent)`. Learned
+///   per bucket `b` of the expected accepted length `E` of the candidates gathered before it
+///   (none; `E` in `(0, 0.5]`, `(0.5, 1]`, `(1, 2]`, above 2: a draft head adds much when the
+///   copy proposers have nothing, little when they hold a long likely copy), as a decayed mean
+///   with one pseudo-step at the member's mean over all buckets (itself with one pseudo-step at
+///   one token).
+///
+/// At each step the members are considered cheapest first (`t(s)`, ties to the earlier
+/// member). Member `s` is asked when `g(s, b) / (1 + E) >= t(s) / (T(rows) + spent)`, with
+/// `rows` the verify rows of the draft without it (the chain the merge would write from the
+/// members asked before it plus one; tree steps: their nodes, at most the budget, plus one)
+/// and `spent` the time of the members asked before it: with `g` net of its rows, the
+/// condition for asking it to raise the expected tokens per second,
+/// `(1 + E + g) / (T + t) >= (1 + E) / T`, its rows included in `T`; a member whose call costs at most 1 % of the
+/// step is always asked (prompt lookup, suffix: skipping them saves nothing, and their nodes
+/// are cut one by one). A costly member that pays is asked only for the depth its own nodes can
+/// pay for: the deepest whose reach on its own path `p` (its planning rates multiplied) still
+/// meets `p (T + spent) >= (1 + E) (row + token)`, with `row` the learned time of one more
+/// verify row and `token` its learned time per drafted token (a draft head is then not run
+/// for positions the cost cut would drop anyway). A member that does not pay gets no nodes and is not called; after 8
+/// skipped steps in a bucket it is asked once anyway for a probe of at most 2 tokens (nodes),
+/// the interval doubling after each probe up to 64 and reset when it pays. Every member is
+/// asked while no step was timed yet (the first step). Then the nodes are ranked as in "The
+/// rule" (each rate planned with its posterior mean plus half its posterior standard
+/// deviation, `sqrt(r (1 - r) / (t + 3))`, at most 1: a depth tested on few steps, as the deep
+/// positions of a copy are, is drafted again rather than cut for good), and only the leading
+/// ones that maximise the step's expected tokens per second,
+/// `(1 + sum of their reach) / (T(n + 1) + spent)`, are kept (for a chain step: the path and
+/// length that maximise it; the empty draft when no node pays). While the step time was seen
+/// at one row count only, `T` is flat and no node is cut by cost. Every member is still told
+/// every step ([`Proposer::observe`], with 0 accepted when it was not asked), so its state
+/// follows the context. Costs: `O(P log P)` per step more for `P` members.
 ///
 /// # Losslessness: the merged draft is a point mass
 ///
@@ -407,6 +224,28 @@ impl Trie {
 pub struct MergedProposer {
     subs: Vec<Box<dyn Proposer + Send>>,
     decay: f64,
+    policy: MergePolicy,
+    costs: Box<dyn MergeCosts>,
+    /// What the cost-aware rule learned of each member's gain and cost.
+    ledger: Ledger,
+    /// The members in the order they are considered at the pending step (cheapest first).
+    order: Vec<usize>,
+    /// The bucket each member was asked in at the pending step (`None`: not asked).
+    asked: Vec<Option<usize>>,
+    /// What the decision to ask each member weighed (the pending step): the expected tokens
+    /// per step without it, `1 + E`, and the step's seconds without it, `T(rows) + spent`.
+    asked_at: Vec<(f64, f64)>,
+    /// Seconds the members' calls of the pending step took (as the cost source records them).
+    spent: f64,
+    /// End of the last proposal and its verify rows, to time the rest of the step.
+    last_end: Option<(Instant, usize)>,
+    /// Trie ids of the accepted path's nodes (scratch of the learning).
+    path: Vec<u32>,
+    /// Chain steps: the end node of the chain the merge would write after each asked member
+    /// (with the members asked before it), to learn each member's gain on the chosen chain.
+    chain_ends: Vec<u32>,
+    /// Whether the pending step is a tree step.
+    tree_step: bool,
     /// `stats[s][d - 1]`: decayed counts of proposer `s` at depth `d`.
     stats: Vec<Vec<Counts>>,
     /// Each proposer's draft of the pending step.
@@ -430,6 +269,7 @@ impl std::fmt::Debug for MergedProposer {
                 &self.subs.iter().map(|s| s.name()).collect::<Vec<_>>(),
             )
             .field("decay", &self.decay)
+            .field("policy", &self.policy)
             .finish()
     }
 }
@@ -459,6 +299,17 @@ impl MergedProposer {
         Ok(MergedProposer {
             subs: proposers,
             decay: DEFAULT_MERGE_DECAY,
+            policy: MergePolicy::default(),
+            costs: Box::new(MeasuredMergeCosts),
+            ledger: Ledger::new(n),
+            order: (0..n).collect(),
+            asked: vec![None; n],
+            asked_at: vec![(1.0, 0.0); n],
+            spent: 0.0,
+            last_end: None,
+            path: Vec::new(),
+            chain_ends: vec![NONE; n],
+            tree_step: false,
             stats: vec![Vec::new(); n],
             sub_drafts: vec![Draft::default(); n],
             trie: Trie::default(),
@@ -480,6 +331,45 @@ impl MergedProposer {
         }
         self.decay = decay;
         Ok(self)
+    }
+
+    /// Sets the rule that chooses the members asked and the nodes kept ([`MergePolicy`];
+    /// default [`MergePolicy::CostAware`]; [`MergePolicy::Reach`] is the rule before it).
+    pub fn with_policy(mut self, policy: MergePolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The rule that chooses the members asked and the nodes kept. `O(1)`.
+    pub fn policy(&self) -> MergePolicy {
+        self.policy
+    }
+
+    /// Sets where the cost-aware rule learns its costs from ([`MeasuredMergeCosts`], the
+    /// default, or [`super::FixedMergeCosts`] for reproducible choices); forgets the costs
+    /// learned so far.
+    pub fn with_costs(mut self, costs: impl MergeCosts + 'static) -> Self {
+        self.costs = Box::new(costs);
+        self.ledger.clear();
+        self.last_end = None;
+        self
+    }
+
+    /// Whether proposer `i` was asked for a draft at the last proposal (every proposer under
+    /// [`MergePolicy::Reach`]; `false` for an unknown proposer). `O(1)`.
+    pub fn was_asked(&self, proposer: usize) -> bool {
+        self.asked.get(proposer).is_some_and(Option::is_some)
+    }
+
+    /// Proposer `i`'s learned marginal accepted tokens per step over the proposers asked
+    /// before it, when the candidates gathered before it had an expected accepted length `e`
+    /// (`None`: no candidate; see "Cost-aware merging" on [`MergedProposer`]); 1 before any
+    /// observation (and for an unknown proposer). `O(1)`.
+    pub fn marginal_gain(&self, proposer: usize, expected_before: Option<f64>) -> f64 {
+        if proposer >= self.subs.len() {
+            return 1.0;
+        }
+        self.ledger.gain(proposer, bucket(expected_before))
     }
 
     /// The decay of the acceptance counts per step. `O(1)`.
@@ -509,11 +399,14 @@ impl MergedProposer {
         self.counts(proposer, depth).rate()
     }
 
-    /// Forgets every learned rate (back to the prior). `O(proposers * depths)`.
+    /// Forgets every learned rate (back to the prior), and the cost-aware rule's gains and
+    /// costs. `O(proposers * depths)`.
     pub fn reset_rates(&mut self) {
         for s in &mut self.stats {
             s.clear();
         }
+        self.ledger.clear();
+        self.last_end = None;
     }
 
     fn counts(&self, proposer: usize, depth: usize) -> Counts {
@@ -523,43 +416,192 @@ impl MergedProposer {
             .unwrap_or_default()
     }
 
-    /// The conditional rate of a node proposed by the set `proposers` at `depth`.
+    /// The conditional rate of a node proposed by the set `proposers` at `depth` (under
+    /// [`MergePolicy::CostAware`] the optimistic one, see "Cost-aware merging").
     fn node_rate(&self, mut proposers: u64, depth: u32) -> f64 {
         let mut best = 0.0f64;
         while proposers != 0 {
             let s = proposers.trailing_zeros() as usize;
             proposers &= proposers - 1;
-            best = best.max(self.rate(s, depth as usize));
+            let c = self.counts(s, depth as usize);
+            let r = if self.policy == MergePolicy::Reach {
+                c.rate()
+            } else {
+                c.optimistic()
+            };
+            best = best.max(r);
         }
         best
     }
 
-    /// Asks every proposer for its draft (`tree`: `propose_tree`) and merges the drafts into
-    /// the trie, scored.
+    /// Asks the proposers for their drafts (`tree`: `propose_tree`; under
+    /// [`MergePolicy::CostAware`] only those that pay, see "Cost-aware merging") and merges the
+    /// drafts into the trie, scored.
     fn gather(&mut self, req: &ProposeRequest<'_>, tree: bool) -> Result<()> {
         self.pending = false;
         self.trie.clear();
-        for (sub, d) in self.subs.iter_mut().zip(&mut self.sub_drafts) {
-            if tree {
-                sub.propose_tree(req, d)?;
-            } else {
-                sub.propose(req, d)?;
+        self.spent = 0.0;
+        self.asked.fill(None);
+        self.tree_step = tree;
+        if self.policy == MergePolicy::Reach {
+            for s in 0..self.subs.len() {
+                self.ask(s, 0, req, tree)?;
             }
-        }
-        for s in 0..self.subs.len() {
-            self.insert(s, req.max_draft)?;
-        }
-        for id in 0..self.trie.nodes.len() {
-            let node = self.trie.nodes[id];
-            let parent = if node.parent == NONE {
-                1.0
-            } else {
-                self.trie.nodes[node.parent as usize].score
-            };
-            self.trie.nodes[id].score = parent * self.node_rate(node.proposers, node.depth);
+            self.rescore();
+        } else {
+            self.time_step();
+            self.gather_costed(req, tree)?;
         }
         self.pending = true;
         Ok(())
+    }
+
+    /// The cost-aware gathering: the members cheapest first (learned seconds per call, ties to
+    /// the earlier member), each asked when its learned gain in the bucket of the candidates
+    /// gathered so far pays for its time (or as a probe).
+    fn gather_costed(&mut self, req: &ProposeRequest<'_>, tree: bool) -> Result<()> {
+        let ledger = &self.ledger;
+        self.order.sort_by(|&a, &b| {
+            ledger
+                .member_secs(a)
+                .total_cmp(&ledger.member_secs(b))
+                .then(a.cmp(&b))
+        });
+        // Verify rows of the draft without the member considered: the chain the merge would
+        // write from the members asked so far (tree steps: their nodes, at most the budget).
+        let mut rows = 1usize;
+        let mut expected: Option<f64> = None;
+        for i in 0..self.order.len() {
+            let s = self.order[i];
+            let b = bucket(expected);
+            let tokens = 1.0 + expected.unwrap_or(0.0);
+            let base = self.ledger.step_secs(rows);
+            self.asked_at[s] = (tokens, base.unwrap_or(0.0) + self.spent);
+            let decision = match base {
+                None => Decision::Pays,
+                Some(t) => self.ledger.decide(s, b, tokens, t + self.spent),
+            };
+            match decision {
+                Decision::Skip => {
+                    self.sub_drafts[s].clear();
+                    continue;
+                }
+                Decision::Pays => match base {
+                    Some(t) if !self.ledger.is_free(s, t + self.spent) => {
+                        let depth =
+                            self.paying_depth(s, req.max_draft, tokens, t + self.spent, rows);
+                        self.ask(s, b, &req.max_draft(depth), tree)?
+                    }
+                    _ => self.ask(s, b, req, tree)?,
+                },
+                Decision::Probe => {
+                    let short = req
+                        .max_draft(req.max_draft.min(PROBE_DRAFT))
+                        .max_nodes(req.max_nodes.min(PROBE_DRAFT));
+                    self.ask(s, b, &short, tree)?;
+                }
+            }
+            expected = self.rescore();
+            if !tree {
+                let time = self.step_time();
+                let secs = time.map(|t| move |rows: usize| t.secs(rows));
+                let secs = secs.as_ref().map(|f| f as &dyn Fn(usize) -> f64);
+                self.chain_ends[s] = self.trie.best_chain_end(secs);
+                let end = self.chain_ends[s];
+                rows = 1 + if end == NONE {
+                    0
+                } else {
+                    self.trie.nodes[end as usize].depth as usize
+                };
+            } else {
+                rows = 1 + self.trie.nodes.len().min(req.max_nodes);
+            }
+        }
+        Ok(())
+    }
+
+    /// The draft depth costly member `s` is asked for (at most `bound`, at least 1): the
+    /// deepest `d` whose node on the member's own path, of reach `p` (the product of its
+    /// planning rates to `d`), still raises the step's expected tokens per second:
+    /// `p * secs >= tokens * (row + token)`, with `row` the learned time of one more verify row after
+    /// `rows` and `token` the member's time per drafted token (`tokens`, `secs`: the step's
+    /// expected tokens and seconds without it). The nodes past it would be cut by cost anyway;
+    /// not drafting them saves the member's time.
+    fn paying_depth(&self, s: usize, bound: usize, tokens: f64, secs: f64, rows: usize) -> usize {
+        let row = match (self.ledger.step_secs(rows + 1), self.ledger.step_secs(rows)) {
+            (Some(a), Some(b)) => (a - b).max(0.0),
+            _ => 0.0,
+        };
+        let cost = tokens * (row + self.ledger.token_secs(s));
+        let mut reach = 1.0;
+        let mut depth = 0;
+        while depth < bound {
+            reach *= self.counts(s, depth + 1).optimistic();
+            if depth >= 1 && reach * secs < cost {
+                break;
+            }
+            depth += 1;
+        }
+        depth.max(1).min(bound.max(1))
+    }
+
+    /// Asks proposer `s` for its draft, times the call and merges the draft into the trie
+    /// (not scored); `b` is the bucket it is asked in.
+    fn ask(&mut self, s: usize, b: usize, req: &ProposeRequest<'_>, tree: bool) -> Result<()> {
+        let d = &mut self.sub_drafts[s];
+        let t = Instant::now();
+        if tree {
+            self.subs[s].propose_tree(req, d)?;
+        } else {
+            self.subs[s].propose(req, d)?;
+        }
+        if self.policy != MergePolicy::Reach {
+            let secs = self.costs.member_secs(s, d.len(), t.elapsed());
+            self.ledger.record_call(s, secs, d.len(), self.decay);
+            self.spent += secs;
+        }
+        self.asked[s] = Some(b);
+        self.insert(s, req.max_draft)
+    }
+
+    /// Scores every node (the product of the conditional rates along its path) and returns the
+    /// largest expected accepted length of a path (`None` for an empty trie).
+    fn rescore(&mut self) -> Option<f64> {
+        self.trie.sums.clear();
+        let mut best: Option<f64> = None;
+        for id in 0..self.trie.nodes.len() {
+            let node = self.trie.nodes[id];
+            let (parent, above) = if node.parent == NONE {
+                (1.0, 0.0)
+            } else {
+                let p = node.parent as usize;
+                (self.trie.nodes[p].score, self.trie.sums[p])
+            };
+            let score = parent * self.node_rate(node.proposers, node.depth);
+            self.trie.nodes[id].score = score;
+            self.trie.sums.push(above + score);
+            best = Some(best.map_or(above + score, |b: f64| b.max(above + score)));
+        }
+        best
+    }
+
+    /// Records the rest of the previous step (from the end of its proposal to now) against its
+    /// verify rows, when the previous proposal was observed and nothing else came between.
+    fn time_step(&mut self) {
+        if let Some((t, rows)) = self.last_end.take() {
+            let secs = self.costs.step_secs(rows, t.elapsed());
+            self.ledger.record_step(rows, secs);
+        }
+    }
+
+    /// The learned seconds of a step by verify rows (the rest of the step plus the members'
+    /// calls of this one), for the cost-aware cut; `None` under [`MergePolicy::Reach`] or
+    /// before a step was timed.
+    fn step_time(&self) -> Option<StepTime> {
+        if self.policy == MergePolicy::Reach {
+            return None;
+        }
+        self.ledger.step_time(self.spent)
     }
 
     /// Merges proposer `s`'s draft into the trie (nodes deeper than `max_depth` left out).
@@ -614,6 +656,7 @@ impl MergedProposer {
 
     /// Updates the rates from the pending step's trie and `emitted` (see "Learning").
     fn learn(&mut self, emitted: &[u32]) {
+        self.path.clear();
         let mut cur = NONE;
         for (d, &token) in emitted.iter().enumerate() {
             self.step.fill(Counts::default());
@@ -653,7 +696,83 @@ impl MergedProposer {
             if next == NONE {
                 break;
             }
+            self.path.push(next);
             cur = next;
+        }
+        if self.policy != MergePolicy::Reach {
+            self.learn_gains();
+        }
+    }
+
+    /// Records each asked member's marginal accepted tokens of the pending step, net of the
+    /// verify rows it added. Tree steps: the leading nodes of the accepted path it proposed,
+    /// less the most any member asked before it proposed (a node's proposers are among its
+    /// parent's, so a set of members reaches the depth of its best member); its rows: the kept
+    /// nodes that no member asked before it proposed. Chain steps: the accepted length of the
+    /// chain the merge chose with it, less that of the chain it would have chosen without it
+    /// and the members after it (negative when its candidates displaced a better chain); its
+    /// rows: the difference of the two chains' lengths. The rows are charged as the tokens
+    /// they cost at the step's rate without the member, `(1 + E) * (T(with) - T(without)) /
+    /// (T + spent)` (the quantities its ask decision weighed), so that the decision
+    /// `g / (1 + E) >= t / (T + spent)` asks it only when its tokens pay for its call and its
+    /// rows.
+    fn learn_gains(&mut self) {
+        let (mut before, mut before_end, mut before_mask) = (0usize, NONE, 0u64);
+        // Tree steps: the draft's verify rows (`kept` is this step's, written by `write_tree`).
+        let rows = if self.tree_step {
+            self.trie.kept.iter().filter(|&&k| k).count() + 1
+        } else {
+            0
+        };
+        for i in 0..self.order.len() {
+            let s = self.order[i];
+            let Some(b) = self.asked[s] else {
+                continue;
+            };
+            let bit = 1u64 << s;
+            let nodes = &self.trie.nodes;
+            let (gain, with_rows, without_rows) = if self.tree_step {
+                let alone = self
+                    .path
+                    .iter()
+                    .take_while(|&&id| nodes[id as usize].proposers & bit != 0)
+                    .count();
+                let g = alone.saturating_sub(before) as f64;
+                before = before.max(alone);
+                let own = (0..nodes.len())
+                    .filter(|&id| self.trie.kept[id])
+                    .filter(|&id| nodes[id].proposers & bit != 0)
+                    .filter(|&id| nodes[id].proposers & before_mask == 0)
+                    .count();
+                (g, rows, rows - own)
+            } else {
+                let end = self.chain_ends[s];
+                let with = self.trie.accepted_to(&self.path, end);
+                let g = with as f64 - before as f64;
+                let depth = |e: u32| {
+                    if e == NONE {
+                        0
+                    } else {
+                        nodes[e as usize].depth
+                    }
+                };
+                let r = (depth(end) as usize + 1, depth(before_end) as usize + 1);
+                (before, before_end) = (with, end);
+                (g, r.0, r.1)
+            };
+            before_mask |= bit;
+            let net = gain - self.rows_in_tokens(s, with_rows, without_rows);
+            self.ledger.record_gain(s, b, net, self.decay);
+        }
+    }
+
+    /// The tokens that `with - without` extra verify rows cost at member `s`'s decision rate
+    /// (see [`MergedProposer::learn_gains`]); 0 while no step was timed, and for fewer rows.
+    fn rows_in_tokens(&self, s: usize, with: usize, without: usize) -> f64 {
+        let (tokens, secs) = self.asked_at[s];
+        match (self.ledger.step_secs(with), self.ledger.step_secs(without)) {
+            (Some(w), Some(wo)) if with > without && secs > 0.0 => tokens * (w - wo) / secs,
+            _ => 0.0,
         }
     }
 }
@@ -695,7 +814,11 @@ impl Proposer for MergedProposer {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
         self.gather(req, false)?;
-        self.trie.write_chain(draft);
+        let time = self.step_time();
+        let secs = time.map(|t| move |rows: usize| t.secs(rows));
+        self.trie
+            .write_chain(secs.as_ref().map(|f| f as &dyn Fn(usize) -> f64), draft);
+        self.last_end = Some((Instant::now(), draft.len() + 1));
         Ok(())
     }
 
@@ -709,7 +832,12 @@ impl Proposer for MergedProposer {
     fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
         self.gather(req, true)?;
-        self.trie.write_tree(req.max_nodes, req.max_branch, draft);
+        let time = self.step_time();
+        let secs = time.map(|t| move |rows: usize| t.secs(rows));
+        let secs = secs.as_ref().map(|f| f as &dyn Fn(usize) -> f64);
+        self.trie
+            .write_tree(req.max_nodes, req.max_branch, secs, draft);
+        self.last_end = Some((Instant::now(), draft.len() + 1));
         Ok(())
     }
 
@@ -722,6 +850,10 @@ impl Proposer for MergedProposer {
         let pending = std::mem::replace(&mut self.pending, false);
         if pending {
             self.learn(emitted);
+        } else {
+            // A step without a proposal came between: the time since the last one is not one
+            // step's.
+            self.last_end = None;
         }
         for (sub, d) in self.subs.iter_mut().zip(&self.sub_drafts) {
             let own = if pending {
@@ -776,6 +908,7 @@ impl Proposer for MergedProposer {
     /// The first error of a proposer, as it is.
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         self.pending = false;
+        self.last_end = None;
         for sub in &mut self.subs {
             sub.begin(prompt)?;
         }
@@ -785,6 +918,7 @@ impl Proposer for MergedProposer {
     /// Forwards `begin_reusing` to every proposer.
     fn begin_reusing(&mut self, prompt: &[u32]) -> Result<()> {
         self.pending = false;
+        self.last_end = None;
         for sub in &mut self.subs {
             sub.begin_reusing(prompt)?;
         }
@@ -794,6 +928,7 @@ impl Proposer for MergedProposer {
     /// Forwards `finish` to every proposer.
     fn finish(&mut self, sequence: &[u32]) {
         self.pending = false;
+        self.last_end = None;
         for sub in &mut self.subs {
             sub.finish(sequence);
         }
@@ -895,6 +1030,12 @@ mod tests {
 
     const CTX: [u32; 3] = [0, 0, 0];
 
+    /// A merge under the rule before the cost-aware one (every member asked, the budget
+    /// filled): what most tests below pin.
+    fn reach(subs: Vec<Box<dyn Proposer + Send>>) -> Result<MergedProposer> {
+        Ok(MergedProposer::new(subs)?.with_policy(MergePolicy::Reach))
+    }
+
     fn tree(m: &mut MergedProposer, depth: usize, nodes: usize, branch: usize) -> Draft {
         let cfg = SamplingConfig::greedy();
         let mut req = ProposeRequest::new(&CTX, &cfg, depth);
@@ -941,7 +1082,7 @@ mod tests {
     #[test]
     fn construction_is_checked() {
         assert!(matches!(
-            MergedProposer::new(Vec::new()),
+            reach(Vec::new()),
             Err(Error::InvalidConfig {
                 field: "proposers",
                 ..
@@ -949,20 +1090,20 @@ mod tests {
         ));
         let many: Vec<Box<dyn Proposer + Send>> = (0..65).map(|_| chain(&[1])).collect();
         assert!(matches!(
-            MergedProposer::new(many),
+            reach(many),
             Err(Error::InvalidConfig {
                 field: "proposers",
                 ..
             })
         ));
         for bad in [0.0, -0.5, 1.5, f64::NAN] {
-            let m = MergedProposer::new(vec![chain(&[1])]).unwrap();
+            let m = reach(vec![chain(&[1])]).unwrap();
             assert!(matches!(
                 m.with_decay(bad),
                 Err(Error::InvalidConfig { field: "decay", .. })
             ));
         }
-        let m = MergedProposer::new(vec![chain(&[1]), chain(&[2])])
+        let m = reach(vec![chain(&[1]), chain(&[2])])
             .unwrap()
             .with_decay(1.0)
             .unwrap();
@@ -977,7 +1118,7 @@ mod tests {
     fn overlapping_drafts_merge_into_one_trie() {
         // A: chain 1 2 3. B: tree 1 -> 2 -> 4, 1 -> 6, root -> 5.
         let (b, _) = fixed(&[1, 2, 4, 5, 6], &[0, 1, 2, 0, 1]);
-        let mut m = MergedProposer::new(vec![chain(&[1, 2, 3]), b]).unwrap();
+        let mut m = reach(vec![chain(&[1, 2, 3]), b]).unwrap();
         let d = tree(&mut m, 8, 16, usize::MAX);
         valid(&d, 8, 16, usize::MAX);
         assert_eq!(
@@ -1003,14 +1144,14 @@ mod tests {
         let tokens = [1, 2, 3, 4, 5, 6];
         let parents = [0, 1, 0, 3, 1, 2];
         let (p, _) = fixed(&tokens, &parents);
-        let mut m = MergedProposer::new(vec![p]).unwrap();
+        let mut m = reach(vec![p]).unwrap();
         for _ in 0..3 {
             let d = tree(&mut m, 4, 6, 3);
             assert_eq!((&d.tokens[..], &d.parents[..]), (&tokens[..], &parents[..]));
             m.observe(1, &[1, 9]).unwrap();
         }
         // Chains, tree and chain steps.
-        let mut m = MergedProposer::new(vec![chain(&[4, 5, 6])]).unwrap();
+        let mut m = reach(vec![chain(&[4, 5, 6])]).unwrap();
         let d = tree(&mut m, 4, 8, 2);
         assert_eq!(
             (&d.tokens[..], d.parents.is_empty()),
@@ -1029,8 +1170,7 @@ mod tests {
                 .propose_tree(&req, &mut want)
                 .unwrap();
             assert!(!want.is_empty());
-            let mut m =
-                MergedProposer::new(vec![Box::new(PromptLookup::new(1, 3).unwrap())]).unwrap();
+            let mut m = reach(vec![Box::new(PromptLookup::new(1, 3).unwrap())]).unwrap();
             let mut got = Draft::default();
             m.propose_tree(&req, &mut got).unwrap();
             assert_eq!(got, want, "depth {depth} nodes {nodes}");
@@ -1067,7 +1207,7 @@ mod tests {
         }
         let (a, _) = fixed(&tokens, &parents);
         let (b, _) = fixed(&leaves, &parents);
-        let mut m = MergedProposer::new(vec![a, b]).unwrap();
+        let mut m = reach(vec![a, b]).unwrap();
         for (depth, nodes, branch) in [
             (3, 64, usize::MAX),
             (3, 10, usize::MAX),
@@ -1093,7 +1233,7 @@ mod tests {
 
     #[test]
     fn rates_are_learned_with_decay() {
-        let mut m = MergedProposer::new(vec![chain(&[1, 2]), chain(&[1, 3])])
+        let mut m = reach(vec![chain(&[1, 2]), chain(&[1, 3])])
             .unwrap()
             .with_decay(0.5)
             .unwrap();
@@ -1128,7 +1268,7 @@ mod tests {
     #[test]
     fn ranking_follows_the_learned_rates() {
         // B is listed first and wins ties; A is the one that is right.
-        let mut m = MergedProposer::new(vec![chain(&[7, 8, 9]), chain(&[1, 2, 3])]).unwrap();
+        let mut m = reach(vec![chain(&[7, 8, 9]), chain(&[1, 2, 3])]).unwrap();
         // At the prior the top 3 by reach: both depth-1 nodes and B's depth-2 node.
         let d = tree(&mut m, 3, 3, 8);
         assert_eq!(
@@ -1153,7 +1293,7 @@ mod tests {
     #[test]
     fn chain_steps_pick_the_longest_expected_path() {
         // At the prior, 3 nodes (0.5 + 0.25 + 0.125) beat 1 (0.5) whatever the order.
-        let mut m = MergedProposer::new(vec![chain(&[4]), chain(&[1, 2, 3])]).unwrap();
+        let mut m = reach(vec![chain(&[4]), chain(&[1, 2, 3])]).unwrap();
         let d = chain_of(&mut m, 8);
         assert_eq!(
             (d.tokens.as_slice(), d.parents.is_empty()),
@@ -1175,7 +1315,7 @@ mod tests {
         // B: 1 -> 5, 1 -> 2 -> 3 -> 4 (the matching branch is not the first).
         let (b, lb) = fixed(&[1, 5, 2, 3, 4], &[0, 1, 1, 3, 4]);
         let (c, lc) = fixed(&[9, 2], &[]);
-        let mut m = MergedProposer::new(vec![a, b, c]).unwrap();
+        let mut m = reach(vec![a, b, c]).unwrap();
         m.begin(&[0]).unwrap();
         tree(&mut m, 4, 2, 8);
         // Only two nodes were drafted and accepted; the bonus token 3 is not an accepted draft.
@@ -1215,7 +1355,7 @@ mod tests {
         let (a, la) = mk(2);
         let (b, lb) = mk(0);
         let (c, lc) = mk(4);
-        let mut m = MergedProposer::new(vec![a, b, c]).unwrap();
+        let mut m = reach(vec![a, b, c]).unwrap();
         assert_eq!(m.row_candidates(), 4);
         let mut rows = RowCandidates::default();
         rows.push_row(&[5, 6, 7, 8]);
@@ -1230,8 +1370,211 @@ mod tests {
         assert_eq!(la.lock().unwrap().rows, [vec![vec![5, 6], vec![9]]]);
         assert!(lb.lock().unwrap().rows.is_empty());
         assert_eq!(lc.lock().unwrap().rows, [vec![vec![5, 6, 7, 8], vec![9]]]);
-        let m = MergedProposer::new(vec![chain(&[1])]).unwrap();
+        let m = reach(vec![chain(&[1])]).unwrap();
         assert_eq!(m.row_candidates(), 0);
+    }
+
+    /// A cost-aware merge over `subs` with fixed costs: a step costs 10 ms plus `per_row`
+    /// seconds per verify row; member `costly` (if any) 2 ms per call plus 1 ms per token.
+    fn costed(
+        subs: Vec<Box<dyn Proposer + Send>>,
+        per_row: f64,
+        costly: Option<usize>,
+    ) -> MergedProposer {
+        let mut c = super::super::FixedMergeCosts::new(0.010, per_row).unwrap();
+        if let Some(s) = costly {
+            c = c.with_member(s, 0.002, 0.001).unwrap();
+        }
+        MergedProposer::new(subs).unwrap().with_costs(c)
+    }
+
+    /// One step against the target's text `truth`: a tree of `nodes` nodes (depth 4), the
+    /// accepted path, and `observe` with the correction or bonus token. Returns the draft.
+    fn step_against(m: &mut MergedProposer, truth: &[u32], nodes: usize) -> Draft {
+        let d = tree(m, 4, nodes, usize::MAX);
+        let accepted = own_accepted(&d, truth, truth.len() - 1);
+        m.observe(accepted, &truth[..accepted + 1]).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_costly_member_that_is_never_accepted_is_not_asked_but_probed() {
+        // A is right and free; B is always wrong and costs 2 ms + 1 ms per token.
+        let truth = [1, 2, 3, 4];
+        let mut m = costed(vec![chain(&[1, 2, 3]), chain(&[7, 8, 9])], 0.0005, Some(1));
+        let mut asked = 0;
+        for i in 0..200 {
+            let d = step_against(&mut m, &truth, 6 + i % 3);
+            assert!(m.was_asked(0));
+            if m.was_asked(1) {
+                asked += 1;
+            } else {
+                assert!(!d.tokens.contains(&7), "an unasked member has no nodes");
+            }
+        }
+        // Once per bucket at the prior, then probes every 8, 16, 32, 64 skipped steps.
+        assert!((2..=12).contains(&asked), "asked {asked} times");
+        let gain = m.marginal_gain(1, Some(3.0));
+        assert!(gain < 0.35, "{gain}");
+        assert!(m.marginal_gain(0, None) > 2.5);
+        // The old rule asks everyone, always.
+        let mut r = reach(vec![chain(&[1, 2, 3]), chain(&[7, 8, 9])]).unwrap();
+        for _ in 0..20 {
+            let d = step_against(&mut r, &truth, 6);
+            assert!(r.was_asked(1) && d.tokens.contains(&7));
+        }
+    }
+
+    #[test]
+    fn a_free_member_that_is_never_accepted_loses_its_nodes_to_the_row_cost() {
+        let truth = [1, 2, 3, 4];
+        // Rows cost 4 ms each against a 10 ms step: B's nodes (reach about 0.02) do not pay.
+        let mut m = costed(vec![chain(&[1, 2, 3]), chain(&[7, 8, 9])], 0.004, None);
+        let mut last = Draft::default();
+        // Budgets of 3 to 6 nodes, so that the step time is seen at several row counts.
+        for i in 0..60 {
+            last = step_against(&mut m, &truth, 3 + i % 4);
+            assert!(m.was_asked(1), "a free member is always asked");
+        }
+        assert_eq!(last.tokens, [1, 2, 3]);
+        // Free rows: every candidate fits the budget and is kept.
+        let mut m = costed(vec![chain(&[1, 2, 3]), chain(&[7, 8, 9])], 0.0, None);
+        for i in 0..60 {
+            last = step_against(&mut m, &truth, 6 + i % 3);
+        }
+        assert_eq!(last.len(), 6);
+        // Rows so dear that no node pays: no draft at all.
+        let mut m = costed(vec![chain(&[7, 8, 9])], 1.0, None);
+        for i in 0..60 {
+            last = step_against(&mut m, &truth, 1 + i % 3);
+        }
+        assert!(last.is_empty());
+    }
+
+    #[test]
+    fn cost_aware_chains_stop_where_rows_stop_paying() {
+        // A is right for two tokens, then wrong.
+        let truth = [1, 2, 3, 4, 5];
+        let mut m = costed(vec![chain(&[1, 2, 9, 9, 9])], 0.004, None);
+        let cfg = SamplingConfig::greedy();
+        let mut d = Draft::default();
+        for i in 0..80 {
+            let req = ProposeRequest::new(&CTX, &cfg, 3 + i % 3);
+            m.propose(&req, &mut d).unwrap();
+            let accepted = own_accepted(&d, &truth, truth.len() - 1);
+            m.observe(accepted, &truth[..accepted + 1]).unwrap();
+        }
+        assert_eq!(d.tokens, [1, 2]);
+    }
+
+    #[test]
+    fn a_member_whose_chain_displaces_a_better_one_is_dropped_from_chain_steps() {
+        // A's one-token chain is right; B (costly) proposes a longer wrong chain, which wins
+        // the chain at the prior's planning rates (expected length 1.50 against 0.64): its gain
+        // on the chosen chain is -1 (a candidate-level count would say 0), and it is dropped.
+        let truth = [1, 2, 3];
+        let mut m = costed(vec![chain(&[1]), chain(&[5, 6, 7, 8])], 0.0, Some(1));
+        let cfg = SamplingConfig::greedy();
+        let mut d = Draft::default();
+        let mut drafts = Vec::new();
+        for i in 0..12 {
+            let req = ProposeRequest::new(&CTX, &cfg, 4 - i % 2);
+            m.propose(&req, &mut d).unwrap();
+            drafts.push((d.tokens.clone(), m.was_asked(1)));
+            let accepted = own_accepted(&d, &truth, truth.len() - 1);
+            m.observe(accepted, &truth[..accepted + 1]).unwrap();
+        }
+        assert_eq!(drafts[0].0, [5, 6, 7, 8]);
+        assert!(m.marginal_gain(1, Some(0.64)) < 0.0);
+        assert!(drafts[1..].iter().all(|(t, _)| t == &[1]), "{drafts:?}");
+        assert!(
+            drafts[1..].iter().filter(|(_, b)| *b).count() <= 2,
+            "{drafts:?}"
+        );
+    }
+
+    /// Chain steps of a merge of an empty member and `[1, 9]` (member 1: 2 ms + 1 ms per
+    /// token) against a target whose next token is 1 every other step, rows costing `per_row`
+    /// each on top of 10 ms; draft bounds 1 and 2 alternate so that the row cost is seen.
+    /// Returns the steps at which member 1 was asked.
+    fn half_right_member(per_row: f64) -> usize {
+        let mut m = costed(vec![chain(&[]), chain(&[1, 9])], per_row, Some(1));
+        let cfg = SamplingConfig::greedy();
+        let mut d = Draft::default();
+        let mut asked = 0;
+        for i in 0..200 {
+            let truth: &[u32] = if i % 2 == 0 { &[1, 2, 3] } else { &[4, 5, 6] };
+            let req = ProposeRequest::new(&CTX, &cfg, 1 + (i / 2) % 2);
+            m.propose(&req, &mut d).unwrap();
+            if m.was_asked(1) {
+                asked += 1;
+            } else {
+                assert!(d.is_empty(), "an unasked member has no nodes");
+            }
+            let accepted = own_accepted(&d, truth, truth.len() - 1);
+            m.observe(accepted, &truth[..accepted + 1]).unwrap();
+        }
+        asked
+    }
+
+    #[test]
+    fn a_member_whose_tokens_do_not_pay_for_its_rows_is_not_asked() {
+        // Half a token per step for 3.7 ms: with 8 ms rows, 1.5 tokens in 26 + 3.7 ms (50
+        // tokens/s) against 1 in 18 ms (56/s) does not pay, though the call alone would
+        // (0.5 token against 3.7 / 18 = 0.2); with free rows it pays (109/s against 100/s).
+        let dear = half_right_member(0.008);
+        assert!(dear <= 25, "asked {dear} of 200 steps");
+        let free = half_right_member(0.0);
+        assert!(free >= 190, "asked {free} of 200 steps");
+    }
+
+    #[test]
+    fn a_costly_member_is_asked_only_for_the_depth_its_nodes_pay_for() {
+        // B (2 ms + 1 ms per token) is right for two tokens and then wrong; A has nothing.
+        // Past depth 2 its reach falls to about 0.1, below what a token of its time costs
+        // (1 ms against a 10 ms step): it is asked for 2 or 3 tokens, not the bound of 6.
+        let truth = [1, 2, 3, 4, 5, 6, 7];
+        let member = || chain(&[1, 2, 9, 9, 9, 9]);
+        let mut m = costed(vec![chain(&[]), member()], 0.0005, Some(1));
+        let cfg = SamplingConfig::greedy();
+        let mut d = Draft::default();
+        let mut drafted = Vec::new();
+        for i in 0..60 {
+            let req = ProposeRequest::new(&CTX, &cfg, 5 + i % 2);
+            m.propose(&req, &mut d).unwrap();
+            assert!(m.was_asked(1));
+            drafted.push(m.sub_drafts[1].len());
+            let accepted = own_accepted(&d, &truth, truth.len() - 1);
+            m.observe(accepted, &truth[..accepted + 1]).unwrap();
+        }
+        assert_eq!(drafted[0], 5, "untimed: the full bound");
+        assert!(
+            drafted[30..].iter().all(|&n| (2..=3).contains(&n)),
+            "{drafted:?}"
+        );
+        assert_eq!(d.tokens, [1, 2]);
+        // The old rule asks every member for the full bound.
+        let mut r = reach(vec![chain(&[]), member()]).unwrap();
+        for i in 0..20 {
+            let req = ProposeRequest::new(&CTX, &cfg, 5 + i % 2);
+            r.propose(&req, &mut d).unwrap();
+            assert_eq!(r.sub_drafts[1].len(), 5 + i % 2);
+            let accepted = own_accepted(&d, &truth, truth.len() - 1);
+            r.observe(accepted, &truth[..accepted + 1]).unwrap();
+        }
+    }
+
+    #[test]
+    fn cost_aware_choices_are_deterministic_with_fixed_costs() {
+        let run = || {
+            let subs = vec![chain(&[1, 2, 3]), chain(&[1, 5]), chain(&[7, 8, 9])];
+            let mut m = costed(subs, 0.001, Some(2));
+            let truth = [1, 2, 5, 6];
+            (0..50)
+                .map(|i| step_against(&mut m, &truth, 3 + i % 5))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(), run());
     }
 
     #[test]
@@ -1244,7 +1587,7 @@ mod tests {
             fail: true,
             log,
         });
-        let mut m = MergedProposer::new(vec![chain(&[1]), failing]).unwrap();
+        let mut m = reach(vec![chain(&[1]), failing]).unwrap();
         let cfg = SamplingConfig::greedy();
         let req = ProposeRequest::new(&CTX, &cfg, 2);
         let mut d = Draft::default();
@@ -1252,7 +1595,7 @@ mod tests {
         assert_eq!(e.to_string(), "proposer error: fixed failed");
         // A malformed tree names its proposer.
         let (bad, _) = fixed(&[1, 2], &[0, 2]);
-        let mut m = MergedProposer::new(vec![chain(&[1]), bad]).unwrap();
+        let mut m = reach(vec![chain(&[1]), bad]).unwrap();
         let e = m.propose_tree(&req, &mut d).unwrap_err();
         assert!(
             matches!(
@@ -1294,7 +1637,7 @@ mod tests {
                 .iter()
                 .map(|(parents, tokens)| fixed(tokens, parents).0)
                 .collect();
-            let mut m = MergedProposer::new(boxed).unwrap();
+            let mut m = reach(boxed).unwrap();
             let d = tree(&mut m, depth, nodes, branch);
             valid(&d, depth, nodes, branch);
             // Every candidate path within the depth, over all proposers.

@@ -30,6 +30,8 @@ use crate::verify::RowCandidates;
 mod cross_vocab;
 mod draft_model;
 mod heads;
+mod merge_costs;
+mod merge_trie;
 mod merged;
 mod ngram;
 mod prompt_lookup;
@@ -45,6 +47,7 @@ pub use cross_vocab::{
 };
 pub use draft_model::{DraftModelProposer, DraftTreeConfig};
 pub use heads::{DraftHeads, HeadsInput, HeadsProposer};
+pub use merge_costs::{FixedMergeCosts, MeasuredMergeCosts, MergeCosts, MergePolicy};
 pub use merged::{DEFAULT_MERGE_DECAY, MAX_MERGED_PROPOSERS, MergedProposer};
 pub use prompt_lookup::{PromptLookup, PromptLookupConfig};
 pub use recycling::{RecyclingConfig, TableFileError, TemplateNode, TokenRecycling, TreeTemplate};

@@ -36,8 +36,8 @@ use spec_bench::sim::{AcceptanceModel, CostTable, default_batches, simulate};
 use spec_bench::{BenchError, Result, workload};
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::propose::{
-    DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SharedCorpus, SuffixConfig,
-    SuffixProposer, TokenRecycling, TreeTemplate,
+    DraftModelProposer, MergePolicy, MergedProposer, PromptLookup, RecyclingConfig, SharedCorpus,
+    SuffixConfig, SuffixProposer, TokenRecycling, TreeTemplate,
 };
 use speculative::{BatchTarget, NoProposer, Proposer, TargetModel};
 use speculative_candle::fast::head::{DraftHead, DraftHeadWeights};
@@ -244,7 +244,9 @@ struct RunArgs {
     /// head, --draft-head), draft-model:FILE (any GGUF as the draft model on the fast forward:
     /// same tokenizer as the target -> token drafts; another tokenizer -> cross-vocabulary
     /// drafts, re-tokenised for greedy requests and TLI for sampling; the report says which),
-    /// merged:A+B+... (one tree merged from those, e.g. merged:draft-head+prompt-lookup+suffix),
+    /// merged:A+B+... (one tree merged from those, cost-aware, e.g.
+    /// merged:draft-head+prompt-lookup+suffix), merged-reach:A+B+... (the same members under the
+    /// rule before the cost-aware one: every member every step, the budget filled by reach),
     /// early-exit:N (first N layers as draft), same-model.
     #[arg(long, value_delimiter = ',', default_value = "prompt-lookup,suffix")]
     proposers: Vec<String>,
@@ -279,9 +281,12 @@ struct RunArgs {
     /// Default maximum new tokens (a request's max_tokens wins).
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
-    /// Only the first N requests of the workload.
+    /// Only the first N requests of the workload (after --kinds).
     #[arg(long)]
     limit: Option<usize>,
+    /// Only requests of these kinds (default: all), e.g. `--kinds rewrite`.
+    #[arg(long, value_delimiter = ',')]
+    kinds: Vec<String>,
     /// A token-recycling table warmed by `spec-bench warm-recycling` (any `--top-k`; its
     /// vocabulary must be the model's), loaded into every `recycling` proposer (alone or merged)
     /// of the run; without it the tables start empty (top-k 8).
@@ -390,7 +395,11 @@ fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> BenchError + '_ 
 }
 
 fn run(a: RunArgs) -> Result<()> {
-    let requests = workload::load(&a.workload)?;
+    let mut requests = workload::load(&a.workload)?;
+    requests.retain(|r| a.kinds.is_empty() || a.kinds.contains(&r.kind));
+    if requests.is_empty() {
+        return Err(bad_arg("--kinds", "no request of these kinds".into()));
+    }
     let requests = &requests[..a.limit.unwrap_or(requests.len()).min(requests.len())];
     let path = a.model.model.clone().unwrap_or_else(default_model_path);
     let mut records: Vec<RunRecord> = Vec::new();
@@ -705,19 +714,28 @@ fn named_proposer(
             None => Box::new(TokenRecycling::new(vocab, RecyclingConfig::default())?),
         },
         other => {
-            let Some(list) = other.strip_prefix("merged:") else {
-                return Err(BenchError::Invalid {
-                    what: "proposer",
-                    reason: format!(
-                        "{other} (expected prompt-lookup, suffix, recycling, draft-head, draft-model:FILE, merged:A+B, early-exit:N, same-model, none)"
-                    ),
-                });
+            // `merged:` is the cost-aware merge (the default rule), `merged-reach:` the rule
+            // before it (every member every step, the budget filled by reach probability).
+            let (list, policy) = match (
+                other.strip_prefix("merged:"),
+                other.strip_prefix("merged-reach:"),
+            ) {
+                (Some(l), _) => (l, MergePolicy::CostAware),
+                (_, Some(l)) => (l, MergePolicy::Reach),
+                _ => {
+                    return Err(BenchError::Invalid {
+                        what: "proposer",
+                        reason: format!(
+                            "{other} (expected prompt-lookup, suffix, recycling, draft-head, draft-model:FILE, merged:A+B, merged-reach:A+B, early-exit:N, same-model, none)"
+                        ),
+                    });
+                }
             };
             let subs = list
                 .split('+')
                 .map(|n| named_proposer(n, vocab, table, head, shared))
                 .collect::<Result<Vec<_>>>()?;
-            Box::new(MergedProposer::new(subs)?)
+            Box::new(MergedProposer::new(subs)?.with_policy(policy))
         }
     })
 }

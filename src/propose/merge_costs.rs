@@ -1,0 +1,554 @@
+//! What the cost-aware [`super::MergedProposer`] weighs its candidates against: where its step
+//! and member costs come from ([`MergeCosts`]: the measured clock, or fixed costs for exact,
+//! reproducible tests), and what it learns from them online (the crate-private [`Ledger`]:
+//! each member's marginal accepted tokens per step, its time per call, and the step time by
+//! verify rows).
+//!
+//! The rule (see "Cost-aware merging" on [`super::MergedProposer`]): a member is asked to draft
+//! only when the tokens it is expected to add over the members asked before it, `g`, pay for
+//! the time it costs, `t`: `g / L >= t / T`, with `L` the expected tokens per step without it
+//! and `T` the step time without it. That is the condition under which asking it raises the
+//! tokens per second, `(L + g) / (T + t) >= L / T`. A node is kept only while it raises the
+//! expected tokens per second of the step, `(1 + sum of the kept nodes' reach probabilities)
+//! / T(rows)`, with `T(rows)` the learned step time of a verify over that many rows: the
+//! allocation by marginal expected accepted tokens per unit cost of EAGLE-2 (Li et al. 2024,
+//! dynamic draft trees) and Sequoia (Chen et al. 2024, tree size against the hardware's cost
+//! curve), applied across proposers.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// How [`super::MergedProposer`] chooses and ranks its candidates.
+///
+/// `#[non_exhaustive]`: new rules may be added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MergePolicy {
+    /// Every member is asked every step; the budget is filled with the nodes of highest
+    /// estimated reach probability (the rule before the cost-aware merge; see "The rule" on
+    /// [`super::MergedProposer`]).
+    Reach,
+    /// The default: members are asked only when their expected extra accepted tokens pay for
+    /// their time (with an occasional probe), and nodes are kept only while they raise the
+    /// step's expected tokens per second (see "Cost-aware merging" on
+    /// [`super::MergedProposer`]).
+    #[default]
+    CostAware,
+}
+
+/// Where the cost-aware merge learns its costs from, in seconds: the measured clock
+/// ([`MeasuredMergeCosts`], the default) or fixed costs ([`FixedMergeCosts`], exact and
+/// reproducible: the merge's choices then depend only on the acceptance it observes).
+///
+/// The merge times each member's draft call and the rest of each step (from the end of one
+/// proposal to the start of the next: the target's verify forward and the loop), and passes
+/// the times through this source. Implementations should be cheap and return finite values
+/// `>= 0`.
+pub trait MergeCosts: Send {
+    /// Seconds to record for member `member`'s draft call, which drafted `drafted` tokens (tree
+    /// nodes count one each) and took `measured`.
+    fn member_secs(&self, member: usize, drafted: usize, measured: Duration) -> f64;
+
+    /// Seconds to record for the rest of a step whose verify ran `rows >= 1` target rows (the
+    /// merged draft's nodes plus the root), which took `measured`.
+    fn step_secs(&self, rows: usize, measured: Duration) -> f64;
+}
+
+/// The measured clock: every cost is the time measured. The default of
+/// [`super::MergedProposer`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MeasuredMergeCosts;
+
+impl MergeCosts for MeasuredMergeCosts {
+    /// `measured` in seconds.
+    fn member_secs(&self, _member: usize, _drafted: usize, measured: Duration) -> f64 {
+        measured.as_secs_f64()
+    }
+
+    /// `measured` in seconds.
+    fn step_secs(&self, _rows: usize, measured: Duration) -> f64 {
+        measured.as_secs_f64()
+    }
+}
+
+/// Fixed costs: the rest of a step over `rows` verify rows costs `base + per_row * rows`
+/// seconds, and member `s`'s call `per_call(s) + per_token(s) * drafted` (0 for a member
+/// without costs set), whatever the clock says.
+///
+/// ```
+/// use speculative::propose::{FixedMergeCosts, MergeCosts};
+/// use std::time::Duration;
+///
+/// // 10 ms per verify plus 1 ms per row; member 1 costs 0.5 ms per call and 0.2 ms per token.
+/// let c = FixedMergeCosts::new(0.010, 0.001)?.with_member(1, 0.0005, 0.0002)?;
+/// assert!((c.step_secs(3, Duration::ZERO) - 0.013).abs() < 1e-12);
+/// assert!((c.member_secs(1, 4, Duration::ZERO) - 0.0013).abs() < 1e-12);
+/// assert_eq!(c.member_secs(0, 4, Duration::from_secs(1)), 0.0);
+/// # Ok::<(), speculative::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FixedMergeCosts {
+    base: f64,
+    per_row: f64,
+    /// `(per_call, per_token)` of each member (missing: free).
+    members: Vec<(f64, f64)>,
+}
+
+fn check_secs(field: &'static str, secs: f64) -> Result<()> {
+    if secs.is_finite() && secs >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::config(
+            field,
+            secs,
+            "must be finite and >= 0 (seconds)",
+        ))
+    }
+}
+
+impl FixedMergeCosts {
+    /// A step costs `base_secs + per_row_secs * rows`; every member is free until
+    /// [`FixedMergeCosts::with_member`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when a time is negative or not finite.
+    pub fn new(base_secs: f64, per_row_secs: f64) -> Result<Self> {
+        check_secs("base_secs", base_secs)?;
+        check_secs("per_row_secs", per_row_secs)?;
+        Ok(FixedMergeCosts {
+            base: base_secs,
+            per_row: per_row_secs,
+            members: Vec::new(),
+        })
+    }
+
+    /// Sets member `member`'s cost: `per_call_secs + per_token_secs * drafted` per draft call.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when a time is negative or not finite.
+    pub fn with_member(
+        mut self,
+        member: usize,
+        per_call_secs: f64,
+        per_token_secs: f64,
+    ) -> Result<Self> {
+        check_secs("per_call_secs", per_call_secs)?;
+        check_secs("per_token_secs", per_token_secs)?;
+        if self.members.len() <= member {
+            self.members.resize(member + 1, (0.0, 0.0));
+        }
+        self.members[member] = (per_call_secs, per_token_secs);
+        Ok(self)
+    }
+}
+
+impl MergeCosts for FixedMergeCosts {
+    fn member_secs(&self, member: usize, drafted: usize, _measured: Duration) -> f64 {
+        let (call, token) = self.members.get(member).copied().unwrap_or_default();
+        call + token * drafted as f64
+    }
+
+    fn step_secs(&self, rows: usize, _measured: Duration) -> f64 {
+        self.base + self.per_row * rows as f64
+    }
+}
+
+/// Buckets of the expected accepted length `E` of the candidates gathered before a member is
+/// asked: none at all, then `E` in `(0, 0.5]`, `(0.5, 1]`, `(1, 2]` and above 2. A member's
+/// marginal gain is learned per bucket: the draft head adds much when the copy proposers have
+/// nothing, little when they hold a long likely copy.
+pub(super) const BUCKETS: usize = 5;
+
+/// The bucket of an expected accepted length (`None`: no candidate yet).
+pub(super) fn bucket(expected: Option<f64>) -> usize {
+    match expected {
+        None => 0,
+        Some(e) if e <= 0.5 => 1,
+        Some(e) if e <= 1.0 => 2,
+        Some(e) if e <= 2.0 => 3,
+        Some(_) => 4,
+    }
+}
+
+/// The first probe interval (skipped steps of one member and bucket before it is asked
+/// anyway), and the most it grows to (doubling after each probe that did not pay).
+const PROBE_FIRST: u32 = 8;
+const PROBE_MAX: u32 = 64;
+
+/// Most tokens (and tree nodes) a probe asks for: a probe is cheap, and its gain is measured on
+/// the leading tokens, where a member that does not pay shows it first.
+pub(super) const PROBE_DRAFT: usize = 2;
+
+/// A member whose call costs at most this share of the step is asked whatever its learned
+/// gain (net of its rows, which can be briefly negative while the rates learn): skipping it
+/// saves next to nothing, and its nodes are cut one by one where their rows do not pay.
+const FREE_SHARE: f64 = 0.01;
+
+/// Prior of a member's marginal gain: one pseudo-step at one token (optimistic, so a new member
+/// is tried before it is judged).
+const GAIN_PRIOR: f64 = 1.0;
+
+/// A decayed mean: `sum` and `weight` both multiplied by the decay before each sample.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Mean {
+    sum: f64,
+    weight: f64,
+}
+
+impl Mean {
+    fn push(&mut self, x: f64, decay: f64) {
+        self.sum = self.sum * decay + x;
+        self.weight = self.weight * decay + 1.0;
+    }
+
+    /// The mean with a prior of `prior_weight` pseudo-samples at `prior`.
+    fn with_prior(&self, prior: f64, prior_weight: f64) -> f64 {
+        (self.sum + prior * prior_weight) / (self.weight + prior_weight)
+    }
+
+    fn get(&self) -> Option<f64> {
+        (self.weight > 0.0).then(|| self.sum / self.weight)
+    }
+}
+
+/// A weighted least-squares line `y = a + b x`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Line {
+    w: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl Line {
+    /// Adds the point `(x, y)` with weight `w`.
+    fn add(&mut self, x: f64, y: f64, w: f64) {
+        self.w += w;
+        self.x += w * x;
+        self.y += w * y;
+        self.xx += w * x * x;
+        self.xy += w * x * y;
+    }
+
+    /// The line at `x` (slope at least 0; flat while one `x` was seen), `None` before a sample.
+    fn at(&self, x: f64) -> Option<f64> {
+        if self.w <= 0.0 {
+            return None;
+        }
+        let (mx, my) = (self.x / self.w, self.y / self.w);
+        let sxx = self.xx / self.w - mx * mx;
+        let slope = if sxx > 1e-9 {
+            ((self.xy / self.w - mx * my) / sxx).max(0.0)
+        } else {
+            0.0
+        };
+        Some((my + slope * (x - mx)).max(1e-12))
+    }
+}
+
+/// Samples kept per verify row count: the median of the last ones is the row count's time, so
+/// that a slow outlier on a shared machine does not count (the decode policy's forward-cost rule,
+/// [`crate::decode::AdaptiveConfig`]).
+const STEP_SAMPLES: usize = 7;
+
+/// Row counts above this share the last slot (and its x).
+const MAX_ROW_SLOT: usize = 64;
+
+/// The rest of a step's seconds by verify rows: per row count the median of its last
+/// [`STEP_SAMPLES`] times, and the least-squares line through those medians weighted by their
+/// sample counts (slope at least 0, flat while one row count was seen).
+#[derive(Debug, Clone, Default)]
+struct StepCurve {
+    /// Per row count: the last times (a ring) and how many were recorded.
+    samples: Vec<([f64; STEP_SAMPLES], usize)>,
+    /// The line through the medians.
+    fit: Line,
+}
+
+impl StepCurve {
+    fn push(&mut self, rows: usize, secs: f64) {
+        let r = rows.min(MAX_ROW_SLOT);
+        if self.samples.len() <= r {
+            self.samples.resize(r + 1, ([0.0; STEP_SAMPLES], 0));
+        }
+        let (ring, n) = &mut self.samples[r];
+        ring[*n % STEP_SAMPLES] = secs;
+        *n += 1;
+        let mut fit = Line::default();
+        for (x, (ring, n)) in self.samples.iter().enumerate() {
+            let k = (*n).min(STEP_SAMPLES);
+            if k == 0 {
+                continue;
+            }
+            let mut v = *ring;
+            let v = &mut v[..k];
+            v.sort_unstable_by(f64::total_cmp);
+            let median = if k % 2 == 1 {
+                v[k / 2]
+            } else {
+                (v[k / 2 - 1] + v[k / 2]) / 2.0
+            };
+            fit.add(x as f64, median, k as f64);
+        }
+        self.fit = fit;
+    }
+}
+
+/// A step's learned seconds by verify rows (a copy of the line, so that it can be read while
+/// the trie is written).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StepTime {
+    line: Line,
+    extra: f64,
+}
+
+impl StepTime {
+    /// Seconds of a step over `rows` verify rows.
+    pub(super) fn secs(&self, rows: usize) -> f64 {
+        self.line.at(rows as f64).unwrap_or(1.0) + self.extra
+    }
+}
+
+/// The probe state of one (member, bucket).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Probe {
+    skipped: u32,
+    interval: u32,
+}
+
+impl Default for Probe {
+    fn default() -> Self {
+        Probe {
+            skipped: 0,
+            interval: PROBE_FIRST,
+        }
+    }
+}
+
+/// What the cost-aware merge has learned about its members' value and cost.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Ledger {
+    /// Each member's decayed marginal accepted tokens per step it was asked, per bucket.
+    gains: Vec<[Mean; BUCKETS]>,
+    probes: Vec<[Probe; BUCKETS]>,
+    /// Each member's decayed seconds per draft call.
+    secs: Vec<Mean>,
+    /// Each member's decayed tokens (nodes) drafted per call.
+    drafted: Vec<Mean>,
+    /// The rest of a step's seconds against its verify rows.
+    step: StepCurve,
+}
+
+/// Why a member is asked at a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Decision {
+    /// Its expected gain pays for its cost.
+    Pays,
+    /// It does not pay, but is asked to re-measure its gain.
+    Probe,
+    /// Not asked.
+    Skip,
+}
+
+impl Ledger {
+    pub(super) fn new(members: usize) -> Self {
+        Ledger {
+            gains: vec![[Mean::default(); BUCKETS]; members],
+            probes: vec![[Probe::default(); BUCKETS]; members],
+            secs: vec![Mean::default(); members],
+            drafted: vec![Mean::default(); members],
+            step: StepCurve::default(),
+        }
+    }
+
+    pub(super) fn clear(&mut self) {
+        *self = Ledger::new(self.gains.len());
+    }
+
+    /// Member `s`'s learned seconds per call (0 before it was timed).
+    pub(super) fn member_secs(&self, s: usize) -> f64 {
+        self.secs[s].get().unwrap_or(0.0)
+    }
+
+    /// Member `s`'s learned seconds per drafted token (its seconds per call over its tokens
+    /// per call; 0 before it drafted a token).
+    pub(super) fn token_secs(&self, s: usize) -> f64 {
+        match self.drafted[s].get() {
+            Some(n) if n > 0.0 => self.member_secs(s) / n,
+            _ => 0.0,
+        }
+    }
+
+    /// Whether member `s`'s call costs at most [`FREE_SHARE`] of a step of `secs` seconds.
+    pub(super) fn is_free(&self, s: usize, secs: f64) -> bool {
+        self.member_secs(s) <= FREE_SHARE * secs
+    }
+
+    /// The learned seconds of the rest of a step over `rows` verify rows (`None` before a
+    /// step was timed).
+    pub(super) fn step_secs(&self, rows: usize) -> Option<f64> {
+        self.step.fit.at(rows as f64)
+    }
+
+    /// The learned seconds of a step by verify rows, plus `extra` seconds (`None` before a
+    /// step was timed).
+    pub(super) fn step_time(&self, extra: f64) -> Option<StepTime> {
+        self.step.fit.at(1.0).map(|_| StepTime {
+            line: self.step.fit,
+            extra,
+        })
+    }
+
+    /// Member `s`'s expected marginal accepted tokens in bucket `b`: its decayed mean there,
+    /// with one pseudo-step at its mean over all buckets (itself with one pseudo-step at
+    /// [`GAIN_PRIOR`]), so that a bucket seen for the first time starts from what the member
+    /// showed elsewhere.
+    pub(super) fn gain(&self, s: usize, b: usize) -> f64 {
+        let all = self.gains[s].iter().fold(Mean::default(), |a, m| Mean {
+            sum: a.sum + m.sum,
+            weight: a.weight + m.weight,
+        });
+        self.gains[s][b].with_prior(all.with_prior(GAIN_PRIOR, 1.0), 1.0)
+    }
+
+    /// Whether member `s` pays in bucket `b`: `gain / tokens >= cost / secs`, with `tokens`
+    /// the expected tokens per step and `secs` the step's seconds without it; a member whose
+    /// call costs at most [`FREE_SHARE`] of the step always does (its nodes are still cut one
+    /// by one where their rows do not pay).
+    fn pays(&self, s: usize, b: usize, tokens: f64, secs: f64) -> bool {
+        self.is_free(s, secs) || self.gain(s, b) * secs >= tokens * self.member_secs(s)
+    }
+
+    /// Decides whether member `s` is asked in bucket `b` (see [`Ledger::pays`]); a member that
+    /// does not pay is asked anyway once its skipped steps in the bucket reach the probe
+    /// interval.
+    pub(super) fn decide(&mut self, s: usize, b: usize, tokens: f64, secs: f64) -> Decision {
+        if self.pays(s, b, tokens, secs) {
+            self.probes[s][b] = Probe::default();
+            return Decision::Pays;
+        }
+        let p = &mut self.probes[s][b];
+        p.skipped += 1;
+        if p.skipped >= p.interval {
+            p.skipped = 0;
+            p.interval = (p.interval * 2).min(PROBE_MAX);
+            return Decision::Probe;
+        }
+        Decision::Skip
+    }
+
+    /// Records member `s`'s call: `secs` seconds, `drafted` tokens (nodes).
+    pub(super) fn record_call(&mut self, s: usize, secs: f64, drafted: usize, decay: f64) {
+        self.secs[s].push(secs, decay);
+        self.drafted[s].push(drafted as f64, decay);
+    }
+
+    /// Records member `s`'s marginal accepted tokens `gain` at a step it was asked in bucket `b`.
+    pub(super) fn record_gain(&mut self, s: usize, b: usize, gain: f64, decay: f64) {
+        self.gains[s][b].push(gain, decay);
+    }
+
+    /// Records the rest of a step: `rows` verify rows in `secs` seconds.
+    pub(super) fn record_step(&mut self, rows: usize, secs: f64) {
+        self.step.push(rows, secs);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fixed_costs_are_checked_and_priced() {
+        assert!(FixedMergeCosts::new(-1.0, 0.0).is_err());
+        assert!(FixedMergeCosts::new(0.0, f64::NAN).is_err());
+        let c = FixedMergeCosts::new(1.0, 0.5).unwrap();
+        assert!(c.clone().with_member(0, f64::INFINITY, 0.0).is_err());
+        let c = c.with_member(2, 0.25, 0.125).unwrap();
+        assert_eq!(c.step_secs(4, Duration::from_secs(9)), 3.0);
+        assert_eq!(c.member_secs(2, 2, Duration::ZERO), 0.5);
+        assert_eq!(c.member_secs(1, 2, Duration::ZERO), 0.0);
+        let m = MeasuredMergeCosts;
+        assert_eq!(m.step_secs(3, Duration::from_millis(250)), 0.25);
+        assert_eq!(m.member_secs(0, 3, Duration::from_millis(500)), 0.5);
+    }
+
+    #[test]
+    fn buckets_split_the_expected_length() {
+        let got: Vec<usize> = [None, Some(0.0), Some(0.5), Some(0.7), Some(2.0), Some(2.1)]
+            .into_iter()
+            .map(bucket)
+            .collect();
+        assert_eq!(got, [0, 1, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn the_step_line_is_fitted_with_a_nonnegative_slope() {
+        let mut l = Line::default();
+        assert_eq!(l.at(3.0), None);
+        l.add(2.0, 1.2, 1.0);
+        assert_eq!(l.at(9.0), Some(1.2));
+        l.add(4.0, 1.4, 1.0);
+        assert!((l.at(6.0).unwrap() - 1.6).abs() < 1e-12);
+        let mut down = Line::default();
+        down.add(1.0, 2.0, 1.0);
+        down.add(3.0, 1.0, 1.0);
+        assert!((down.at(10.0).unwrap() - 1.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_step_curve_ignores_a_slow_outlier() {
+        let mut c = StepCurve::default();
+        assert_eq!(c.fit.at(1.0), None);
+        for _ in 0..7 {
+            c.push(2, 1.0);
+            c.push(4, 1.2);
+        }
+        assert!((c.fit.at(6.0).unwrap() - 1.4).abs() < 1e-12);
+        // Three slow steps out of seven at 4 rows: the median is still 1.2.
+        for _ in 0..3 {
+            c.push(4, 10.0);
+        }
+        assert!((c.fit.at(6.0).unwrap() - 1.4).abs() < 1e-12);
+        // A fourth makes it the majority of the last seven: the curve follows.
+        c.push(4, 10.0);
+        assert!(c.fit.at(4.0).unwrap() > 5.0);
+        // Row counts past the last slot share it.
+        c.push(1000, 3.0);
+        assert_eq!(c.samples.len(), MAX_ROW_SLOT + 1);
+    }
+
+    #[test]
+    fn a_member_that_does_not_pay_is_skipped_and_probed_less_and_less() {
+        let mut l = Ledger::new(2);
+        // Untimed: free, so it pays.
+        assert_eq!(l.decide(1, 0, 1.0, 1.0), Decision::Pays);
+        // 0.5 s per call against a 1 s step: it must add half a token per step.
+        l.record_call(1, 0.5, 4, 1.0);
+        for _ in 0..20 {
+            l.record_gain(1, 0, 0.0, 1.0);
+        }
+        let mut asked = Vec::new();
+        for step in 0..40 {
+            if l.decide(1, 0, 1.0, 1.0) == Decision::Probe {
+                asked.push(step);
+            }
+        }
+        // Probes after 8, then 16 more skipped steps.
+        assert_eq!(asked, [7, 23]);
+        // A bucket not seen yet starts from the member's mean elsewhere: it does not pay
+        // there either; a member never measured starts at one token.
+        assert!((l.gain(1, 3) - 1.0 / 21.0).abs() < 1e-12);
+        assert_eq!(l.decide(1, 3, 1.0, 1.0), Decision::Skip);
+        assert_eq!(l.gain(0, 3), 1.0);
+        // Gains that pay bring it back.
+        for _ in 0..40 {
+            l.record_gain(1, 0, 2.0, 0.9);
+        }
+        assert_eq!(l.decide(1, 0, 1.0, 1.0), Decision::Pays);
+        l.clear();
+        assert_eq!(l.member_secs(1), 0.0);
+    }
+}
