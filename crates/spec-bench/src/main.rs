@@ -32,7 +32,7 @@ use spec_bench::report::{
     aggregate, markdown, request_markdown, sim_markdown, sim_plot, standard_plots, write_json,
 };
 use spec_bench::run::{ConfigSpec, DraftSpec, RunRecord, token_hash};
-use spec_bench::sim::{AcceptanceModel, CostTable, default_batches, simulate};
+use spec_bench::sim::{AcceptanceModel, CostTable, default_batches, simulate_draft};
 use spec_bench::{BenchError, Result, workload};
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::propose::{
@@ -364,6 +364,10 @@ struct SimArgs {
     /// Largest draft length k (`--max-k` is accepted as an alias).
     #[arg(long, alias = "max-k", default_value_t = 8)]
     max_draft: usize,
+    /// A draft model's cost per drafted token as a fraction of the target's single-token
+    /// forward `c(B, 1)` (0 = a free proposer; `sim::simulate_draft`).
+    #[arg(long, default_value_t = 0.0)]
+    draft_cost: f64,
     /// Output directory for simulation.json, simulation.md and simulation.svg.
     #[arg(long, default_value = "sim-out")]
     out: PathBuf,
@@ -1489,12 +1493,22 @@ fn sim(a: SimArgs) -> Result<()> {
             });
         }
     };
-    let r = simulate(&table, &model, &default_batches(), a.max_draft);
+    let r = simulate_draft(
+        &table,
+        &model,
+        &default_batches(),
+        a.max_draft,
+        a.draft_cost,
+    );
     std::fs::create_dir_all(&a.out).map_err(io(&a.out))?;
     write_json(&a.out.join("simulation.json"), &r)?;
     let md = sim_markdown(&r);
     let p = a.out.join("simulation.md");
-    std::fs::write(&p, format!("Cost table: {}\n\n{md}", table.source)).map_err(io(&p))?;
+    let head = format!(
+        "Cost table: {}; draft cost per token {} x c(B, 1)",
+        table.source, a.draft_cost
+    );
+    std::fs::write(&p, format!("{head}\n\n{md}")).map_err(io(&p))?;
     sim_plot(&a.out.join("simulation.svg"), &r)?;
     println!("{md}");
     Ok(())

@@ -169,20 +169,44 @@ pub struct SimResult {
     pub best: Vec<SimCell>,
 }
 
-/// Simulates every batch size in `batches` and draft length `k` in `0..=max_draft`.
+/// Simulates every batch size in `batches` and draft length `k` in `0..=max_draft`, with a
+/// proposer that costs nothing (model-free proposers cost microseconds); see [`simulate_draft`].
 pub fn simulate(
     table: &CostTable,
     acc: &AcceptanceModel,
     batches: &[usize],
     max_draft: usize,
 ) -> SimResult {
+    simulate_draft(table, acc, batches, max_draft, 0.0)
+}
+
+/// As [`simulate`], with a draft model whose forward of one token costs `draft_cost` (a ratio,
+/// dimensionless) times the target's single-token forward at the same batch size, `c(B, 1)`.
+/// A step of draft length `k` then costs `c(B, k + 1) + k * draft_cost * c(B, 1)` (`k`
+/// sequential draft forwards, the draft's catch-up on the accepted tokens counted in the first
+/// one), so `relative_cost` is `c(B, k + 1) / c(B, 1) + k * draft_cost` and the speed-up
+/// `E[tokens per step](k) / relative_cost` (Leviathan et al. 2023, section 3.4, with the
+/// measured verify cost in place of their `1`). `k = 0` is plain decoding (speed-up 1).
+/// `draft_cost` below 0 or not finite counts as 0.
+pub fn simulate_draft(
+    table: &CostTable,
+    acc: &AcceptanceModel,
+    batches: &[usize],
+    max_draft: usize,
+    draft_cost: f64,
+) -> SimResult {
+    let draft_cost = if draft_cost.is_finite() {
+        draft_cost.max(0.0)
+    } else {
+        0.0
+    };
     let mut grid = Vec::new();
     let mut best = Vec::new();
     for &b in batches {
         let base = table.cost(b, 1);
         let mut top: Option<SimCell> = None;
         for k in 0..=max_draft {
-            let rel = table.cost(b, k + 1) / base;
+            let rel = table.cost(b, k + 1) / base + k as f64 * draft_cost;
             let e = acc.expected_tokens(k);
             let cell = SimCell {
                 batch: b,
@@ -277,6 +301,22 @@ mod tests {
         assert_eq!(t.cost(4, 3), 6.0);
         assert!((t.cost(2, 1) - 4.0 / 3.0).abs() < 1e-12);
         assert_eq!(t.cost(1, 5), 3.0); // linear extrapolation: 1 + 0.5 * (5 - 1)
+    }
+
+    #[test]
+    fn draft_cost_adds_k_draft_forwards() {
+        let t = flat();
+        let acc = AcceptanceModel::Constant(0.8);
+        let free = simulate(&t, &acc, &[1], 4);
+        let paid = simulate_draft(&t, &acc, &[1], 4, 0.1);
+        for (f, p) in free.grid.iter().zip(&paid.grid) {
+            assert!((p.relative_cost - f.relative_cost - 0.1 * f.k as f64).abs() < 1e-12);
+            assert!((p.speedup - p.tokens_per_step / p.relative_cost).abs() < 1e-12);
+        }
+        // At a draft cost of 1 per token and a flat table nothing pays: the best is k = 0.
+        let r = simulate_draft(&t, &acc, &[1], 4, 1.0);
+        assert_eq!(r.best[0].k, 0);
+        assert_eq!(simulate_draft(&t, &acc, &[1], 4, f64::NAN), free);
     }
 
     #[test]

@@ -25,6 +25,13 @@ pub enum ProposerKind {
     DraftHead,
     /// The draft head, prompt lookup and suffix merged into one tree per step.
     HeadMerged,
+    /// The GGUF of --draft-model as the draft model, on our fast forward: the same tokenizer
+    /// as the target -> token drafts (`DraftModelProposer`); another tokenizer ->
+    /// `CrossVocabProposer` (re-tokenised drafts for greedy runs, TLI for sampled ones).
+    /// The default proposer when --draft-model is given.
+    DraftModel,
+    /// The --draft-model draft, prompt lookup and suffix merged into one tree per step.
+    DraftMerged,
     /// No speculation.
     None,
 }
@@ -79,9 +86,13 @@ pub struct Args {
     /// speculative-candle README).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
-    /// Proposer.
-    #[arg(long, value_enum, default_value = "prompt-lookup")]
-    pub proposer: ProposerKind,
+    /// Proposer (default: prompt-lookup, or draft-model with --draft-model).
+    #[arg(long, value_enum)]
+    pub proposer: Option<ProposerKind>,
+    /// Any GGUF as the draft model (on the fast forward, Q8 weights, --threads threads), same
+    /// tokenizer as the target or not; the run prints which mode it uses.
+    #[arg(long)]
+    pub draft_model: Option<PathBuf>,
     /// A token-recycling table written by `spec-bench warm-recycling`, for `recycling` and
     /// `merged` (default: an empty table, filled as the generation runs).
     #[arg(long)]
@@ -145,6 +156,18 @@ pub struct Args {
     pub quiet: bool,
 }
 
+impl Args {
+    /// The proposer of the run: `--proposer`, else `draft-model` with `--draft-model`, else
+    /// `prompt-lookup`.
+    pub fn proposer(&self) -> ProposerKind {
+        match (self.proposer, &self.draft_model) {
+            (Some(p), _) => p,
+            (None, Some(_)) => ProposerKind::DraftModel,
+            (None, None) => ProposerKind::PromptLookup,
+        }
+    }
+}
+
 /// Parses `--k` (checked by clap before the model loads): an integer, `adaptive` (at most 8
 /// draft tokens) or `adaptive:MAX`.
 ///
@@ -197,7 +220,7 @@ mod tests {
         let a = Args::try_parse_from(["speculate", "--prompt", "hi"]).unwrap();
         assert_eq!(a.backend, Backend::Fast);
         assert_eq!(a.format, Format::Q8);
-        assert_eq!(a.proposer, ProposerKind::PromptLookup);
+        assert_eq!(a.proposer(), ProposerKind::PromptLookup);
         assert_eq!(a.k, DraftLength::Fixed(4));
         assert_eq!((a.max_tokens, a.threads, a.temperature), (128, 1, 0.0));
         let a = Args::try_parse_from([
@@ -215,7 +238,18 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(a.backend, Backend::Llama);
-        assert_eq!(a.proposer, ProposerKind::HeadMerged);
+        assert_eq!(a.proposer(), ProposerKind::HeadMerged);
+        let d = Args::try_parse_from(["speculate", "--draft-model", "d.gguf"]).unwrap();
+        assert_eq!(d.proposer(), ProposerKind::DraftModel);
+        let d = [
+            "speculate",
+            "--draft-model",
+            "d",
+            "--proposer",
+            "draft-merged",
+        ];
+        let d = Args::try_parse_from(d).unwrap();
+        assert_eq!(d.proposer(), ProposerKind::DraftMerged);
         assert_eq!(a.stop, ["a", "b"]);
         let conflict = ["speculate", "--prompt", "p", "--prompt-file", "f"];
         assert!(Args::try_parse_from(conflict).is_err());

@@ -85,6 +85,13 @@ fn candle(path: &Path, format: Format) -> Result<Engine, DynError> {
 fn llama(path: &Path, threads: usize) -> Result<Engine, DynError> {
     use speculative_llama::{LlamaConfig, LlamaEngine, ModelOptions};
     let engine = LlamaEngine::load(path, &ModelOptions::default())?;
+    if speculative_llama::cpu_weight_repacking()? {
+        eprintln!(
+            "note: this llama.cpp build repacks weights (GGML_CPU_REPACK on): verify rows of \
+             Q4_0 / Q4_K / IQ4_NL weights are not bit-identical to single rows, so greedy \
+             output may leave plain greedy output at a near tie (see speculative_llama::cpu_weight_repacking)"
+        );
+    }
     // The training context, capped as in spec-bench: a long-context model would otherwise
     // allocate its whole KV cache (twice with `--proposer same-model`).
     let cfg = LlamaConfig::default()

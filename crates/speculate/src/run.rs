@@ -7,16 +7,40 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use spec_bench::draft_model::TargetText;
 use speculative::decode::{
-    DraftLength, Generation, GenerationParams, Generator, SeedSource, StopConditions, TreeDrafts,
+    Detokenizer, DraftLength, Generation, GenerationParams, Generator, SeedSource, StopConditions,
+    TreeDrafts,
 };
 use speculative::{NoProposer, Proposer, SamplingConfig, TargetModel};
-use speculative_candle::{ChatMessage, GgufDetokenizer, GgufTokenizer, default_model_path};
+use speculative_candle::{ChatMessage, GgufTokenizer, default_model_path};
 use speculative_guidance::{Grammar, GrammarMask, Vocabulary};
 
 use crate::args::{Args, Backend, ProposerKind};
 use crate::engines::{self, DynError, Engine};
-use crate::proposers;
+use crate::proposers::{self, TargetSide};
+
+/// The target's text as the loop's detokenizer (control tokens dropped).
+struct TextDetokenizer(TargetText);
+
+impl Detokenizer for TextDetokenizer {
+    fn decode(&self, tokens: &[u32]) -> speculative::Result<String> {
+        self.0
+            .decode(tokens, true)
+            .map_err(|e| speculative::Error::Model(Box::new(e)))
+    }
+}
+
+/// The target's text side: the GGUF tokenizer of a byte-level BPE file, else (the llama
+/// engine) llama.cpp's tokenizer and chat template.
+fn target_text(a: &Args, path: &Path) -> Result<TargetText, DynError> {
+    let backend = if a.backend == Backend::Llama {
+        "llama"
+    } else {
+        "fast"
+    };
+    Ok(TargetText::load(path, backend)?)
+}
 
 /// Runs the command: loads the model, generates speculatively (and plainly with `--compare`)
 /// and prints the text and the figures.
@@ -31,18 +55,23 @@ pub fn run(a: &Args) -> Result<(), DynError> {
     }
     let t0 = Instant::now();
     let engine = engines::load(a, &path)?;
-    let tok = Arc::new(GgufTokenizer::load(&path)?);
+    let tok = target_text(a, &path)?;
     print_loaded(a, &path, t0);
     let prompt = tok.encode(&prompt_text(a, &tok, text)?)?;
-    let mask = grammar_mask(a, &tok, prompt.len())?;
+    let mask = grammar_mask(a, tok.gguf(), prompt.len())?;
     let params = generation_params(a, &tok, mask.as_ref())?;
-    let vocab = engine.target.vocab_size();
-    let proposer = proposers::build(a, &engine, vocab, mask.as_ref())?;
+    let side = TargetSide {
+        engine: &engine,
+        vocab: engine.target.vocab_size(),
+        path: &path,
+        text: &tok,
+    };
+    let proposer = proposers::build(a, &side, mask.as_ref())?;
     let Engine { mut target, .. } = engine;
     eprintln!(
         "prompt: {} tokens; proposer {:?}, draft {:?}, temperature {}",
         prompt.len(),
-        a.proposer,
+        a.proposer(),
         params.draft(),
         a.temperature
     );
@@ -92,7 +121,7 @@ fn print_loaded(a: &Args, path: &Path, t0: Instant) {
 }
 
 /// `text` in the model's chat template (with `--system` first), or as it is with `--raw`.
-fn prompt_text(a: &Args, tok: &GgufTokenizer, text: String) -> Result<String, DynError> {
+fn prompt_text(a: &Args, tok: &TargetText, text: String) -> Result<String, DynError> {
     if a.raw {
         return Ok(text);
     }
@@ -101,14 +130,15 @@ fn prompt_text(a: &Args, tok: &GgufTokenizer, text: String) -> Result<String, Dy
         msgs.push(ChatMessage::system(s.clone()));
     }
     msgs.push(ChatMessage::user(text));
-    Ok(tok.apply_chat_template(&msgs)?)
+    Ok(tok.chat(&msgs)?)
 }
 
 /// Structured output: the mask of `--json-schema` / `--grammar` over the tokenizer's
-/// vocabulary, for a prompt of `prompt_len` tokens; `None` without either option.
+/// vocabulary (a byte-level BPE target's GGUF tokenizer `tok`), for a prompt of `prompt_len`
+/// tokens; `None` without either option.
 fn grammar_mask(
     a: &Args,
-    tok: &GgufTokenizer,
+    tok: Option<&GgufTokenizer>,
     prompt_len: usize,
 ) -> Result<Option<Arc<GrammarMask>>, DynError> {
     let grammar = match (&a.json_schema, &a.grammar) {
@@ -116,6 +146,8 @@ fn grammar_mask(
         (None, Some(p)) => Grammar::Lark(std::fs::read_to_string(p)?),
         (None, None) => return Ok(None),
     };
+    let tok =
+        tok.ok_or("--json-schema / --grammar need a target with a byte-level BPE tokenizer")?;
     let n = tok.vocab_size() as u32;
     let bytes = (0..n)
         .map(|i| tok.token_bytes(i).unwrap_or_default().to_vec())
@@ -131,7 +163,7 @@ fn grammar_mask(
 /// stop strings, draft length, trees). Prints the seed when sampling.
 fn generation_params(
     a: &Args,
-    tok: &GgufTokenizer,
+    tok: &TargetText,
     mask: Option<&Arc<GrammarMask>>,
 ) -> Result<GenerationParams, DynError> {
     let mut sampling = SamplingConfig::builder()
@@ -142,7 +174,7 @@ fn generation_params(
         sampling = sampling.mask(m.clone());
     }
     let sampling = sampling.build()?;
-    let draft = if a.proposer == ProposerKind::None {
+    let draft = if a.proposer() == ProposerKind::None {
         DraftLength::Off
     } else {
         a.k.clone()
@@ -152,12 +184,15 @@ fn generation_params(
     if a.temperature > 0.0 {
         eprintln!("seed {seed}");
     }
+    // The target's end-of-generation ids (Gemma 3: `<eos>` and `<end_of_turn>`).
+    let stop = tok
+        .eos_ids()
+        .into_iter()
+        .fold(StopConditions::default(), |s, t| s.with_eos(t));
     let stop = a
         .stop
         .iter()
-        .fold(StopConditions::eos(tok.eos_id()), |s, t| {
-            s.with_stop_string(t.as_str())
-        });
+        .fold(stop, |s, t| s.with_stop_string(t.as_str()));
     Ok(GenerationParams::builder()
         .sampling(sampling)
         .seed(seed)
@@ -175,12 +210,11 @@ fn speculative(
     a: &Args,
     target: &mut dyn TargetModel,
     proposer: Box<dyn Proposer>,
-    tok: &Arc<GgufTokenizer>,
+    tok: &TargetText,
     prompt: &[u32],
     params: &GenerationParams,
 ) -> Result<Generation, DynError> {
-    let mut g =
-        Generator::new(target, proposer).with_detokenizer(GgufDetokenizer::new(tok.clone(), true));
+    let mut g = Generator::new(target, proposer).with_detokenizer(TextDetokenizer(tok.clone()));
     let mut out = std::io::stdout();
     let bar = a.quiet.then(|| progress_bar(a.max_tokens));
     // The text arrives in whole characters; text that could still become a stop string is

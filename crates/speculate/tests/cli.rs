@@ -115,3 +115,95 @@ fn llama_engine_needs_the_feature() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("--features llama"));
 }
+
+/// `--draft-model` with the target's own file: the same tokenizer, so token drafts
+/// (`DraftModelProposer`); greedy output equal to plain decoding.
+#[test]
+fn draft_model_same_tokenizer() {
+    let m = model();
+    let out = speculate(&[
+        "--model",
+        &m,
+        "--draft-model",
+        &m,
+        "--prompt",
+        "Repeat exactly: the cat sat on the mat.",
+        "--max-tokens",
+        "16",
+        "--compare",
+    ]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("same tokenizer as the target"), "{stderr}");
+    assert!(
+        stderr.contains("mode of this run: DraftModelProposer"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("proposer DraftModel"), "{stderr}");
+    assert!(stdout.contains("greedy outputs identical: yes"), "{stdout}");
+    // The same model drafts: every draft is accepted.
+    assert!(stdout.contains("acceptance rate 1.000"), "{stdout}");
+}
+
+#[test]
+fn draft_model_proposer_needs_the_file() {
+    let out = speculate(&["--prompt", "hi", "--proposer", "draft-model"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("needs --draft-model FILE"));
+    let out = speculate(&["--prompt", "hi", "--draft-model", "/nonexistent.gguf"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("/nonexistent.gguf"));
+}
+
+/// Gemma 3 270M (optional: `scripts/fetch-gemma.sh`, Gemma Terms of Use) on llama.cpp, drafted
+/// by SmolLM2 with its other tokenizer: the cross-vocabulary modes, greedy (re-tokenising,
+/// identical to plain greedy) and sampled (TLI).
+#[cfg(feature = "llama")]
+#[test]
+fn draft_model_other_tokenizer_on_gemma() {
+    let gemma = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/gemma-3-270m-q4_k_m.gguf");
+    if !gemma.is_file() {
+        println!(
+            "skipped: {} is absent (scripts/fetch-gemma.sh fetches it; Gemma Terms of Use)",
+            gemma.display()
+        );
+        return;
+    }
+    let (g, d) = (gemma.display().to_string(), model());
+    let base = [
+        "--engine",
+        "llama",
+        "--model",
+        &g,
+        "--draft-model",
+        &d,
+        "--max-tokens",
+        "24",
+        "--prompt",
+        "Rewrite in the past tense: The shop opens at nine. The baker sells bread.",
+        "--compare",
+    ];
+    let out = speculate(&base);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("another tokenizer"), "{stderr}");
+    assert!(stderr.contains("re-tokenising greedy mode"), "{stderr}");
+    assert!(stdout.contains("greedy outputs identical: yes"), "{stdout}");
+    let sampled: Vec<&str> = base
+        .iter()
+        .copied()
+        .chain(["--temperature", "0.7", "--seed", "3"])
+        .collect();
+    let out = speculate(&sampled);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("mode of this run: CrossVocabProposer, TLI"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("[speculative] ") && stdout.contains("acceptance rate"),
+        "{stdout}"
+    );
+}
