@@ -27,7 +27,7 @@ pub struct PreparedRequest {
 /// conversation so far (the earlier turns' messages as user turns, and the outputs that the
 /// same configuration generated for them as assistant turns) followed by this turn's message,
 /// built by the [`PromptBuilder`] when the turn runs.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Turn {
     /// The conversation's name; turns of one session run in workload order.
     pub session: String,
