@@ -383,14 +383,10 @@ fn a_shared_system_prompt_is_copied_between_slots_at_concurrency_8() {
     let rows = no_copy.summary.prefill_rows;
     assert!((8 * 42 + 8..=8 * 42 + 8 * 2).contains(&rows), "{rows}");
     // Copy: the first request prefills the system prompt; the 7 others of the first wave
-    // copy it (they are admitted once it is in a slot), the second wave keeps it.
+    // wait for that prefill and copy it, the second wave keeps it: it is prefilled once.
     assert!(on.summary.prefix_copies >= 7, "{:?}", on.summary);
-    assert!(
-        on.summary.prefill_rows < no_copy.summary.prefill_rows,
-        "{} vs {}",
-        on.summary.prefill_rows,
-        no_copy.summary.prefill_rows
-    );
+    let rows = on.summary.prefill_rows;
+    assert!((42 + 15..=42 + 15 * 2).contains(&rows), "{rows}");
     let mut cells = vec![off, no_copy, on];
     assert_eq!(mark_mismatches(&mut cells), 0);
     let md = reuse_markdown(&cells.iter().map(|c| c.summary.clone()).collect::<Vec<_>>());
