@@ -434,6 +434,11 @@ fn run(a: RunArgs) -> Result<()> {
         request_markdown(&records)
     );
     // How each draft model was paired with the target (same tokenizer or cross-vocabulary).
+    if let Some(t) = spec_bench::report::ttft_markdown(&records) {
+        md.push_str(&format!(
+            "\n## Time to first token against the prefilled tokens\n\n{t}"
+        ));
+    }
     let notes = notes.into_inner();
     if !notes.is_empty() {
         md.push_str("\n## Draft models\n\n");
