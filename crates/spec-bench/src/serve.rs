@@ -1030,7 +1030,12 @@ pub fn predictions(cells: &[Cell], table: &CostTable, config: &BatchConfig) -> V
                     .run
                     .records
                     .iter()
-                    .map(|r| (r.prompt_tokens, r.tokens.len()))
+                    // The prompt tokens it fed (reuse on: the rest after the cached prefix;
+                    // records without the field: the whole prompt).
+                    .map(|r| match r.prompt_prefilled {
+                        0 => (r.prompt_tokens, r.tokens.len()),
+                        fed => (fed, r.tokens.len()),
+                    })
                     .collect();
                 let m = ServeModel::of(&c.summary, &c.run, config);
                 let p = predict_closed_loop(table, &reqs, conc, &m);
@@ -1237,14 +1242,15 @@ pub fn concurrency_markdown(cells: &[CellSummary]) -> String {
 /// paying.
 pub fn prediction_markdown(preds: &[Prediction]) -> String {
     let mut s = String::from(
-        "| mode | concurrency | measured tok/s | predicted tok/s | error | cost table on the actual steps | measured speed-up | predicted speed-up |\n|---|---|---|---|---|---|---|---|\n",
+        "| mode | concurrency | reuse | measured tok/s | predicted tok/s | error | cost table on the actual steps | measured speed-up | predicted speed-up |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     let x = |v: Option<f64>| v.map(|v| format!("{v:.2}x")).unwrap_or_else(|| "-".into());
     for p in preds {
         s.push_str(&format!(
-            "| {} | {} | {:.1} | {:.1} | {:+.1}% | {:+.1}% | {} | {} |\n",
+            "| {} | {} | {} | {:.1} | {:.1} | {:+.1}% | {:+.1}% | {} | {} |\n",
             p.mode.label(),
             p.concurrency,
+            p.reuse.label(),
             p.measured_tokens_per_s,
             p.predicted_tokens_per_s,
             p.error * 100.0,
