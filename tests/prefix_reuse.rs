@@ -104,7 +104,10 @@ fn a_conversation_prefills_only_its_new_tokens_and_outputs_do_not_change() {
 
 #[test]
 fn the_cache_after_reuse_is_a_fresh_prefill_of_the_prompt() {
-    let mut g = Generator::new(ToyModel::markov(V, 2, 2.0, 1), NoProposer);
+    // The session prefills before its first step (no fused prefill, which feeds the prompt
+    // in that step: tests/fused_prefill.rs).
+    let mut g =
+        Generator::new(ToyModel::markov(V, 2, 2.0, 1), NoProposer).with_fused_prefill(false);
     g.generate(&[1, 2, 3, 4, 5], &params(4, false)).unwrap();
     // A prompt that diverges inside the cached prefix keeps only the common part.
     let prompt = [1, 2, 3, 9, 9, 9];

@@ -215,6 +215,9 @@ struct Recording<'p> {
 }
 
 impl Proposer for Recording<'_> {
+    fn drafts_from_tokens(&self) -> bool {
+        self.inner.drafts_from_tokens()
+    }
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> speculative::Result<()> {
         self.inner.propose(req, draft)?;
         self.pending_k = Some(draft.tokens.len().min(req.max_draft));

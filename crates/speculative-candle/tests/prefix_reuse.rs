@@ -54,7 +54,8 @@ fn chat<T: TargetModel>(g: &mut Generator<T, PromptLookup>) -> Vec<(Vec<u32>, us
 }
 
 /// After a first generation, a longer prompt sharing its prefix: the reused cache plus the last
-/// token's forward gives the logits of a fresh prefill of the prompt, bit for bit.
+/// token's forward gives the logits of a fresh prefill of the prompt, bit for bit. (`g` runs
+/// without the fused prefill, so that its session prefills before the first step.)
 fn logits_after_reuse<T: TargetModel>(mut g: Generator<T, NoProposer>, mut fresh: T) {
     let first = common::chat(QUESTIONS[0]);
     let out = g.generate(&first, &params(8)).unwrap();
@@ -84,7 +85,7 @@ fn logits_after_reuse<T: TargetModel>(mut g: Generator<T, NoProposer>, mut fresh
 fn fast_target_logits_after_reuse_equal_a_fresh_prefill_and_chats_do_not_change() {
     let w = common::fast_weights();
     logits_after_reuse(
-        Generator::new(FastTarget::new(w.clone()), NoProposer),
+        Generator::new(FastTarget::new(w.clone()), NoProposer).with_fused_prefill(false),
         FastTarget::new(w.clone()),
     );
     let pl = || PromptLookup::new(1, 3).unwrap();
@@ -100,7 +101,7 @@ fn fast_target_logits_after_reuse_equal_a_fresh_prefill_and_chats_do_not_change(
 fn candle_target_logits_after_reuse_equal_a_fresh_prefill() {
     let w = common::weights(WeightFormat::Q8_0);
     logits_after_reuse(
-        Generator::new(CandleTarget::new(w.clone()), NoProposer),
+        Generator::new(CandleTarget::new(w.clone()), NoProposer).with_fused_prefill(false),
         CandleTarget::new(w),
     );
 }
