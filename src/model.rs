@@ -27,7 +27,9 @@ use crate::tree::DraftBlock;
 /// Call order in the decoding loop ([`crate::decode::Generator`]): at the start of a generation
 /// `truncate(p)`, where `p` is the prefix of the prompt the cache already holds from the
 /// previous generation (0 with prefix reuse off or nothing in common; at most `n - 1`), then,
-/// when `p < n - 1`, one [`TargetModel::prefill`] with `prompt[p..n - 1]` (no logits needed).
+/// when `p < n - 1`, one [`TargetModel::prefill`] with `prompt[p..n - 1]` (no logits needed;
+/// with the fused prefill, [`crate::decode::Generator::with_fused_prefill`], those tokens go
+/// instead ahead of the first step's rows in one [`TargetModel::forward_tail`]).
 /// Then, once per speculative step, one
 /// [`TargetModel::forward`] with `[last token, d_1 .. d_k]`, reading back the logits of every
 /// appended position (`[k + 1, vocab]`), and after verification [`TargetModel::truncate`] to

@@ -405,8 +405,8 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
     /// proposer drafts from tokens alone or the request drafts nothing, and a first step will
     /// run (the prompt leaves room in the context).
     fn fuses(&self, prompt: &[u32], params: &GenerationParams, truncates: bool) -> bool {
-        let drafts_ok = matches!(params.draft, super::DraftLength::Off)
-            || self.proposer.drafts_from_tokens();
+        let drafts_ok =
+            matches!(params.draft, super::DraftLength::Off) || self.proposer.drafts_from_tokens();
         self.fused_prefill
             && truncates
             && drafts_ok

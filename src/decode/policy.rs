@@ -820,7 +820,14 @@ impl AdaptiveState {
         propose_secs: f64,
     ) {
         let reached = (accepted + tested_next as usize).min(depth);
-        self.record(cfg, depth, accepted, reached, Some(forward_secs), propose_secs);
+        self.record(
+            cfg,
+            depth,
+            accepted,
+            reached,
+            Some(forward_secs),
+            propose_secs,
+        );
     }
 
     /// Records one step of any shape for the tree policy: the verified draft `block` (a chain

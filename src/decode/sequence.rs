@@ -856,11 +856,16 @@ impl Sequence {
         let params = &self.params;
         // Tree drafts: every node holds a KV slot until the commit, so the node budget is also
         // capped by the context room (the depth, like a chain's k, by `cap`).
-        let tree_room = match params.tree.node_budget() {
-            // A fused prefill's step is a chain (the prompt tokens go ahead of its rows).
-            _ if self.unfed > 0 => 0,
+        let mut tree_room = match params.tree.node_budget() {
             0 => 0,
             n => n.min(self.limits.max_tree_nodes).min(room),
+        };
+        // A fused prefill's step is a chain (the prompt tokens go ahead of its rows); under the
+        // tree policy, as deep as the tree it would have drafted.
+        let fused_tree = if self.unfed > 0 {
+            std::mem::take(&mut tree_room)
+        } else {
+            0
         };
         let user_branch = match params.tree.branch() {
             0 => usize::MAX,
@@ -884,6 +889,19 @@ impl Sequence {
                 };
                 let s = self.adaptive.choose_tree(a, limits);
                 (s.depth, s.nodes, s.branch.clamp(1, user_branch), true)
+            }
+            DraftLength::Adaptive(a) if fused_tree > 0 => {
+                let limits = TreeShape {
+                    nodes: fused_tree,
+                    depth: cap,
+                    branch: user_branch,
+                };
+                (
+                    self.adaptive.choose_tree(a, limits).depth,
+                    0,
+                    user_branch,
+                    false,
+                )
             }
             DraftLength::Adaptive(a) => (self.adaptive.choose(a, cap), 0, user_branch, false),
         };

@@ -332,6 +332,12 @@ struct RunArgs {
     /// baseline; reuse-on records are labelled ` +reuse`).
     #[arg(long, default_value = "on")]
     prefix_reuse: String,
+    /// Feed the prompt tokens each run has left to prefill (the new message of a turn after
+    /// prefix reuse, or a whole prompt) in its first verify forward instead of a prefill
+    /// forward of their own (`Generator::with_fused_prefill`): `on` (the default) or `off`.
+    /// Applies to the plain baselines and to proposers that draft from tokens alone.
+    #[arg(long, default_value = "on")]
+    fused_prefill: String,
 }
 
 #[derive(Args)]
@@ -557,6 +563,11 @@ fn run_engine(
         reps: a.reps,
         carry: a.carry,
         forced_drafts: !a.no_forced_drafts,
+        fused_prefill: match a.fused_prefill.as_str() {
+            "on" => true,
+            "off" => false,
+            other => return Err(bad_arg("--fused-prefill", format!("{other} (on or off)"))),
+        },
         prefix_reuse: match a.prefix_reuse.as_str() {
             "on" => vec![true],
             "off" => vec![false],

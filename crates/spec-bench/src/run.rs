@@ -309,6 +309,8 @@ pub struct RunInput<'a> {
     /// untimed with [`speculative::decode::Generator::prefill_cache`]; the run then reuses
     /// their common prefix with its prompt. `None`: reuse off (a full prefill).
     pub cached: Option<&'a [u32]>,
+    /// [`speculative::decode::Generator::with_fused_prefill`] for the run.
+    pub fused_prefill: bool,
 }
 
 impl RunInput<'_> {
@@ -392,7 +394,9 @@ pub fn run_one(
     };
     reset_peak_rss();
     let mut arrivals: Vec<(f64, usize)> = Vec::new();
-    let mut g = Generator::new(&mut *target, &mut rec).with_prefix_reuse(input.cached.is_some());
+    let mut g = Generator::new(&mut *target, &mut rec)
+        .with_prefix_reuse(input.cached.is_some())
+        .with_fused_prefill(input.fused_prefill);
     if let Some(c) = input.cached {
         g.prefill_cache(c)?;
     }
