@@ -108,8 +108,15 @@ fn merged() -> MergedProposer {
 }
 
 /// Asserts a fused run (`a`, log `la`) did what a separate one (`b`, `lb`) did with one forward
-/// fewer per generation: the same tokens, the same verify calls and tokens fed, no prefill.
-fn check_fused(a: &Turns, la: &CallLog<ToyModel>, b: &Turns, lb: &CallLog<ToyModel>, what: &str) {
+/// fewer per generation: the same tokens, no prefill; with `same_steps` (fixed draft lengths)
+/// also the same verify calls and tokens fed. (The adaptive policy learns no forward cost from
+/// a fused step, so its later choices may differ.)
+fn check_fused(
+    (a, la): &(Turns, CallLog<ToyModel>),
+    (b, lb): &(Turns, CallLog<ToyModel>),
+    same_steps: bool,
+    what: &str,
+) {
     assert_eq!(tokens(a), tokens(b), "{what}");
     assert!(la.prefills.is_empty(), "{what}: {:?}", la.prefills);
     assert_eq!(lb.prefills.len(), a.len(), "{what}");
@@ -124,7 +131,9 @@ fn check_fused(a: &Turns, la: &CallLog<ToyModel>, b: &Turns, lb: &CallLog<ToyMod
             (m_off.prompt_tokens_reused, m_off.prompt_tokens_prefilled),
             "{what} turn {t}"
         );
-        assert_eq!(m.target_calls, m_off.target_calls, "{what} turn {t}");
+        if same_steps {
+            assert_eq!(m.target_calls, m_off.target_calls, "{what} turn {t}");
+        }
         assert_eq!(m.emitted, m_off.emitted, "{what} turn {t}");
         assert!(m.time_to_first_token.is_some());
         if t > 0 {
@@ -138,8 +147,10 @@ fn check_fused(a: &Turns, la: &CallLog<ToyModel>, b: &Turns, lb: &CallLog<ToyMod
             + l.tails.iter().map(|t| t.0).sum::<usize>()
     };
     let calls = |l: &CallLog<ToyModel>| l.prefills.len() + l.forwards.len() + l.tails.len();
-    assert_eq!(fed(la), fed(lb), "{what}");
-    assert_eq!(calls(la) + a.len(), calls(lb), "{what}");
+    if same_steps {
+        assert_eq!(fed(la), fed(lb), "{what}");
+        assert_eq!(calls(la) + a.len(), calls(lb), "{what}");
+    }
 }
 
 #[test]
@@ -149,12 +160,13 @@ fn model_free_proposers_fuse_the_prefill_and_outputs_do_not_change() {
         for draft in [DraftLength::Fixed(3), adaptive.clone()] {
             let p = params(9, sampled, draft.clone(), 0);
             let what = format!("sampled {sampled}, {draft:?}");
-            let ((a, la), (b, lb)) = both(|| PromptLookup::new(1, 3).unwrap(), &p);
-            check_fused(&a, &la, &b, &lb, &format!("prompt lookup, {what}"));
-            let ((a, la), (b, lb)) = both(suffix, &p);
-            check_fused(&a, &la, &b, &lb, &format!("suffix, {what}"));
-            let ((a, la), (b, lb)) = both(merged, &p);
-            check_fused(&a, &la, &b, &lb, &format!("merged, {what}"));
+            let same = matches!(draft, DraftLength::Fixed(_));
+            let (on, off) = both(|| PromptLookup::new(1, 3).unwrap(), &p);
+            check_fused(&on, &off, same, &format!("prompt lookup, {what}"));
+            let (on, off) = both(suffix, &p);
+            check_fused(&on, &off, same, &format!("suffix, {what}"));
+            let (on, off) = both(merged, &p);
+            check_fused(&on, &off, same, &format!("merged, {what}"));
         }
     }
 }
@@ -163,8 +175,9 @@ fn model_free_proposers_fuse_the_prefill_and_outputs_do_not_change() {
 fn fused_outputs_equal_plain_decoding_and_plain_decoding_fuses_too() {
     for sampled in [false, true] {
         let plain = params(9, sampled, DraftLength::Off, 0);
-        let ((a, la), (b, lb)) = both(|| NoProposer, &plain);
-        check_fused(&a, &la, &b, &lb, "plain");
+        let (on, off) = both(|| NoProposer, &plain);
+        check_fused(&on, &off, true, "plain");
+        let a = on.0;
         // Speculative decoding with the fused prefill gives plain decoding's tokens.
         let spec = params(9, sampled, DraftLength::Fixed(4), 0);
         let ((s, _), _) = both(|| PromptLookup::new(1, 3).unwrap(), &spec);
@@ -293,21 +306,21 @@ fn targets_that_cannot_truncate_and_feature_proposers_prefill_separately() {
     let rnn = || ToyRnn::new(V, 6, 3.0, 1);
     let p = params(9, false, DraftLength::Fixed(3), 0);
     for snapshot in [true, false] {
-        let target = || {
-            let t = if snapshot {
-                RecurrentToy::snapshot(rnn(), 4096)
-            } else {
-                RecurrentToy::row_states(rnn(), 4096)
-            };
-            CallLog::new(t)
+        let target = if snapshot {
+            RecurrentToy::snapshot(rnn(), 4096)
+        } else {
+            RecurrentToy::row_states(rnn(), 4096)
         };
-        let mut g = Generator::new(target(), PromptLookup::new(1, 3).unwrap());
+        let mut g = Generator::new(target, PromptLookup::new(1, 3).unwrap());
         let mut reference = Generator::new(rnn().target(4096), NoProposer);
         let a = converse(&mut g, 4, &p);
         let b = converse(&mut reference, 4, &p);
         assert_eq!(tokens(&a), tokens(&b), "snapshot {snapshot}");
+        // Every prompt went through a prefill of its own (the cache is kept only when the
+        // prompt extends it, so each turn prefills its new tokens).
         assert!(a.iter().all(|(_, m)| m.prompt_tokens_fused == 0));
-        assert!(g.target().tails.is_empty(), "snapshot {snapshot}");
+        let prefilled: usize = a.iter().map(|(_, m)| m.prompt_tokens_prefilled - 1).sum();
+        assert!(g.target().prefill_tokens >= prefilled, "snapshot {snapshot}");
     }
     // A draft model's proposer keeps the separate prefill (it needs its own cache of the
     // prompt, and a feature-conditioned one the target's features).
