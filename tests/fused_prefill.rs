@@ -194,9 +194,11 @@ fn a_tree_request_drafts_a_chain_in_the_fused_step_then_trees() {
             let ((a, la), (b, lb)) = both(merged, &p);
             // Tree steps differ in the first step only, so compare tokens, not calls.
             assert_eq!(tokens(&a), tokens(&b), "sampled {sampled}");
-            assert!(la.prefills.is_empty());
+            assert!(la.prefills.is_empty() && lb.tails.is_empty());
             assert_eq!(la.tails.len(), a.len());
             assert!(!la.trees.is_empty(), "later steps draft trees");
+            // The fused steps were chains: one tree forward fewer per generation at most.
+            assert!(la.trees.len() < lb.trees.len() + a.len());
             // Plain decoding gives the same tokens.
             let plain = params(12, sampled, DraftLength::Off, 0);
             let ((c, _), _) = both(|| NoProposer, &plain);
@@ -320,7 +322,10 @@ fn targets_that_cannot_truncate_and_feature_proposers_prefill_separately() {
         // prompt extends it, so each turn prefills its new tokens).
         assert!(a.iter().all(|(_, m)| m.prompt_tokens_fused == 0));
         let prefilled: usize = a.iter().map(|(_, m)| m.prompt_tokens_prefilled - 1).sum();
-        assert!(g.target().prefill_tokens >= prefilled, "snapshot {snapshot}");
+        assert!(
+            g.target().prefill_tokens >= prefilled,
+            "snapshot {snapshot}"
+        );
     }
     // A draft model's proposer keeps the separate prefill (it needs its own cache of the
     // prompt, and a feature-conditioned one the target's features).

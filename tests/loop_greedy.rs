@@ -359,8 +359,7 @@ fn prompt_prefill_goes_through_prefill_once_and_output_is_unchanged() {
     let mut want_model = ToyModel::c10();
     let want = plain_greedy(&mut want_model, &prompt, 20);
     let mut t = CallLog::new(ToyModel::c10());
-    let mut g =
-        Generator::new(&mut t, PromptLookup::new(1, 3).unwrap()).with_fused_prefill(false);
+    let mut g = Generator::new(&mut t, PromptLookup::new(1, 3).unwrap()).with_fused_prefill(false);
     let out = g.generate(&prompt, &GenerationParams::greedy(20)).unwrap();
     assert_eq!(out.tokens, want);
     drop(g);

@@ -335,7 +335,9 @@ struct RunArgs {
     /// Feed the prompt tokens each run has left to prefill (the new message of a turn after
     /// prefix reuse, or a whole prompt) in its first verify forward instead of a prefill
     /// forward of their own (`Generator::with_fused_prefill`): `on` (the default) or `off`.
-    /// Applies to the plain baselines and to proposers that draft from tokens alone.
+    /// Applies to the plain baselines and to proposers that draft from tokens alone. Such a
+    /// run has no separate prefill (its time is in the first forward), so its decode speed-up
+    /// equals its end-to-end one; run `off` for the decode speed-up without the prefill.
     #[arg(long, default_value = "on")]
     fused_prefill: String,
 }
