@@ -18,7 +18,7 @@ BIN="${CARGO_TARGET_DIR:-target}/release/spec-bench"
 OUT="${OUT:-docs/results}"
 REQUESTS="${REQUESTS:-32}"
 COMMON=(--threads 1 --proposer merged:prompt-lookup+suffix --modes plain,fixed:4,goodput:8
-    --concurrency 1,2,4,8,16 --requests "$REQUESTS" --max-tokens 128 --seed 0)
+    --concurrency 1,2,4,8,16 --requests "$REQUESTS" --max-tokens 128 --seed 0 --prefix-reuse on)
 # The rewrite + code-edit mix (speculation should pay: outputs copy the prompt).
 $BIN serve --workload docs/workloads/smollm2.jsonl --kinds rewrite,code-edit "${COMMON[@]}" \
     --rate 1,4 --out "$OUT/serve-rewrite-code"

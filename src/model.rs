@@ -32,7 +32,9 @@ pub use layout::{FeatureLayer, FeatureLayout};
 /// Call order in the decoding loop ([`crate::decode::Generator`]): at the start of a generation
 /// `truncate(p)`, where `p` is the prefix of the prompt the cache already holds from the
 /// previous generation (0 with prefix reuse off or nothing in common; at most `n - 1`), then,
-/// when `p < n - 1`, one [`TargetModel::prefill`] with `prompt[p..n - 1]` (no logits needed).
+/// when `p < n - 1`, one [`TargetModel::prefill`] with `prompt[p..n - 1]` (no logits needed;
+/// with the fused prefill, [`crate::decode::Generator::with_fused_prefill`], those tokens go
+/// instead ahead of the first step's rows in one [`TargetModel::forward_tail`]).
 /// Then, once per speculative step, one
 /// [`TargetModel::forward`] with `[last token, d_1 .. d_k]`, reading back the logits of every
 /// appended position (`[k + 1, vocab]`), and after verification [`TargetModel::truncate`] to
@@ -129,6 +131,43 @@ pub trait TargetModel {
         self.forward(tokens, &mut logits)
     }
 
+    /// Appends `tokens` (`n >= 1`) and writes the logits of their last `rows` positions
+    /// (`1 <= rows <= n`) into `logits`, cleared first: `[rows, vocab]` row-major, row `i`
+    /// following `tokens[n - rows + i]`. The first `n - rows` tokens are fed as by
+    /// [`TargetModel::prefill`] (no logits read). [`crate::decode::Generator`] calls it for a
+    /// fused prefill: the prompt tokens prefix reuse left to feed, followed by the first
+    /// step's verify rows `[last, d_1 .. d_k]`, in one forward
+    /// ([`crate::decode::Generator::with_fused_prefill`]).
+    ///
+    /// The default is [`TargetModel::prefill`] of the first `n - rows` tokens (when any)
+    /// followed by [`TargetModel::forward`] of the rest: two forwards, exactly as without a
+    /// fused prefill. Engines that can skip the output head per row should override it with
+    /// one forward over all `n` rows and the head over the last `rows` only; the logits must
+    /// then equal the default's (bit for bit on a batch-invariant engine: a row's logits do not
+    /// depend on the other rows of the call), the KV cache and
+    /// [`HiddenStates::last_hidden`] (when offered: every appended row, `[n, hidden]`) as
+    /// after `forward` of all `n` tokens. On error the sequence should be left as it was.
+    ///
+    /// # Errors
+    /// As [`TargetModel::forward`]; [`crate::Error::Model`] for `rows == 0` or `rows > n`
+    /// (the default's check).
+    fn forward_tail(&mut self, tokens: &[u32], rows: usize, logits: &mut Vec<f32>) -> Result<()> {
+        check_tail(tokens.len(), rows)?;
+        let head = tokens.len() - rows;
+        if head > 0 {
+            let len = self.seq_len();
+            self.prefill(&tokens[..head])?;
+            if let Err(e) = self.forward(&tokens[head..], logits) {
+                // Leave the sequence as it was (best effort: a failed truncation keeps the
+                // forward's error).
+                let _ = self.truncate(len);
+                return Err(e);
+            }
+            return Ok(());
+        }
+        self.forward(tokens, logits)
+    }
+
     /// The engine's tree support, `None` (the default) when it has none: the loop then verifies
     /// chains. An engine that implements [`TreeTarget`] returns `Some(self)`.
     fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
@@ -209,6 +248,9 @@ impl<T: TargetModel + ?Sized> TargetModel for Box<T> {
     fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
         (**self).prefill(tokens)
     }
+    fn forward_tail(&mut self, tokens: &[u32], rows: usize, logits: &mut Vec<f32>) -> Result<()> {
+        (**self).forward_tail(tokens, rows, logits)
+    }
     fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
         (**self).tree()
     }
@@ -242,6 +284,9 @@ impl<T: TargetModel + ?Sized> TargetModel for &mut T {
     fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
         (**self).prefill(tokens)
     }
+    fn forward_tail(&mut self, tokens: &[u32], rows: usize, logits: &mut Vec<f32>) -> Result<()> {
+        (**self).forward_tail(tokens, rows, logits)
+    }
     fn tree(&mut self) -> Option<&mut dyn TreeTarget> {
         (**self).tree()
     }
@@ -254,6 +299,19 @@ impl<T: TargetModel + ?Sized> TargetModel for &mut T {
     fn rollback(&mut self) -> Option<Rollback<'_>> {
         (**self).rollback()
     }
+}
+
+/// `Err(Model)` unless `1 <= rows <= n` ([`TargetModel::forward_tail`]'s rows of `n` tokens).
+///
+/// # Errors
+/// [`crate::Error::Model`] naming both counts.
+pub(crate) fn check_tail(n: usize, rows: usize) -> Result<()> {
+    if rows == 0 || rows > n {
+        return Err(crate::Error::model(format!(
+            "forward_tail: {rows} logit rows of {n} tokens (need 1 <= rows <= n)"
+        )));
+    }
+    Ok(())
 }
 
 /// Which rollback a model offers: a plain value of [`Rollback`] / [`BatchRollback`].

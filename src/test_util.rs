@@ -330,6 +330,9 @@ pub struct CallLog<M> {
     pub prefills: Vec<usize>,
     /// Token counts of the `forward` calls.
     pub forwards: Vec<usize>,
+    /// `(tokens, logit rows)` of the [`TargetModel::forward_tail`] calls (a fused prefill);
+    /// each runs the inner model's `forward_tail` (not logged in `prefills` / `forwards`).
+    pub tails: Vec<(usize, usize)>,
     /// The blocks of the `forward_tree` calls: `(root, tokens, parent rows)`.
     pub trees: Vec<(u32, Vec<u32>, Vec<u32>)>,
     /// The paths of the `commit_tree` calls.
@@ -344,6 +347,7 @@ impl<M> CallLog<M> {
             inner,
             prefills: Vec::new(),
             forwards: Vec::new(),
+            tails: Vec::new(),
             trees: Vec::new(),
             commits: Vec::new(),
             tree_cap: 0,
@@ -372,6 +376,10 @@ impl<M: TargetModel> TargetModel for CallLog<M> {
         self.prefills.push(tokens.len());
         let mut scratch = Vec::new();
         self.inner.forward(tokens, &mut scratch)
+    }
+    fn forward_tail(&mut self, tokens: &[u32], rows: usize, logits: &mut Vec<f32>) -> Result<()> {
+        self.tails.push((tokens.len(), rows));
+        self.inner.forward_tail(tokens, rows, logits)
     }
     fn hidden_states(&self) -> Option<&dyn HiddenStates> {
         self.inner.hidden_states()
@@ -435,6 +443,11 @@ impl RandomProposer {
 }
 
 impl Proposer for RandomProposer {
+    /// `true`: drafts from the context's tokens alone.
+    fn drafts_from_tokens(&self) -> bool {
+        true
+    }
+
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
         let s = Stream::new(req.seed ^ self.salt.rotate_left(29) ^ 0xA5A5);
@@ -496,6 +509,11 @@ impl ScriptedProposer {
 }
 
 impl Proposer for ScriptedProposer {
+    /// `true`: drafts from the context's tokens alone.
+    fn drafts_from_tokens(&self) -> bool {
+        true
+    }
+
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
         if let Some(s) = self.steps.get(self.next) {

@@ -359,12 +359,24 @@ fn prompt_prefill_goes_through_prefill_once_and_output_is_unchanged() {
     let mut want_model = ToyModel::c10();
     let want = plain_greedy(&mut want_model, &prompt, 20);
     let mut t = CallLog::new(ToyModel::c10());
-    let mut g = Generator::new(&mut t, PromptLookup::new(1, 3).unwrap());
+    let mut g = Generator::new(&mut t, PromptLookup::new(1, 3).unwrap()).with_fused_prefill(false);
     let out = g.generate(&prompt, &GenerationParams::greedy(20)).unwrap();
     assert_eq!(out.tokens, want);
     drop(g);
     assert_eq!(t.prefills, vec![prompt.len() - 1]);
-    assert!(!t.forwards.is_empty());
+    assert!(!t.forwards.is_empty() && t.tails.is_empty());
+    // The fused prefill (the default) feeds them in the first verify forward instead.
+    t.prefills.clear();
+    t.forwards.clear();
+    t.truncate(0).unwrap();
+    let mut g = Generator::new(&mut t, PromptLookup::new(1, 3).unwrap());
+    let out = g.generate(&prompt, &GenerationParams::greedy(20)).unwrap();
+    assert_eq!(out.tokens, want);
+    assert_eq!(out.metrics.prompt_tokens_fused, prompt.len() - 1);
+    drop(g);
+    assert!(t.prefills.is_empty());
+    assert_eq!(t.tails.len(), 1);
+    assert_eq!(t.tails[0].0 - t.tails[0].1, prompt.len() - 1);
     // A one-token prompt needs no prefill.
     t.prefills.clear();
     let mut g = Generator::new(&mut t, NoProposer);

@@ -104,7 +104,10 @@ fn a_conversation_prefills_only_its_new_tokens_and_outputs_do_not_change() {
 
 #[test]
 fn the_cache_after_reuse_is_a_fresh_prefill_of_the_prompt() {
-    let mut g = Generator::new(ToyModel::markov(V, 2, 2.0, 1), NoProposer);
+    // The session prefills before its first step (no fused prefill, which feeds the prompt
+    // in that step: tests/fused_prefill.rs).
+    let mut g =
+        Generator::new(ToyModel::markov(V, 2, 2.0, 1), NoProposer).with_fused_prefill(false);
     g.generate(&[1, 2, 3, 4, 5], &params(4, false)).unwrap();
     // A prompt that diverges inside the cached prefix keeps only the common part.
     let prompt = [1, 2, 3, 9, 9, 9];
@@ -439,4 +442,59 @@ fn a_prefilled_cache_is_reused_with_its_hidden_rows() {
     assert_eq!(a.tokens, b.tokens);
     assert_eq!(on.proposer().log, off.proposer().log);
     assert!(on.prefill_cache(&[V as u32]).is_err());
+}
+
+/// Requests submitted together with one system prompt: with prefix copy the first one
+/// prefills it and the others wait for that prefill and copy it (the system prompt is
+/// prefilled once); a request with nothing in common is not held back; outputs equal those
+/// without copy and without reuse.
+#[test]
+fn requests_submitted_together_prefill_a_shared_system_prompt_once() {
+    let system: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % V as u32).collect();
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|c| [system.clone(), user(c, 0)].concat())
+        .chain([vec![5; 30]])
+        .collect();
+    use speculative::decode::RequestId;
+    let run = |b: &mut dyn FnMut(BatchRequest) -> RequestId| {
+        prompts
+            .iter()
+            .map(|p| b(BatchRequest::new(p.clone(), params(4, false), NoProposer)))
+            .collect::<Vec<_>>()
+    };
+    let outputs = |done: Vec<speculative::decode::Finished>, ids: &[RequestId]| {
+        ids.iter()
+            .map(|id| {
+                let f = done.iter().find(|f| f.id == *id).unwrap();
+                f.result.as_ref().unwrap().tokens.clone()
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut on = BatchGenerator::new(slots(5));
+    let ids = run(&mut |r| on.submit(r).unwrap());
+    // Step 1 admits the first request and the unrelated one; the other three wait.
+    on.step().unwrap();
+    assert_eq!((on.active(), on.waiting()), (2, 3));
+    let done = on.run().unwrap();
+    let got = outputs(done, &ids);
+    let m = on.metrics();
+    assert_eq!(m.prefix_copies, 3);
+    // Prefill rows: the first prompt, the unrelated one, and only the user part of the others
+    // (each prompt's last token is fed with its first decode row).
+    let users: usize = (1..4).map(|c| user(c, 0).len() - 1).sum();
+    assert_eq!(
+        m.prefill_rows as usize,
+        (prompts[0].len() - 1) + 29 + users,
+        "{m:?}"
+    );
+    let mut no_copy = BatchGenerator::new(NoCopy(slots(5)));
+    let ids = run(&mut |r| no_copy.submit(r).unwrap());
+    let done = no_copy.run().unwrap();
+    assert_eq!(outputs(done, &ids), got);
+    let all: usize = prompts.iter().map(|p| p.len() - 1).sum();
+    assert_eq!(no_copy.metrics().prefill_rows as usize, all);
+    let mut off = BatchGenerator::new(slots(5)).with_prefix_reuse(false);
+    let ids = run(&mut |r| off.submit(r).unwrap());
+    let done = off.run().unwrap();
+    assert_eq!(outputs(done, &ids), got);
 }

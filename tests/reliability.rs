@@ -66,8 +66,10 @@ fn c11_drafts_past_an_accepted_eos_are_never_processed() {
         let out = g.generate(&[0, 0], &params).unwrap();
         assert_eq!(out.tokens, vec![1, 2, 3]);
         assert_eq!(out.finish, FinishReason::Eos);
-        // One forward over [last, 1, 2]: no row after the EOS draft was computed.
-        assert_eq!(g.target().forwards, vec![3]);
+        // One forward over [0, last, 1, 2] (the prompt's first token fused ahead of the
+        // verify rows), with 3 verify rows: no row after the EOS draft was computed.
+        assert_eq!(g.target().tails, vec![(4, 3)]);
+        assert!(g.target().forwards.is_empty() && g.target().prefills.is_empty());
         assert_eq!(out.metrics.proposed, 3);
         assert_eq!(out.metrics.accepted, 3);
     }
@@ -88,7 +90,9 @@ fn c11_a_stop_sequence_completed_inside_a_draft_cuts_it() {
     let out = g.generate(&[0, 0], &params).unwrap();
     assert_eq!(out.tokens, vec![1, 2, 3]);
     assert_eq!(out.finish, FinishReason::StopSequence);
-    assert_eq!(g.target().forwards, vec![3]);
+    // The fused prefill's forward: the prompt's first token, then 3 verify rows.
+    assert_eq!(g.target().tails, vec![(4, 3)]);
+    assert!(g.target().forwards.is_empty());
 }
 
 #[test]

@@ -15,7 +15,7 @@ use super::sequence::{
     CacheOp, Committed, Generation, GenerationError, Plan, Sequence, Start, StepMark, StepTimes,
     StreamChunk, TargetLimits, check_request, kept_prefix,
 };
-use super::slots::{Placement, SlotPool};
+use super::slots::{MIN_SHARED_PREFIX, Placement, SlotPool, common_prefix};
 use super::stop::{Detokenizer, FinishReason};
 use crate::error::{Error, Result};
 use crate::model::{self, BatchTarget, RollbackMode, SlotChunk, SlotInput};
@@ -700,7 +700,14 @@ impl<B: BatchTarget> BatchGenerator<B> {
     /// ended here.
     fn admit(&mut self) -> usize {
         let mut ended_here = 0;
+        // Requests waiting for a shared prefix another request is prefilling; they keep
+        // their place at the front of the queue.
+        let mut deferred = Vec::new();
         while let Some((id, req)) = self.waiting.pop_front() {
+            if self.prefix_in_prefill(&req.prompt) {
+                deferred.push((id, req));
+                continue;
+            }
             let Some(place) = self.place(&req.prompt, req.conversation) else {
                 self.waiting.push_front((id, req));
                 break;
@@ -720,7 +727,37 @@ impl<B: BatchTarget> BatchGenerator<B> {
                 self.active.push(run);
             }
         }
+        for d in deferred.into_iter().rev() {
+            self.waiting.push_front(d);
+        }
         ended_here
+    }
+
+    /// With prefix copy on: `true` when a request still prefilling has a prompt that shares
+    /// at least [`MIN_SHARED_PREFIX`] tokens with `prompt` beyond what any slot's cache holds
+    /// now. The new request then waits for that prefill and copies the prefix
+    /// ([`BatchTarget::copy_prefix`]) instead of prefilling it too, so that a system prompt
+    /// shared by requests submitted together is prefilled once, not once per request. The
+    /// wait ends when the source's cache holds the prefix or the source leaves.
+    fn prefix_in_prefill(&self, prompt: &[u32]) -> bool {
+        if !(self.prefix_reuse && self.target.can_copy_prefix()) || self.active.is_empty() {
+            return false;
+        }
+        let limit = prompt.len().saturating_sub(1);
+        let lcp = |t: &[u32]| common_prefix(t, prompt).min(limit);
+        let mut coming = 0;
+        let mut now = self.slots.longest_prefix(prompt);
+        for r in &self.active {
+            let Ok(held) = self.target.seq_len(r.slot) else {
+                continue;
+            };
+            let n = lcp(r.seq.prompt());
+            if matches!(r.phase, Phase::Prefill { .. }) && n > held {
+                coming = coming.max(n);
+            }
+            now = now.max(n.min(held));
+        }
+        coming >= MIN_SHARED_PREFIX && coming > now
     }
 
     /// Takes a free slot for a request of `prompt` ([`SlotPool::take`]; the tokens the busy

@@ -85,6 +85,9 @@ pub struct Generator<T, P> {
     /// started; cleared before its first engine call, by [`Generator::target_mut`] and by a
     /// failed rollback).
     cache_known: bool,
+    /// Feed the prompt tokens left to prefill in the first verify forward
+    /// ([`Generator::with_fused_prefill`]).
+    fused_prefill: bool,
 }
 
 impl<T: TargetModel, P: Proposer> Generator<T, P> {
@@ -101,6 +104,7 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             seq: Sequence::new(),
             prefix_reuse: true,
             cache_known: false,
+            fused_prefill: true,
         }
     }
 
@@ -110,6 +114,39 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
     pub fn with_prefix_reuse(mut self, on: bool) -> Self {
         self.prefix_reuse = on;
         self
+    }
+
+    /// Turns the fused prefill on (the default) or off. On, a generation whose prompt leaves
+    /// `m > 0` tokens before its last to feed (all of a fresh prompt but its last token, or
+    /// what prefix reuse did not find in the cache: the new message of a conversation turn)
+    /// does not prefill them in a forward of their own: its proposer drafts from the context
+    /// first, and one target forward over `[prompt[reused..n - 1], last, d_1 .. d_k]`
+    /// ([`TargetModel::forward_tail`]) both fills the cache and gives the `[k + 1, vocab]`
+    /// verify rows, which saves a forward (a read of every weight) per generation. That needs
+    /// a proposer that drafts from tokens alone ([`Proposer::drafts_from_tokens`]: prompt
+    /// lookup, suffix, token recycling, merged model-free proposers; or a request with
+    /// [`DraftLength::Off`](super::DraftLength::Off), plain decoding) and a target that can
+    /// truncate ([`TargetModel::rollback`] `None`); otherwise, and for a prompt that fills the
+    /// context, the generation prefills as with the option off. The first step is then a
+    /// chain, also for a tree request (the tree policy takes over from the second step).
+    ///
+    /// Exactness: the verify rows are the rows a prefill followed by the verify forward give
+    /// on an engine whose rows do not depend on the other rows of the call (batch-invariant;
+    /// `speculative-candle`'s `FastTarget`: bit for bit), so the outputs, greedy and seeded
+    /// sampling alike, are those with the option off. Engines that keep the default
+    /// [`TargetModel::forward_tail`] (a prefill, then a forward) run the same two forwards as
+    /// with the option off. Metrics: [`Metrics::prompt_tokens_fused`] counts the tokens fed
+    /// that way, `prefill_time` stays zero, the fused forward is the first step's target call
+    /// and its time is in `forward_time` (and so in the time to first token, as the prefill
+    /// was); the adaptive policy learns acceptance but not a forward cost from it.
+    pub fn with_fused_prefill(mut self, on: bool) -> Self {
+        self.fused_prefill = on;
+        self
+    }
+
+    /// Whether the fused prefill is on ([`Generator::with_fused_prefill`]).
+    pub fn fused_prefill(&self) -> bool {
+        self.fused_prefill
     }
 
     /// The tokens the target's cache holds, when the generator knows them: after a
@@ -348,7 +385,9 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
             reused,
             at,
         });
-        if prompt.len() - 1 > reused {
+        if prompt.len() - 1 > reused && self.fuses(prompt, params, truncates) {
+            self.seq.defer_prefill();
+        } else if prompt.len() - 1 > reused {
             let t = Instant::now();
             self.target.prefill(&prompt[reused..prompt.len() - 1])?;
             let time = t.elapsed();
@@ -359,6 +398,20 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         self.seq
             .start_proposer(&mut self.proposer, self.prefix_reuse)?;
         Ok(Session { g: self })
+    }
+
+    /// Whether this generation's prompt tokens are fed in the first verify forward
+    /// ([`Generator::with_fused_prefill`]): the option is on, the target truncates, the
+    /// proposer drafts from tokens alone or the request drafts nothing, and a first step will
+    /// run (the prompt leaves room in the context).
+    fn fuses(&self, prompt: &[u32], params: &GenerationParams, truncates: bool) -> bool {
+        let drafts_ok =
+            matches!(params.draft, super::DraftLength::Off) || self.proposer.drafts_from_tokens();
+        self.fused_prefill
+            && truncates
+            && drafts_ok
+            && params.max_new_tokens > 0
+            && prompt.len() < self.target.max_context()
     }
 
     /// The leading tokens of `prompt` the target's cache holds and the next generation keeps:
@@ -448,6 +501,10 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
                     });
                 };
                 tree.forward_tree(root, &block, &mut self.logits)?;
+            }
+            SlotInput::Chain(feed) | SlotInput::Prefill(feed) if plan.fed() > 0 => {
+                // A fused prefill: the prompt tokens, then the verify rows, in one forward.
+                self.target.forward_tail(feed, rows, &mut self.logits)?;
             }
             SlotInput::Chain(feed) | SlotInput::Prefill(feed) => {
                 self.target.forward(feed, &mut self.logits)?;

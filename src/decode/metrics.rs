@@ -76,6 +76,13 @@ pub struct Metrics {
     /// first step). `prompt_tokens_reused + prompt_tokens_prefilled` is the prompt length; the
     /// prefill part of the time to first token grows with this count, not with the prompt.
     pub prompt_tokens_prefilled: usize,
+    /// Of the prompt tokens before the last that the target processed, those fed in the first
+    /// step's verify forward ([`TargetModel::forward_tail`](crate::TargetModel::forward_tail))
+    /// instead of a prefill forward of their own: the fused prefill of
+    /// [`Generator::with_fused_prefill`](crate::decode::Generator::with_fused_prefill). With a
+    /// fused prefill, `prefill_time` stays zero and the first step's `forward_time` includes
+    /// these tokens; the step counts as one target call (`target_calls`). 0 otherwise.
+    pub prompt_tokens_fused: usize,
     /// Time spent in [`crate::Proposer::propose`] and [`crate::Proposer::observe`].
     pub propose_time: Duration,
     /// Time spent in target verify forwards.
@@ -250,6 +257,7 @@ impl Metrics {
         self.prefill_time += other.prefill_time;
         self.prompt_tokens_reused += other.prompt_tokens_reused;
         self.prompt_tokens_prefilled += other.prompt_tokens_prefilled;
+        self.prompt_tokens_fused += other.prompt_tokens_fused;
         self.propose_time += other.propose_time;
         self.forward_time += other.forward_time;
         self.verify_time += other.verify_time;

@@ -841,6 +841,19 @@ impl AdaptiveState {
         forward_secs: f64,
         propose_secs: f64,
     ) {
+        self.observe_chain(cfg, k, accepted, Some(forward_secs), propose_secs);
+    }
+
+    /// [`AdaptiveState::observe`], with the forward's cost learnt only when `forward_secs` is
+    /// given (a fused step's forward, which also fed prompt tokens, teaches acceptance only).
+    pub(crate) fn observe_chain(
+        &mut self,
+        cfg: &AdaptiveConfig,
+        k: usize,
+        accepted: usize,
+        forward_secs: Option<f64>,
+        propose_secs: f64,
+    ) {
         // A chain tests every position up to the first rejection.
         let reached = (accepted + 1).min(k);
         self.record(cfg, k, accepted, reached, forward_secs, propose_secs);
@@ -887,7 +900,14 @@ impl AdaptiveState {
         propose_secs: f64,
     ) {
         let reached = (accepted + tested_next as usize).min(depth);
-        self.record(cfg, depth, accepted, reached, forward_secs, propose_secs);
+        self.record(
+            cfg,
+            depth,
+            accepted,
+            reached,
+            Some(forward_secs),
+            propose_secs,
+        );
     }
 
     /// Records one step of any shape for the tree policy: the verified draft `block` (a chain
@@ -916,7 +936,7 @@ impl AdaptiveState {
         if block.is_chain() {
             self.observe(cfg, n, accepted, forward_secs, propose_secs);
         } else {
-            self.record(cfg, n, 0, 0, forward_secs, propose_secs);
+            self.record(cfg, n, 0, 0, Some(forward_secs), propose_secs);
             self.count_reached_children(cfg, block, &path[..accepted]);
         }
         if let Some(req) = requested
@@ -989,23 +1009,26 @@ impl AdaptiveState {
         k: usize,
         accepted: usize,
         reached: usize,
-        forward_secs: f64,
+        forward_secs: Option<f64>,
         propose_secs: f64,
     ) {
         self.steps += 1;
-        let n = k + 1;
-        if self.cost.len() <= n {
-            self.cost.resize(n + 1, None);
-        }
         let w = cfg.time_smoothing;
-        self.cost[n] = Some(match self.cost[n] {
-            Some(c) => (1.0 - w) * c + w * forward_secs,
-            None => forward_secs,
-        });
-        if self.row_samples.len() <= n {
-            self.row_samples.resize(n + 1, RowSamples::default());
+        // A fused step's forward also fed prompt tokens: its time is no cost of `k + 1` rows.
+        if let Some(forward_secs) = forward_secs {
+            let n = k + 1;
+            if self.cost.len() <= n {
+                self.cost.resize(n + 1, None);
+            }
+            self.cost[n] = Some(match self.cost[n] {
+                Some(c) => (1.0 - w) * c + w * forward_secs,
+                None => forward_secs,
+            });
+            if self.row_samples.len() <= n {
+                self.row_samples.resize(n + 1, RowSamples::default());
+            }
+            self.row_samples[n].push(forward_secs, self.steps);
         }
-        self.row_samples[n].push(forward_secs, self.steps);
         if k > 0 {
             let per = propose_secs / k as f64;
             self.propose_per_token = Some(match self.propose_per_token {

@@ -229,6 +229,9 @@ pub(crate) struct Plan {
     row_top_k: usize,
     /// The driver saves the target's state before the forward (snapshot mode).
     saves_state: bool,
+    /// Prompt tokens the forward feeds ahead of the verify rows (a fused prefill,
+    /// [`Sequence::defer_prefill`]); 0 for every other step.
+    fed: usize,
 }
 
 impl Plan {
@@ -252,6 +255,13 @@ impl Plan {
     /// [`CacheOp::Replay`] and [`CacheOp::Restore`] can restore it.
     pub fn saves_state(&self) -> bool {
         self.saves_state
+    }
+
+    /// Prompt tokens the step's forward feeds ahead of its [`Plan::rows`] verify rows (a fused
+    /// prefill: [`Sequence::rows`] then holds `fed + rows` tokens, and the driver reads the
+    /// logits of the last `rows` only, [`crate::TargetModel::forward_tail`]); 0 otherwise.
+    pub fn fed(&self) -> usize {
+        self.fed
     }
 }
 
@@ -411,6 +421,9 @@ pub(crate) struct Sequence {
     hidden_width: usize,
     /// Leading prompt tokens the engine's cache held at the start ([`Start::reused`]).
     reused: usize,
+    /// Prompt tokens before the last that the engine's cache does not hold yet: the first
+    /// step's forward feeds them ahead of its verify rows ([`Sequence::defer_prefill`]).
+    unfed: usize,
 }
 
 impl Sequence {
@@ -442,6 +455,7 @@ impl Sequence {
             hidden_rows_ok: false,
             hidden_width: 0,
             reused: 0,
+            unfed: 0,
         }
     }
 
@@ -473,6 +487,7 @@ impl Sequence {
         self.hidden_width = s.hidden_width;
         self.hidden_rows_ok = s.hidden_width > 0;
         self.reused = s.reused;
+        self.unfed = 0;
         self.metrics.prompt_tokens_reused = s.reused;
         self.metrics.prompt_tokens_prefilled = s.prompt.len() - s.reused;
         if s.reused > 0 && s.reused + 1 == s.prompt.len() {
@@ -540,6 +555,18 @@ impl Sequence {
         let n = self.prompt_len - 1 - self.reused;
         self.capture_hidden(n.saturating_sub(1), hidden);
         self.append_hidden_rows(0..n, n, hidden);
+    }
+
+    /// The driver does not prefill `prompt[reused..n - 1]` (`reused < n - 1`): the first
+    /// step's forward feeds those tokens ahead of its verify rows, in one forward (a fused
+    /// prefill; [`Plan::fed`]). Call after [`Sequence::begin`], in place of
+    /// [`Sequence::prefilled`], on a target that can truncate. The first step is then a chain
+    /// (a tree request drafts a chain for that step), and the cache holds `reused` positions
+    /// until its forward: a generation that ends before it leaves a cache the next one does
+    /// not reuse ([`Sequence::reusable`] sees the length differ).
+    pub fn defer_prefill(&mut self) {
+        self.unfed = self.prompt_len - 1 - self.reused;
+        self.metrics.prompt_tokens_fused = self.unfed;
     }
 
     /// Tells the proposer the prompt ([`Proposer::begin`], or [`Proposer::begin_reusing`] when
@@ -787,9 +814,11 @@ impl Sequence {
         plan.row_top_k = proposer.row_candidates();
         plan.saves_state = self.limits.rollback == RollbackMode::Snapshot;
         if !plan.tree {
-            let last = self.context.last().copied().unwrap_or(0);
+            // The unfed prompt tokens (a fused prefill), the last token, the drafts.
+            plan.fed = self.unfed;
+            let from = self.context.len() - 1 - self.unfed;
             self.feed.clear();
-            self.feed.push(last);
+            self.feed.extend_from_slice(&self.context[from..]);
             self.feed
                 .extend_from_slice(&self.draft.tokens[..plan.rows() - 1]);
         }
@@ -827,9 +856,16 @@ impl Sequence {
         let params = &self.params;
         // Tree drafts: every node holds a KV slot until the commit, so the node budget is also
         // capped by the context room (the depth, like a chain's k, by `cap`).
-        let tree_room = match params.tree.node_budget() {
+        let mut tree_room = match params.tree.node_budget() {
             0 => 0,
             n => n.min(self.limits.max_tree_nodes).min(room),
+        };
+        // A fused prefill's step is a chain (the prompt tokens go ahead of its rows); under the
+        // tree policy, as deep as the tree it would have drafted.
+        let fused_tree = if self.unfed > 0 {
+            std::mem::take(&mut tree_room)
+        } else {
+            0
         };
         let user_branch = match params.tree.branch() {
             0 => usize::MAX,
@@ -853,6 +889,19 @@ impl Sequence {
                 };
                 let s = self.adaptive.choose_tree(a, limits);
                 (s.depth, s.nodes, s.branch.clamp(1, user_branch), true)
+            }
+            DraftLength::Adaptive(a) if fused_tree > 0 => {
+                let limits = TreeShape {
+                    nodes: fused_tree,
+                    depth: cap,
+                    branch: user_branch,
+                };
+                (
+                    self.adaptive.choose_tree(a, limits).depth,
+                    0,
+                    user_branch,
+                    false,
+                )
             }
             DraftLength::Adaptive(a) => (self.adaptive.choose(a, cap), 0, user_branch, false),
         };
@@ -918,6 +967,7 @@ impl Sequence {
             suppress_rows: ask.suppress_rows,
             row_top_k: 0,
             saves_state: false,
+            fed: 0,
         };
         if !self.draft.parents.is_empty() {
             self.tree_ends()?;
@@ -1072,8 +1122,8 @@ impl Sequence {
 
 /// The forward and verify phases' views.
 impl Sequence {
-    /// The rows the planned step appends: the chain `[last, d_1 .. d_rows-1]`, or the root and
-    /// the draft tree.
+    /// The rows the planned step appends: the chain `[last, d_1 .. d_rows-1]` (preceded by the
+    /// [`Plan::fed`] prompt tokens of a fused prefill), or the root and the draft tree.
     pub fn rows(&self, plan: &Plan) -> SlotInput<'_> {
         if plan.tree {
             SlotInput::Tree {
@@ -1183,11 +1233,14 @@ impl Sequence {
                 len: before + kept - 1,
             }
         } else {
-            // The features of the root and the kept drafts but the last emitted token: rows
-            // `0..kept` of the forward (which appended `k + 1` rows, `k` when the final draft
+            // The features of the fused prompt tokens (`plan.fed`, ahead of the verify rows),
+            // the root and the kept drafts but the last emitted token: rows `0..fed + kept` of
+            // the forward (which appended `fed + k + 1` rows, one less when the final draft
             // ends the sequence).
-            self.append_hidden_rows(0..kept, plan.rows(), hidden);
-            self.capture_hidden(kept - 1, hidden);
+            let fed = plan.fed;
+            self.append_hidden_rows(0..fed + kept, fed + plan.rows(), hidden);
+            self.capture_hidden(fed + kept - 1, hidden);
+            self.unfed = 0;
             chain_op(self.limits.rollback, before, kept, plan.rows())
         };
         let committed = Committed {
@@ -1308,8 +1361,10 @@ impl Sequence {
                     propose_secs,
                 );
             } else {
+                // A fused prefill's forward also fed the prompt: no cost of `k + 1` rows.
+                let secs = (plan.fed == 0).then_some(forward_secs);
                 self.adaptive
-                    .observe(a, plan.k, out.accepted, forward_secs, propose_secs);
+                    .observe_chain(a, plan.k, out.accepted, secs, propose_secs);
             }
         }
     }

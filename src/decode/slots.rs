@@ -45,7 +45,7 @@ pub(crate) struct SlotPool {
 }
 
 /// Length of the longest common prefix of `a` and `b`.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
@@ -178,6 +178,17 @@ impl SlotPool {
         }
         (0..self.free.len())
             .min_by_key(|&i| self.held[self.free[i]].used)
+            .unwrap_or(0)
+    }
+
+    /// The longest prefix of `prompt` (at most `prompt.len() - 1` tokens) that a free slot's
+    /// cache holds.
+    pub fn longest_prefix(&self, prompt: &[u32]) -> usize {
+        let limit = prompt.len().saturating_sub(1);
+        self.free
+            .iter()
+            .map(|&s| common_prefix(&self.held[s].tokens, prompt).min(limit))
+            .max()
             .unwrap_or(0)
     }
 

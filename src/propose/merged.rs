@@ -804,6 +804,11 @@ fn own_accepted(d: &Draft, emitted: &[u32], cap: usize) -> usize {
 }
 
 impl Proposer for MergedProposer {
+    /// `true` when every merged proposer drafts from tokens alone.
+    fn drafts_from_tokens(&self) -> bool {
+        self.subs.iter().all(|p| p.drafts_from_tokens())
+    }
+
     /// The merged chain: every proposer's chain ([`Proposer::propose`]) merged, and the path
     /// with the largest expected accepted length, at most `req.max_draft` tokens (see "The
     /// rule" on [`MergedProposer`]). No q.

@@ -510,6 +510,23 @@ pub trait Proposer {
         let _ = sequence;
     }
 
+    /// `true` when the proposer drafts from the context's tokens alone: its proposals read
+    /// neither the target's hidden states ([`ProposeRequest::target_hidden`],
+    /// [`ProposeRequest::target_hidden_rows`]) nor a draft model's cache of the context, so it
+    /// can draft for a prompt whose last tokens the target has not seen yet. The default is
+    /// `false`; prompt lookup, suffix and token recycling return `true`, a merged proposer
+    /// when all of its proposers do, [`NoProposer`] `true`.
+    ///
+    /// [`crate::decode::Generator`] reads it at the start of a generation: with `true` (and a
+    /// target that can truncate), the prompt tokens that prefix reuse leaves to feed are fed in
+    /// the first step's verify forward instead of a prefill forward of their own
+    /// ([`crate::decode::Generator::with_fused_prefill`]). Read once per generation; a wrong
+    /// `true` costs no exactness (any draft is verified), only the target's features of the
+    /// new prompt tokens at the first proposal (`None` then).
+    fn drafts_from_tokens(&self) -> bool {
+        false
+    }
+
     /// A short, stable name for messages and metrics. The decoding loop puts it in
     /// [`crate::Error::InvalidProposal`] and [`crate::Error::StaleProposerState`] so that a caller
     /// with several proposers sees which one failed.
@@ -548,6 +565,9 @@ impl<P: Proposer + ?Sized> Proposer for Box<P> {
     fn finish(&mut self, sequence: &[u32]) {
         (**self).finish(sequence)
     }
+    fn drafts_from_tokens(&self) -> bool {
+        (**self).drafts_from_tokens()
+    }
     fn name(&self) -> &'static str {
         (**self).name()
     }
@@ -577,6 +597,9 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
     }
     fn finish(&mut self, sequence: &[u32]) {
         (**self).finish(sequence)
+    }
+    fn drafts_from_tokens(&self) -> bool {
+        (**self).drafts_from_tokens()
     }
     fn name(&self) -> &'static str {
         (**self).name()
@@ -613,6 +636,11 @@ fn tree_starts_with_chain<P: Proposer + ?Sized>(
 pub struct NoProposer;
 
 impl Proposer for NoProposer {
+    /// `true`: drafts from the context's tokens alone.
+    fn drafts_from_tokens(&self) -> bool {
+        true
+    }
+
     fn propose(&mut self, _req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
         Ok(())

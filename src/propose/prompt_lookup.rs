@@ -615,6 +615,11 @@ impl PromptLookup {
 }
 
 impl Proposer for PromptLookup {
+    /// `true`: drafts from the context's tokens alone.
+    fn drafts_from_tokens(&self) -> bool {
+        true
+    }
+
     /// Proposes up to `req.max_draft` tokens that followed the most recent earlier occurrence of
     /// the longest matching trailing n-gram of `req.context`, cut after the first EOS; see
     /// [`PromptLookup`]. Rebuilds the index when `req.context` does not extend the indexed

@@ -784,6 +784,11 @@ fn read_entries(
 }
 
 impl Proposer for TokenRecycling {
+    /// `true`: drafts from the context's tokens alone.
+    fn drafts_from_tokens(&self) -> bool {
+        true
+    }
+
     /// The rank-0 chain from `req.context.last()`: at most `req.max_draft` tokens, ending at the
     /// first empty entry or right after the first EOS. Empty when the context is empty or its
     /// last token is `>= vocab_size`. `O(max_draft)`.

@@ -1007,6 +1007,11 @@ fn advance_match(trie: &Trie, cur: &mut Vec<u32>, next: &mut Vec<u32>, token: u3
 }
 
 impl Proposer for SuffixProposer {
+    /// `true`: drafts from the context's tokens alone.
+    fn drafts_from_tokens(&self) -> bool {
+        true
+    }
+
     /// Proposes up to `req.max_draft` tokens by the algorithm described on [`SuffixProposer`],
     /// ending at the first EOS. Rebuilds the request trie when `req.context` does not extend the
     /// indexed sequence (see "State across requests" there).

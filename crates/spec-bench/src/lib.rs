@@ -20,6 +20,7 @@ pub mod replay;
 pub mod report;
 pub mod run;
 pub mod serve;
+pub mod serve_reuse;
 pub mod sim;
 pub mod stats;
 pub mod workload;

@@ -18,6 +18,8 @@
 //!     --recycling-table recycling-table.bin --out agentic-out
 //! ```
 
+mod cmd_serve;
+
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
@@ -41,7 +43,7 @@ use speculative::propose::{
 };
 use speculative::{BatchTarget, NoProposer, Proposer, TargetModel};
 use speculative_candle::fast::head::{DraftHead, DraftHeadWeights};
-use speculative_candle::fast::{FastBatch, FastFormat, FastTarget, FastWeights};
+use speculative_candle::fast::{FastFormat, FastTarget, FastWeights};
 use speculative_candle::{
     CandleTarget, ChatMessage, GgufTokenizer, LlamaWeights, LoadOptions, WeightFormat,
     default_model_path,
@@ -82,7 +84,10 @@ enum Cmd {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// JSONL workload (conversation turns are served as single prompts).
+    /// JSONL workload. Requests with a `session` are the turns of a conversation: a turn is
+    /// submitted when its previous turn has finished, with the conversation so far (the
+    /// outputs generated in the same load) as its prompt and the session as its conversation
+    /// key (`BatchRequest::with_conversation`).
     #[arg(long)]
     workload: PathBuf,
     /// Only requests of these kinds (default: all).
@@ -144,6 +149,18 @@ struct ServeArgs {
     /// before the measured loads and discarded.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
+    /// Prefix reuse modes, each run at every load with every mode: `on` (a request keeps the
+    /// prefix its slot's cache holds, and copies the longest shared prefix from another slot
+    /// when the target can: the `BatchGenerator` default), `off` (every request prefills its
+    /// whole prompt), `no-copy` (reuse on, prefix copy hidden), `both` (= `off,on`); a
+    /// comma-separated list. With `off` and another mode, the greedy outputs of every request
+    /// are compared between them (serve.md says the result).
+    #[arg(long, default_value = "both")]
+    prefix_reuse: String,
+    /// A text file whose content is the system message of every request (a shared system
+    /// prompt; for example docs/workloads/system-prompt.txt).
+    #[arg(long)]
+    system_prompt: Option<PathBuf>,
     /// Output directory for serve.json, records.json, serve.md, cost tables and plots.
     #[arg(long, default_value = "serve-out")]
     out: PathBuf,
@@ -320,6 +337,14 @@ struct RunArgs {
     /// baseline; reuse-on records are labelled ` +reuse`).
     #[arg(long, default_value = "on")]
     prefix_reuse: String,
+    /// Feed the prompt tokens each run has left to prefill (the new message of a turn after
+    /// prefix reuse, or a whole prompt) in its first verify forward instead of a prefill
+    /// forward of their own (`Generator::with_fused_prefill`): `on` (the default) or `off`.
+    /// Applies to the plain baselines and to proposers that draft from tokens alone. Such a
+    /// run has no separate prefill (its time is in the first forward), so its decode speed-up
+    /// equals its end-to-end one; run `off` for the decode speed-up without the prefill.
+    #[arg(long, default_value = "on")]
+    fused_prefill: String,
 }
 
 #[derive(Args)]
@@ -387,7 +412,7 @@ fn real_main() -> Result<()> {
         Cmd::CostTable(a) => cost_table(a),
         Cmd::Replay(a) => replay_cmd(a),
         Cmd::WarmRecycling(a) => warm_recycling(a),
-        Cmd::Serve(a) => serve(a),
+        Cmd::Serve(a) => cmd_serve::serve(a),
     }
 }
 
@@ -430,6 +455,11 @@ fn run(a: RunArgs) -> Result<()> {
         request_markdown(&records)
     );
     // How each draft model was paired with the target (same tokenizer or cross-vocabulary).
+    if let Some(t) = spec_bench::report::ttft_markdown(&records) {
+        md.push_str(&format!(
+            "\n## Time to first token against the prefilled tokens\n\n{t}"
+        ));
+    }
     let notes = notes.into_inner();
     if !notes.is_empty() {
         md.push_str("\n## Draft models\n\n");
@@ -548,6 +578,11 @@ fn run_engine(
         reps: a.reps,
         carry: a.carry,
         forced_drafts: !a.no_forced_drafts,
+        fused_prefill: match a.fused_prefill.as_str() {
+            "on" => true,
+            "off" => false,
+            other => return Err(bad_arg("--fused-prefill", format!("{other} (on or off)"))),
+        },
         prefix_reuse: match a.prefix_reuse.as_str() {
             "on" => vec![true],
             "off" => vec![false],
@@ -1226,231 +1261,6 @@ fn replay_cmd(a: ReplayArgs) -> Result<()> {
     )
     .map_err(io(&p))?;
     println!("{md}{trees}");
-    Ok(())
-}
-
-/// `spec-bench serve`: every mode at every load, one process, the same weights.
-fn serve(a: ServeArgs) -> Result<()> {
-    use spec_bench::serve::{
-        Cell, Load, ServeMode, ServeReport, ServeRequest, batch_table, cost_table_from_steps,
-        drive, mark_mismatches, peak_rss_kib, plots, prediction_markdown, predictions,
-        repeat_requests, reset_peak_rss, summarize,
-    };
-    use speculative::PerSlot;
-    use speculative::decode::{BatchConfig, BatchGenerator, BatchRequest};
-
-    let modes = a
-        .modes
-        .iter()
-        .map(|m| ServeMode::parse(m))
-        .collect::<Result<Vec<_>>>()?;
-    if a.concurrency.contains(&0) {
-        return Err(bad_arg("--concurrency", "must be at least 1".into()));
-    }
-    if single_backend(&a.model)? != "fast" {
-        return Err(bad_arg(
-            "--backend",
-            format!(
-                "{} (serve runs the fast backend; llama.cpp through --batch-target llama)",
-                a.model.backend.join(",")
-            ),
-        ));
-    }
-    let format = match a.model.format.as_str() {
-        "q8" | "q8_0" => FastFormat::Q8,
-        "f32" => FastFormat::F32,
-        other => return Err(bad_arg("--format", format!("{other} (fast: q8 or f32)"))),
-    };
-    let path = a.model.model.clone().unwrap_or_else(default_model_path);
-    let weights = FastWeights::load(&path, format)?;
-    let tok = GgufTokenizer::load(&path)?;
-    let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
-    let slots = a.slots.unwrap_or(max_c).max(1);
-    let threads = a.model.threads;
-    let mut target: Box<dyn BatchTarget + Send> = match a.batch_target.as_str() {
-        "fast-batch" => Box::new(FastBatch::new(weights.clone(), slots)?.with_threads(threads)),
-        "per-slot" => Box::new(PerSlot::new(
-            (0..slots)
-                .map(|_| FastTarget::new(weights.clone()).with_threads(threads))
-                .collect(),
-        )?),
-        "llama" => llama_batch(&a.model, &path, slots, threads)?,
-        other => {
-            return Err(bad_arg(
-                "--batch-target",
-                format!("{other} (expected fast-batch, per-slot or llama)"),
-            ));
-        }
-    };
-    let max_ctx = target.max_context();
-    let defaults = BatchConfig::default();
-    let config = defaults
-        .clone()
-        .with_max_batch_tokens(a.max_batch_tokens.unwrap_or(defaults.max_batch_tokens))
-        .with_prefill_chunk(a.prefill_chunk.unwrap_or(defaults.prefill_chunk));
-    let requests = workload::load(&a.workload)?;
-    let base: Vec<ServeRequest> = requests
-        .iter()
-        .enumerate()
-        .filter(|(_, r)| a.kinds.is_empty() || a.kinds.contains(&r.kind))
-        .map(|(i, r)| {
-            let text = tok.apply_chat_template(&[ChatMessage::user(r.prompt.clone())])?;
-            let mut prompt = tok.encode(&text)?;
-            prompt.truncate(max_ctx / 2);
-            let max_tokens = r.max_tokens.unwrap_or(a.max_tokens);
-            Ok(ServeRequest {
-                index: 0,
-                source: i,
-                kind: r.kind.clone(),
-                prompt,
-                max_tokens: a.max_tokens_cap.map_or(max_tokens, |c| max_tokens.min(c)),
-            })
-        })
-        .collect::<Result<_>>()?;
-    if base.is_empty() {
-        return Err(bad_arg("--kinds", "no request of these kinds".into()));
-    }
-    let n = a.requests.unwrap_or(base.len().max(2 * max_c));
-    let load_requests = repeat_requests(&base, n);
-    let vocab = target.vocab_size();
-    // The EAGLE head's weights, loaded once when the proposer names `draft-head`.
-    let head_weights = if a.proposer.contains("draft-head") {
-        Some(DraftHeadWeights::load(
-            a.draft_head
-                .clone()
-                .unwrap_or_else(speculative_candle::default_head_path),
-            weights.clone(),
-        )?)
-    } else {
-        None
-    };
-    let head = |name: &str| -> Result<Box<dyn Proposer + Send>> {
-        if name != "draft-head" {
-            return Err(bad_arg(
-                "proposer",
-                format!("{name}: serve takes draft-head"),
-            ));
-        }
-        let hw = head_weights
-            .clone()
-            .ok_or_else(|| bad_arg("proposer", "draft head weights not loaded".into()))?;
-        Ok(Box::new(DraftModelProposer::new(DraftHead::new(hw))))
-    };
-    named_proposer(&a.proposer, vocab, None, &head, None)?;
-    let eos = [tok.eos_id()];
-    let mut loads: Vec<Load> = a.concurrency.iter().map(|&c| Load::Closed(c)).collect();
-    loads.extend(a.rate.iter().map(|&rate| Load::Open { rate, seed: a.seed }));
-    if a.warmup > 0 {
-        let warm = repeat_requests(&base, a.warmup);
-        let mut generator = BatchGenerator::with_config(target, config.clone())?;
-        let run = drive(&mut generator, &warm, &Load::Closed(1), &mut |r| {
-            Ok(BatchRequest::new(
-                r.prompt.clone(),
-                ServeMode::Plain.params(r.max_tokens, &eos),
-                Box::new(NoProposer),
-            ))
-        });
-        target = generator.into_target();
-        run?;
-    }
-    let mut cells = Vec::new();
-    // Every mode at one load, then the next load: the ratios between modes at the same load
-    // are measured minutes apart at most, whatever the machine's drift over the whole run.
-    for (li, load) in loads.iter().enumerate() {
-        for (mi, &mode) in modes.iter().enumerate() {
-            // A fresh shared suffix corpus per load, when asked for.
-            let shared = (a.shared_corpus > 0).then(|| SharedCorpus::new(a.shared_corpus));
-            let mut make = |r: &ServeRequest| -> Result<BatchRequest> {
-                let proposer: Box<dyn Proposer + Send> = if mode.speculative() {
-                    named_proposer(&a.proposer, vocab, None, &head, shared.as_ref())?
-                } else {
-                    Box::new(NoProposer)
-                };
-                Ok(BatchRequest::new(
-                    r.prompt.clone(),
-                    mode.params(r.max_tokens, &eos),
-                    proposer,
-                ))
-            };
-            let mut generator = BatchGenerator::with_config(target, config.clone())?;
-            reset_peak_rss();
-            let run = drive(&mut generator, &load_requests, load, &mut make);
-            target = generator.into_target();
-            let run = run?;
-            let summary = summarize(mode, *load, &run, peak_rss_kib());
-            eprintln!(
-                "{} {}: {:.1} tok/s, TTFT p99 {:.0} ms, ITL p99 {:.1} ms, mean acc. len {:.2}",
-                mode.label(),
-                load.label(),
-                summary.tokens_per_s,
-                summary.ttft_p99_s * 1e3,
-                summary.itl_p99_s * 1e3,
-                summary.mean_accepted_length
-            );
-            cells.push((mi, li, Cell { summary, run }));
-        }
-    }
-    // Reported by mode, then load, in the order given.
-    cells.sort_by_key(|c| (c.0, c.1));
-    let mut cells: Vec<Cell> = cells.into_iter().map(|c| c.2).collect();
-    let mismatches = mark_mismatches(&mut cells);
-    let source = format!(
-        "spec-bench serve: workload {} (kinds {}), {} requests per load, model {} (fast {}, {} thread(s)), {} slots ({}), proposer {}, shared suffix corpus {} tokens",
-        a.workload.display(),
-        if a.kinds.is_empty() {
-            "all".to_string()
-        } else {
-            a.kinds.join("+")
-        },
-        n,
-        path.canonicalize()
-            .unwrap_or_else(|_| path.clone())
-            .display(),
-        a.model.format,
-        threads,
-        slots,
-        a.batch_target,
-        a.proposer,
-        a.shared_corpus
-    );
-    let steps: Vec<_> = cells
-        .iter()
-        .flat_map(|c| c.run.steps.iter().copied())
-        .collect();
-    let cost_rows = cost_table_from_steps(
-        &steps,
-        &format!("median batched-forward time per row count over every step of `{source}`"),
-    )?;
-    let preds = predictions(&cells, &cost_rows, &config);
-    let report = ServeReport {
-        source: source.clone(),
-        cells: cells.iter().map(|c| c.summary.clone()).collect(),
-        cost_rows: cost_rows.clone(),
-        predictions: preds.clone(),
-        mismatches,
-    };
-    std::fs::create_dir_all(&a.out).map_err(io(&a.out))?;
-    write_json(&a.out.join("serve.json"), &report)?;
-    write_json(&a.out.join("records.json"), &cells)?;
-    write_json(&a.out.join("cost-rows.json"), &cost_rows)?;
-    let mut bs: Vec<usize> = a.concurrency.clone();
-    bs.sort_unstable();
-    bs.dedup();
-    write_json(
-        &a.out.join("cost-table.json"),
-        &batch_table(&cost_rows, &bs, &[1, 2, 3, 5, 9])?,
-    )?;
-    plots(&a.out, &report.cells)?;
-    let md = format!(
-        "{source}\n\n{}\nGreedy outputs differing between loads: {mismatches}.\n\n## Closed loop by concurrency\n\n{}\n## Simulated against measured (closed loop)\n\n{}",
-        spec_bench::serve::markdown(&report.cells),
-        spec_bench::serve::concurrency_markdown(&report.cells),
-        prediction_markdown(&preds)
-    );
-    let p = a.out.join("serve.md");
-    std::fs::write(&p, &md).map_err(io(&p))?;
-    println!("{md}");
-    println!("wrote {}", a.out.display());
     Ok(())
 }
 

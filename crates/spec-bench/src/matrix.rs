@@ -27,7 +27,7 @@ pub struct PreparedRequest {
 /// conversation so far (the earlier turns' messages as user turns, and the outputs that the
 /// same configuration generated for them as assistant turns) followed by this turn's message,
 /// built by the [`PromptBuilder`] when the turn runs.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Turn {
     /// The conversation's name; turns of one session run in workload order.
     pub session: String,
@@ -62,6 +62,10 @@ pub struct Matrix {
     /// server that keeps each conversation's cache would have it, untimed; the run reuses the
     /// common prefix. Empty means `[false]`.
     pub prefix_reuse: Vec<bool>,
+    /// Feed the prompt tokens a run has left to prefill in its first verify forward
+    /// ([`speculative::decode::Generator::with_fused_prefill`]), for the plain baselines and
+    /// the configurations whose proposer drafts from tokens alone.
+    pub fused_prefill: bool,
 }
 
 /// Creates a proposer from its name.
@@ -187,6 +191,7 @@ pub fn run_matrix(
                 rep: w,
                 constraint: constraint(vocab, r0, matrix.forced_drafts),
                 cached: None,
+                fused_prefill: matrix.fused_prefill,
             };
             let s = matrix
                 .configs
@@ -310,6 +315,7 @@ fn run_rep(
                     rep,
                     constraint: constraint(vocab, r, matrix.forced_drafts),
                     cached: base_cached.as_deref(),
+                    fused_prefill: matrix.fused_prefill,
                 };
                 let base = run_one(target, &mut none, &input, None, &sampling, seed)?;
                 base_lanes[ki].keep_cache(r, &input, &base.tokens);

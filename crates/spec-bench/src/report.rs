@@ -486,3 +486,113 @@ pub fn sim_plot(path: &Path, r: &SimResult) -> Result<()> {
         &series,
     )
 }
+
+/// Time to first token against the prompt tokens each run fed (prefix reuse), for workloads
+/// with reuse-on runs: per request (a conversation turn), its prompt length, the tokens the
+/// reuse-on runs prefilled, and the mean TTFT of every configuration label over the
+/// repetitions; then, per label, the least-squares line `TTFT = a + b * prefilled tokens` over
+/// all its runs with its R^2 (TTFT proportional to the new tokens of the turn when `a` is small
+/// and R^2 near 1). `None` without reuse-on runs.
+pub fn ttft_markdown(records: &[RunRecord]) -> Option<String> {
+    if !records.iter().any(|r| r.prefix_reuse) {
+        return None;
+    }
+    let mut labels: Vec<&str> = Vec::new();
+    for r in records {
+        if !labels.contains(&r.label.as_str()) {
+            labels.push(&r.label);
+        }
+    }
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
+    let mut s = String::from("| request | prompt tokens | prefilled with reuse |");
+    for l in &labels {
+        let _ = write!(s, " TTFT ms {l} |");
+    }
+    let _ = writeln!(s, "\n|---|---|---|{}", "---|".repeat(labels.len()));
+    let mut requests: Vec<usize> = records.iter().map(|r| r.request).collect();
+    requests.sort_unstable();
+    requests.dedup();
+    for q in requests {
+        let of = |f: &dyn Fn(&RunRecord) -> bool| -> Vec<&RunRecord> {
+            records.iter().filter(|r| r.request == q && f(r)).collect()
+        };
+        let on = of(&|r| r.prefix_reuse);
+        let prompt = mean(
+            &of(&|_| true)
+                .iter()
+                .map(|r| r.prompt_tokens as f64)
+                .collect::<Vec<_>>(),
+        );
+        let fed = mean(
+            &on.iter()
+                .map(|r| r.prompt_prefilled as f64)
+                .collect::<Vec<_>>(),
+        );
+        let _ = write!(s, "| {q} | {prompt:.0} | {fed:.0} |");
+        for l in &labels {
+            let t: Vec<f64> = of(&|r| r.label == *l)
+                .iter()
+                .map(|r| r.ttft_s * 1e3)
+                .collect();
+            let _ = write!(s, " {:.1} |", mean(&t));
+        }
+        s.push('\n');
+    }
+    s.push('\n');
+    for l in &labels {
+        let pts: Vec<(f64, f64)> = records
+            .iter()
+            .filter(|r| r.label == *l)
+            .map(|r| (r.prompt_prefilled as f64, r.ttft_s * 1e3))
+            .collect();
+        if let Some((a, b, r2)) = least_squares(&pts) {
+            let _ = writeln!(
+                s,
+                "- {l}: TTFT = {a:.1} ms + {b:.3} ms x prefilled tokens (R^2 {r2:.3}, {} runs)",
+                pts.len()
+            );
+        }
+    }
+    Some(s)
+}
+
+/// The least-squares line `y = a + b x` through `pts` and its R^2; `None` for fewer than two
+/// points or a constant `x`.
+pub fn least_squares(pts: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
+    let n = pts.len() as f64;
+    if pts.len() < 2 {
+        return None;
+    }
+    let (mx, my) = (
+        pts.iter().map(|p| p.0).sum::<f64>() / n,
+        pts.iter().map(|p| p.1).sum::<f64>() / n,
+    );
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let syy: f64 = pts.iter().map(|p| (p.1 - my).powi(2)).sum();
+    if sxx <= 0.0 {
+        return None;
+    }
+    let b = sxy / sxx;
+    let r2 = if syy > 0.0 {
+        sxy * sxy / (sxx * syy)
+    } else {
+        1.0
+    };
+    Some((my - b * mx, b, r2))
+}
+
+#[cfg(test)]
+mod ttft_tests {
+    use super::least_squares;
+
+    #[test]
+    fn a_line_is_fitted_exactly_and_degenerate_inputs_are_refused() {
+        let (a, b, r2) = least_squares(&[(0.0, 1.0), (2.0, 5.0), (4.0, 9.0)]).unwrap();
+        assert!((a - 1.0).abs() < 1e-12 && (b - 2.0).abs() < 1e-12 && (r2 - 1.0).abs() < 1e-12);
+        let (_, _, r2) = least_squares(&[(0.0, 0.0), (1.0, 1.0), (2.0, 0.0), (3.0, 1.0)]).unwrap();
+        assert!(r2 < 0.5);
+        assert!(least_squares(&[(1.0, 2.0)]).is_none());
+        assert!(least_squares(&[(1.0, 2.0), (1.0, 3.0)]).is_none());
+    }
+}

@@ -215,6 +215,9 @@ struct Recording<'p> {
 }
 
 impl Proposer for Recording<'_> {
+    fn drafts_from_tokens(&self) -> bool {
+        self.inner.drafts_from_tokens()
+    }
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> speculative::Result<()> {
         self.inner.propose(req, draft)?;
         self.pending_k = Some(draft.tokens.len().min(req.max_draft));
@@ -306,6 +309,8 @@ pub struct RunInput<'a> {
     /// untimed with [`speculative::decode::Generator::prefill_cache`]; the run then reuses
     /// their common prefix with its prompt. `None`: reuse off (a full prefill).
     pub cached: Option<&'a [u32]>,
+    /// [`speculative::decode::Generator::with_fused_prefill`] for the run.
+    pub fused_prefill: bool,
 }
 
 impl RunInput<'_> {
@@ -389,7 +394,9 @@ pub fn run_one(
     };
     reset_peak_rss();
     let mut arrivals: Vec<(f64, usize)> = Vec::new();
-    let mut g = Generator::new(&mut *target, &mut rec).with_prefix_reuse(input.cached.is_some());
+    let mut g = Generator::new(&mut *target, &mut rec)
+        .with_prefix_reuse(input.cached.is_some())
+        .with_fused_prefill(input.fused_prefill);
     if let Some(c) = input.cached {
         g.prefill_cache(c)?;
     }

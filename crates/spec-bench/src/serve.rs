@@ -30,6 +30,8 @@ use speculative::BatchTarget;
 use speculative::decode::{AdaptiveConfig, DraftLength, GenerationParams, StopConditions};
 
 use crate::error::{BenchError, Result};
+pub use crate::matrix::{PromptBuilder, Turn};
+use crate::serve_reuse::ReuseMode;
 use crate::sim::CostTable;
 use crate::stats::percentile;
 use speculative::decode::{BatchConfig, BatchGenerator, BatchRequest, RequestId};
@@ -189,10 +191,17 @@ pub struct ServeRequest {
     pub prompt: Vec<u32>,
     /// Maximum new tokens.
     pub max_tokens: usize,
+    /// A conversation turn (`None`: a stand-alone request): the driver builds its prompt when
+    /// the session's previous turn has finished ([`drive_conversations`]), and `prompt` is
+    /// then unused.
+    #[serde(default)]
+    pub turn: Option<Turn>,
 }
 
 /// `n` requests cycling through `base` (request `i` repeats `base[i % base.len()]`), so a short
-/// workload gives enough requests for a high concurrency. Empty when `base` is empty.
+/// workload gives enough requests for a high concurrency. A repeated conversation turn belongs
+/// to a new conversation per pass over `base` (session `name#pass`, pass = `i / base.len()`).
+/// Empty when `base` is empty.
 pub fn repeat_requests(base: &[ServeRequest], n: usize) -> Vec<ServeRequest> {
     if base.is_empty() {
         return Vec::new();
@@ -203,6 +212,10 @@ pub fn repeat_requests(base: &[ServeRequest], n: usize) -> Vec<ServeRequest> {
             ServeRequest {
                 index: i,
                 source: b.source,
+                turn: b.turn.as_ref().map(|t| Turn {
+                    session: format!("{}#{}", t.session, i / base.len()),
+                    message: t.message.clone(),
+                }),
                 ..b.clone()
             }
         })
@@ -240,9 +253,37 @@ pub struct RequestRecord {
     pub target_calls: usize,
     /// The error, for a request that failed.
     pub error: Option<String>,
+    /// Prompt tokens its slot's cache already held (kept or copied; prefix reuse).
+    #[serde(default)]
+    pub prompt_reused: usize,
+    /// Prompt tokens it fed to the target (`prompt_tokens - prompt_reused`).
+    #[serde(default)]
+    pub prompt_prefilled: usize,
 }
 
 impl RequestRecord {
+    /// The record of `r` (with a prompt of `prompt_tokens`) before it runs.
+    fn blank(r: &ServeRequest, prompt_tokens: usize, arrival: f64, submit: f64) -> Self {
+        RequestRecord {
+            index: r.index,
+            source: r.source,
+            kind: r.kind.clone(),
+            prompt_tokens,
+            tokens: Vec::new(),
+            arrival_s: arrival,
+            submit_s: submit,
+            chunks: Vec::new(),
+            end_s: submit,
+            proposed: 0,
+            accepted: 0,
+            emitted: 0,
+            target_calls: 0,
+            error: None,
+            prompt_reused: 0,
+            prompt_prefilled: 0,
+        }
+    }
+
     /// Time to first token: first chunk minus arrival (`None` without a chunk).
     pub fn ttft(&self) -> Option<f64> {
         self.chunks.first().map(|c| c.0 - self.arrival_s)
@@ -302,30 +343,68 @@ pub struct LoadRun {
     /// The generator's online cost curve at the end ([`BatchGenerator::cost_curve`]):
     /// (rows per forward, median forward seconds).
     pub cost_curve: Vec<(usize, f64)>,
+    /// Prefix copies between slots during the load ([`BatchTarget::copy_prefix`]).
+    #[serde(default)]
+    pub prefix_copies: u64,
+    /// Positions they copied.
+    #[serde(default)]
+    pub prefix_copied_tokens: u64,
 }
 
-/// Runs `requests` through `generator` under `load` and records every request and step.
-///
-/// `make` builds each request (prompt, parameters, proposer); the driver adds a streaming
-/// callback that timestamps the chunks. Closed loop `C`: `C` requests are submitted at once
-/// and the next one whenever a request finishes, so `min(C, unfinished)` are in flight before
-/// every step. Open loop: before each step every request whose arrival time has passed is
-/// submitted; when nothing is in flight the driver sleeps until the next arrival.
-///
-/// A request that `make` or [`BatchGenerator::submit`] rejects, or that ends with an error,
-/// is recorded with its error and counts as finished.
+/// Runs `requests` through `generator` under `load` and records every request and step
+/// (stand-alone requests only; conversation turns need [`drive_conversations`]).
 ///
 /// # Errors
-/// [`BenchError::Invalid`] for a closed loop of concurrency 0 or an invalid rate; errors of
-/// [`BatchGenerator::step`] (a failure of the whole batch) as [`BenchError::Decode`];
-/// [`BenchError::Invalid`] when the generator goes idle with requests unfinished.
+/// As [`drive_conversations`]. A request with a [`ServeRequest::turn`] is recorded with an
+/// error (no prompt builder).
 pub fn drive<B: BatchTarget>(
     generator: &mut BatchGenerator<B>,
     requests: &[ServeRequest],
     load: &Load,
     make: &mut dyn FnMut(&ServeRequest) -> Result<BatchRequest>,
 ) -> Result<LoadRun> {
-    let n = requests.len();
+    let mut no_turns = |_: &[(String, Vec<u32>)], _: &str| -> Result<Vec<u32>> {
+        Err(BenchError::Invalid {
+            what: "serve driver",
+            reason: "a conversation turn needs a prompt builder (drive_conversations)".into(),
+        })
+    };
+    drive_conversations(generator, requests, load, make, &mut no_turns)
+}
+
+/// Runs `requests` through `generator` under `load` and records every request and step.
+///
+/// `make` builds each request (prompt, parameters, proposer); the driver adds a streaming
+/// callback that timestamps the chunks. A conversation turn ([`ServeRequest::turn`]) waits
+/// until the previous turn of its session has finished; its prompt is then built by `build`
+/// from the session's earlier turns (each user message and the tokens generated for it in this
+/// load) and its message, `make` gets the request with that prompt, and the driver tags the
+/// [`BatchRequest`] with the session's conversation key
+/// ([`BatchRequest::with_conversation`]), so that with prefix reuse on the turn lands in the
+/// slot whose cache holds its conversation so far.
+///
+/// Closed loop `C`: the first `C` ready requests (in index order) are submitted at once and
+/// the next ready one whenever a request finishes, so `min(C, ready and unfinished)` are in
+/// flight before every step. Open loop: before each step every ready request whose arrival
+/// time has passed is submitted (a turn arrives at its scheduled time or when its previous
+/// turn ends, whichever is later); when nothing is in flight the driver sleeps until the next
+/// arrival.
+///
+/// A request that `make`, `build` or [`BatchGenerator::submit`] rejects, or that ends with an
+/// error, is recorded with its error and counts as finished (a later turn of its session then
+/// sees its partial output).
+///
+/// # Errors
+/// [`BenchError::Invalid`] for a closed loop of concurrency 0 or an invalid rate; errors of
+/// [`BatchGenerator::step`] (a failure of the whole batch) as [`BenchError::Decode`];
+/// [`BenchError::Invalid`] when the generator goes idle with requests unfinished.
+pub fn drive_conversations<B: BatchTarget>(
+    generator: &mut BatchGenerator<B>,
+    requests: &[ServeRequest],
+    load: &Load,
+    make: &mut dyn FnMut(&ServeRequest) -> Result<BatchRequest>,
+    build: &mut PromptBuilder<'_>,
+) -> Result<LoadRun> {
     let arrivals = match *load {
         Load::Closed(0) => {
             return Err(BenchError::Invalid {
@@ -334,78 +413,16 @@ pub fn drive<B: BatchTarget>(
             });
         }
         Load::Closed(_) => None,
-        Load::Open { rate, seed } => Some(poisson_arrivals(rate, n, seed)?),
+        Load::Open { rate, seed } => Some(poisson_arrivals(rate, requests.len(), seed)?),
     };
-    let start = Instant::now();
-    let now = move || start.elapsed().as_secs_f64();
-    let mut records: Vec<Option<RequestRecord>> = vec![None; n];
-    let mut streams: Vec<ChunkLog> = Vec::with_capacity(n);
-    let mut in_flight: HashMap<RequestId, usize> = HashMap::new();
-    let mut steps = Vec::new();
-    let mut next = 0usize;
-    let mut finished = 0usize;
-    let blank = |r: &ServeRequest, arrival: f64, submit: f64| RequestRecord {
-        index: r.index,
-        source: r.source,
-        kind: r.kind.clone(),
-        prompt_tokens: r.prompt.len(),
-        tokens: Vec::new(),
-        arrival_s: arrival,
-        submit_s: submit,
-        chunks: Vec::new(),
-        end_s: submit,
-        proposed: 0,
-        accepted: 0,
-        emitted: 0,
-        target_calls: 0,
-        error: None,
-    };
-    while finished < n {
-        // Submit what the load allows now.
-        loop {
-            let due = match (&arrivals, *load) {
-                (_, _) if next >= n => None,
-                (None, Load::Closed(c)) => (in_flight.len() < c).then(now),
-                (Some(times), _) => (times[next] <= now()).then_some(times[next]),
-                (None, Load::Open { .. }) => None,
-            };
-            let Some(arrival) = due else { break };
-            let r = &requests[next];
-            let log = Arc::new(Mutex::new(Vec::new()));
-            streams.push(log.clone());
-            let submitted = make(r).and_then(|req| {
-                let req = req.with_stream(move |c| {
-                    if let Ok(mut l) = log.lock() {
-                        l.push((start.elapsed().as_secs_f64(), c.tokens.len()));
-                    }
-                    ControlFlow::Continue(())
-                });
-                generator.submit(req).map_err(BenchError::from)
-            });
-            let submit = now();
-            let mut rec = blank(r, arrival, submit);
-            match submitted {
-                Ok(id) => {
-                    in_flight.insert(id, next);
-                }
-                Err(e) => {
-                    rec.error = Some(e.to_string());
-                    finished += 1;
-                }
-            }
-            records[next] = Some(rec);
-            next += 1;
+    let before = *generator.metrics();
+    let mut d = Driver::new(requests, *load, arrivals);
+    while d.finished < requests.len() {
+        while let Some((i, arrival)) = d.next_due() {
+            d.submit(generator, i, arrival, make, build);
         }
-        if in_flight.is_empty() {
-            match &arrivals {
-                Some(times) if next < n => {
-                    let wait = times[next] - now();
-                    if wait > 0.0 {
-                        std::thread::sleep(Duration::from_secs_f64(wait));
-                    }
-                }
-                _ => {}
-            }
+        if d.in_flight.is_empty() {
+            d.wait_for_arrival();
             continue;
         }
         if generator.is_idle() {
@@ -413,13 +430,188 @@ pub fn drive<B: BatchTarget>(
                 what: "batch generator",
                 reason: format!(
                     "idle with {} submitted requests unfinished",
-                    in_flight.len()
+                    d.in_flight.len()
                 ),
             });
         }
-        let (inf, unf) = (in_flight.len(), n - finished);
+        d.step(generator)?;
+    }
+    let after = *generator.metrics();
+    let mut run = d.into_run()?;
+    run.cost_curve = generator.cost_curve();
+    run.prefix_copies = after.prefix_copies - before.prefix_copies;
+    run.prefix_copied_tokens = after.prefix_copied_tokens - before.prefix_copied_tokens;
+    Ok(run)
+}
+
+/// The state of one load in [`drive_conversations`].
+struct Driver<'a> {
+    requests: &'a [ServeRequest],
+    load: Load,
+    arrivals: Option<Vec<f64>>,
+    start: Instant,
+    records: Vec<Option<RequestRecord>>,
+    streams: Vec<Option<ChunkLog>>,
+    in_flight: HashMap<RequestId, usize>,
+    /// When each request finished (seconds from the start), `None` while unfinished.
+    done_at: Vec<Option<f64>>,
+    /// The previous turn of the same session, per request.
+    prev: Vec<Option<usize>>,
+    /// Each session's turns so far: (user message, generated tokens).
+    history: HashMap<String, Vec<(String, Vec<u32>)>>,
+    /// Conversation keys by session.
+    keys: HashMap<String, u64>,
+    finished: usize,
+    steps: Vec<StepSample>,
+}
+
+impl<'a> Driver<'a> {
+    fn new(requests: &'a [ServeRequest], load: Load, arrivals: Option<Vec<f64>>) -> Self {
+        let n = requests.len();
+        let mut last: HashMap<&str, usize> = HashMap::new();
+        let mut keys = HashMap::new();
+        let prev = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let t = r.turn.as_ref()?;
+                let k = keys.len() as u64;
+                keys.entry(t.session.clone()).or_insert(k);
+                last.insert(t.session.as_str(), i)
+            })
+            .collect();
+        Driver {
+            requests,
+            load,
+            arrivals,
+            start: Instant::now(),
+            records: vec![None; n],
+            streams: vec![None; n],
+            in_flight: HashMap::new(),
+            done_at: vec![None; n],
+            prev,
+            history: HashMap::new(),
+            keys,
+            finished: 0,
+            steps: Vec::new(),
+        }
+    }
+
+    fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    /// Not submitted yet, and its session's previous turn (if any) has finished.
+    fn ready(&self, i: usize) -> bool {
+        self.records[i].is_none() && self.prev[i].is_none_or(|p| self.done_at[p].is_some())
+    }
+
+    /// The next request to submit now and its arrival time, if the load allows one.
+    fn next_due(&self) -> Option<(usize, f64)> {
+        let mut ready = (0..self.requests.len()).filter(|&i| self.ready(i));
+        match (&self.arrivals, self.load) {
+            (None, Load::Closed(c)) => {
+                if self.in_flight.len() >= c {
+                    return None;
+                }
+                ready.next().map(|i| (i, self.now()))
+            }
+            (Some(times), _) => {
+                let now = self.now();
+                ready.find(|&i| times[i] <= now).map(|i| {
+                    let after = self.prev[i].and_then(|p| self.done_at[p]).unwrap_or(0.0);
+                    (i, times[i].max(after))
+                })
+            }
+            (None, Load::Open { .. }) => None,
+        }
+    }
+
+    /// Open loop with nothing in flight: sleeps until the next scheduled arrival.
+    fn wait_for_arrival(&self) {
+        let Some(times) = &self.arrivals else { return };
+        let next = (0..self.requests.len())
+            .filter(|&i| self.records[i].is_none())
+            .map(|i| times[i])
+            .reduce(f64::min);
+        if let Some(t) = next {
+            let wait = t - self.now();
+            if wait > 0.0 {
+                std::thread::sleep(Duration::from_secs_f64(wait));
+            }
+        }
+    }
+
+    /// Builds request `i` (its prompt, for a turn) and submits it; a failure is recorded.
+    fn submit<B: BatchTarget>(
+        &mut self,
+        generator: &mut BatchGenerator<B>,
+        i: usize,
+        arrival: f64,
+        make: &mut dyn FnMut(&ServeRequest) -> Result<BatchRequest>,
+        build: &mut PromptBuilder<'_>,
+    ) {
+        let requests = self.requests;
+        let r = &requests[i];
+        let log: ChunkLog = Arc::new(Mutex::new(Vec::new()));
+        self.streams[i] = Some(log.clone());
+        let start = self.start;
+        let built = match &r.turn {
+            None => Ok(r.clone()),
+            Some(t) => {
+                let turns = self.history.get(&t.session).map_or(&[][..], |v| &v[..]);
+                build(turns, &t.message).map(|prompt| ServeRequest {
+                    prompt,
+                    ..r.clone()
+                })
+            }
+        };
+        let key = r.turn.as_ref().and_then(|t| self.keys.get(&t.session));
+        let prompt_tokens = built.as_ref().map_or(0, |b| b.prompt.len());
+        let submitted = built.and_then(|b| make(&b)).and_then(|req| {
+            let req = match key {
+                Some(&k) => req.with_conversation(k),
+                None => req,
+            };
+            let req = req.with_stream(move |c| {
+                if let Ok(mut l) = log.lock() {
+                    l.push((start.elapsed().as_secs_f64(), c.tokens.len()));
+                }
+                ControlFlow::Continue(())
+            });
+            generator.submit(req).map_err(BenchError::from)
+        });
+        let submit = self.now();
+        let mut rec = RequestRecord::blank(r, prompt_tokens, arrival, submit);
+        match submitted {
+            Ok(id) => {
+                self.in_flight.insert(id, i);
+            }
+            Err(e) => {
+                rec.error = Some(e.to_string());
+                self.end(i, &[], submit);
+            }
+        }
+        self.records[i] = Some(rec);
+    }
+
+    /// Request `i` finished at `at` with `tokens`: its session's history grows.
+    fn end(&mut self, i: usize, tokens: &[u32], at: f64) {
+        self.finished += 1;
+        self.done_at[i] = Some(at);
+        if let Some(t) = &self.requests[i].turn {
+            self.history
+                .entry(t.session.clone())
+                .or_default()
+                .push((t.message.clone(), tokens.to_vec()));
+        }
+    }
+
+    /// One generator step, then the requests it finished.
+    fn step<B: BatchTarget>(&mut self, generator: &mut BatchGenerator<B>) -> Result<()> {
+        let (inf, unf) = (self.in_flight.len(), self.requests.len() - self.finished);
         let st = generator.step()?;
-        steps.push(StepSample {
+        self.steps.push(StepSample {
             in_flight: inf,
             unfinished: unf,
             sequences: st.sequences,
@@ -430,47 +622,59 @@ pub fn drive<B: BatchTarget>(
             forward_s: st.forward_time.as_secs_f64(),
             step_s: st.step_time.as_secs_f64(),
         });
-        let end = now();
+        let end = self.now();
         for f in generator.take_finished() {
-            let Some(i) = in_flight.remove(&f.id) else {
+            let Some(i) = self.in_flight.remove(&f.id) else {
                 continue;
             };
-            finished += 1;
-            let Some(rec) = records[i].as_mut() else {
-                continue;
-            };
-            rec.end_s = end;
             let (g, err) = match f.result {
                 Ok(g) => (g, None),
                 Err(e) => (*e.partial, Some(e.error.to_string())),
             };
-            rec.tokens = g.tokens;
+            self.end(i, &g.tokens, end);
+            let Some(rec) = self.records[i].as_mut() else {
+                continue;
+            };
+            rec.end_s = end;
             rec.proposed = g.metrics.proposed;
             rec.accepted = g.metrics.accepted;
             rec.emitted = g.metrics.emitted;
             rec.target_calls = g.metrics.target_calls;
+            rec.prompt_reused = g.metrics.prompt_tokens_reused;
+            rec.prompt_prefilled = g.metrics.prompt_tokens_prefilled;
+            rec.tokens = g.tokens;
             rec.error = err;
         }
+        Ok(())
     }
-    let wall_s = now();
-    let records = records
-        .into_iter()
-        .zip(streams)
-        .map(|(r, s)| {
-            let mut r = r.ok_or_else(|| BenchError::Invalid {
-                what: "serve driver",
-                reason: "a request was never submitted".into(),
-            })?;
-            r.chunks = s.lock().map(|l| l.clone()).unwrap_or_default();
-            Ok(r)
+
+    /// The records (with their streamed chunks) and steps.
+    fn into_run(self) -> Result<LoadRun> {
+        let wall_s = self.now();
+        let records = self
+            .records
+            .into_iter()
+            .zip(self.streams)
+            .map(|(r, s)| {
+                let mut r = r.ok_or_else(|| BenchError::Invalid {
+                    what: "serve driver",
+                    reason: "a request was never submitted".into(),
+                })?;
+                r.chunks = s
+                    .and_then(|s| s.lock().ok().map(|l| l.clone()))
+                    .unwrap_or_default();
+                Ok(r)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(LoadRun {
+            records,
+            steps: self.steps,
+            wall_s,
+            cost_curve: Vec::new(),
+            prefix_copies: 0,
+            prefix_copied_tokens: 0,
         })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(LoadRun {
-        records,
-        steps,
-        wall_s,
-        cost_curve: generator.cost_curve(),
-    })
+    }
 }
 
 /// The figures of one (mode, load), as in the module docs.
@@ -521,6 +725,38 @@ pub struct CellSummary {
     /// Requests whose greedy output differs from the reference ([`mark_mismatches`]).
     #[serde(default)]
     pub mismatches: Vec<usize>,
+    /// The load's prefix reuse mode (set by the caller; [`summarize`] leaves the default).
+    #[serde(default)]
+    pub reuse: ReuseMode,
+    /// Prompt tokens over every request.
+    #[serde(default)]
+    pub prompt_tokens: usize,
+    /// Of which found in the slot's cache ([`RequestRecord::prompt_reused`]).
+    #[serde(default)]
+    pub prompt_reused: usize,
+    /// Of which fed to the target ([`RequestRecord::prompt_prefilled`]).
+    #[serde(default)]
+    pub prompt_prefilled: usize,
+    /// Prompt prefill rows of every step (the prefill the target computed; each request's
+    /// last prompt token is fed with its first decode row instead).
+    #[serde(default)]
+    pub prefill_rows: usize,
+    /// [`LoadRun::prefix_copies`].
+    #[serde(default)]
+    pub prefix_copies: u64,
+    /// [`LoadRun::prefix_copied_tokens`].
+    #[serde(default)]
+    pub prefix_copied_tokens: u64,
+}
+
+impl CellSummary {
+    /// `prompt_reused / (prompt_reused + prompt_prefilled)` (0 without prompts).
+    pub fn reused_share(&self) -> f64 {
+        ratio(
+            self.prompt_reused as f64,
+            (self.prompt_reused + self.prompt_prefilled) as f64,
+        )
+    }
 }
 
 fn pct(xs: &[f64], q: f64) -> f64 {
@@ -571,6 +807,13 @@ pub fn summarize(
         mean_sequences: ratio(st(&|s| s.sequences as f64), steps as f64),
         forward_share: ratio(st(&|s| s.forward_s), st(&|s| s.step_s)),
         mismatches: Vec::new(),
+        reuse: ReuseMode::default(),
+        prompt_tokens: sum(&|r| r.prompt_tokens) as usize,
+        prompt_reused: sum(&|r| r.prompt_reused) as usize,
+        prompt_prefilled: sum(&|r| r.prompt_prefilled) as usize,
+        prefill_rows: run.steps.iter().map(|s| s.prefill_rows).sum(),
+        prefix_copies: run.prefix_copies,
+        prefix_copied_tokens: run.prefix_copied_tokens,
     }
 }
 
@@ -772,6 +1015,9 @@ pub struct Prediction {
     pub measured_speedup: Option<f64>,
     /// The same ratio of predictions.
     pub predicted_speedup: Option<f64>,
+    /// The load's prefix reuse mode (speed-ups compare loads of the same mode).
+    #[serde(default)]
+    pub reuse: ReuseMode,
 }
 
 /// Predictions for every closed-loop cell (see [`Prediction`]).
@@ -784,7 +1030,12 @@ pub fn predictions(cells: &[Cell], table: &CostTable, config: &BatchConfig) -> V
                     .run
                     .records
                     .iter()
-                    .map(|r| (r.prompt_tokens, r.tokens.len()))
+                    // The prompt tokens it fed (reuse on: the rest after the cached prefix;
+                    // records without the field: the whole prompt).
+                    .map(|r| match r.prompt_prefilled {
+                        0 => (r.prompt_tokens, r.tokens.len()),
+                        fed => (fed, r.tokens.len()),
+                    })
                     .collect();
                 let m = ServeModel::of(&c.summary, &c.run, config);
                 let p = predict_closed_loop(table, &reqs, conc, &m);
@@ -804,24 +1055,29 @@ pub fn predictions(cells: &[Cell], table: &CostTable, config: &BatchConfig) -> V
                     ) - 1.0,
                     measured_speedup: None,
                     predicted_speedup: None,
+                    reuse: c.summary.reuse,
                 })
             }
             Load::Open { .. } => None,
         })
         .collect();
-    let plain: Vec<(usize, f64, f64)> = out
+    let plain: Vec<(usize, ReuseMode, f64, f64)> = out
         .iter()
         .filter(|p| p.mode == ServeMode::Plain)
         .map(|p| {
             (
                 p.concurrency,
+                p.reuse,
                 p.measured_tokens_per_s,
                 p.predicted_tokens_per_s,
             )
         })
         .collect();
     for p in out.iter_mut().filter(|p| p.mode.speculative()) {
-        if let Some(&(_, m, q)) = plain.iter().find(|x| x.0 == p.concurrency) {
+        if let Some(&(_, _, m, q)) = plain
+            .iter()
+            .find(|x| x.0 == p.concurrency && x.1 == p.reuse)
+        {
             p.measured_speedup = Some(ratio(p.measured_tokens_per_s, m));
             p.predicted_speedup = Some(ratio(p.predicted_tokens_per_s, q));
         }
@@ -868,18 +1124,23 @@ pub struct ServeReport {
     pub predictions: Vec<Prediction>,
     /// Greedy outputs that differed between cells (total over cells).
     pub mismatches: usize,
+    /// Greedy outputs with prefix reuse on against off, per (mode, load)
+    /// ([`crate::serve_reuse::reuse_checks`]; empty when one reuse mode ran).
+    #[serde(default)]
+    pub reuse_checks: Vec<crate::serve_reuse::ReuseCheck>,
 }
 
 /// The summaries as a markdown table.
 pub fn markdown(cells: &[CellSummary]) -> String {
     let mut s = String::from(
-        "| mode | load | requests | tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | accept rate | mean acc. len | mean k | rows/step | peak RSS MiB | errors | greedy mismatches |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| mode | load | reuse | requests | tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | accept rate | mean acc. len | mean k | rows/step | peak RSS MiB | errors | greedy mismatches |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for c in cells {
         s.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {:.0}/{:.0} | {:.1}/{:.1} | {:.1}/{:.1} | {:.3} | {:.2} | {:.2} | {:.1} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {:.1} | {:.0}/{:.0} | {:.1}/{:.1} | {:.1}/{:.1} | {:.3} | {:.2} | {:.2} | {:.1} | {} | {} | {} |\n",
             c.mode.label(),
             c.load.label(),
+            c.reuse.label(),
             c.requests,
             c.tokens_per_s,
             c.ttft_p50_s * 1e3,
@@ -907,22 +1168,23 @@ pub fn markdown(cells: &[CellSummary]) -> String {
 /// concurrency 1 (the rows the goals read).
 pub fn concurrency_markdown(cells: &[CellSummary]) -> String {
     let mut modes: Vec<ServeMode> = Vec::new();
-    let mut concs: Vec<usize> = Vec::new();
+    let mut concs: Vec<(ReuseMode, usize)> = Vec::new();
     for c in cells {
         if let Load::Closed(n) = c.load {
             if !modes.contains(&c.mode) {
                 modes.push(c.mode);
             }
-            if !concs.contains(&n) {
-                concs.push(n);
+            if !concs.contains(&(c.reuse, n)) {
+                concs.push((c.reuse, n));
             }
         }
     }
     concs.sort_unstable();
-    let tput = |m: ServeMode, n: usize| {
+    let several = concs.iter().any(|c| c.0 != concs[0].0);
+    let tput = |m: ServeMode, (r, n): (ReuseMode, usize)| {
         cells
             .iter()
-            .find(|c| c.mode == m && c.load == Load::Closed(n))
+            .find(|c| c.mode == m && c.load == Load::Closed(n) && c.reuse == r)
             .map(|c| c.tokens_per_s)
     };
     let has_plain = modes.contains(&ServeMode::Plain);
@@ -950,9 +1212,17 @@ pub fn concurrency_markdown(cells: &[CellSummary]) -> String {
         Some(v) => format!(" {v:.1} |"),
         None => " - |".into(),
     };
-    let base = concs.first().and_then(|&n| tput(ServeMode::Plain, n));
     for &n in &concs {
-        s.push_str(&format!("| {n} |"));
+        // Plain at the smallest concurrency of the same reuse mode.
+        let base = concs
+            .iter()
+            .find(|c| c.0 == n.0)
+            .and_then(|&c| tput(ServeMode::Plain, c));
+        if several {
+            s.push_str(&format!("| {} ({}) |", n.1, n.0.label()));
+        } else {
+            s.push_str(&format!("| {} |", n.1));
+        }
         for &m in &modes {
             s.push_str(&f(tput(m, n), false));
         }
@@ -972,14 +1242,15 @@ pub fn concurrency_markdown(cells: &[CellSummary]) -> String {
 /// paying.
 pub fn prediction_markdown(preds: &[Prediction]) -> String {
     let mut s = String::from(
-        "| mode | concurrency | measured tok/s | predicted tok/s | error | cost table on the actual steps | measured speed-up | predicted speed-up |\n|---|---|---|---|---|---|---|---|\n",
+        "| mode | concurrency | reuse | measured tok/s | predicted tok/s | error | cost table on the actual steps | measured speed-up | predicted speed-up |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     let x = |v: Option<f64>| v.map(|v| format!("{v:.2}x")).unwrap_or_else(|| "-".into());
     for p in preds {
         s.push_str(&format!(
-            "| {} | {} | {:.1} | {:.1} | {:+.1}% | {:+.1}% | {} | {} |\n",
+            "| {} | {} | {} | {:.1} | {:.1} | {:+.1}% | {:+.1}% | {} | {} |\n",
             p.mode.label(),
             p.concurrency,
+            p.reuse.label(),
             p.measured_tokens_per_s,
             p.predicted_tokens_per_s,
             p.error * 100.0,
@@ -1109,6 +1380,8 @@ mod tests {
             emitted: 6,
             target_calls: 4,
             error: None,
+            prompt_reused: 0,
+            prompt_prefilled: 3,
         };
         assert_eq!(r.ttft(), Some(0.5));
         assert!((r.tpot().unwrap() - 1.0 / 5.0).abs() < 1e-12);
@@ -1120,6 +1393,8 @@ mod tests {
             steps: vec![],
             wall_s: 2.0,
             cost_curve: vec![],
+            prefix_copies: 0,
+            prefix_copied_tokens: 0,
         };
         let c = summarize(ServeMode::Fixed(2), Load::Closed(1), &run, None);
         assert_eq!(c.tokens_per_s, 3.0);
@@ -1141,6 +1416,7 @@ mod tests {
             table_error: 0.0,
             measured_speedup: sp,
             predicted_speedup: sp,
+            reuse: ReuseMode::On,
         };
         let k = ServeMode::Fixed(4);
         let g = ServeMode::Goodput(8);

@@ -72,6 +72,7 @@ fn records() -> Vec<RunRecord> {
         carry: false,
         forced_drafts: false,
         prefix_reuse: Vec::new(),
+        fused_prefill: true,
     };
     let mut n = 0;
     let out = run_matrix(
@@ -273,6 +274,7 @@ fn conversations_resubmit_their_own_outputs_and_carry_keeps_the_suffix_corpus() 
                 carry,
                 forced_drafts: false,
                 prefix_reuse: Vec::new(),
+                fused_prefill: true,
             },
             &mut build,
             &mut |_| {},
@@ -368,6 +370,7 @@ fn constrained_requests_follow_their_grammar_in_every_run() {
             carry: false,
             forced_drafts: true,
             prefix_reuse: Vec::new(),
+            fused_prefill: true,
         },
         &mut |_, _| unreachable!("no conversation turns"),
         &mut |_| {},

@@ -154,6 +154,13 @@ pub struct Args {
     /// Do not stream the text: show a progress bar and print the text at the end.
     #[arg(long)]
     pub quiet: bool,
+    /// Interactive multi-turn chat: every line of standard input is a user turn (`\` at the
+    /// end of a line continues it), answered in the chat template over the whole conversation
+    /// (the model's own answers included), streamed to standard output; the conversation's
+    /// cache is kept across turns (prefix reuse), and each turn's reused / prefilled prompt
+    /// tokens and speed go to standard error.
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_file", "raw", "compare", "quiet", "json_schema", "grammar"])]
+    pub chat: bool,
 }
 
 impl Args {
@@ -256,5 +263,13 @@ mod tests {
         let conflict = ["speculate", "--json-schema", "s", "--grammar", "g"];
         assert!(Args::try_parse_from(conflict).is_err());
         assert!(Args::try_parse_from(["speculate", "--k", "many"]).is_err());
+        assert!(Args::try_parse_from(["speculate", "--chat"]).unwrap().chat);
+        for other in ["--compare", "--raw", "--quiet"] {
+            assert!(
+                Args::try_parse_from(["speculate", "--chat", other]).is_err(),
+                "{other}"
+            );
+        }
+        assert!(Args::try_parse_from(["speculate", "--chat", "--prompt", "p"]).is_err());
     }
 }

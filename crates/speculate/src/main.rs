@@ -21,10 +21,21 @@
 //! draft row with the grammar (crate `speculative-guidance`), and the tokens the grammar forces
 //! are drafted in front of the proposer's draft (`--no-forced-drafts` turns that off).
 //!
+//! Chat: `--chat` reads one user turn per line of standard input and answers each in the chat
+//! template over the whole conversation, keeping the conversation's cache across turns (prefix
+//! reuse); per-turn reused / prefilled prompt tokens and speed go to standard error:
+//!
+//! ```text
+//! printf 'Name three colours.\nNow in French.\n' | \
+//!     cargo run --release -p speculate -- --chat --proposer suffix --k adaptive
+//! ```
+//!
 //! Modules: [`args`] (the command line), [`engines`] (the target and its draft models),
-//! [`proposers`] (the `--proposer` choices), [`run`] (prompt, generation and report).
+//! [`proposers`] (the `--proposer` choices), [`run`] (prompt, generation and report), [`chat`]
+//! (the multi-turn chat).
 
 mod args;
+mod chat;
 mod engines;
 mod proposers;
 mod run;
@@ -33,7 +44,8 @@ use clap::Parser;
 
 fn main() {
     let a = args::Args::parse();
-    if let Err(e) = run::run(&a) {
+    let r = if a.chat { chat::chat(&a) } else { run::run(&a) };
+    if let Err(e) = r {
         eprintln!("speculate: error: {e}");
         std::process::exit(1);
     }

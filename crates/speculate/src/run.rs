@@ -104,7 +104,7 @@ fn read_prompt(a: &Args) -> Result<String, DynError> {
 }
 
 /// Prints which model and engine loaded, and how long it took since `t0`.
-fn print_loaded(a: &Args, path: &Path, t0: Instant) {
+pub(crate) fn print_loaded(a: &Args, path: &Path, t0: Instant) {
     eprintln!(
         "loaded {} ({:?} backend, {} weights) in {:.2} s",
         std::fs::canonicalize(path)
@@ -161,7 +161,7 @@ fn grammar_mask(
 
 /// The generation parameters of the options (sampling under the grammar `mask`, EOS and the
 /// stop strings, draft length, trees). Prints the seed when sampling.
-fn generation_params(
+pub(crate) fn generation_params(
     a: &Args,
     tok: &TargetText,
     mask: Option<&Arc<GrammarMask>>,

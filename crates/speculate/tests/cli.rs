@@ -207,3 +207,82 @@ fn draft_model_other_tokenizer_on_gemma() {
         "{stdout}"
     );
 }
+
+/// Runs `speculate` with `args`, writing `input` to its standard input.
+fn speculate_stdin(args: &[&str], input: &str) -> Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_speculate"))
+        .args(args)
+        .env("RAYON_NUM_THREADS", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("speculate runs");
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(input.as_bytes())
+        .expect("stdin written");
+    child.wait_with_output().expect("speculate ends")
+}
+
+/// `(prompt tokens, reused, prefilled)` of the `[turn n]` line of `stderr`.
+fn turn_line(stderr: &str, n: usize) -> (usize, usize, usize) {
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with(&format!("[turn {n}] prompt ")))
+        .unwrap_or_else(|| panic!("no [turn {n}] line in\n{stderr}"));
+    let num = |after: &str, before: &str| -> usize {
+        let rest = &line[line.find(after).expect(after) + after.len()..];
+        rest[..rest.find(before).expect(before)]
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    (
+        num("prompt ", " tokens:"),
+        num("tokens: ", " reused"),
+        num("reused, ", " prefilled"),
+    )
+}
+
+/// Two chat turns on piped standard input (one line each, a blank line between them skipped):
+/// two streamed answers, and turn 2 reuses at least turn 1's whole prompt from the cache.
+#[test]
+fn chat_keeps_the_conversation_cache_across_turns() {
+    let m = model();
+    let out = speculate_stdin(
+        &[
+            "--model",
+            &m,
+            "--chat",
+            "--system",
+            "You are brief.",
+            "--proposer",
+            "suffix",
+            "--max-tokens",
+            "12",
+        ],
+        "Name three colours.\n\nNow name three animals.\n",
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(
+        stdout.lines().filter(|l| !l.trim().is_empty()).count(),
+        2,
+        "{stdout}"
+    );
+    let (p1, r1, f1) = turn_line(&stderr, 1);
+    let (p2, r2, f2) = turn_line(&stderr, 2);
+    assert_eq!((r1, f1), (0, p1), "turn 1 starts from an empty cache");
+    assert_eq!(r2 + f2, p2);
+    assert!(
+        r2 >= p1,
+        "turn 2 reused {r2} of {p2} tokens, turn 1's prompt was {p1}\n{stderr}"
+    );
+    assert!(p2 > p1 + 3 && f2 < p2 - p1, "{stderr}");
+    assert!(!stderr.contains("[turn 3]"));
+}

@@ -2,7 +2,9 @@
 //! of a new prompt and prefills only the rest, the logits are bit-identical to a fresh prefill
 //! of the same prompt (FastTarget and CandleTarget Q8_0 are batch-invariant), greedy multi-turn
 //! chats give the same tokens with reuse on and off, and FastBatch's prefix copy between slots
-//! gives the bits of a fresh prefill. Needs `models/SmolLM2-135M-Instruct.Q4_1.gguf` (run
+//! gives the bits of a fresh prefill. The fused prefill (`TargetModel::forward_tail`: the prompt
+//! tokens left to prefill and the first verify rows in one forward) gives the bits of a prefill
+//! followed by the verify forward, and fused chats equal plain greedy. Needs `models/SmolLM2-135M-Instruct.Q4_1.gguf` (run
 //! `scripts/fetch-model.sh`), except the random-weight FastBatch test.
 
 mod common;
@@ -11,7 +13,7 @@ use std::sync::Arc;
 
 use speculative::decode::{BatchGenerator, BatchRequest, DraftLength, GenerationParams, Generator};
 use speculative::propose::PromptLookup;
-use speculative::{BatchTarget, NoProposer, SlotChunk, SlotInput, TargetModel};
+use speculative::{BatchTarget, HiddenStates, NoProposer, SlotChunk, SlotInput, TargetModel};
 use speculative_candle::fast::RandomSpec;
 use speculative_candle::{
     CandleTarget, FastBatch, FastFormat, FastTarget, FastWeights, WeightFormat,
@@ -54,7 +56,8 @@ fn chat<T: TargetModel>(g: &mut Generator<T, PromptLookup>) -> Vec<(Vec<u32>, us
 }
 
 /// After a first generation, a longer prompt sharing its prefix: the reused cache plus the last
-/// token's forward gives the logits of a fresh prefill of the prompt, bit for bit.
+/// token's forward gives the logits of a fresh prefill of the prompt, bit for bit. (`g` runs
+/// without the fused prefill, so that its session prefills before the first step.)
 fn logits_after_reuse<T: TargetModel>(mut g: Generator<T, NoProposer>, mut fresh: T) {
     let first = common::chat(QUESTIONS[0]);
     let out = g.generate(&first, &params(8)).unwrap();
@@ -84,7 +87,7 @@ fn logits_after_reuse<T: TargetModel>(mut g: Generator<T, NoProposer>, mut fresh
 fn fast_target_logits_after_reuse_equal_a_fresh_prefill_and_chats_do_not_change() {
     let w = common::fast_weights();
     logits_after_reuse(
-        Generator::new(FastTarget::new(w.clone()), NoProposer),
+        Generator::new(FastTarget::new(w.clone()), NoProposer).with_fused_prefill(false),
         FastTarget::new(w.clone()),
     );
     let pl = || PromptLookup::new(1, 3).unwrap();
@@ -100,7 +103,7 @@ fn fast_target_logits_after_reuse_equal_a_fresh_prefill_and_chats_do_not_change(
 fn candle_target_logits_after_reuse_equal_a_fresh_prefill() {
     let w = common::weights(WeightFormat::Q8_0);
     logits_after_reuse(
-        Generator::new(CandleTarget::new(w.clone()), NoProposer),
+        Generator::new(CandleTarget::new(w.clone()), NoProposer).with_fused_prefill(false),
         CandleTarget::new(w),
     );
 }
@@ -189,4 +192,88 @@ fn fast_batch_shares_a_system_prompt_without_changing_outputs() {
     assert_eq!(tokens(&on), tokens(&off));
     assert!(copies >= 1, "{copies}");
     assert!(on[1].1 > 10 && on[2].1 > 10, "{on:?}");
+}
+
+/// A multi-turn greedy chat on `g` with request `p`; returns each turn's tokens and the prompt
+/// tokens fed in the first verify forward.
+fn chat_with<T: TargetModel, P: speculative::Proposer>(
+    g: &mut Generator<T, P>,
+    p: &GenerationParams,
+) -> Vec<(Vec<u32>, usize)> {
+    let mut ctx = common::chat(QUESTIONS[0]);
+    let mut out = Vec::new();
+    for (t, q) in QUESTIONS.iter().enumerate() {
+        if t > 0 {
+            ctx.extend(next_turn(q));
+        }
+        let g = g.generate(&ctx, p).unwrap();
+        ctx.extend(&g.tokens);
+        out.push((g.tokens, g.metrics.prompt_tokens_fused));
+    }
+    out
+}
+
+#[test]
+fn fast_target_fused_prefill_gives_the_bits_of_a_prefill_then_a_forward() {
+    let w = common::fast_weights();
+    let prompt = common::chat(QUESTIONS[0]);
+    let drafts = [28, 1070, 314, 253];
+    for reused in [0, 5] {
+        let (mut a, mut b) = (FastTarget::new(w.clone()), FastTarget::new(w.clone()));
+        if reused > 0 {
+            a.prefill(&prompt[..reused]).unwrap();
+            b.prefill(&prompt[..reused]).unwrap();
+        }
+        let feed: Vec<u32> = prompt[reused..].iter().chain(&drafts).copied().collect();
+        let rows = drafts.len() + 1;
+        let head = feed.len() - rows;
+        let (mut la, mut lb) = (Vec::new(), Vec::new());
+        a.forward_tail(&feed, rows, &mut la).unwrap();
+        b.prefill(&feed[..head]).unwrap();
+        b.forward(&feed[head..], &mut lb).unwrap();
+        assert_eq!(bits(&la), bits(&lb), "reused {reused}");
+        assert_eq!(a.seq_len(), b.seq_len());
+        assert_eq!(a.kv_snapshot(), b.kv_snapshot());
+        // Every appended row's hidden state is kept; the verify rows' equal the forward's.
+        let (ha, hb) = (a.last_hidden().unwrap(), b.last_hidden().unwrap());
+        assert_eq!(ha.len(), feed.len() * hb.len() / rows);
+        assert_eq!(bits(&ha[head * hb.len() / rows..]), bits(hb));
+        // Refused row counts change nothing.
+        for bad in [0, feed.len() + 1] {
+            assert!(a.forward_tail(&feed, bad, &mut la).is_err());
+            assert_eq!(a.seq_len(), b.seq_len());
+        }
+    }
+}
+
+#[test]
+fn fast_target_chats_with_the_fused_prefill_equal_plain_greedy() {
+    use speculative::decode::{AdaptiveConfig, TreeDrafts};
+    use speculative::propose::{SuffixConfig, SuffixProposer};
+    let w = common::fast_weights();
+    let plain = chat_with(
+        &mut Generator::new(FastTarget::new(w.clone()), NoProposer)
+            .with_prefix_reuse(false)
+            .with_fused_prefill(false),
+        &GenerationParams::greedy(12),
+    );
+    let tokens = |v: &[(Vec<u32>, usize)]| v.iter().map(|t| t.0.clone()).collect::<Vec<_>>();
+    // Plain decoding fuses its prefill too.
+    let fused_plain = chat_with(
+        &mut Generator::new(FastTarget::new(w.clone()), NoProposer),
+        &GenerationParams::greedy(12),
+    );
+    assert_eq!(tokens(&fused_plain), tokens(&plain));
+    let adaptive = DraftLength::Adaptive(AdaptiveConfig::default().with_max_draft(8));
+    for nodes in [0, 8] {
+        let p = GenerationParams::greedy(12)
+            .with_draft(adaptive.clone())
+            .with_tree(TreeDrafts::nodes(nodes));
+        let suffix = SuffixProposer::new(SuffixConfig::default()).unwrap();
+        let on = chat_with(&mut Generator::new(FastTarget::new(w.clone()), suffix), &p);
+        assert_eq!(tokens(&on), tokens(&plain), "tree nodes {nodes}");
+        // Every turn fed its new tokens in the first verify forward (turn 0: the whole
+        // prompt but its last token).
+        assert!(on.iter().all(|t| t.1 > 0), "{on:?}");
+    }
 }

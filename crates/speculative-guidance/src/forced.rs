@@ -271,6 +271,11 @@ impl<P: Proposer> ForcedDrafts<P> {
 }
 
 impl<P: Proposer> Proposer for ForcedDrafts<P> {
+    /// The inner proposer's: forced tokens come from the grammar mask over the context.
+    fn drafts_from_tokens(&self) -> bool {
+        self.inner.drafts_from_tokens()
+    }
+
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         self.step_context = req.context.len();
         self.inner_len = None;

@@ -286,7 +286,7 @@ impl BatchTarget for FastBatch {
                 seq,
                 tokens: &p.tokens,
                 tree,
-                logits: c.input.logit_rows() > 0,
+                logit_rows: c.input.logit_rows(),
             });
         }
         let n_layers = self.weights.config.n_layers;

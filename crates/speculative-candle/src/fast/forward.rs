@@ -800,6 +800,35 @@ impl FastTarget {
         self.run(tokens, None, None)
     }
 
+    /// Appends `tokens` (`n` of them) in one forward and writes the `[rows, vocab]` logits of
+    /// the last `rows` (`1 <= rows <= n`) into `logits` (cleared first): the output head runs
+    /// over those rows only, as [`FastTarget::prefill_tokens`] skips it for every row. Each
+    /// row's arithmetic does not depend on the other rows of the call, so the logits are
+    /// bit-identical to `prefill_tokens` of the first `n - rows` tokens followed by
+    /// `forward_logits` of the rest, and so is the KV cache; the `[n, hidden]` final hidden
+    /// states of every row are kept. [`speculative::TargetModel::forward_tail`] (the fused
+    /// prefill of `speculative::decode::Generator`).
+    ///
+    /// # Errors
+    /// As [`FastTarget::forward_logits`]; [`CandleError::InvalidArgument`] for `rows == 0` or
+    /// `rows > n`.
+    pub fn forward_tail_logits(
+        &mut self,
+        tokens: &[u32],
+        rows: usize,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        self.seq.check(&self.weights.config, tokens)?;
+        if rows == 0 || rows > tokens.len() {
+            return Err(CandleError::InvalidArgument(format!(
+                "forward_tail: {rows} logit rows of {} tokens",
+                tokens.len()
+            )));
+        }
+        logits.clear();
+        self.run_tail(tokens, None, rows, Some(logits))
+    }
+
     /// Appends the root and the nodes of a valid `block` (module docs of [`FastTarget`],
     /// "Token trees"), writing `[n + 1, vocab]` logits; the tree is pending afterwards. On error
     /// the sequence is unchanged.
@@ -823,14 +852,26 @@ impl FastTarget {
         tree: Option<(&Rows, &DraftBlock<'_>)>,
         logits: Option<&mut Vec<f32>>,
     ) -> Result<()> {
+        let rows = if logits.is_some() { tokens.len() } else { 0 };
+        self.run_tail(tokens, tree, rows, logits)
+    }
+
+    /// [`FastTarget::run`] with logits for the last `logit_rows` rows only (`<= tokens.len()`;
+    /// 0 with `logits` `None`).
+    fn run_tail(
+        &mut self,
+        tokens: &[u32],
+        tree: Option<(&Rows, &DraftBlock<'_>)>,
+        logit_rows: usize,
+        logits: Option<&mut Vec<f32>>,
+    ) -> Result<()> {
         let w = Arc::clone(&self.weights);
-        let wants = logits.is_some();
         let mut unused = Vec::new();
         let mut segs = [Segment {
             seq: &mut self.seq,
             tokens,
             tree,
-            logits: wants,
+            logit_rows,
         }];
         let mut taps = self.taps.as_mut().map(|(layout, out)| Taps { layout, out });
         run_rows(
@@ -1004,8 +1045,8 @@ pub(crate) struct Segment<'a> {
     /// A tree forward's layout and block (tree attention, pending afterwards); `None` for a
     /// chain or prefill.
     pub(crate) tree: Option<(&'a Rows, &'a DraftBlock<'a>)>,
-    /// Whether the rows' logits are computed.
-    pub(crate) logits: bool,
+    /// How many of the segment's last rows get logits (0: none; `tokens.len()`: every row).
+    pub(crate) logit_rows: usize,
 }
 
 /// The row pipeline of [`FastTarget`] and [`FastBatch`](super::FastBatch): one forward over
@@ -1246,22 +1287,18 @@ fn head_logits(
 ) -> Result<()> {
     let h = w.config.hidden_size;
     let total: usize = segs.iter().map(|s| s.tokens.len()).sum();
-    let wanted: usize = segs
-        .iter()
-        .filter(|s| s.logits)
-        .map(|s| s.tokens.len())
-        .sum();
+    let wanted: usize = segs.iter().map(|s| s.logit_rows.min(s.tokens.len())).sum();
     if wanted == total && total > 0 {
         w.head.matmul(hidden, logits, exec)?;
     } else if wanted > 0 {
-        // Only the rows that need logits go through the head (the head is row-wise).
+        // Only the rows that need logits (each segment's last `logit_rows`) go through the
+        // head (the head is row-wise).
         let mut rows = Vec::with_capacity(wanted * h);
         let mut r0 = 0;
         for s in segs.iter() {
             let n = s.tokens.len();
-            if s.logits {
-                rows.extend_from_slice(&hidden[r0 * h..(r0 + n) * h]);
-            }
+            let from = r0 + n - s.logit_rows.min(n);
+            rows.extend_from_slice(&hidden[from * h..(r0 + n) * h]);
             r0 += n;
         }
         w.head.matmul(&rows, logits, exec)?;
@@ -1315,6 +1352,22 @@ impl Engine for FastTarget {
 target_glue!(FastTarget, hidden_states = hidden, {
     fn supports_prefix_copy(&self) -> bool {
         true
+    }
+
+    /// One forward over every token, the output head over the last `rows`
+    /// ([`FastTarget::forward_tail_logits`]): bit-identical to the default's prefill and
+    /// forward.
+    ///
+    /// # Errors
+    /// [`speculative::Error::Model`] (source [`CandleError`]) as `forward`, and for
+    /// `rows == 0` or `rows > tokens.len()`; the sequence is then unchanged.
+    fn forward_tail(
+        &mut self,
+        tokens: &[u32],
+        rows: usize,
+        logits: &mut Vec<f32>,
+    ) -> speculative::Result<()> {
+        Ok(self.forward_tail_logits(tokens, rows, logits)?)
     }
 
     /// Copies the keys and values of `src`'s first `len` positions (a `FastTarget` over the
