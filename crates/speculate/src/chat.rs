@@ -12,16 +12,15 @@
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::ops::ControlFlow;
-use std::sync::Arc;
 use std::time::Instant;
 
 use speculative::decode::{Generation, Generator};
-use speculative_candle::{ChatMessage, GgufDetokenizer, GgufTokenizer, default_model_path};
+use speculative_candle::{ChatMessage, default_model_path};
 
 use crate::args::Args;
 use crate::engines::{self, DynError, Engine};
-use crate::proposers;
-use crate::run::{generation_params, print_loaded};
+use crate::proposers::{self, TargetSide};
+use crate::run::{TextDetokenizer, generation_params, print_loaded, target_text};
 
 /// Runs the chat: loads the model once, then answers every turn read from standard input.
 ///
@@ -32,14 +31,19 @@ pub fn chat(a: &Args) -> Result<(), DynError> {
     let path = a.model.clone().unwrap_or_else(default_model_path);
     let t0 = Instant::now();
     let engine = engines::load(a, &path)?;
-    let tok = Arc::new(GgufTokenizer::load(&path)?);
+    let tok = target_text(a, &path)?;
     print_loaded(a, &path, t0);
     let params = generation_params(a, &tok, None)?;
-    let vocab = engine.target.vocab_size();
-    let proposer = proposers::build(a, &engine, vocab, None)?;
+    let side = TargetSide {
+        engine: &engine,
+        vocab: engine.target.vocab_size(),
+        path: &path,
+        text: &tok,
+    };
+    let proposer = proposers::build(a, &side, None)?;
     let Engine { mut target, .. } = engine;
-    let mut g = Generator::new(&mut *target, proposer)
-        .with_detokenizer(GgufDetokenizer::new(tok.clone(), true));
+    let mut g =
+        Generator::new(&mut *target, proposer).with_detokenizer(TextDetokenizer(tok.clone()));
     let mut history: Vec<ChatMessage> = a.system.iter().map(ChatMessage::system).collect();
     let stdin = std::io::stdin();
     let interactive = stdin.is_terminal();
@@ -58,7 +62,7 @@ pub fn chat(a: &Args) -> Result<(), DynError> {
         };
         turn += 1;
         history.push(ChatMessage::user(message));
-        let prompt = tok.encode(&tok.apply_chat_template(&history)?)?;
+        let prompt = tok.encode(&tok.chat(&history)?)?;
         let start = Instant::now();
         let mut first: Option<f64> = None;
         let mut out = std::io::stdout();

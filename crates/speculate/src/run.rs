@@ -21,7 +21,7 @@ use crate::engines::{self, DynError, Engine};
 use crate::proposers::{self, TargetSide};
 
 /// The target's text as the loop's detokenizer (control tokens dropped).
-struct TextDetokenizer(TargetText);
+pub(crate) struct TextDetokenizer(pub(crate) TargetText);
 
 impl Detokenizer for TextDetokenizer {
     fn decode(&self, tokens: &[u32]) -> speculative::Result<String> {
@@ -33,7 +33,7 @@ impl Detokenizer for TextDetokenizer {
 
 /// The target's text side: the GGUF tokenizer of a byte-level BPE file, else (the llama
 /// engine) llama.cpp's tokenizer and chat template.
-fn target_text(a: &Args, path: &Path) -> Result<TargetText, DynError> {
+pub(crate) fn target_text(a: &Args, path: &Path) -> Result<TargetText, DynError> {
     let backend = if a.backend == Backend::Llama {
         "llama"
     } else {
