@@ -18,7 +18,7 @@ use speculative::decode::{
     AdaptiveConfig, DraftLength, GenerationParams, Generator, Metrics, StopConditions, TreeDrafts,
 };
 use speculative::propose::{
-    DraftModelProposer, MergedProposer, PromptLookup, SuffixConfig, SuffixProposer,
+    DraftModelProposer, FixedMergeCosts, MergedProposer, PromptLookup, SuffixConfig, SuffixProposer,
 };
 use speculative::test_util::{CallLog, RecurrentToy, ToyModel, ToyRnn};
 use speculative::{
@@ -99,12 +99,16 @@ fn suffix() -> SuffixProposer {
     SuffixProposer::new(SuffixConfig::default()).unwrap()
 }
 
+/// Prompt lookup + suffix, merged with fixed costs (the cost-aware merge's choices then depend
+/// on the acceptance it sees, not on the clock, so runs with and without the fused prefill take
+/// the same steps).
 fn merged() -> MergedProposer {
     MergedProposer::new(vec![
         Box::new(PromptLookup::new(1, 4).unwrap()),
         Box::new(suffix()),
     ])
     .unwrap()
+    .with_costs(FixedMergeCosts::new(0.010, 0.0005).unwrap())
 }
 
 /// Asserts a fused run (`a`, log `la`) did what a separate one (`b`, `lb`) did with one forward

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 
 use speculative::decode::{DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::propose::{
-    DraftModelProposer, MergedProposer, PromptLookup, RecyclingConfig, SuffixConfig,
-    SuffixProposer, TokenRecycling,
+    DraftModelProposer, FixedMergeCosts, MergedProposer, PromptLookup, RecyclingConfig,
+    SuffixConfig, SuffixProposer, TokenRecycling,
 };
 use speculative::test_util::{RandomProposer, ToyModel};
 use speculative::{
@@ -229,7 +229,9 @@ fn merged_subproposer_feedback_is_consistent() {
                 ));
                 let (d, sd) = check(RandomProposer::new(VOCAB, 3));
                 let (e, se) = check(SuffixProposer::new(SuffixConfig::default()).unwrap());
-                let merged = MergedProposer::new(vec![a, b, c, d, e]).unwrap();
+                let merged = MergedProposer::new(vec![a, b, c, d, e])
+                    .unwrap()
+                    .with_costs(fixed_costs());
                 let all = [sa, sb.clone(), sc, sd, se];
                 let mut g = Generator::new(target(), merged);
                 let mut tree_steps = 0;
@@ -403,7 +405,7 @@ fn randomised_loop_configurations_keep_the_contract() {
         }
         let dense = which == 2;
         let proposer: Box<dyn Proposer + Send> = if which == 0 {
-            Box::new(MergedProposer::new(subs).unwrap())
+            Box::new(MergedProposer::new(subs).unwrap().with_costs(fixed_costs()))
         } else {
             subs.pop().unwrap()
         };
@@ -648,7 +650,11 @@ fn heads_trees_and_merged_heads_keep_the_contract() {
                 let (h, sh) = check(heads);
                 let (r, sr) = check(recycling());
                 let proposer: Box<dyn Proposer + Send> = if merged {
-                    Box::new(MergedProposer::new(vec![h, r]).unwrap())
+                    Box::new(
+                        MergedProposer::new(vec![h, r])
+                            .unwrap()
+                            .with_costs(fixed_costs()),
+                    )
                 } else {
                     h
                 };
@@ -708,4 +714,10 @@ fn carried_table_with_tokens_a_later_request_bans() {
             }
         }
     }
+}
+
+/// Fixed merge costs (every member free, a step 10 ms + 0.5 ms a row): the cost-aware merge's
+/// choices depend on the acceptance it sees, not on the machine's clock.
+fn fixed_costs() -> FixedMergeCosts {
+    FixedMergeCosts::new(0.010, 0.0005).unwrap()
 }
