@@ -319,6 +319,21 @@ impl fmt::Display for ProposalFault {
     }
 }
 
+/// `Ok` when `secs` (a time in seconds for the config field `field`) is finite and `>= 0`, else
+/// [`Error::InvalidConfig`]. Used by the fixed cost sources of the decoding loop and of the
+/// merged proposer.
+pub(crate) fn check_secs(field: &'static str, secs: f64) -> Result<()> {
+    if secs.is_finite() && secs >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::config(
+            field,
+            secs,
+            "must be finite and >= 0 (seconds)",
+        ))
+    }
+}
+
 impl Error {
     /// Wraps any error from a model adapter as [`Error::Model`].
     pub fn model<E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>>(e: E) -> Self {

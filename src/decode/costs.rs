@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, check_secs};
 
 /// The step costs the draft-length policies learn from, in seconds.
 ///
@@ -107,18 +107,6 @@ pub struct FixedCosts {
 enum Curve {
     Linear { base: f64, per_row: f64 },
     Points(Vec<(usize, f64)>),
-}
-
-fn check_secs(field: &'static str, secs: f64) -> Result<()> {
-    if secs.is_finite() && secs >= 0.0 {
-        Ok(())
-    } else {
-        Err(Error::config(
-            field,
-            secs,
-            "must be finite and >= 0 (seconds)",
-        ))
-    }
 }
 
 impl FixedCosts {

@@ -17,7 +17,7 @@
 
 use std::time::Duration;
 
-use crate::error::{Error, Result};
+use crate::error::{Result, check_secs};
 
 /// How [`super::MergedProposer`] chooses and ranks its candidates.
 ///
@@ -95,24 +95,12 @@ pub struct FixedMergeCosts {
     members: Vec<(f64, f64)>,
 }
 
-fn check_secs(field: &'static str, secs: f64) -> Result<()> {
-    if secs.is_finite() && secs >= 0.0 {
-        Ok(())
-    } else {
-        Err(Error::config(
-            field,
-            secs,
-            "must be finite and >= 0 (seconds)",
-        ))
-    }
-}
-
 impl FixedMergeCosts {
     /// A step costs `base_secs + per_row_secs * rows`; every member is free until
     /// [`FixedMergeCosts::with_member`].
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] when a time is negative or not finite.
+    /// [`crate::Error::InvalidConfig`] when a time is negative or not finite.
     pub fn new(base_secs: f64, per_row_secs: f64) -> Result<Self> {
         check_secs("base_secs", base_secs)?;
         check_secs("per_row_secs", per_row_secs)?;
@@ -126,7 +114,7 @@ impl FixedMergeCosts {
     /// Sets member `member`'s cost: `per_call_secs + per_token_secs * drafted` per draft call.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] when a time is negative or not finite.
+    /// [`crate::Error::InvalidConfig`] when a time is negative or not finite.
     pub fn with_member(
         mut self,
         member: usize,
