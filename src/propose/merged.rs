@@ -239,6 +239,10 @@ pub struct MergedProposer {
     spent: f64,
     /// End of the last proposal and its verify rows, to time the rest of the step.
     last_end: Option<(Instant, usize)>,
+    /// The next proposal is a request's first: its step is not timed, since its forward may
+    /// also feed the prompt (a fused prefill, `Generator::with_fused_prefill`) and would read
+    /// as a step of many times the cost of its verify rows.
+    first_of_request: bool,
     /// Trie ids of the accepted path's nodes (scratch of the learning).
     path: Vec<u32>,
     /// Chain steps: the end node of the chain the merge would write after each asked member
@@ -307,6 +311,7 @@ impl MergedProposer {
             asked_at: vec![(1.0, 0.0); n],
             spent: 0.0,
             last_end: None,
+            first_of_request: true,
             path: Vec::new(),
             chain_ends: vec![NONE; n],
             tree_step: false,
@@ -585,6 +590,16 @@ impl MergedProposer {
         best
     }
 
+    /// Marks the end of a proposal of `rows` verify rows, from which [`Self::time_step`] times
+    /// the rest of its step; not for a request's first proposal (see `first_of_request`).
+    fn mark_end(&mut self, rows: usize) {
+        self.last_end = if std::mem::take(&mut self.first_of_request) {
+            None
+        } else {
+            Some((Instant::now(), rows))
+        };
+    }
+
     /// Records the rest of the previous step (from the end of its proposal to now) against its
     /// verify rows, when the previous proposal was observed and nothing else came between.
     fn time_step(&mut self) {
@@ -823,7 +838,7 @@ impl Proposer for MergedProposer {
         let secs = time.map(|t| move |rows: usize| t.secs(rows));
         self.trie
             .write_chain(secs.as_ref().map(|f| f as &dyn Fn(usize) -> f64), draft);
-        self.last_end = Some((Instant::now(), draft.len() + 1));
+        self.mark_end(draft.len() + 1);
         Ok(())
     }
 
@@ -842,7 +857,7 @@ impl Proposer for MergedProposer {
         let secs = secs.as_ref().map(|f| f as &dyn Fn(usize) -> f64);
         self.trie
             .write_tree(req.max_nodes, req.max_branch, secs, draft);
-        self.last_end = Some((Instant::now(), draft.len() + 1));
+        self.mark_end(draft.len() + 1);
         Ok(())
     }
 
@@ -914,6 +929,7 @@ impl Proposer for MergedProposer {
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         self.pending = false;
         self.last_end = None;
+        self.first_of_request = true;
         for sub in &mut self.subs {
             sub.begin(prompt)?;
         }
@@ -924,6 +940,7 @@ impl Proposer for MergedProposer {
     fn begin_reusing(&mut self, prompt: &[u32]) -> Result<()> {
         self.pending = false;
         self.last_end = None;
+        self.first_of_request = true;
         for sub in &mut self.subs {
             sub.begin_reusing(prompt)?;
         }
@@ -1454,6 +1471,41 @@ mod tests {
             last = step_against(&mut m, &truth, 1 + i % 3);
         }
         assert!(last.is_empty());
+    }
+
+    /// Counts the steps the merge times (`step_secs` calls).
+    struct CountSteps(Arc<Mutex<usize>>);
+
+    impl super::super::MergeCosts for CountSteps {
+        fn member_secs(&self, _: usize, _: usize, _: std::time::Duration) -> f64 {
+            0.0
+        }
+        fn step_secs(&self, _: usize, _: std::time::Duration) -> f64 {
+            *self.0.lock().unwrap() += 1;
+            0.01
+        }
+    }
+
+    #[test]
+    fn the_first_step_of_a_request_is_not_timed() {
+        // Its forward may also feed the prompt (a fused prefill): timing it would price every
+        // verify row at a share of the prompt's prefill (a merge on the real model then drafted
+        // nothing). Three steps of one request time two intervals less the first: one.
+        let steps = Arc::new(Mutex::new(0));
+        let mut m = MergedProposer::new(vec![chain(&[1, 2])])
+            .unwrap()
+            .with_costs(CountSteps(steps.clone()));
+        let cfg = SamplingConfig::greedy();
+        let mut d = Draft::default();
+        for request in 0..2 {
+            m.begin(&CTX).unwrap();
+            for _ in 0..3 {
+                m.propose(&ProposeRequest::new(&CTX, &cfg, 2), &mut d)
+                    .unwrap();
+                m.observe(2, &[1, 2, 3]).unwrap();
+            }
+            assert_eq!(*steps.lock().unwrap(), request + 1, "request {request}");
+        }
     }
 
     #[test]
