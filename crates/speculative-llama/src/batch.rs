@@ -140,9 +140,14 @@ impl BatchTarget for LlamaBatchTarget {
             .then_some(BatchRollback::Snapshot(self as &mut dyn BatchStateSnapshot))
     }
 
-    /// `true`: llama.cpp copies sequences (`llama_memory_seq_cp`).
+    /// `true` when the model rolls back by truncation: llama.cpp copies sequences
+    /// (`llama_memory_seq_cp`). `false` in snapshot mode (recurrent and hybrid models, or
+    /// [`LlamaConfig::force_snapshot`]): a recurrent state has no prefix to copy, and the copy
+    /// of separate KV buffers happens at the next decode, after the state save that the loop
+    /// makes before it, so the saved state would miss the copied prefix (a replay from it
+    /// decoded garbage).
     fn can_copy_prefix(&self) -> bool {
-        true
+        !self.seqs.snapshot()
     }
 
     /// Makes `dst` hold `src`'s first `len` positions with llama.cpp's sequence copy: shared
