@@ -236,6 +236,18 @@ impl<T: TargetModel, P: Proposer> Generator<T, P> {
         self
     }
 
+    /// Starts the adaptive policy ([`DraftLength::Adaptive`](super::DraftLength::Adaptive))
+    /// from `state` instead of a fresh one, for example the cost estimates a generator over the
+    /// same engine measured earlier ([`AdaptiveState::costs_only`]): the policy then knows the
+    /// forward cost curve from the first step and skips the warm-up forward of
+    /// `max_draft + 1` rows a fresh state spends on measuring it. A generator keeps its state
+    /// across its own generations anyway; this is for a server that builds a generator per
+    /// request or per connection. Greedy output is unchanged (the policy only chooses `k`).
+    pub fn with_adaptive_state(mut self, state: AdaptiveState) -> Self {
+        self.seq.set_adaptive(state);
+        self
+    }
+
     /// Where the adaptive policy learns step costs from ([`Generator::with_costs`]).
     pub fn costs(&self) -> &dyn StepCosts {
         &*self.costs

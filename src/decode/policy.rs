@@ -53,7 +53,14 @@ impl Default for DraftLength {
 /// Each probe that does not bring speculation back doubles the interval, up to
 /// `max_probe_interval` steps (exponential backoff), so that a proposer that never pays
 /// (a draft model rejected everywhere, whose catch-up over the skipped tokens is costly) costs
-/// a vanishing share of the time; the first step that speculates again resets the wait.
+/// a vanishing share of the time; the first step that speculates again resets the wait. Where
+/// the measured cost curve says no draft could pay even if every token were accepted (a CPU
+/// engine whose verify of 2 rows costs more than 2 single steps, a draft model that costs more
+/// than the target step it saves: [`AdaptiveState::cannot_pay`]), learning acceptance is
+/// worthless and the policy probes only every `max_probe_interval` plain steps, counted across
+/// generations, to re-measure the curve. Start a request from an earlier one's cost estimates
+/// with [`Generator::with_adaptive_state`](crate::decode::Generator::with_adaptive_state) and
+/// [`AdaptiveState::costs_only`].
 ///
 /// **With token trees** ([`TreeDrafts::Tree`](crate::decode::TreeDrafts::Tree) in
 /// [`GenerationParams::tree`](crate::decode::GenerationParams::tree) and a target with tree
@@ -283,6 +290,9 @@ pub struct AdaptiveState {
     row_samples: Vec<RowSamples>,
     /// Speculative tree-policy steps since the last exploring one.
     explore_run: usize,
+    /// Plain steps, across generations, since the last probe of a state in which no draft
+    /// could pay ([`AdaptiveState::cannot_pay`]).
+    ceiling_run: usize,
 }
 
 /// The last [`RowSamples::CAP`] forward times of one row count (a ring).
@@ -552,7 +562,9 @@ impl AdaptiveState {
     /// few times only is worth a little more than its estimate, so it is tried again), `c` the
     /// forward cost curve, `t_propose` the proposing time per draft token and `R` the expected
     /// replay ([`AdaptiveState::expected_replay`]; zero for targets that never replayed). While
-    /// plain decoding wins, probes as [`AdaptiveConfig::probe_interval`] says.
+    /// plain decoding wins, probes as [`AdaptiveConfig::probe_interval`] says, except where no
+    /// draft could pay even fully accepted ([`AdaptiveState::cannot_pay`]): then it probes every
+    /// [`AdaptiveConfig::max_probe_interval`] plain steps, counted across generations.
     pub fn choose(&mut self, cfg: &AdaptiveConfig, cap: usize) -> usize {
         let max_k = cfg.max_draft.min(cap);
         if max_k == 0 {
@@ -577,10 +589,69 @@ impl AdaptiveState {
                 best = (k, rate);
             }
         }
+        if best.0 == 0 && self.cannot_pay(max_k, |n| self.forward_cost(n)) {
+            return if self.ceiling_probe(cfg) {
+                cfg.probe_draft.min(max_k)
+            } else {
+                0
+            };
+        }
         if self.probe_now(cfg, best.0 == 0) {
             return cfg.probe_draft.min(max_k);
         }
         best.0
+    }
+
+    /// `true` when no draft of `1..=max_k` tokens (`max_k` nodes for a tree) could beat plain
+    /// decoding even if every drafted token were accepted: `(k + 1) c(1) <= c(k + 1) + k
+    /// t_propose` for every `k`, with `cost` the forward cost curve (seconds by rows) and
+    /// `t_propose` the proposing time per draft token. Then no acceptance estimate can change
+    /// the choice, so the probes that learn acceptance are wasted; the policy probes only every
+    /// [`AdaptiveConfig::max_probe_interval`] plain steps, counted across generations, to
+    /// re-measure the cost curve ([`AdaptiveState::choose`]). `false` while the curve holds
+    /// fewer than two measured row counts (a single point extends flat).
+    pub fn cannot_pay(&self, max_k: usize, cost: impl Fn(usize) -> Option<f64>) -> bool {
+        let tp = self.propose_per_token.unwrap_or(0.0);
+        let measured = self.cost.iter().filter(|c| c.is_some()).count();
+        let Some(c1) = cost(1) else {
+            return false;
+        };
+        measured >= 2
+            && (1..=max_k)
+                .all(|k| cost(k + 1).is_some_and(|c| (k + 1) as f64 * c1 <= c + k as f64 * tp))
+    }
+
+    /// The probe schedule of a state that [`AdaptiveState::cannot_pay`]: `true` once every
+    /// `max(max_probe_interval, probe_interval)` calls, a count that
+    /// [`AdaptiveState::begin_generation`] keeps (new requests do not change the engine's
+    /// costs, so short requests do not each pay for a probe).
+    fn ceiling_probe(&mut self, cfg: &AdaptiveConfig) -> bool {
+        self.ceiling_run += 1;
+        if self.ceiling_run >= cfg.max_probe_interval.max(cfg.probe_interval) {
+            self.ceiling_run = 0;
+            return true;
+        }
+        false
+    }
+
+    /// The cost estimates of this state alone: the forward cost curve (and the tree policy's
+    /// samples of it), the replay costs and the proposing time per draft token, with the
+    /// acceptance estimates, the probe schedule and the tree statistics of a fresh state.
+    /// The cost curve belongs to the engine (and the proposing time to the proposer), not to a
+    /// request, so a server can start each request's policy from what earlier requests
+    /// measured ([`crate::decode::Generator::with_adaptive_state`]) without carrying one
+    /// request's acceptance into the next. A state that knows the cost curve skips the
+    /// warm-up step of a fresh one (a forward of `max_draft + 1` rows).
+    pub fn costs_only(&self) -> AdaptiveState {
+        AdaptiveState {
+            cost: self.cost.clone(),
+            replay_cost: self.replay_cost.clone(),
+            propose_per_token: self.propose_per_token,
+            steps: self.steps,
+            row_samples: self.row_samples.clone(),
+            ceiling_run: self.ceiling_run,
+            ..AdaptiveState::default()
+        }
     }
 
     /// The probe bookkeeping of both policies: `true` when this step, for which plain decoding
@@ -777,6 +848,13 @@ impl AdaptiveState {
             return TreeShape::default();
         }
         let best = self.best_size(&plan);
+        if best == 0 && self.cannot_pay(plan.len(), |n| self.tree_forward_cost(n)) {
+            return if self.ceiling_probe(cfg) {
+                shape_of(&plan[..cfg.probe_draft.min(plan.len())])
+            } else {
+                TreeShape::default()
+            };
+        }
         if self.probe_now(cfg, best == 0) {
             return shape_of(&plan[..cfg.probe_draft.min(plan.len())]);
         }
@@ -1118,6 +1196,89 @@ mod tests {
         assert_eq!(s.choose(&cfg, 100), 0);
     }
 
+    /// Steps of `k > 0` a state chooses in `gens` generations of `steps` steps, every draft
+    /// accepted, on the cost curve `c`.
+    fn speculative_steps(
+        s: &mut AdaptiveState,
+        cfg: &AdaptiveConfig,
+        c: impl Fn(usize) -> f64,
+        gens: usize,
+        steps: usize,
+    ) -> Vec<usize> {
+        let mut out = Vec::new();
+        for _ in 0..gens {
+            s.begin_generation();
+            let mut n = 0;
+            for _ in 0..steps {
+                let k = s.choose(cfg, 100);
+                n += (k > 0) as usize;
+                s.observe(cfg, k, k, c(k + 1), 0.0);
+            }
+            out.push(n);
+        }
+        out
+    }
+
+    #[test]
+    fn a_curve_on_which_no_draft_pays_is_probed_once_per_max_interval() {
+        let cfg = AdaptiveConfig::default();
+        // Each extra row costs three single steps: even a fully accepted draft loses.
+        let c = |n: usize| 0.01 * (1 + 3 * (n - 1)) as f64;
+        let mut s = AdaptiveState::default();
+        let steps = speculative_steps(&mut s, &cfg, c, 30, 20);
+        assert!(s.cannot_pay(8, |n| s.forward_cost(n)));
+        // The warm-up, then a probe every 256 plain steps across generations (600 steps: 2),
+        // not one 16 steps into each generation.
+        let later: usize = steps[1..].iter().sum();
+        assert!(later <= 3, "{steps:?}");
+        // The same curve with a free draft row: full acceptance pays, probes follow the
+        // acceptance schedule (one per generation here) and speculation comes back.
+        let cheap = |n: usize| 0.01 + 0.0001 * (n - 1) as f64;
+        let mut s = AdaptiveState::default();
+        let steps = speculative_steps(&mut s, &cfg, cheap, 5, 20);
+        assert!(!s.cannot_pay(8, |n| s.forward_cost(n)));
+        assert!(steps[1..].iter().all(|&n| n >= 15), "{steps:?}");
+    }
+
+    #[test]
+    fn the_proposing_time_counts_against_a_draft_that_could_pay() {
+        let cfg = AdaptiveConfig::default();
+        let mut s = AdaptiveState::default();
+        // c(n) = 1 + 0.5 (n - 1) single steps: free drafts pay, drafts that cost a step each
+        // cannot.
+        let c = |n: usize| 0.01 + 0.005 * (n - 1) as f64;
+        s.observe(&cfg, 0, 0, c(1), 0.0);
+        s.observe(&cfg, 4, 4, c(5), 0.0);
+        assert!(!s.cannot_pay(4, |n| s.forward_cost(n)));
+        s.observe(&cfg, 4, 4, c(5), 0.04);
+        for _ in 0..30 {
+            s.observe(&cfg, 4, 4, c(5), 0.04);
+        }
+        assert!(s.cannot_pay(4, |n| s.forward_cost(n)));
+    }
+
+    #[test]
+    fn costs_only_keeps_the_curve_and_forgets_acceptance() {
+        let cfg = AdaptiveConfig::default();
+        let mut s = AdaptiveState::default();
+        for _ in 0..40 {
+            let k = s.choose(&cfg, 100);
+            s.observe(&cfg, k, 0, 0.01 * (k + 1) as f64, 0.001 * k as f64);
+        }
+        assert!(s.acceptance(0) < 0.5);
+        let c = s.costs_only();
+        assert_eq!(c.acceptance(0), 0.5);
+        for n in [1, 3, 9] {
+            assert_eq!(c.forward_cost(n), s.forward_cost(n));
+            assert_eq!(c.tree_forward_cost(n), s.tree_forward_cost(n));
+        }
+        // A fresh state's first step is the warm-up at max_draft; this one's is not.
+        let mut fresh = AdaptiveState::default();
+        assert_eq!(fresh.choose(&cfg, 100), cfg.max_draft);
+        let mut c = c;
+        assert_eq!(c.choose(&cfg, 100), 0);
+    }
+
     #[test]
     fn picks_long_drafts_when_all_accepted_and_verify_is_cheap() {
         let cfg = AdaptiveConfig::default();
@@ -1229,8 +1390,11 @@ mod tests {
             if step > 0 && k > 0 {
                 probes.push(step);
             }
-            s.observe(&cfg, k, 0, 0.01 * (k + 1) as f64, 0.0);
+            // Nearly linear in rows, yet a fully accepted draft would pay (slightly), so the
+            // acceptance schedule applies ([`AdaptiveState::cannot_pay`] is false).
+            s.observe(&cfg, k, 0, 0.0001 + 0.0099 * (k + 1) as f64, 0.0);
         }
+        assert!(!s.cannot_pay(8, |n| s.forward_cost(n)));
         let gaps: Vec<usize> = probes.windows(2).map(|w| w[1] - w[0]).collect();
         // After the first probe the interval doubles: 8, 16, 32, then 64 steps for good.
         assert_eq!(&gaps[..4], &[8, 16, 32, 64], "gaps {gaps:?}");
@@ -1540,13 +1704,14 @@ mod tests {
                 probes.push(step);
                 assert_eq!(shape.nodes, cfg.probe_draft, "{shape:?}");
             }
-            // Every draft rejected, cost linear in rows: a chain of the shape's depth.
+            // Every draft rejected, cost nearly linear in rows (a fully accepted draft would
+            // pay, slightly): a chain of the shape's depth.
             let tokens = vec![1u32; shape.depth];
             s.observe_draft(
                 &cfg,
                 &DraftBlock::chain(&tokens),
                 &[],
-                0.01 * (shape.depth + 1) as f64,
+                0.0001 + 0.0099 * (shape.depth + 1) as f64,
                 0.0,
             );
         }

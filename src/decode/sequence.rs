@@ -652,6 +652,11 @@ impl Sequence {
         &self.adaptive
     }
 
+    /// Replaces the adaptive policy's estimates ([`super::Generator::with_adaptive_state`]).
+    pub fn set_adaptive(&mut self, state: AdaptiveState) {
+        self.adaptive = state;
+    }
+
     /// The adaptive policy's state, mutably (the batch loop's probe schedule).
     pub fn adaptive_mut(&mut self) -> &mut AdaptiveState {
         &mut self.adaptive

@@ -318,6 +318,12 @@ struct RunArgs {
     /// requests in the same order). Without it every run starts from a fresh proposer.
     #[arg(long)]
     carry: bool,
+    /// Start every run of a configuration from the adaptive policy's cost estimates (forward
+    /// cost curve, proposing time; not acceptance) that its earlier runs measured, warm-up
+    /// included, as a server keeps them; without it each run's policy starts fresh and spends
+    /// its first step measuring the curve.
+    #[arg(long)]
+    carry_costs: bool,
     /// Output directory for runs.json, summary.json, summary.md and the plots.
     #[arg(long, default_value = "bench-out")]
     out: PathBuf,
@@ -577,6 +583,7 @@ fn run_engine(
         warmup: a.warmup,
         reps: a.reps,
         carry: a.carry,
+        carry_costs: a.carry_costs,
         forced_drafts: !a.no_forced_drafts,
         fused_prefill: match a.fused_prefill.as_str() {
             "on" => true,

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 
+use speculative::decode::AdaptiveState;
 use speculative::{Proposer, TargetModel};
 
 use crate::error::Result;
@@ -52,6 +53,12 @@ pub struct Matrix {
     /// corpus, a token-recycling table carry over, as in a server that runs requests one after
     /// another); `false`: a fresh proposer for every run.
     pub carry: bool,
+    /// Start every run of a configuration (and of the plain baseline) from the adaptive
+    /// policy's cost estimates that its earlier runs measured, warm-up runs included
+    /// ([`speculative::decode::AdaptiveState::costs_only`]: the forward cost curve and the
+    /// proposing time, never acceptance), as a server that keeps one policy per engine; `false`:
+    /// a fresh policy per run, which spends its first step measuring the curve.
+    pub carry_costs: bool,
     /// With grammar-constrained requests: put the grammar-forced tokens in front of every
     /// speculative configuration's drafts (`speculative_guidance::ForcedDrafts`).
     pub forced_drafts: bool,
@@ -178,6 +185,8 @@ pub fn run_matrix(
         }
     }
     let mut none = speculative::NoProposer;
+    // Per configuration, the cost estimates its runs carry (`Matrix::carry_costs`).
+    let mut costs: Vec<AdaptiveState> = vec![AdaptiveState::default(); matrix.configs.len()];
     // Warm-up on the first request (fresh proposers, discarded).
     if let Some(r0) = requests.first() {
         let prompt = Lane::default().prompt(r0, build)?;
@@ -199,10 +208,19 @@ pub fn run_matrix(
                 .map(|c| c.sampling())
                 .transpose()?
                 .unwrap_or_default();
-            run_one(target, &mut none, &input, None, &s, 0)?;
-            for c in &matrix.configs {
+            run_one(target, &mut none, &input, None, &s, 0, None)?;
+            for (ci, c) in matrix.configs.iter().enumerate() {
                 let mut p = factory(&c.proposer)?;
-                run_one(target, &mut *p, &input, Some(c), &c.sampling()?, c.seed)?;
+                let policy = matrix.carry_costs.then_some(&mut costs[ci]);
+                run_one(
+                    target,
+                    &mut *p,
+                    &input,
+                    Some(c),
+                    &c.sampling()?,
+                    c.seed,
+                    policy,
+                )?;
             }
             progress("warm-up");
         }
@@ -215,8 +233,14 @@ pub fn run_matrix(
     let mut out = Vec::new();
     for rep in 0..matrix.reps {
         for &reuse in &modes {
+            let lanes = Lanes {
+                keys: &keys,
+                rep,
+                reuse,
+                costs: &mut costs,
+            };
             let o = run_rep(
-                vocab, target, factory, requests, eos, matrix, build, progress, &keys, rep, reuse,
+                vocab, target, factory, requests, eos, matrix, build, progress, lanes,
             )?;
             out.extend(o);
         }
@@ -256,6 +280,15 @@ fn constraint<'a>(
     })
 }
 
+/// What one repetition of [`run_matrix`] runs in: the sampling keys, the repetition index, the
+/// prefix-reuse mode and the configurations' carried cost estimates.
+struct Lanes<'a> {
+    keys: &'a [(f32, f32, u64)],
+    rep: usize,
+    reuse: bool,
+    costs: &'a mut [AdaptiveState],
+}
+
 /// One repetition of [`run_matrix`] in one prefix-reuse mode.
 #[allow(clippy::too_many_arguments)]
 fn run_rep(
@@ -267,10 +300,14 @@ fn run_rep(
     matrix: &Matrix,
     build: &mut PromptBuilder<'_>,
     progress: &mut dyn FnMut(&str),
-    keys: &[(f32, f32, u64)],
-    rep: usize,
-    reuse: bool,
+    lanes_of: Lanes<'_>,
 ) -> Result<Vec<RunRecord>> {
+    let Lanes {
+        keys,
+        rep,
+        reuse,
+        costs,
+    } = lanes_of;
     let mut none = speculative::NoProposer;
     let caches = || reuse.then(HashMap::new);
     let mut out = Vec::new();
@@ -317,7 +354,7 @@ fn run_rep(
                     cached: base_cached.as_deref(),
                     fused_prefill: matrix.fused_prefill,
                 };
-                let base = run_one(target, &mut none, &input, None, &sampling, seed)?;
+                let base = run_one(target, &mut none, &input, None, &sampling, seed, None)?;
                 base_lanes[ki].keep_cache(r, &input, &base.tokens);
                 base_lanes[ki].answered(r, &base.tokens);
                 progress(&format!("request {ri} rep {rep} plain"));
@@ -341,7 +378,8 @@ fn run_rep(
                             &mut *fresh
                         }
                     };
-                    let mut rec = run_one(target, prop, &input, Some(c), &sampling, seed)?;
+                    let policy = matrix.carry_costs.then_some(&mut costs[ci]);
+                    let mut rec = run_one(target, prop, &input, Some(c), &sampling, seed, policy)?;
                     lane.keep_cache(r, &input, &rec.tokens);
                     lane.answered(r, &rec.tokens);
                     if base.tokens_per_s > 0.0 {

@@ -5,7 +5,8 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use speculative::decode::{
-    AdaptiveConfig, DraftLength, GenerationParams, Generator, StopConditions, TreeDrafts,
+    AdaptiveConfig, AdaptiveState, DraftLength, GenerationParams, Generator, StopConditions,
+    TreeDrafts,
 };
 use speculative::{Draft, NoProposer, ProposeRequest, Proposer, SamplingConfig, TargetModel};
 
@@ -339,6 +340,11 @@ pub struct Constraint<'a> {
 /// Runs one generation of `proposer` on `target` (`config = None` is the plain baseline) and
 /// measures it.
 ///
+/// `policy`: the adaptive policy's cost estimates to start from and to update
+/// ([`AdaptiveState::costs_only`] of what the run's generator measured; the acceptance
+/// estimates start fresh in every run), as a server that keeps its engine's cost curve across
+/// requests; `None`: a fresh policy, which spends its first step measuring the curve.
+///
 /// # Errors
 /// Errors of the decoding loop.
 pub fn run_one(
@@ -348,6 +354,7 @@ pub fn run_one(
     config: Option<&ConfigSpec>,
     sampling: &SamplingConfig,
     seed: u64,
+    mut policy: Option<&mut AdaptiveState>,
 ) -> Result<RunRecord> {
     let mut stop = StopConditions::default();
     for &e in input.eos {
@@ -397,6 +404,9 @@ pub fn run_one(
     let mut g = Generator::new(&mut *target, &mut rec)
         .with_prefix_reuse(input.cached.is_some())
         .with_fused_prefill(input.fused_prefill);
+    if let Some(p) = policy.as_deref() {
+        g = g.with_adaptive_state(p.costs_only());
+    }
     if let Some(c) = input.cached {
         g.prefill_cache(c)?;
     }
@@ -409,6 +419,9 @@ pub fn run_one(
         .map_err(speculative::Error::from)?
     };
     let e2e = start.elapsed().as_secs_f64();
+    if let Some(p) = policy.as_deref_mut() {
+        *p = g.adaptive_state().costs_only();
+    }
     drop(g);
     let peak = peak_rss_kib();
     let ttft = arrivals.first().map(|a| a.0).unwrap_or(e2e);
