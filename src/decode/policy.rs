@@ -271,6 +271,9 @@ pub struct AdaptiveState {
     /// empty until the first replay).
     replay_cost: Vec<Option<f64>>,
     propose_per_token: Option<f64>,
+    /// A step of this generation drafted: its proposing time was the first (see
+    /// [`AdaptiveState::observe`]).
+    drafted_this_generation: bool,
     zero_run: usize,
     /// Current interval between probes (0 before the first probe: `probe_interval`).
     wait: usize,
@@ -902,6 +905,7 @@ impl AdaptiveState {
         self.zero_run = 0;
         self.wait = 0;
         self.pending = None;
+        self.drafted_this_generation = false;
     }
 
     fn cost_at(&self, n: usize) -> Option<f64> {
@@ -909,7 +913,9 @@ impl AdaptiveState {
     }
 
     /// Records one step: `k` drafts verified, `accepted` accepted, forward over `k + 1` tokens
-    /// took `forward_secs`, proposing took `propose_secs`. Also teaches the tree policy's rank-0
+    /// took `forward_secs`, proposing took `propose_secs` (learnt from the second drafting step
+    /// of a generation on: the first includes a draft model's catch-up with the prompt). Also
+    /// teaches the tree policy's rank-0
     /// estimates ([`AdaptiveState::tree_acceptance`]).
     pub fn observe(
         &mut self,
@@ -1107,7 +1113,11 @@ impl AdaptiveState {
             }
             self.row_samples[n].push(forward_secs, self.steps);
         }
-        if k > 0 {
+        // The first drafting step of a generation is not a sample of the proposing time: a
+        // draft model catches up with the whole prompt there (a prefill, paid once per
+        // request), which would price every later draft token as a prompt's worth.
+        let first = k > 0 && !std::mem::replace(&mut self.drafted_this_generation, true);
+        if k > 0 && !first {
             let per = propose_secs / k as f64;
             self.propose_per_token = Some(match self.propose_per_token {
                 Some(c) => (1.0 - w) * c + w * per,
@@ -1255,6 +1265,23 @@ mod tests {
             s.observe(&cfg, 4, 4, c(5), 0.04);
         }
         assert!(s.cannot_pay(4, |n| s.forward_cost(n)));
+    }
+
+    #[test]
+    fn the_first_drafting_step_of_a_generation_is_not_a_proposing_time_sample() {
+        let cfg = AdaptiveConfig::default();
+        let mut s = AdaptiveState::default();
+        let c = |n: usize| 0.01 + 0.001 * (n - 1) as f64;
+        s.observe(&cfg, 0, 0, c(1), 0.0);
+        for g in 0..3 {
+            s.begin_generation();
+            // A draft model's first proposal catches up with a 300-token prompt (0.3 s), the
+            // later ones cost 1 ms a token.
+            s.observe(&cfg, 4, 4, c(5), 0.3);
+            s.observe(&cfg, 4, 4, c(5), 0.004);
+            assert!((s.propose_per_token.unwrap() - 0.001).abs() < 1e-12, "generation {g}");
+        }
+        assert!(!s.cannot_pay(4, |n| s.forward_cost(n)));
     }
 
     #[test]
