@@ -1279,7 +1279,10 @@ mod tests {
             // later ones cost 1 ms a token.
             s.observe(&cfg, 4, 4, c(5), 0.3);
             s.observe(&cfg, 4, 4, c(5), 0.004);
-            assert!((s.propose_per_token.unwrap() - 0.001).abs() < 1e-12, "generation {g}");
+            assert!(
+                (s.propose_per_token.unwrap() - 0.001).abs() < 1e-12,
+                "generation {g}"
+            );
         }
         assert!(!s.cannot_pay(4, |n| s.forward_cost(n)));
     }

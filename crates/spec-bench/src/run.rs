@@ -354,7 +354,7 @@ pub fn run_one(
     config: Option<&ConfigSpec>,
     sampling: &SamplingConfig,
     seed: u64,
-    mut policy: Option<&mut AdaptiveState>,
+    policy: Option<&mut AdaptiveState>,
 ) -> Result<RunRecord> {
     let mut stop = StopConditions::default();
     for &e in input.eos {
@@ -419,7 +419,7 @@ pub fn run_one(
         .map_err(speculative::Error::from)?
     };
     let e2e = start.elapsed().as_secs_f64();
-    if let Some(p) = policy.as_deref_mut() {
+    if let Some(p) = policy {
         *p = g.adaptive_state().costs_only();
     }
     drop(g);
