@@ -1260,8 +1260,7 @@ mod tests {
         s.observe(&cfg, 0, 0, c(1), 0.0);
         s.observe(&cfg, 4, 4, c(5), 0.0);
         assert!(!s.cannot_pay(4, |n| s.forward_cost(n)));
-        s.observe(&cfg, 4, 4, c(5), 0.04);
-        for _ in 0..30 {
+        for _ in 0..31 {
             s.observe(&cfg, 4, 4, c(5), 0.04);
         }
         assert!(s.cannot_pay(4, |n| s.forward_cost(n)));

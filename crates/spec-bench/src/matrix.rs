@@ -53,8 +53,8 @@ pub struct Matrix {
     /// corpus, a token-recycling table carry over, as in a server that runs requests one after
     /// another); `false`: a fresh proposer for every run.
     pub carry: bool,
-    /// Start every run of a configuration (and of the plain baseline) from the adaptive
-    /// policy's cost estimates that its earlier runs measured, warm-up runs included
+    /// Start every run of a speculative configuration from the adaptive policy's cost
+    /// estimates that its earlier runs measured, warm-up runs included
     /// ([`speculative::decode::AdaptiveState::costs_only`]: the forward cost curve and the
     /// proposing time, never acceptance), as a server that keeps one policy per engine; `false`:
     /// a fresh policy per run, which spends its first step measuring the curve.
