@@ -683,3 +683,22 @@ fn negative_control_unmapped_q_is_rejected() {
         fit.p_value
     );
 }
+
+/// A cross-vocabulary draft drafts from the context's tokens alone, so the loop feeds a new
+/// prompt in the first step's verify forward (a fused prefill) with it too: same output as plain
+/// greedy decoding, and the prompt's tokens counted as fused rather than prefilled.
+#[test]
+fn cross_vocab_drafts_allow_a_fused_prefill() {
+    for (name, make) in [("tli", tli as fn() -> _), ("retokenize", retok)] {
+        assert!(make().drafts_from_tokens(), "{name}");
+        for prompt in PROMPTS.iter().filter(|p| p.len() > 1) {
+            let plain = Generator::new(target(), speculative::NoProposer)
+                .generate(prompt, &greedy(30, 0))
+                .unwrap();
+            let mut g = Generator::new(target(), make()).with_fused_prefill(true);
+            let out = g.generate(prompt, &greedy(30, 3)).unwrap();
+            assert_eq!(out.tokens, plain.tokens, "{name} {prompt:?}");
+            assert_eq!(out.metrics.prompt_tokens_fused, prompt.len() - 1, "{name}");
+        }
+    }
+}

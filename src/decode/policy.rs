@@ -41,7 +41,10 @@ impl Default for DraftLength {
 /// `i` is accepted given that positions `0..i` were (a Beta(1, 1) prior with exponentially
 /// decayed counts), and an estimate `t(n)` of the wall time of a target forward over `n` tokens
 /// (exponential moving average per `n`, a least-squares line through the measured `n` for the
-/// others), plus the proposer's time per draft token. The times are those the generator's cost
+/// others), plus the proposer's time per draft token (the median of the last 7 drafting steps'
+/// proposing time per draft token: a merged proposer that asks a costly member on a few steps
+/// only, for a probe, is priced at its typical step, and the merge prices its members itself,
+/// [`MergedProposer`](crate::propose::MergedProposer)). The times are those the generator's cost
 /// source reports ([`StepCosts`](crate::decode::StepCosts): the measured clock by default, a
 /// fixed curve with [`Generator::with_costs`](crate::decode::Generator::with_costs)). It picks the `k` that maximises
 ///
@@ -58,7 +61,12 @@ impl Default for DraftLength {
 /// engine whose verify of 2 rows costs more than 2 single steps, a draft model that costs more
 /// than the target step it saves: [`AdaptiveState::cannot_pay`]), learning acceptance is
 /// worthless and the policy probes only every `max_probe_interval` plain steps, counted across
-/// generations, to re-measure the curve. Start a request from an earlier one's cost estimates
+/// generations, to re-measure the curve. Either way a probe also waits until it fits
+/// `probe_budget` (2 % of the decoding time by default): the steps since the last probe,
+/// across generations, must have taken at least a probe's extra cost over a plain step (the
+/// last probe's proposing time plus the extra rows of its forward) divided by that share, so that a draft model whose probe pays a catch-up with the whole
+/// prompt and every token since costs at most that share of a server's time, however short its
+/// requests. Start a request from an earlier one's cost estimates
 /// with [`Generator::with_adaptive_state`](crate::decode::Generator::with_adaptive_state) and
 /// [`AdaptiveState::costs_only`].
 ///
@@ -107,6 +115,7 @@ impl Default for DraftLength {
 /// | `probe_interval` | 16 | `>= 1` |
 /// | `max_probe_interval` | 256 | any (below `probe_interval`: a fixed interval) |
 /// | `probe_draft` | 2 | any (capped by `max_draft`) |
+/// | `probe_budget` | 0.02 | `(0, 1]` |
 ///
 /// `#[non_exhaustive]`: build it from [`AdaptiveConfig::default`] and the `with_` setters (checked
 /// by [`AdaptiveConfig::validate`], which
@@ -133,11 +142,20 @@ pub struct AdaptiveConfig {
     pub max_probe_interval: usize,
     /// Draft length `k` of a probe step (capped by `max_draft`).
     pub probe_draft: usize,
+    /// The most share of the decoding time that probes may cost, in `(0, 1]`: a probe waits
+    /// (past its interval) until the steps since the last probe, counted across generations,
+    /// took at least a probe's extra cost (the last probe's proposing time plus the forward of
+    /// `probe_draft + 1` rows less a plain step's, from the learned curve) divided by this
+    /// share. A draft model's probe pays its catch-up
+    /// with every token since it was last asked (a new request's whole prompt included), which
+    /// on a CPU engine is several target steps; 1 leaves the intervals alone.
+    pub probe_budget: f64,
 }
 
 impl Default for AdaptiveConfig {
     /// `max_draft` 8, `decay` 0.98, `time_smoothing` 0.2, `probe_interval` 16,
-    /// `max_probe_interval` 256, `probe_draft` 2 (the table of [`AdaptiveConfig`]).
+    /// `max_probe_interval` 256, `probe_draft` 2, `probe_budget` 0.02 (the table of
+    /// [`AdaptiveConfig`]).
     fn default() -> Self {
         AdaptiveConfig {
             max_draft: 8,
@@ -146,6 +164,7 @@ impl Default for AdaptiveConfig {
             probe_interval: 16,
             max_probe_interval: 256,
             probe_draft: 2,
+            probe_budget: 0.02,
         }
     }
 }
@@ -187,11 +206,17 @@ impl AdaptiveConfig {
         self
     }
 
+    /// Sets [`AdaptiveConfig::probe_budget`] (checked by [`AdaptiveConfig::validate`]).
+    pub fn with_probe_budget(mut self, probe_budget: f64) -> Self {
+        self.probe_budget = probe_budget;
+        self
+    }
+
     /// Checks the ranges documented on each field.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for `decay` or `time_smoothing` outside `(0, 1]` or
-    /// `probe_interval == 0`.
+    /// [`Error::InvalidConfig`] for `decay`, `time_smoothing` or `probe_budget` outside
+    /// `(0, 1]` or `probe_interval == 0`.
     pub fn validate(&self) -> Result<()> {
         if !(self.decay > 0.0 && self.decay <= 1.0) {
             return Err(Error::config("decay", self.decay, "must be in (0, 1]"));
@@ -205,6 +230,13 @@ impl AdaptiveConfig {
         }
         if self.probe_interval == 0 {
             return Err(Error::config("probe_interval", 0, "must be >= 1"));
+        }
+        if !(self.probe_budget > 0.0 && self.probe_budget <= 1.0) {
+            return Err(Error::config(
+                "probe_budget",
+                self.probe_budget,
+                "must be in (0, 1]",
+            ));
         }
         Ok(())
     }
@@ -270,7 +302,10 @@ pub struct AdaptiveState {
     /// EMA of replay seconds by tokens replayed (index r; targets in snapshot mode only,
     /// empty until the first replay).
     replay_cost: Vec<Option<f64>>,
+    /// The median of `propose_samples`.
     propose_per_token: Option<f64>,
+    /// The last drafting steps' proposing seconds per draft token.
+    propose_samples: RowSamples,
     /// A step of this generation drafted: its proposing time was the first (see
     /// [`AdaptiveState::observe`]).
     drafted_this_generation: bool,
@@ -296,6 +331,12 @@ pub struct AdaptiveState {
     /// Plain steps, across generations, since the last probe of a state in which no draft
     /// could pay ([`AdaptiveState::cannot_pay`]).
     ceiling_run: usize,
+    /// The last probe's proposing seconds (`None` before the first probe).
+    probe_cost: Option<f64>,
+    /// Seconds of the steps since the last probe, across generations.
+    since_probe: f64,
+    /// The last choice was a probe: the next recorded step prices it.
+    probing: bool,
 }
 
 /// The last [`RowSamples::CAP`] forward times of one row count (a ring).
@@ -575,6 +616,8 @@ impl AdaptiveState {
         }
         // Warm-up: measure a full-length forward and a single-token forward first.
         if self.cost_at(max_k + 1).is_none() && self.steps == 0 {
+            // Priced as a probe: it is the first measure of what drafting costs.
+            self.probing = true;
             return max_k;
         }
         if self.cost_at(1).is_none() {
@@ -629,17 +672,49 @@ impl AdaptiveState {
     /// [`AdaptiveState::begin_generation`] keeps (new requests do not change the engine's
     /// costs, so short requests do not each pay for a probe).
     fn ceiling_probe(&mut self, cfg: &AdaptiveConfig) -> bool {
-        self.ceiling_run += 1;
-        if self.ceiling_run >= cfg.max_probe_interval.max(cfg.probe_interval) {
+        self.ceiling_run = self.ceiling_run.saturating_add(1);
+        if self.ceiling_run >= cfg.max_probe_interval.max(cfg.probe_interval)
+            && self.probe_affordable(cfg)
+        {
             self.ceiling_run = 0;
+            self.probing = true;
             return true;
         }
         false
     }
 
+    /// Whether a probe fits [`AdaptiveConfig::probe_budget`]: the steps since the last probe
+    /// took at least a probe's extra cost over the budget share (always, before the first
+    /// probe). A probe's extra cost: the last probe's proposing seconds (a draft model's
+    /// catch-up included) plus the forward of `probe_draft + 1` rows less a plain step's.
+    fn probe_affordable(&self, cfg: &AdaptiveConfig) -> bool {
+        let Some(propose) = self.probe_cost else {
+            return true;
+        };
+        let n = cfg.probe_draft.min(cfg.max_draft).max(1) + 1;
+        let rows = match (self.forward_cost(n), self.forward_cost(1)) {
+            (Some(a), Some(b)) => (a - b).max(0.0),
+            _ => 0.0,
+        };
+        self.since_probe * cfg.probe_budget >= propose + rows
+    }
+
+    /// Counts a recorded step's seconds toward the probe budget; a probe step (`k > 0` after a
+    /// probing choice) sets the probe's proposing seconds and restarts the count.
+    fn price_probe(&mut self, k: usize, forward_secs: Option<f64>, propose_secs: f64) {
+        if std::mem::take(&mut self.probing) && k > 0 {
+            self.probe_cost = Some(propose_secs);
+            self.since_probe = 0.0;
+        } else {
+            self.since_probe += forward_secs.unwrap_or(0.0) + propose_secs;
+        }
+    }
+
     /// The cost estimates of this state alone: the forward cost curve (and the tree policy's
-    /// samples of it), the replay costs and the proposing time per draft token, with the
-    /// acceptance estimates, the probe schedule and the tree statistics of a fresh state.
+    /// samples of it), the replay costs, the proposing time per draft token and the probe
+    /// budget's count (the last probe's proposing time, the seconds since it and the plain steps since a
+    /// ceiling probe), with the acceptance estimates, the probe intervals and the tree
+    /// statistics of a fresh state.
     /// The cost curve belongs to the engine (and the proposing time to the proposer), not to a
     /// request, so a server can start each request's policy from what earlier requests
     /// measured ([`crate::decode::Generator::with_adaptive_state`]) without carrying one
@@ -650,9 +725,12 @@ impl AdaptiveState {
             cost: self.cost.clone(),
             replay_cost: self.replay_cost.clone(),
             propose_per_token: self.propose_per_token,
+            propose_samples: self.propose_samples,
             steps: self.steps,
             row_samples: self.row_samples.clone(),
             ceiling_run: self.ceiling_run,
+            probe_cost: self.probe_cost,
+            since_probe: self.since_probe,
             ..AdaptiveState::default()
         }
     }
@@ -662,15 +740,16 @@ impl AdaptiveState {
     pub(crate) fn probe_now(&mut self, cfg: &AdaptiveConfig, plain: bool) -> bool {
         if plain {
             let wait = self.wait.max(cfg.probe_interval);
-            if self.zero_run + 1 >= wait {
+            if self.zero_run + 1 >= wait && self.probe_affordable(cfg) {
                 self.zero_run = 0;
+                self.probing = true;
                 // The next wait is longer unless this probe brings speculation back.
                 self.wait = wait
                     .saturating_mul(2)
                     .min(cfg.max_probe_interval.max(cfg.probe_interval));
                 return true;
             }
-            self.zero_run += 1;
+            self.zero_run = self.zero_run.saturating_add(1);
         } else {
             self.zero_run = 0;
             self.wait = cfg.probe_interval;
@@ -845,6 +924,7 @@ impl AdaptiveState {
         // (a chain's worth of rows), then a single-row forward; larger trees are extrapolated
         // until they are measured.
         if self.steps == 0 && self.cost.iter().all(Option::is_none) {
+            self.probing = true;
             return shape_of(&plan[..limits.depth.min(plan.len())]);
         }
         if self.cost_at(1).is_none() {
@@ -1097,6 +1177,7 @@ impl AdaptiveState {
         propose_secs: f64,
     ) {
         self.steps += 1;
+        self.price_probe(k, forward_secs, propose_secs);
         let w = cfg.time_smoothing;
         // A fused step's forward also fed prompt tokens: its time is no cost of `k + 1` rows.
         if let Some(forward_secs) = forward_secs {
@@ -1118,11 +1199,13 @@ impl AdaptiveState {
         // request), which would price every later draft token as a prompt's worth.
         let first = k > 0 && !std::mem::replace(&mut self.drafted_this_generation, true);
         if k > 0 && !first {
-            let per = propose_secs / k as f64;
-            self.propose_per_token = Some(match self.propose_per_token {
-                Some(c) => (1.0 - w) * c + w * per,
-                None => per,
-            });
+            // The median of the last samples, not a moving average: one step that asked a
+            // costly member of a merge (its probe, with a catch-up over the tokens since it
+            // was last asked) would otherwise price every later draft token at a share of it,
+            // and the policy would stop drafting with the merge's free members too.
+            self.propose_samples
+                .push(propose_secs / k as f64, self.steps);
+            self.propose_per_token = self.propose_samples.median();
         }
         if self.acc.len() < k && reached > 0 {
             self.acc.resize(k, 0.0);
@@ -1287,6 +1370,89 @@ mod tests {
     }
 
     #[test]
+    fn probes_cost_at_most_the_probe_budget_across_generations() {
+        // A draft model on a CPU engine: verifying 3 rows costs 3.8 plain steps, and a probe's
+        // proposing pays a catch-up with the prompt and every token since (0.1 s, 10 steps).
+        let c = |n: usize| {
+            if n == 1 {
+                0.01
+            } else {
+                0.038 + 0.01 * (n - 3) as f64
+            }
+        };
+        let probes = |budget: f64| {
+            let cfg = AdaptiveConfig::default().with_probe_budget(budget);
+            let mut s = AdaptiveState::default();
+            // The probes after the warm-up, which has no time before it to be a share of.
+            let (mut probes, mut secs, mut probe_secs) = (0, 0.0, 0.0);
+            let mut warm = true;
+            // 40 requests of 64 tokens, the costs carried from one to the next.
+            for _ in 0..40 {
+                let mut g = s.costs_only();
+                g.begin_generation();
+                for _ in 0..64 {
+                    let k = g.choose(&cfg, 8);
+                    let propose = if k > 0 { 0.1 } else { 0.0 };
+                    if k > 0 && !std::mem::take(&mut warm) {
+                        probes += 1;
+                        probe_secs += propose + c(k + 1) - c(1);
+                    }
+                    secs += propose + c(k + 1);
+                    g.observe(&cfg, k, 0, c(k + 1), propose);
+                }
+                s = g;
+            }
+            (probes, probe_secs / secs)
+        };
+        let (n, share) = probes(0.02);
+        assert!(share <= 0.02, "{n} probes cost {share}");
+        assert!(n >= 2, "it still probes: {n}");
+        // Negative control: without the budget the probes cost several times more.
+        let (m, loose) = probes(1.0);
+        assert!(m > 2 * n && loose > 2.0 * share, "{m} probes cost {loose}");
+        assert!(
+            AdaptiveConfig::default()
+                .with_probe_budget(0.0)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            AdaptiveConfig::default()
+                .with_probe_budget(1.5)
+                .validate()
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn a_rare_costly_proposing_step_does_not_price_every_draft_token() {
+        let cfg = AdaptiveConfig::default();
+        let mut s = AdaptiveState::default();
+        let c = |n: usize| 0.01 + 0.001 * (n - 1) as f64;
+        s.observe(&cfg, 0, 0, c(1), 0.0);
+        s.begin_generation();
+        s.observe(&cfg, 4, 4, c(5), 0.3);
+        for i in 0..20 {
+            // A merge of free members (0.1 ms a token) that asks a draft model on one step of
+            // ten (0.1 s: its catch-up and forwards).
+            let secs = if i % 10 == 9 { 0.1 } else { 0.0004 };
+            s.observe(&cfg, 4, 4, c(5), secs);
+            assert!(
+                (s.propose_per_token.unwrap() - 0.0001).abs() < 1e-12,
+                "step {i}"
+            );
+            // Fully accepted drafts of 4 at 1.4 ms of verify more than a plain step pay.
+            assert_eq!(s.choose(&cfg, 4), 4, "step {i}");
+        }
+        // Negative control: a proposer that is costly on most steps is priced so.
+        for _ in 0..4 {
+            s.observe(&cfg, 4, 4, c(5), 0.1);
+        }
+        assert!((s.propose_per_token.unwrap() - 0.025).abs() < 1e-12);
+        assert!(s.cannot_pay(4, |n| s.forward_cost(n)));
+    }
+
+    #[test]
     fn costs_only_keeps_the_curve_and_forgets_acceptance() {
         let cfg = AdaptiveConfig::default();
         let mut s = AdaptiveState::default();
@@ -1393,6 +1559,9 @@ mod tests {
         let cfg = AdaptiveConfig {
             probe_interval: 4,
             max_probe_interval: 4,
+            // The intervals alone (a probe here costs 2 plain steps: the default budget
+            // would space them 100 steps apart; see the probe-budget test).
+            probe_budget: 1.0,
             ..Default::default()
         };
         let mut s = AdaptiveState::default();
@@ -1410,6 +1579,9 @@ mod tests {
         let cfg = AdaptiveConfig {
             probe_interval: 4,
             max_probe_interval: 64,
+            // The intervals alone (a probe here costs 2 plain steps: the default budget
+            // would space them 100 steps apart; see the probe-budget test).
+            probe_budget: 1.0,
             ..Default::default()
         };
         let mut s = AdaptiveState::default();
@@ -1709,6 +1881,9 @@ mod tests {
         let cfg = AdaptiveConfig {
             probe_interval: 4,
             max_probe_interval: 32,
+            // The intervals alone (a probe here costs 2 plain steps: the default budget
+            // would space them 100 steps apart; see the probe-budget test).
+            probe_budget: 1.0,
             ..Default::default()
         };
         let mut s = AdaptiveState::default();

@@ -780,6 +780,13 @@ impl<M: TargetModel> CrossVocabProposer<M> {
 }
 
 impl<M: TargetModel> Proposer for CrossVocabProposer<M> {
+    /// `true`: it drafts from the context's tokens alone (it brings its own draft model to
+    /// their translation at each proposal and never reads the target's hidden states), so the
+    /// loops can feed a new prompt in the first step's verify forward (a fused prefill).
+    fn drafts_from_tokens(&self) -> bool {
+        true
+    }
+
     fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
         self.model.truncate(0)?;
         self.seen.clear();

@@ -164,6 +164,14 @@ pub(super) fn bucket(expected: Option<f64>) -> usize {
 const PROBE_FIRST: u32 = 8;
 const PROBE_MAX: u32 = 64;
 
+/// The most share of the decoding time a member's probes may cost: a member that does not
+/// pay is probed only once the steps since its last call took at least its learned seconds
+/// per call divided by this. A draft model's call after skipped steps includes its catch-up
+/// with every token since (on the 2-core machine, SmolLM2-135M drafting for Gemma 3 270M: a
+/// probe cost about five target steps), so probes by step count alone cost 10-20 % of short
+/// requests.
+const PROBE_SHARE: f64 = 0.02;
+
 /// Most tokens (and tree nodes) a probe asks for: a probe is cheap, and its gain is measured on
 /// the leading tokens, where a member that does not pay shows it first.
 pub(super) const PROBE_DRAFT: usize = 2;
@@ -325,6 +333,8 @@ pub(super) struct Ledger {
     secs: Vec<Mean>,
     /// Each member's decayed tokens (nodes) drafted per call.
     drafted: Vec<Mean>,
+    /// Each member's seconds of recorded steps since its last call (the probe budget).
+    since: Vec<f64>,
     /// The rest of a step's seconds against its verify rows.
     step: StepCurve,
 }
@@ -347,6 +357,7 @@ impl Ledger {
             probes: vec![[Probe::default(); BUCKETS]; members],
             secs: vec![Mean::default(); members],
             drafted: vec![Mean::default(); members],
+            since: vec![0.0; members],
             step: StepCurve::default(),
         }
     }
@@ -411,15 +422,17 @@ impl Ledger {
 
     /// Decides whether member `s` is asked in bucket `b` (see [`Ledger::pays`]); a member that
     /// does not pay is asked anyway once its skipped steps in the bucket reach the probe
-    /// interval.
+    /// interval and the steps since its last call (in any bucket) took at least its seconds
+    /// per call over [`PROBE_SHARE`] (a probe waits, its skipped count kept, until then).
     pub(super) fn decide(&mut self, s: usize, b: usize, tokens: f64, secs: f64) -> Decision {
         if self.pays(s, b, tokens, secs) {
             self.probes[s][b] = Probe::default();
             return Decision::Pays;
         }
+        let budget = self.since[s] * PROBE_SHARE >= self.member_secs(s);
         let p = &mut self.probes[s][b];
-        p.skipped += 1;
-        if p.skipped >= p.interval {
+        p.skipped = p.skipped.saturating_add(1);
+        if p.skipped >= p.interval && budget {
             p.skipped = 0;
             p.interval = (p.interval * 2).min(PROBE_MAX);
             return Decision::Probe;
@@ -429,6 +442,7 @@ impl Ledger {
 
     /// Records member `s`'s call: `secs` seconds, `drafted` tokens (nodes).
     pub(super) fn record_call(&mut self, s: usize, secs: f64, drafted: usize, decay: f64) {
+        self.since[s] = 0.0;
         self.secs[s].push(secs, decay);
         self.drafted[s].push(drafted as f64, decay);
     }
@@ -440,6 +454,9 @@ impl Ledger {
 
     /// Records the rest of a step: `rows` verify rows in `secs` seconds.
     pub(super) fn record_step(&mut self, rows: usize, secs: f64) {
+        for t in &mut self.since {
+            *t += secs;
+        }
         self.step.push(rows, secs);
     }
 }
@@ -522,7 +539,10 @@ mod tests {
         for step in 0..40 {
             if l.decide(1, 0, 1.0, 1.0) == Decision::Probe {
                 asked.push(step);
+                l.record_call(1, 0.5, 2, 1.0);
             }
+            // 1 s steps: the probe budget (0.5 s per call at 2 %: 25 s) is never binding.
+            l.record_step(1, 30.0);
         }
         // Probes after 8, then 16 more skipped steps.
         assert_eq!(asked, [7, 23]);
@@ -538,5 +558,41 @@ mod tests {
         assert_eq!(l.decide(1, 0, 1.0, 1.0), Decision::Pays);
         l.clear();
         assert_eq!(l.member_secs(1), 0.0);
+    }
+
+    #[test]
+    fn probes_cost_at_most_their_share_of_the_time() {
+        let mut l = Ledger::new(2);
+        // A call of 0.0975 s that never pays, against steps of 0.05 s: at 2 %, a probe needs
+        // 4.875 s of steps since the last call (98 steps), not the 8 skipped steps alone.
+        l.record_call(1, 0.0975, 2, 1.0);
+        for _ in 0..20 {
+            l.record_gain(1, 0, 0.0, 1.0);
+        }
+        let mut asked = Vec::new();
+        for step in 0..260 {
+            if l.decide(1, 0, 1.0, 0.05) == Decision::Probe {
+                asked.push(step);
+                l.record_call(1, 0.0975, 2, 1.0);
+            }
+            l.record_step(1, 0.05);
+        }
+        assert_eq!(asked, [98, 196]);
+        // The probes' share of the time: 2 calls of 0.0975 s in 13 s of steps.
+        assert!(0.195 / (260.0 * 0.05) <= PROBE_SHARE);
+        // A cheap member (1 ms per call: 50 ms of steps) is probed by the step count.
+        let mut asked = Vec::new();
+        l.record_call(0, 0.001, 2, 1.0);
+        for _ in 0..20 {
+            l.record_gain(0, 0, -1.0, 1.0);
+        }
+        for step in 0..30 {
+            if l.decide(0, 0, 1.0, 0.05) == Decision::Probe {
+                asked.push(step);
+                l.record_call(0, 0.001, 2, 1.0);
+            }
+            l.record_step(1, 0.05);
+        }
+        assert_eq!(asked, [7, 23]);
     }
 }

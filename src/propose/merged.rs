@@ -131,7 +131,10 @@ impl Counts {
 /// verify row and `token` its learned time per drafted token (a draft head is then not run
 /// for positions the cost cut would drop anyway). A member that does not pay gets no nodes and is not called; after 8
 /// skipped steps in a bucket it is asked once anyway for a probe of at most 2 tokens (nodes),
-/// the interval doubling after each probe up to 64 and reset when it pays. Every member is
+/// the interval doubling after each probe up to 64 and reset when it pays, but only once the
+/// steps since its last call took at least 50 times its learned time per call, so that probes
+/// cost at most 2 % of the decoding time (a draft model's probe after skipped steps pays its
+/// catch-up with every token since: several target steps). Every member is
 /// asked while no step was timed yet (the first step). Then the nodes are ranked as in "The
 /// rule" (each rate planned with its posterior mean plus half its posterior standard
 /// deviation, `sqrt(r (1 - r) / (t + 3))`, at most 1: a depth tested on few steps, as the deep
@@ -1561,8 +1564,14 @@ mod tests {
         let cfg = SamplingConfig::greedy();
         let mut d = Draft::default();
         let mut asked = 0;
+        // Right or wrong by a fixed pseudo-random draw (an alternation would line up with the
+        // probe schedule, and every probe would land on a right or on a wrong step).
+        let mut x = 0x2545_f491_4f6c_dd1du64;
         for i in 0..200 {
-            let truth: &[u32] = if i % 2 == 0 { &[1, 2, 3] } else { &[4, 5, 6] };
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let truth: &[u32] = if x % 2 == 0 { &[1, 2, 3] } else { &[4, 5, 6] };
             let req = ProposeRequest::new(&CTX, &cfg, 1 + (i / 2) % 2);
             m.propose(&req, &mut d).unwrap();
             if m.was_asked(1) {

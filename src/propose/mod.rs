@@ -514,8 +514,9 @@ pub trait Proposer {
     /// neither the target's hidden states ([`ProposeRequest::target_hidden`],
     /// [`ProposeRequest::target_hidden_rows`]) nor a draft model's cache of the context, so it
     /// can draft for a prompt whose last tokens the target has not seen yet. The default is
-    /// `false`; prompt lookup, suffix and token recycling return `true`, a merged proposer
-    /// when all of its proposers do, [`NoProposer`] `true`.
+    /// `false`; prompt lookup, suffix, token recycling and [`CrossVocabProposer`] (which
+    /// brings its own draft model to the context's tokens at each proposal) return `true`, a
+    /// merged proposer when all of its proposers do, [`NoProposer`] `true`.
     ///
     /// [`crate::decode::Generator`] reads it at the start of a generation: with `true` (and a
     /// target that can truncate), the prompt tokens that prefix reuse leaves to feed are fed in
