@@ -944,6 +944,7 @@ impl Sequence {
                 eos: &self.params.stop.eos,
                 suppress: &self.suppressed,
                 suppress_rows: ask.suppress_rows,
+                fused_prompt: self.unfed,
             };
             if ask.nodes > 0 {
                 proposer.propose_tree(&req, &mut self.draft)?;

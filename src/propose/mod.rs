@@ -118,12 +118,17 @@ pub struct ProposeRequest<'a> {
     pub suppress: &'a [u32],
     /// Number of leading draft rows (depths, for a tree) at which the `suppress` ids are banned.
     pub suppress_rows: usize,
+    /// Prompt tokens that this step's verify forward also feeds ahead of the draft (a fused
+    /// prefill, [`crate::decode::Generator::with_fused_prefill`]; 0 otherwise): such a step's
+    /// forward costs more than its verify rows, so a proposer that times steps
+    /// ([`MergedProposer`]) leaves it out.
+    pub fused_prompt: usize,
 }
 
 impl<'a> ProposeRequest<'a> {
     /// A request for at most `max_draft` tokens after `context` with seed 0, no hidden state
-    /// (`target_hidden` and `target_hidden_rows` `None`), no prompt split, no EOS and no
-    /// suppression.
+    /// (`target_hidden` and `target_hidden_rows` `None`), no prompt split, no EOS, no
+    /// suppression and no fused prompt tokens.
     pub fn new(context: &'a [u32], config: &'a SamplingConfig, max_draft: usize) -> Self {
         ProposeRequest {
             context,
@@ -138,6 +143,7 @@ impl<'a> ProposeRequest<'a> {
             eos: &[],
             suppress: &[],
             suppress_rows: 0,
+            fused_prompt: 0,
         }
     }
 

@@ -731,6 +731,7 @@ mod tests {
             eos: &[],
             suppress: &[],
             suppress_rows: 0,
+            fused_prompt: 0,
         };
         let mut draft = Draft {
             tokens: vec![99; 7],

@@ -1249,6 +1249,7 @@ mod tests {
             eos: &[],
             suppress: &[],
             suppress_rows: 0,
+            fused_prompt: 0,
         };
         let mut draft = Draft {
             tokens: vec![77; 3],
