@@ -64,7 +64,9 @@ impl Default for DraftLength {
 /// generations, to re-measure the curve. Either way a probe also waits until it fits
 /// `probe_budget` (2 % of the decoding time by default): the steps since the last probe,
 /// across generations, must have taken at least a probe's extra cost over a plain step (the
-/// last probe's proposing time plus the extra rows of its forward) divided by that share, so that a draft model whose probe pays a catch-up with the whole
+/// last probe's proposing time plus the extra rows of its forward) divided by that share (the
+/// warm-up step is not a probe: a merged proposer has learned nothing there and asks every
+/// member), so that a draft model whose probe pays a catch-up with the whole
 /// prompt and every token since costs at most that share of a server's time, however short its
 /// requests. Start a request from an earlier one's cost estimates
 /// with [`Generator::with_adaptive_state`](crate::decode::Generator::with_adaptive_state) and
@@ -616,8 +618,6 @@ impl AdaptiveState {
         }
         // Warm-up: measure a full-length forward and a single-token forward first.
         if self.cost_at(max_k + 1).is_none() && self.steps == 0 {
-            // Priced as a probe: it is the first measure of what drafting costs.
-            self.probing = true;
             return max_k;
         }
         if self.cost_at(1).is_none() {
@@ -924,7 +924,6 @@ impl AdaptiveState {
         // (a chain's worth of rows), then a single-row forward; larger trees are extrapolated
         // until they are measured.
         if self.steps == 0 && self.cost.iter().all(Option::is_none) {
-            self.probing = true;
             return shape_of(&plan[..limits.depth.min(plan.len())]);
         }
         if self.cost_at(1).is_none() {
@@ -1383,9 +1382,11 @@ mod tests {
         let probes = |budget: f64| {
             let cfg = AdaptiveConfig::default().with_probe_budget(budget);
             let mut s = AdaptiveState::default();
-            // The probes after the warm-up, which has no time before it to be a share of.
+            // The probes after the first one, which has no earlier probe to be priced from
+            // (nor the warm-up before it, whose proposer ran with nothing learned yet: a
+            // merge then asks every member, its costly ones too).
             let (mut probes, mut secs, mut probe_secs) = (0, 0.0, 0.0);
-            let mut warm = true;
+            let mut first = 2;
             // 40 requests of 64 tokens, the costs carried from one to the next.
             for _ in 0..40 {
                 let mut g = s.costs_only();
@@ -1393,7 +1394,9 @@ mod tests {
                 for _ in 0..64 {
                     let k = g.choose(&cfg, 8);
                     let propose = if k > 0 { 0.1 } else { 0.0 };
-                    if k > 0 && !std::mem::take(&mut warm) {
+                    if k > 0 && first > 0 {
+                        first -= 1;
+                    } else if k > 0 {
                         probes += 1;
                         probe_secs += propose + c(k + 1) - c(1);
                     }

@@ -99,7 +99,10 @@ impl Counts {
 /// the rates:
 ///
 /// - **each member's time per call** `t(s)` and **the rest of a step** by verify rows, `T(rows)`
-///   (the target's forward and the loop: per row count the median of its last 7 times, so
+///   (the target's forward and the loop, from the end of one proposal to the start of the
+///   next; a step without a proposal, from one [`Proposer::observe`] to the next, as one row;
+///   never a step whose forward also feeds prompt tokens, [`ProposeRequest::fused_prompt`],
+///   nor a request's first step without a proposal: per row count the median of its last 7 times, so
 ///   that a slow outlier on a shared machine does not count, and the least-squares line
 ///   through those medians weighted by their sample counts, slope at least 0), from
 ///   the clock through the cost source ([`MergedProposer::with_costs`]: [`MeasuredMergeCosts`],
@@ -242,6 +245,9 @@ pub struct MergedProposer {
     spent: f64,
     /// End of the last proposal and its verify rows, to time the rest of the step.
     last_end: Option<(Instant, usize)>,
+    /// End of the last [`Proposer::observe`] of this request, to time a plain step (one
+    /// without a proposal) as a step of one verify row.
+    last_observe: Option<Instant>,
     /// Trie ids of the accepted path's nodes (scratch of the learning).
     path: Vec<u32>,
     /// Chain steps: the end node of the chain the merge would write after each asked member
@@ -310,6 +316,7 @@ impl MergedProposer {
             asked_at: vec![(1.0, 0.0); n],
             spent: 0.0,
             last_end: None,
+            last_observe: None,
             path: Vec::new(),
             chain_ends: vec![NONE; n],
             tree_step: false,
@@ -868,8 +875,15 @@ impl Proposer for MergedProposer {
             self.learn(emitted);
         } else {
             // A step without a proposal came between: the time since the last one is not one
-            // step's.
+            // step's. The step itself is one of a single verify row, from the last observe.
             self.last_end = None;
+            if let Some(t) = self
+                .last_observe
+                .filter(|_| self.policy != MergePolicy::Reach)
+            {
+                let secs = self.costs.step_secs(1, t.elapsed());
+                self.ledger.record_step(1, secs);
+            }
         }
         for (sub, d) in self.subs.iter_mut().zip(&self.sub_drafts) {
             let own = if pending {
@@ -879,6 +893,7 @@ impl Proposer for MergedProposer {
             };
             sub.observe(own, emitted)?;
         }
+        self.last_observe = Some(Instant::now());
         Ok(())
     }
 
@@ -925,6 +940,7 @@ impl Proposer for MergedProposer {
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         self.pending = false;
         self.last_end = None;
+        self.last_observe = None;
         for sub in &mut self.subs {
             sub.begin(prompt)?;
         }
@@ -935,6 +951,7 @@ impl Proposer for MergedProposer {
     fn begin_reusing(&mut self, prompt: &[u32]) -> Result<()> {
         self.pending = false;
         self.last_end = None;
+        self.last_observe = None;
         for sub in &mut self.subs {
             sub.begin_reusing(prompt)?;
         }
@@ -945,6 +962,7 @@ impl Proposer for MergedProposer {
     fn finish(&mut self, sequence: &[u32]) {
         self.pending = false;
         self.last_end = None;
+        self.last_observe = None;
         for sub in &mut self.subs {
             sub.finish(sequence);
         }
@@ -1497,14 +1515,62 @@ mod tests {
         for fused in [3, 0, 3] {
             m.begin(&CTX).unwrap();
             for i in 0..3 {
-                let mut req = ProposeRequest::new(&CTX, &cfg, 2);
-                req.fused_prompt = if i == 0 { fused } else { 0 };
+                let req =
+                    ProposeRequest::new(&CTX, &cfg, 2).fused_prompt(if i == 0 { fused } else { 0 });
                 m.propose(&req, &mut d).unwrap();
                 m.observe(2, &[1, 2, 3]).unwrap();
             }
             want += if fused > 0 { 1 } else { 2 };
             assert_eq!(*steps.lock().unwrap(), want, "fused {fused}");
         }
+    }
+
+    /// Records the row counts of the steps the merge times.
+    struct StepRows(Arc<Mutex<Vec<usize>>>);
+
+    impl super::super::MergeCosts for StepRows {
+        fn member_secs(&self, _: usize, _: usize, _: std::time::Duration) -> f64 {
+            0.0
+        }
+        fn step_secs(&self, rows: usize, _: std::time::Duration) -> f64 {
+            self.0.lock().unwrap().push(rows);
+            0.01
+        }
+    }
+
+    #[test]
+    fn plain_steps_are_timed_as_steps_of_one_row() {
+        // A request that drafts on one step only (a probe between plain steps) still teaches
+        // the merge a step time: each plain step after the request's first, from one observe
+        // to the next, as one verify row; the proposal steps as their rows.
+        let rows = Arc::new(Mutex::new(Vec::new()));
+        let mut m = MergedProposer::new(vec![chain(&[1, 2])])
+            .unwrap()
+            .with_costs(StepRows(rows.clone()));
+        let cfg = SamplingConfig::greedy();
+        let mut d = Draft::default();
+        for _ in 0..2 {
+            m.begin(&CTX).unwrap();
+            for step in 0..4 {
+                if step == 2 {
+                    m.propose(&ProposeRequest::new(&CTX, &cfg, 2), &mut d)
+                        .unwrap();
+                    m.observe(2, &[1, 2, 3]).unwrap();
+                } else {
+                    m.observe(0, &[5]).unwrap();
+                }
+            }
+            m.finish(&CTX);
+        }
+        // Per request: plain steps 1 and 3 (step 0 follows the prompt, which a fused prefill
+        // may feed; the proposal step's rest is timed only when the next step proposes too).
+        assert_eq!(*rows.lock().unwrap(), [1, 1, 1, 1]);
+        // The old rule times nothing.
+        let mut r = reach(vec![chain(&[1, 2])]).unwrap();
+        r.begin(&CTX).unwrap();
+        r.observe(0, &[5]).unwrap();
+        r.observe(0, &[5]).unwrap();
+        assert!(r.ledger.step_time(0.0).is_none());
     }
 
     #[test]

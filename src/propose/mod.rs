@@ -225,6 +225,12 @@ impl<'a> ProposeRequest<'a> {
         self
     }
 
+    /// Sets [`ProposeRequest::fused_prompt`].
+    pub fn fused_prompt(mut self, tokens: usize) -> Self {
+        self.fused_prompt = tokens;
+        self
+    }
+
     /// `true` when `token` is one of the request's EOS ids.
     pub fn is_eos(&self, token: u32) -> bool {
         self.eos.contains(&token)
