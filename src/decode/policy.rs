@@ -289,6 +289,13 @@ pub struct PlannedNode {
     pub reach: f64,
 }
 
+/// While the chain policy speculates, one step in this many is plain, so that the single-row
+/// forward cost `c(1)` is measured again (plain steps are its only samples): on a shared
+/// machine whose speed drifts, a `c(1)` measured in a slow moment would keep a draft that does
+/// not pay (seen on 2 threads: a SmolLM2 draft at `k = 1` for two requests, 0.68-0.73x).
+/// Costs at most one step's gain per 64 steps.
+const REMEASURE_PLAIN: usize = 64;
+
 /// Online state of the adaptive policy for one generator (kept across generations, since the
 /// target's cost curve does not change between requests).
 ///
@@ -339,6 +346,10 @@ pub struct AdaptiveState {
     since_probe: f64,
     /// The last choice was a probe: the next recorded step prices it.
     probing: bool,
+    /// The step count at the last plain step (or forced re-measure) of the chain policy.
+    plain_at: usize,
+    /// The last choice was a re-measure of `c(1)`: its time replaces the estimate.
+    remeasure: bool,
 }
 
 /// The last [`RowSamples::CAP`] forward times of one row count (a ring).
@@ -610,7 +621,9 @@ impl AdaptiveState {
     /// replay ([`AdaptiveState::expected_replay`]; zero for targets that never replayed). While
     /// plain decoding wins, probes as [`AdaptiveConfig::probe_interval`] says, except where no
     /// draft could pay even fully accepted ([`AdaptiveState::cannot_pay`]): then it probes every
-    /// [`AdaptiveConfig::max_probe_interval`] plain steps, counted across generations.
+    /// [`AdaptiveConfig::max_probe_interval`] plain steps, counted across generations. While it
+    /// speculates, a step 64 steps after the last plain one is plain, and its time replaces the
+    /// estimate of `c(1)` (plain steps are its only samples).
     pub fn choose(&mut self, cfg: &AdaptiveConfig, cap: usize) -> usize {
         let max_k = cfg.max_draft.min(cap);
         if max_k == 0 {
@@ -634,6 +647,13 @@ impl AdaptiveState {
             if rate > best.1 {
                 best = (k, rate);
             }
+        }
+        if best.0 > 0 && self.steps.saturating_sub(self.plain_at) >= REMEASURE_PLAIN {
+            // A plain step re-measures c(1): while every step speculates, c(1) is never
+            // sampled, and one measured in a slow moment keeps a draft that does not pay.
+            self.plain_at = self.steps;
+            self.remeasure = true;
+            return 0;
         }
         if best.0 == 0 && self.cannot_pay(max_k, |n| self.forward_cost(n)) {
             return if self.ceiling_probe(cfg) {
@@ -731,6 +751,7 @@ impl AdaptiveState {
             ceiling_run: self.ceiling_run,
             probe_cost: self.probe_cost,
             since_probe: self.since_probe,
+            plain_at: self.plain_at,
             ..AdaptiveState::default()
         }
     }
@@ -1176,6 +1197,9 @@ impl AdaptiveState {
         propose_secs: f64,
     ) {
         self.steps += 1;
+        if k == 0 {
+            self.plain_at = self.steps;
+        }
         self.price_probe(k, forward_secs, propose_secs);
         let w = cfg.time_smoothing;
         // A fused step's forward also fed prompt tokens: its time is no cost of `k + 1` rows.
@@ -1184,9 +1208,10 @@ impl AdaptiveState {
             if self.cost.len() <= n {
                 self.cost.resize(n + 1, None);
             }
+            let fresh = std::mem::take(&mut self.remeasure) && k == 0;
             self.cost[n] = Some(match self.cost[n] {
-                Some(c) => (1.0 - w) * c + w * forward_secs,
-                None => forward_secs,
+                Some(c) if !fresh => (1.0 - w) * c + w * forward_secs,
+                _ => forward_secs,
             });
             if self.row_samples.len() <= n {
                 self.row_samples.resize(n + 1, RowSamples::default());
@@ -1428,6 +1453,42 @@ mod tests {
     }
 
     #[test]
+    fn a_stale_single_row_cost_is_measured_again_while_speculating() {
+        // c(1) was measured in a slow moment (45 ms); the machine is back at 22 ms a plain
+        // step, 40 ms for 2 rows, and the draft costs 18 ms a token, accepted 88 %: k = 1
+        // makes 1.88 tokens in 58 ms (32/s) against 45/s plain. With the stale c(1) it looks
+        // like 1.88 in 58 against 1 in 45 ms: it pays, and no plain step would say otherwise.
+        let cfg = AdaptiveConfig::default().with_max_draft(1);
+        let mut s = AdaptiveState::default();
+        s.observe(&cfg, 1, 1, 0.040, 0.018);
+        s.observe(&cfg, 0, 0, 0.045, 0.0);
+        let mut ks = Vec::new();
+        for i in 0..200 {
+            let k = s.choose(&cfg, 1);
+            ks.push(k);
+            let c = if k == 0 { 0.022 } else { 0.040 };
+            s.observe(
+                &cfg,
+                k,
+                usize::from(k > 0 && i % 25 != 0),
+                c,
+                0.018 * k as f64,
+            );
+        }
+        let first_plain = ks.iter().position(|&k| k == 0).unwrap();
+        assert!(first_plain <= 64, "{ks:?}");
+        assert!((s.forward_cost(1).unwrap() - 0.022).abs() < 1e-9);
+        // After it, plain decoding but for probes.
+        let drafted = ks[first_plain..].iter().filter(|&&k| k > 0).count();
+        assert!(
+            drafted <= 12,
+            "{drafted} drafting steps after the re-measure: {ks:?}"
+        );
+        // Negative control: the step before the re-measure, every step speculated.
+        assert!(ks[..first_plain].iter().all(|&k| k == 1));
+    }
+
+    #[test]
     fn a_rare_costly_proposing_step_does_not_price_every_draft_token() {
         let cfg = AdaptiveConfig::default();
         let mut s = AdaptiveState::default();
@@ -1609,6 +1670,8 @@ mod tests {
         for _ in 0..200 {
             s.observe(&cfg, 2, 2, 0.0101, 0.0);
         }
+        // A plain step (the policy re-measures c(1) every 64 speculating steps).
+        s.observe(&cfg, 0, 0, 0.01, 0.0);
         assert!(s.choose(&cfg, 100) > 0);
         assert_eq!(s.wait, cfg.probe_interval);
         s.begin_generation();

@@ -166,7 +166,7 @@ const PROBE_MAX: u32 = 64;
 
 /// The most share of the decoding time a member's probes may cost: a member that does not
 /// pay is probed only once the steps since its last call took at least its learned seconds
-/// per call divided by this. A draft model's call after skipped steps includes its catch-up
+/// per call (or its last call's, if more: a probe's catch-up) divided by this. A draft model's call after skipped steps includes its catch-up
 /// with every token since (on the 2-core machine, SmolLM2-135M drafting for Gemma 3 270M: a
 /// probe cost about five target steps), so probes by step count alone cost 10-20 % of short
 /// requests.
@@ -335,6 +335,9 @@ pub(super) struct Ledger {
     drafted: Vec<Mean>,
     /// Each member's seconds of recorded steps since its last call (the probe budget).
     since: Vec<f64>,
+    /// Each member's seconds of its last call (a probe after skipped steps: with the
+    /// catch-up it paid, which the mean per call dilutes with the calls of steps it paid on).
+    last: Vec<f64>,
     /// The rest of a step's seconds against its verify rows.
     step: StepCurve,
 }
@@ -358,6 +361,7 @@ impl Ledger {
             secs: vec![Mean::default(); members],
             drafted: vec![Mean::default(); members],
             since: vec![0.0; members],
+            last: vec![0.0; members],
             step: StepCurve::default(),
         }
     }
@@ -429,7 +433,8 @@ impl Ledger {
             self.probes[s][b] = Probe::default();
             return Decision::Pays;
         }
-        let budget = self.since[s] * PROBE_SHARE >= self.member_secs(s);
+        let cost = self.member_secs(s).max(self.last[s]);
+        let budget = self.since[s] * PROBE_SHARE >= cost;
         let p = &mut self.probes[s][b];
         p.skipped = p.skipped.saturating_add(1);
         if p.skipped >= p.interval && budget {
@@ -443,6 +448,7 @@ impl Ledger {
     /// Records member `s`'s call: `secs` seconds, `drafted` tokens (nodes).
     pub(super) fn record_call(&mut self, s: usize, secs: f64, drafted: usize, decay: f64) {
         self.since[s] = 0.0;
+        self.last[s] = secs;
         self.secs[s].push(secs, decay);
         self.drafted[s].push(drafted as f64, decay);
     }
@@ -578,6 +584,19 @@ mod tests {
             l.record_step(1, 0.05);
         }
         assert_eq!(asked, [98, 196]);
+        // Cheap calls (0.01 s: steps it paid on) then a dear probe (0.2 s, a catch-up): the
+        // next probe waits for the dear one's budget (10 s, 200 steps), not the mean's.
+        for _ in 0..10 {
+            l.record_call(1, 0.01, 2, 0.9);
+        }
+        l.record_call(1, 0.2, 2, 0.9);
+        assert!(l.member_secs(1) < 0.1);
+        let mut waited = 0;
+        while l.decide(1, 0, 1.0, 0.05) != Decision::Probe {
+            l.record_step(1, 0.05);
+            waited += 1;
+        }
+        assert_eq!(waited, 200);
         // The probes' share of the time: 2 calls of 0.0975 s in 13 s of steps.
         assert!(0.195 / (260.0 * 0.05) <= PROBE_SHARE);
         // A cheap member (1 ms per call: 50 ms of steps) is probed by the step count.
