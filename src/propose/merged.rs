@@ -1486,15 +1486,15 @@ mod tests {
         assert!(last.is_empty());
     }
 
-    /// Counts the steps the merge times (`step_secs` calls).
-    struct CountSteps(Arc<Mutex<usize>>);
+    /// Records the row counts of the steps the merge times.
+    struct StepRows(Arc<Mutex<Vec<usize>>>);
 
-    impl super::super::MergeCosts for CountSteps {
+    impl super::super::MergeCosts for StepRows {
         fn member_secs(&self, _: usize, _: usize, _: std::time::Duration) -> f64 {
             0.0
         }
-        fn step_secs(&self, _: usize, _: std::time::Duration) -> f64 {
-            *self.0.lock().unwrap() += 1;
+        fn step_secs(&self, rows: usize, _: std::time::Duration) -> f64 {
+            self.0.lock().unwrap().push(rows);
             0.01
         }
     }
@@ -1506,10 +1506,10 @@ mod tests {
         // nothing). Three steps of one request time two intervals; with the first one fused,
         // one. A request's first proposal without a fused prompt (the loop decoded plainly
         // before it) is timed: in a request that drafts on one step only, it is the only one.
-        let steps = Arc::new(Mutex::new(0));
+        let steps = Arc::new(Mutex::new(Vec::new()));
         let mut m = MergedProposer::new(vec![chain(&[1, 2])])
             .unwrap()
-            .with_costs(CountSteps(steps.clone()));
+            .with_costs(StepRows(steps.clone()));
         let cfg = SamplingConfig::greedy();
         let mut d = Draft::default();
         let mut want = 0;
@@ -1522,20 +1522,7 @@ mod tests {
                 m.observe(2, &[1, 2, 3]).unwrap();
             }
             want += if fused > 0 { 1 } else { 2 };
-            assert_eq!(*steps.lock().unwrap(), want, "fused {fused}");
-        }
-    }
-
-    /// Records the row counts of the steps the merge times.
-    struct StepRows(Arc<Mutex<Vec<usize>>>);
-
-    impl super::super::MergeCosts for StepRows {
-        fn member_secs(&self, _: usize, _: usize, _: std::time::Duration) -> f64 {
-            0.0
-        }
-        fn step_secs(&self, rows: usize, _: std::time::Duration) -> f64 {
-            self.0.lock().unwrap().push(rows);
-            0.01
+            assert_eq!(steps.lock().unwrap().len(), want, "fused {fused}");
         }
     }
 
