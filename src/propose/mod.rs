@@ -30,7 +30,9 @@ use crate::verify::RowCandidates;
 mod cross_vocab;
 mod draft_model;
 mod heads;
+mod learned;
 mod merge_costs;
+mod merge_shadow;
 mod merge_trie;
 mod merged;
 mod ngram;
@@ -47,6 +49,7 @@ pub use cross_vocab::{
 };
 pub use draft_model::{DraftModelProposer, DraftTreeConfig};
 pub use heads::{DraftHeads, HeadsInput, HeadsProposer};
+pub use learned::Learned;
 pub use merge_costs::{FixedMergeCosts, MeasuredMergeCosts, MergeCosts, MergePolicy};
 pub use merged::{DEFAULT_MERGE_DECAY, MAX_MERGED_PROPOSERS, MergedProposer};
 pub use prompt_lookup::{PromptLookup, PromptLookupConfig};
@@ -540,6 +543,30 @@ pub trait Proposer {
         false
     }
 
+    /// What this proposer learned online that outlives a request ([`Learned`]: a
+    /// [`MergedProposer`]'s acceptance rates, marginal gains and measured costs), to start a new
+    /// proposer of the same configuration from ([`Proposer::start_from_learned`]): a server
+    /// that builds a proposer per request carries it from the last one, so that each new one
+    /// behaves as one long-lived proposer would (as it carries the adaptive policy's costs,
+    /// [`crate::decode::AdaptiveState::costs_only`]). The default, and every shipped proposer
+    /// but [`MergedProposer`], learns nothing of the kind: `None`. Called between generations.
+    fn learned(&self) -> Option<Learned> {
+        None
+    }
+
+    /// Starts from what a proposer of the same configuration learned ([`Proposer::learned`])
+    /// instead of learning it again; the per-request state (the context, a draft model's
+    /// cache) is this proposer's own. Call it before the first generation. The default ignores
+    /// it (`Ok`): a proposer that learns nothing of the kind has nothing to start from.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidConfig`] naming `learned` when it is of another configuration
+    /// (a [`MergedProposer`]'s: of a merge with another number of members).
+    fn start_from_learned(&mut self, learned: &Learned) -> Result<()> {
+        let _ = learned;
+        Ok(())
+    }
+
     /// A short, stable name for messages and metrics. The decoding loop puts it in
     /// [`crate::Error::InvalidProposal`] and [`crate::Error::StaleProposerState`] so that a caller
     /// with several proposers sees which one failed.
@@ -581,6 +608,12 @@ impl<P: Proposer + ?Sized> Proposer for Box<P> {
     fn drafts_from_tokens(&self) -> bool {
         (**self).drafts_from_tokens()
     }
+    fn learned(&self) -> Option<Learned> {
+        (**self).learned()
+    }
+    fn start_from_learned(&mut self, learned: &Learned) -> Result<()> {
+        (**self).start_from_learned(learned)
+    }
     fn name(&self) -> &'static str {
         (**self).name()
     }
@@ -613,6 +646,12 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
     }
     fn drafts_from_tokens(&self) -> bool {
         (**self).drafts_from_tokens()
+    }
+    fn learned(&self) -> Option<Learned> {
+        (**self).learned()
+    }
+    fn start_from_learned(&mut self, learned: &Learned) -> Result<()> {
+        (**self).start_from_learned(learned)
     }
     fn name(&self) -> &'static str {
         (**self).name()

@@ -276,6 +276,16 @@ impl<P: Proposer> Proposer for ForcedDrafts<P> {
         self.inner.drafts_from_tokens()
     }
 
+    /// The inner proposer's.
+    fn learned(&self) -> Option<speculative::propose::Learned> {
+        self.inner.learned()
+    }
+
+    /// Forwarded to the inner proposer.
+    fn start_from_learned(&mut self, costs: &speculative::propose::Learned) -> Result<()> {
+        self.inner.start_from_learned(costs)
+    }
+
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         self.step_context = req.context.len();
         self.inner_len = None;
