@@ -172,6 +172,11 @@ const PROBE_MAX: u32 = 64;
 /// requests.
 const PROBE_SHARE: f64 = 0.02;
 
+/// Each probe in a row that finds a member still not paying halves its share of the time,
+/// down to [`PROBE_SHARE`] over this (0.5 %): a member that never pays on this engine (a draft
+/// model as dear as the target) costs ever less, and one that pays again resets it.
+const PROBE_BACKOFF_MAX: f64 = 4.0;
+
 /// Most tokens (and tree nodes) a probe asks for: a probe is cheap, and its gain is measured on
 /// the leading tokens, where a member that does not pay shows it first.
 pub(super) const PROBE_DRAFT: usize = 2;
@@ -338,6 +343,9 @@ pub(super) struct Ledger {
     /// Each member's seconds of its last call (a probe after skipped steps: with the
     /// catch-up it paid, which the mean per call dilutes with the calls of steps it paid on).
     last: Vec<f64>,
+    /// Each member's probe backoff: the divisor of [`PROBE_SHARE`] (1, doubled by each probe
+    /// in a row that did not lead to a paying step, at most [`PROBE_BACKOFF_MAX`]).
+    backoff: Vec<f64>,
     /// The rest of a step's seconds against its verify rows.
     step: StepCurve,
 }
@@ -362,6 +370,7 @@ impl Ledger {
             drafted: vec![Mean::default(); members],
             since: vec![0.0; members],
             last: vec![0.0; members],
+            backoff: vec![1.0; members],
             step: StepCurve::default(),
         }
     }
@@ -427,19 +436,24 @@ impl Ledger {
     /// Decides whether member `s` is asked in bucket `b` (see [`Ledger::pays`]); a member that
     /// does not pay is asked anyway once its skipped steps in the bucket reach the probe
     /// interval and the steps since its last call (in any bucket) took at least its seconds
-    /// per call over [`PROBE_SHARE`] (a probe waits, its skipped count kept, until then).
+    /// per call over its share of the time ([`PROBE_SHARE`], halved by each probe in a row that
+    /// did not pay, down to a quarter; a probe waits, its skipped count kept, until then).
     pub(super) fn decide(&mut self, s: usize, b: usize, tokens: f64, secs: f64) -> Decision {
         if self.pays(s, b, tokens, secs) {
             self.probes[s][b] = Probe::default();
+            self.backoff[s] = 1.0;
             return Decision::Pays;
         }
         let cost = self.member_secs(s).max(self.last[s]);
-        let budget = self.since[s] * PROBE_SHARE >= cost;
+        let budget = self.since[s] * PROBE_SHARE >= cost * self.backoff[s];
         let p = &mut self.probes[s][b];
         p.skipped = p.skipped.saturating_add(1);
         if p.skipped >= p.interval && budget {
             p.skipped = 0;
             p.interval = (p.interval * 2).min(PROBE_MAX);
+            // The share before this probe was spent on it; the next one gets half, unless a
+            // step pays first.
+            self.backoff[s] = (self.backoff[s] * 2.0).min(PROBE_BACKOFF_MAX);
             return Decision::Probe;
         }
         Decision::Skip
@@ -569,21 +583,44 @@ mod tests {
     #[test]
     fn probes_cost_at_most_their_share_of_the_time() {
         let mut l = Ledger::new(2);
-        // A call of 0.0975 s that never pays, against steps of 0.05 s: at 2 %, a probe needs
-        // 4.875 s of steps since the last call (98 steps), not the 8 skipped steps alone.
-        l.record_call(1, 0.0975, 2, 1.0);
+        // A call of 0.0972 s that never pays, against steps of 0.05 s: at 2 %, a probe needs
+        // 4.86 s of steps since the last call (98 steps), not the 8 skipped steps alone; each
+        // probe that finds it still not paying halves the share, down to 0.5 % (389 steps).
+        l.record_call(1, 0.0972, 2, 1.0);
         for _ in 0..20 {
             l.record_gain(1, 0, 0.0, 1.0);
         }
         let mut asked = Vec::new();
-        for step in 0..260 {
+        for step in 0..1200 {
             if l.decide(1, 0, 1.0, 0.05) == Decision::Probe {
                 asked.push(step);
-                l.record_call(1, 0.0975, 2, 1.0);
+                l.record_call(1, 0.0972, 2, 1.0);
             }
             l.record_step(1, 0.05);
         }
-        assert_eq!(asked, [98, 196]);
+        assert_eq!(asked, [98, 293, 682, 1071]);
+        // The probes' share of the time: 4 calls of 0.0972 s in 60 s of steps.
+        let share = asked.len() as f64 * 0.0972 / (1200.0 * 0.05);
+        assert!(share <= PROBE_SHARE / 2.0, "{share}");
+        // A step that pays resets the backoff: the next probe is due after 98 steps again.
+        for _ in 0..40 {
+            l.record_gain(1, 0, 3.0, 0.9);
+        }
+        assert_eq!(l.decide(1, 0, 1.0, 0.05), Decision::Pays);
+        l.record_call(1, 0.0972, 2, 1.0);
+        for _ in 0..200 {
+            l.record_gain(1, 0, 0.0, 0.9);
+        }
+        let mut waited = 0;
+        while l.decide(1, 0, 1.0, 0.05) != Decision::Probe {
+            l.record_step(1, 0.05);
+            waited += 1;
+        }
+        assert_eq!(waited, 98);
+        let mut l = Ledger::new(2);
+        for _ in 0..20 {
+            l.record_gain(1, 0, 0.0, 1.0);
+        }
         // Cheap calls (0.01 s: steps it paid on) then a dear probe (0.2 s, a catch-up): the
         // next probe waits for the dear one's budget (10 s, 200 steps), not the mean's.
         for _ in 0..10 {
@@ -597,9 +634,6 @@ mod tests {
             waited += 1;
         }
         assert_eq!(waited, 200);
-        // The probes' share of the time: 2 calls of 0.0975 s in 13 s of steps.
-        let share = asked.len() as f64 * 0.0975 / (260.0 * 0.05);
-        assert!(share <= PROBE_SHARE, "{share}");
         // A cheap member (1 ms per call: 50 ms of steps) is probed by the step count.
         let mut asked = Vec::new();
         l.record_call(0, 0.001, 2, 1.0);

@@ -16,9 +16,11 @@
 
 use std::time::Instant;
 
+use super::learned::{Kind, Learned};
 use super::merge_costs::{
     Decision, Ledger, MeasuredMergeCosts, MergeCosts, MergePolicy, PROBE_DRAFT, StepTime, bucket,
 };
+use super::merge_shadow::Shadows;
 use super::merge_trie::{NONE, Trie};
 use super::{Draft, ProposeRequest, Proposer, VerifiedRows};
 use crate::error::{Error, ProposalFault, Result};
@@ -174,7 +176,13 @@ impl Counts {
 /// proposer that proposed it at its depth, each accepted one also 1 to `a`; before a step's
 /// counts are added, the counts of each (proposer, depth) that has some are multiplied by the
 /// decay ([`MergedProposer::with_decay`], default 0.98, as the adaptive draft-length policy).
-/// The rates carry over from one generation to the next.
+/// The rates carry over from one generation to the next, and to a new merge through
+/// [`Proposer::learned`] and [`Proposer::start_from_learned`].
+///
+/// Under [`MergePolicy::CostAware`] a step's candidates deeper than its emitted tokens (cut by
+/// cost, or past the accepted path's end) are also tested by the tokens the next steps emit
+/// (the step's *shadow*): where a verify row is dear and nothing deep is drafted, the deep
+/// rates are still learned, so that the merge drafts again where a member turns right.
 ///
 /// # Feedback to the proposers
 ///
@@ -269,6 +277,8 @@ pub struct MergedProposer {
     step: Vec<Counts>,
     /// Rows cut to one proposer's [`Proposer::row_candidates`].
     rows: RowCandidates,
+    /// Candidates of earlier steps scored against later tokens (cost-aware rule only).
+    shadows: Shadows,
 }
 
 impl std::fmt::Debug for MergedProposer {
@@ -328,6 +338,7 @@ impl MergedProposer {
             pending: false,
             step: vec![Counts::default(); n],
             rows: RowCandidates::default(),
+            shadows: Shadows::default(),
         })
     }
 
@@ -416,6 +427,7 @@ impl MergedProposer {
         for s in &mut self.stats {
             s.clear();
         }
+        self.shadows.clear();
         self.ledger.clear();
         self.last_end = None;
     }
@@ -677,11 +689,15 @@ impl MergedProposer {
     fn learn(&mut self, emitted: &[u32]) {
         self.path.clear();
         let mut cur = NONE;
+        // Whether every emitted token is on a path of the trie (its deeper candidates are
+        // then the step's shadow).
+        let mut complete = true;
         for (d, &token) in emitted.iter().enumerate() {
             self.step.fill(Counts::default());
             let mut next = NONE;
             let mut c = self.trie.first_child_of(cur);
             if c == NONE {
+                complete = false;
                 break;
             }
             while c != NONE {
@@ -701,26 +717,57 @@ impl MergedProposer {
                 }
                 c = node.next_sibling;
             }
-            for (stats, step) in self.stats.iter_mut().zip(&self.step) {
-                if step.tested == 0.0 {
-                    continue;
-                }
-                if stats.len() <= d {
-                    stats.resize(d + 1, Counts::default());
-                }
-                let e = &mut stats[d];
-                e.accepted = e.accepted * self.decay + step.accepted;
-                e.tested = e.tested * self.decay + step.tested;
-            }
+            self.add_level(d);
             if next == NONE {
+                complete = false;
                 break;
             }
             self.path.push(next);
             cur = next;
         }
         if self.policy != MergePolicy::Reach {
+            if complete && !emitted.is_empty() {
+                self.shadows.keep(&self.trie, cur);
+            }
             self.learn_gains();
         }
+    }
+
+    /// Adds `self.step` (one level's tested and accepted candidates per proposer) to the
+    /// counts of depth `d + 1`, decaying those of every proposer that has some.
+    fn add_level(&mut self, d: usize) {
+        for (stats, step) in self.stats.iter_mut().zip(&self.step) {
+            if step.tested == 0.0 {
+                continue;
+            }
+            if stats.len() <= d {
+                stats.resize(d + 1, Counts::default());
+            }
+            let e = &mut stats[d];
+            e.accepted = e.accepted * self.decay + step.accepted;
+            e.tested = e.tested * self.decay + step.tested;
+        }
+    }
+
+    /// Scores the shadows of earlier steps against `emitted` (see [`super::merge_shadow`]),
+    /// one level of one shadow counted as one step's level of the trie.
+    fn learn_shadows(&mut self, emitted: &[u32]) {
+        let mut shadows = std::mem::take(&mut self.shadows);
+        shadows.advance(emitted, |depth, level| {
+            self.step.fill(Counts::default());
+            for &(mut m, hit) in level {
+                while m != 0 {
+                    let s = m.trailing_zeros() as usize;
+                    m &= m - 1;
+                    self.step[s].tested += 1.0;
+                    if hit {
+                        self.step[s].accepted += 1.0;
+                    }
+                }
+            }
+            self.add_level(depth - 1);
+        });
+        self.shadows = shadows;
     }
 
     /// Records each asked member's marginal accepted tokens of the pending step, net of the
@@ -822,6 +869,20 @@ fn own_accepted(d: &Draft, emitted: &[u32], cap: usize) -> usize {
     depth
 }
 
+/// What a merge hands to a new one ([`Learned`]): its ledger and its rates' counts.
+#[derive(Debug, Clone)]
+pub(super) struct MergeMemory {
+    ledger: Ledger,
+    stats: Vec<Vec<Counts>>,
+}
+
+impl MergeMemory {
+    /// The number of members.
+    pub(super) fn members(&self) -> usize {
+        self.stats.len()
+    }
+}
+
 impl Proposer for MergedProposer {
     /// `true` when every merged proposer drafts from tokens alone.
     fn drafts_from_tokens(&self) -> bool {
@@ -872,6 +933,9 @@ impl Proposer for MergedProposer {
     /// The first error of a proposer's `observe`, as it is (the later proposers are not told).
     fn observe(&mut self, accepted: usize, emitted: &[u32]) -> Result<()> {
         let pending = std::mem::replace(&mut self.pending, false);
+        if self.policy != MergePolicy::Reach {
+            self.learn_shadows(emitted);
+        }
         if pending {
             self.learn(emitted);
         } else {
@@ -940,6 +1004,7 @@ impl Proposer for MergedProposer {
     /// The first error of a proposer, as it is.
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         self.pending = false;
+        self.shadows.clear();
         self.last_end = None;
         self.last_observe = None;
         for sub in &mut self.subs {
@@ -951,6 +1016,7 @@ impl Proposer for MergedProposer {
     /// Forwards `begin_reusing` to every proposer.
     fn begin_reusing(&mut self, prompt: &[u32]) -> Result<()> {
         self.pending = false;
+        self.shadows.clear();
         self.last_end = None;
         self.last_observe = None;
         for sub in &mut self.subs {
@@ -962,11 +1028,48 @@ impl Proposer for MergedProposer {
     /// Forwards `finish` to every proposer.
     fn finish(&mut self, sequence: &[u32]) {
         self.pending = false;
+        self.shadows.clear();
         self.last_end = None;
         self.last_observe = None;
         for sub in &mut self.subs {
             sub.finish(sequence);
         }
+    }
+
+    /// What the merge learned ([`Learned`]): its rates, gains and costs; `None` under
+    /// [`MergePolicy::Reach`], which learns no costs (its rates carry over within one merge).
+    fn learned(&self) -> Option<Learned> {
+        (self.policy == MergePolicy::CostAware).then(|| Learned {
+            kind: Kind::Merge(Box::new(MergeMemory {
+                ledger: self.ledger.clone(),
+                stats: self.stats.clone(),
+            })),
+        })
+    }
+
+    /// Starts from what a merge of as many members (in the same order) learned: its rates,
+    /// gains and costs replace this merge's, so that a member known not to pay on this engine
+    /// is not called at the first step (only probed within its share of the time) and the
+    /// chains are as long as the learned rates pay for.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming `learned` when it is of a merge of another number of
+    /// members.
+    fn start_from_learned(&mut self, learned: &Learned) -> Result<()> {
+        let Kind::Merge(m) = &learned.kind;
+        if m.members() != self.subs.len() {
+            return Err(Error::config(
+                "learned",
+                m.members(),
+                "learned by a merge of another number of members",
+            ));
+        }
+        self.ledger = m.ledger.clone();
+        self.stats = m.stats.clone();
+        self.last_end = None;
+        self.last_observe = None;
+        self.shadows.clear();
+        Ok(())
     }
 
     /// `"merged"`.
@@ -1458,6 +1561,156 @@ mod tests {
             let d = step_against(&mut r, &truth, 6);
             assert!(r.was_asked(1) && d.tokens.contains(&7));
         }
+    }
+
+    #[test]
+    fn a_merge_started_from_learned_does_not_call_a_member_that_does_not_pay() {
+        let truth = [1, 2, 3, 4];
+        // B is always wrong and dearer than a step (20 ms per call against 10 ms), as a draft
+        // model's catch-up is: it does not pay even at the prior gain of one token.
+        let mk = || {
+            let c = super::super::FixedMergeCosts::new(0.010, 0.0005)
+                .and_then(|c| c.with_member(1, 0.020, 0.001))
+                .unwrap();
+            MergedProposer::new(vec![chain(&[1, 2, 3]), chain(&[7, 8, 9])])
+                .unwrap()
+                .with_costs(c)
+        };
+        let mut m = mk();
+        for i in 0..50 {
+            step_against(&mut m, &truth, 6 + i % 3);
+        }
+        // Through a box, as a server holds its proposers.
+        let boxed: Box<dyn Proposer + Send> = Box::new(m);
+        let learned = boxed.learned().expect("a cost-aware merge learns");
+        assert_eq!(learned.members(), Some(2));
+        // Negative control: a fresh merge asks the member it has not timed at its first step.
+        let mut fresh = mk();
+        step_against(&mut fresh, &truth, 6);
+        assert!(fresh.was_asked(1));
+        // Started from what the first merge learned, it is not asked until a probe is due.
+        let mut carried = mk();
+        carried.start_from_learned(&learned).unwrap();
+        assert!(carried.rate(0, 2) > 0.8, "the rates carry over");
+        let mut asked = Vec::new();
+        for i in 0..40 {
+            let d = step_against(&mut carried, &truth, 6 + i % 3);
+            if carried.was_asked(1) {
+                asked.push(i);
+            } else {
+                assert!(!d.tokens.contains(&7));
+            }
+        }
+        assert!(asked.first().is_none_or(|&i| i >= 7), "{asked:?}");
+        assert!(asked.len() <= 3, "{asked:?}");
+        // Costs of another configuration are refused; the old rule learns none.
+        let mut three = costed(vec![chain(&[1]), chain(&[2]), chain(&[3])], 0.0005, Some(1));
+        let e = three.start_from_learned(&learned).unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig { .. }), "{e}");
+        assert!(reach(vec![chain(&[1])]).unwrap().learned().is_none());
+    }
+
+    /// Proposes the continuation of `text` from the position the emitted tokens reached.
+    struct Follow {
+        text: Vec<u32>,
+        pos: usize,
+    }
+
+    impl Proposer for Follow {
+        fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+            draft.clear();
+            let end = (self.pos + req.max_draft).min(self.text.len());
+            draft
+                .tokens
+                .extend_from_slice(&self.text[self.pos.min(end)..end]);
+            Ok(())
+        }
+        fn observe(&mut self, _accepted: usize, emitted: &[u32]) -> Result<()> {
+            self.pos += emitted.len();
+            Ok(())
+        }
+    }
+
+    /// Chain steps along `text` from `*pos`, of the depths `depths` in turn (each step emits
+    /// the accepted drafts and the next token of `text`); returns each step's draft length.
+    fn follow_steps(
+        m: &mut MergedProposer,
+        text: &[u32],
+        pos: &mut usize,
+        steps: usize,
+        depths: &[usize],
+    ) -> Vec<usize> {
+        let mut lens = Vec::new();
+        for i in 0..steps {
+            let d = chain_of(m, depths[i % depths.len()]);
+            let accepted = d
+                .tokens
+                .iter()
+                .zip(&text[*pos..])
+                .take_while(|(a, b)| a == b)
+                .count();
+            let emitted = &text[*pos..*pos + accepted + 1];
+            m.observe(accepted, emitted).unwrap();
+            *pos += emitted.len();
+            lens.push(d.tokens.len());
+        }
+        lens
+    }
+
+    #[test]
+    fn a_merge_whose_rows_are_dear_learns_its_deep_rates_from_later_tokens() {
+        // A verify row costs 10 ms on a 2 ms base: two rows cost 1.83 single steps. The member
+        // is wrong on the first 60 tokens (its rates fall and the cost rule stops drafting it),
+        // then right: only its depth-1 candidate is tested by the plain steps' one token.
+        let text: Vec<u32> = (0..1000).map(|i| 10 + i as u32).collect();
+        let guess: Vec<u32> = text
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| if i < 60 { t + 1000 } else { t })
+            .collect();
+        let c = super::super::FixedMergeCosts::new(0.002, 0.010).unwrap();
+        let follow = Box::new(Follow {
+            text: guess,
+            pos: 0,
+        });
+        let mut m = MergedProposer::new(vec![follow]).unwrap().with_costs(c);
+        let mut pos = 0;
+        // Depths 1 to 4 in turn at first, so that steps of several row counts are timed.
+        follow_steps(&mut m, &text, &mut pos, 8, &[1, 2, 3, 4]);
+        let left = 60 - pos;
+        let wrong = follow_steps(&mut m, &text, &mut pos, left, &[4]);
+        assert!(wrong.iter().rev().take(10).all(|&n| n == 0), "{wrong:?}");
+        // Depth 1 was tested and wrong; depth 2 never tested (no depth-1 hit): at the prior.
+        assert!(m.rate(0, 1) < 0.2, "{}", m.rate(0, 1));
+        // Two plain steps where it is right: the first step's candidates below its emitted
+        // token (its shadow) are tested by the second step's token at depth 2, which no
+        // drafted node reached.
+        let before = m.rate(0, 2);
+        let lens = follow_steps(&mut m, &text, &mut pos, 2, &[4]);
+        assert_eq!(lens, [0, 0]);
+        assert!(m.rate(0, 2) > before, "{} -> {}", before, m.rate(0, 2));
+        // It drafts again once its depth-1 rate (decay 0.98: a memory of about 50 steps)
+        // pays for a row, and then as deep as pays.
+        let lens = follow_steps(&mut m, &text, &mut pos, 150, &[4]);
+        assert!(lens[130..].iter().all(|&n| n >= 3), "{lens:?}");
+        assert!((1..=4).all(|d| m.rate(0, d) > 0.9));
+        // Negative control: shadows never count a miss as a hit: a member that stays wrong
+        // keeps its rates low and is not drafted.
+        let c = super::super::FixedMergeCosts::new(0.002, 0.010).unwrap();
+        let never = Box::new(Follow {
+            text: text.iter().map(|t| t + 1000).collect(),
+            pos: 0,
+        });
+        let mut w = MergedProposer::new(vec![never]).unwrap().with_costs(c);
+        let mut pos = 0;
+        follow_steps(&mut w, &text, &mut pos, 8, &[1, 2, 3, 4]);
+        let lens = follow_steps(&mut w, &text, &mut pos, 40, &[4]);
+        assert!(lens[10..].iter().all(|&n| n == 0), "{lens:?}");
+        assert!(
+            w.rate(0, 1) < 0.1 && w.rate(0, 2) <= 0.5,
+            "{}",
+            w.rate(0, 1)
+        );
     }
 
     #[test]
