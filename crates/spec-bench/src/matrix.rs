@@ -3,7 +3,8 @@
 use std::collections::HashMap;
 
 use speculative::decode::AdaptiveState;
-use speculative::{Proposer, TargetModel};
+use speculative::propose::Learned;
+use speculative::{Proposer, SamplingConfig, TargetModel};
 
 use crate::error::Result;
 use crate::run::{ConfigSpec, Constraint, RunInput, RunRecord, decode_tokens_per_s, run_one};
@@ -53,11 +54,13 @@ pub struct Matrix {
     /// corpus, a token-recycling table carry over, as in a server that runs requests one after
     /// another); `false`: a fresh proposer for every run.
     pub carry: bool,
-    /// Start every run of a speculative configuration from the adaptive policy's cost
-    /// estimates that its earlier runs measured, warm-up runs included
+    /// Start every run of a speculative configuration from what its earlier runs learned,
+    /// warm-up runs included: the adaptive policy's cost estimates
     /// ([`speculative::decode::AdaptiveState::costs_only`]: the forward cost curve and the
-    /// proposing time, never acceptance), as a server that keeps one policy per engine; `false`:
-    /// a fresh policy per run, which spends its first step measuring the curve.
+    /// proposing time, never acceptance) and the proposer's ([`speculative::Proposer::learned`]:
+    /// a merge's rates, gains and costs, what a long-lived merge keeps), as a server that keeps
+    /// them per engine; `false`: a fresh policy per run, which spends its first step measuring
+    /// the curve, and proposers that learn everything afresh.
     pub carry_costs: bool,
     /// With grammar-constrained requests: put the grammar-forced tokens in front of every
     /// speculative configuration's drafts (`speculative_guidance::ForcedDrafts`).
@@ -186,7 +189,7 @@ pub fn run_matrix(
     }
     let mut none = speculative::NoProposer;
     // Per configuration, the cost estimates its runs carry (`Matrix::carry_costs`).
-    let mut costs: Vec<AdaptiveState> = vec![AdaptiveState::default(); matrix.configs.len()];
+    let mut costs: Vec<Carried> = vec![Carried::default(); matrix.configs.len()];
     // Warm-up on the first request (fresh proposers, discarded).
     if let Some(r0) = requests.first() {
         let prompt = Lane::default().prompt(r0, build)?;
@@ -211,16 +214,9 @@ pub fn run_matrix(
             run_one(target, &mut none, &input, None, &s, 0, None)?;
             for (ci, c) in matrix.configs.iter().enumerate() {
                 let mut p = factory(&c.proposer)?;
-                let policy = matrix.carry_costs.then_some(&mut costs[ci]);
-                run_one(
-                    target,
-                    &mut *p,
-                    &input,
-                    Some(c),
-                    &c.sampling()?,
-                    c.seed,
-                    policy,
-                )?;
+                let carried = matrix.carry_costs.then_some(&mut costs[ci]);
+                let sampling = c.sampling()?;
+                run_carried(target, &mut *p, &input, c, &sampling, c.seed, carried)?;
             }
             progress("warm-up");
         }
@@ -249,6 +245,46 @@ pub fn run_matrix(
         mark_reuse_identical(&mut out);
     }
     Ok(out)
+}
+
+/// The cost estimates a configuration's runs carry ([`Matrix::carry_costs`]).
+#[derive(Debug, Clone, Default)]
+struct Carried {
+    /// The adaptive policy's ([`AdaptiveState::costs_only`]).
+    policy: AdaptiveState,
+    /// The proposer's ([`Proposer::learned`]; `None`: it learns none, or no run yet).
+    proposer: Option<Learned>,
+}
+
+/// [`run_one`] of configuration `c`, starting the proposer from the carried costs and the
+/// policy from the carried estimates, and keeping what the run measured (`carried = None`:
+/// nothing is carried).
+fn run_carried(
+    target: &mut dyn TargetModel,
+    proposer: &mut dyn Proposer,
+    input: &RunInput<'_>,
+    c: &ConfigSpec,
+    sampling: &SamplingConfig,
+    seed: u64,
+    carried: Option<&mut Carried>,
+) -> Result<RunRecord> {
+    let Some(carried) = carried else {
+        return run_one(target, proposer, input, Some(c), sampling, seed, None);
+    };
+    if let Some(l) = &carried.proposer {
+        proposer.start_from_learned(l)?;
+    }
+    let rec = run_one(
+        target,
+        proposer,
+        input,
+        Some(c),
+        sampling,
+        seed,
+        Some(&mut carried.policy),
+    )?;
+    carried.proposer = proposer.learned();
+    Ok(rec)
 }
 
 /// Sets [`RunRecord::reuse_identical`] of every reuse-on record that has a reuse-off twin
@@ -286,7 +322,7 @@ struct Lanes<'a> {
     keys: &'a [(f32, f32, u64)],
     rep: usize,
     reuse: bool,
-    costs: &'a mut [AdaptiveState],
+    costs: &'a mut [Carried],
 }
 
 /// One repetition of [`run_matrix`] in one prefix-reuse mode.
@@ -378,8 +414,8 @@ fn run_rep(
                             &mut *fresh
                         }
                     };
-                    let policy = matrix.carry_costs.then_some(&mut costs[ci]);
-                    let mut rec = run_one(target, prop, &input, Some(c), &sampling, seed, policy)?;
+                    let carried = matrix.carry_costs.then_some(&mut costs[ci]);
+                    let mut rec = run_carried(target, prop, &input, c, &sampling, seed, carried)?;
                     lane.keep_cache(r, &input, &rec.tokens);
                     lane.answered(r, &rec.tokens);
                     if base.tokens_per_s > 0.0 {

@@ -219,6 +219,19 @@ impl Proposer for Recording<'_> {
     fn drafts_from_tokens(&self) -> bool {
         self.inner.drafts_from_tokens()
     }
+
+    /// The inner proposer's.
+    fn learned(&self) -> Option<speculative::propose::Learned> {
+        self.inner.learned()
+    }
+
+    /// Forwarded to the inner proposer.
+    fn start_from_learned(
+        &mut self,
+        costs: &speculative::propose::Learned,
+    ) -> speculative::Result<()> {
+        self.inner.start_from_learned(costs)
+    }
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> speculative::Result<()> {
         self.inner.propose(req, draft)?;
         self.pending_k = Some(draft.tokens.len().min(req.max_draft));

@@ -401,3 +401,99 @@ fn constrained_requests_follow_their_grammar_in_every_run() {
         }
     }
 }
+
+/// Wraps a merge and logs the member count of every `start_from_learned` it is given.
+struct CostSpy {
+    inner: speculative::MergedProposer,
+    log: std::sync::Arc<std::sync::Mutex<Vec<Option<usize>>>>,
+}
+
+impl Proposer for CostSpy {
+    fn propose(
+        &mut self,
+        req: &speculative::ProposeRequest<'_>,
+        draft: &mut speculative::Draft,
+    ) -> speculative::Result<()> {
+        self.inner.propose(req, draft)
+    }
+    fn observe(&mut self, accepted: usize, emitted: &[u32]) -> speculative::Result<()> {
+        self.inner.observe(accepted, emitted)
+    }
+    fn begin(&mut self, prompt: &[u32]) -> speculative::Result<()> {
+        self.inner.begin(prompt)
+    }
+    fn learned(&self) -> Option<speculative::propose::Learned> {
+        self.inner.learned()
+    }
+    fn start_from_learned(
+        &mut self,
+        costs: &speculative::propose::Learned,
+    ) -> speculative::Result<()> {
+        self.log.lock().unwrap().push(costs.members());
+        self.inner.start_from_learned(costs)
+    }
+}
+
+#[test]
+fn carried_costs_start_every_later_proposer_from_the_merges_learned() {
+    let mut target = ToyModel::markov(16, 1, 3.0, 4);
+    let requests: Vec<PreparedRequest> = (0..2)
+        .map(|i| PreparedRequest {
+            kind: "chat".into(),
+            prompt: (0..30).map(|j| ((j * 3 + i) % 16) as u32).collect(),
+            max_tokens: 12,
+            turn: None,
+            grammar: None,
+        })
+        .collect();
+    let configs = vec![ConfigSpec {
+        proposer: "merged".into(),
+        draft: DraftSpec::Fixed(3),
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+        tree_nodes: 0,
+        tree_branch: 0,
+    }];
+    let mut run = |carry_costs: bool| {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut f = |_: &str| -> spec_bench::Result<Box<dyn Proposer>> {
+            let members: Vec<Box<dyn Proposer + Send>> = vec![
+                Box::new(PromptLookup::new(1, 3)?),
+                Box::new(SuffixProposer::new(SuffixConfig::default())?),
+            ];
+            Ok(Box::new(CostSpy {
+                inner: speculative::MergedProposer::new(members)?,
+                log: log.clone(),
+            }))
+        };
+        let matrix = Matrix {
+            configs: configs.clone(),
+            warmup: 1,
+            reps: 2,
+            carry: false,
+            carry_costs,
+            forced_drafts: false,
+            prefix_reuse: Vec::new(),
+            fused_prefill: true,
+        };
+        let out = run_matrix(
+            None,
+            &mut target,
+            &mut f,
+            &requests,
+            &[],
+            &matrix,
+            &mut |_, _| unreachable!("no conversation turns"),
+            &mut |_| {},
+        )
+        .unwrap();
+        assert!(out.iter().all(|r| r.greedy_identical != Some(false)));
+        log.lock().unwrap().clone()
+    };
+    // One warm-up run, then 2 requests x 2 repetitions, each with a fresh proposer: every one
+    // after the warm-up's starts from the merge's costs (2 members).
+    assert_eq!(run(true), vec![Some(2); 4]);
+    // Negative control: without carried costs no proposer is started from any.
+    assert!(run(false).is_empty());
+}
