@@ -12,7 +12,7 @@ _BLOCKS = {0: (1, 4), 1: (1, 2), 3: (32, 20), 8: (32, 34)}
 
 
 class Gguf:
-    """A parsed GGUF file: `meta` (key -> value; arrays longer than 64 are skipped) and
+    """A parsed GGUF file: `meta` (key -> value, arrays as lists) and
     `tensor(name)`. Raises ValueError for a file that is not GGUF v2/v3."""
 
     def __init__(self, path):
@@ -50,8 +50,7 @@ class Gguf:
             return self._str()
         if t == 9:
             at, n = self._r("I"), self._r("Q")
-            vals = [self._value(at) for _ in range(n)]
-            return vals if n <= 64 else None
+            return [self._value(at) for _ in range(n)]
         return self._r(_SCALAR[t])
 
     def arch(self):

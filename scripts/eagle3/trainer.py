@@ -73,7 +73,7 @@ def make_step(s):
     @jax.jit
     def step(params, opt_state, batch, head_rows):
         (loss, ce), grads = jax.value_and_grad(total, has_aux=True)(params, batch, head_rows)
-        gn = optax.global_norm(grads)
+        gn = optax.tree.norm(grads)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, ce, gn
     return step, opt
