@@ -3,7 +3,8 @@
 from the feature dump of `train_draft_head dump-features` (issue 29), and exports it in the
 `speculative-eagle3-head-v1` safetensors format that `speculative_candle::fast::head` loads.
 
-The head: fc3 `[h, 3h]` fuses the target's Residual(2), Residual(15), Residual(27) states, fc
+The head: fc3 `[h, 3h]` fuses the target's Residual(2), Residual(15), Residual(27) states (or
+the `k` layers named by the dump's `feature_layers`: fc3 `[h, k h]`), fc
 `[h, 2h]` fuses that with the token embedding, one decoder layer of the target's shape (GQA 9/3
 heads of 64, MLP 1536, the target's RoPE theta and RMSNorm eps), a final RMSNorm and the target's
 output rows of the FR-Spec subset. Loss: cross-entropy against the target's distribution over
@@ -84,13 +85,15 @@ def pin_threads(n):
                                        + " --xla_cpu_multi_thread_eigen=false").strip()
 
 
-def settings_of(args, h, n_seqs, theta, eps):
-    return {"seed": args.seed, "h": h, "nh": args.heads, "nkv": args.kv_heads,
+def settings_of(args, dump, theta, eps):
+    return {"seed": args.seed, "h": dump.h, "k": dump.k, "feature_layers": dump.feature_layers,
+            "nh": args.heads, "nkv": args.kv_heads,
             "d": args.head_dim, "ffn": args.ffn, "eps": eps, "theta": theta, "ttt": args.ttt,
             "decay": args.decay, "lr": args.lr, "warmup": args.warmup, "steps": args.steps,
             "clip": args.clip, "weight_decay": args.weight_decay, "rows": args.rows,
             "length": args.length, "subset": args.subset, "val_every": args.val_every,
-            "init_layer": args.init_layer, "ckpt_every": args.ckpt_every, "n_seqs": n_seqs}
+            "init_layer": args.init_layer, "ckpt_every": args.ckpt_every,
+            "n_seqs": len(dump.seqs)}
 
 
 def target_init(args, h):
@@ -135,7 +138,7 @@ def main(argv=None):
             args.steps, args.val_every = args.bench_step + 1, 0
         dump = data.Dump(args.data)
         tinit, theta, eps = target_init(args, dump.h)
-        s = settings_of(args, dump.h, len(dump.seqs), theta, eps)
+        s = settings_of(args, dump, theta, eps)
         p0 = model.init(trainer.model_config(s), s["seed"], tinit)
         params, ids, head_rows, val_idx, _ = trainer.train(
             s, dump, p0, args.ckpt_dir, args.log, args.stop_at)

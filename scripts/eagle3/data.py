@@ -3,10 +3,12 @@
 A dump directory holds `features-NNNNN.safetensors` files (the Rust `train_draft_head
 dump-features`, spec in crates/speculative-candle/heads/README.md) with `tokens [N] u32`,
 `seq_starts [S+1] u32`, `answer_starts [S] u32` (absolute row of each sequence's first answer
-token), `features [N, 3h] f16` (Residual(2), Residual(15), Residual(27) concatenated),
+token), `features [N, k h] f16` (the `k` states named by the metadata `feature_layers`,
+Residual indices, default "2,15,27", concatenated),
 `final [N, h] f16` (the target's final normed hidden states) and `embeds [N, h] f16`, plus
 `lm_head.safetensors` with `output_rows [V, h]` (the target's output rows; or, in a dump that
-chose the subset, `output_rows [|S|, h]` with `vocab_ids [|S|] u32`).
+chose the subset, `output_rows [|S|, h]` with `vocab_ids [|S|] u32`). A file's metadata
+`format`, when present, must be `speculative-eagle3-features-v1`.
 
 Row `p` of a sequence trains the head to predict the target's distribution at row `p` (the
 next token's), reading the fused feature of `p - 1` and the embedding of `x_p`; a row counts in
@@ -20,11 +22,14 @@ import numpy as np
 from . import stio
 
 FEATURE_TENSORS = ("tokens", "seq_starts", "answer_starts", "features", "final", "embeds")
+FEATURES_FORMAT = "speculative-eagle3-features-v1"
+DEFAULT_LAYERS = "2,15,27"
 
 
 class Dump:
     """All sequences of a dump directory, memory-mapped. `seqs` is an int64 array `[S, 4]` of
-    (file, first row, end row, answer start row) in file order; `h` the hidden size; `lm_rows`
+    (file, first row, end row, answer start row) in file order; `h` the hidden size, `k` the
+    number of feature layers and `feature_layers` their metadata string; `lm_rows`
     the output rows (f16 memmap), `lm_ids` their vocabulary ids (None: rows are the full vocab).
     Raises ValueError for a missing or inconsistent file."""
 
@@ -33,16 +38,23 @@ class Dump:
         if not paths:
             raise ValueError(f"{directory}: no features-*.safetensors files")
         self.files, seqs = [], []
-        self.h = None
+        self.h = self.k = self.feature_layers = None
         for fi, path in enumerate(paths):
-            t, _ = stio.read(path)
+            t, meta = stio.read(path)
             missing = [k for k in FEATURE_TENSORS if k not in t]
             if missing:
                 raise ValueError(f"{path}: missing tensors {missing}")
+            if meta.get("format", FEATURES_FORMAT) != FEATURES_FORMAT:
+                raise ValueError(f"{path}: format {meta['format']!r}, want {FEATURES_FORMAT!r}")
             n, h = t["final"].shape
-            self.h = self.h or h
+            layers = meta.get("feature_layers", DEFAULT_LAYERS)
+            k = len(layers.split(","))
+            self.h, self.k = self.h or h, self.k or k
+            self.feature_layers = self.feature_layers or layers
+            if layers != self.feature_layers:
+                raise ValueError(f"{path}: feature_layers {layers!r}, other files {self.feature_layers!r}")
             starts, ans = np.asarray(t["seq_starts"], np.int64), np.asarray(t["answer_starts"], np.int64)
-            if (t["features"].shape != (n, 3 * h) or t["embeds"].shape != (n, h)
+            if (t["features"].shape != (n, k * h) or t["embeds"].shape != (n, h)
                     or t["tokens"].shape != (n,) or h != self.h or starts[-1] != n
                     or len(ans) != len(starts) - 1 or np.any(np.diff(starts) <= 0)
                     or np.any(ans < starts[:-1]) or np.any(ans > starts[1:])):
@@ -143,12 +155,12 @@ class Packer:
         return b
 
     def empty(self):
-        """Zeroed batch arrays: `feat_prev [R, L, 3h]` f16 (features of the previous position, 0
+        """Zeroed batch arrays: `feat_prev [R, L, k h]` f16 (features of the previous position, 0
         at a sequence's position 0), `emb [R, L, h]` f16, `final [R, L, h]` f16, `pos [R, L]`
         int32 (position in the sequence), `seg [R, L]` int32 (0 = padding, else a sequence id
         unique in the batch), `lmask [R, L]` bool (rows that count in the loss)."""
         h, shape = self.dump.h, (self.rows, self.length)
-        return {"feat_prev": np.zeros(shape + (3 * h,), np.float16),
+        return {"feat_prev": np.zeros(shape + (self.dump.k * h,), np.float16),
                 "emb": np.zeros(shape + (h,), np.float16),
                 "final": np.zeros(shape + (h,), np.float16),
                 "pos": np.zeros(shape, np.int32), "seg": np.zeros(shape, np.int32),
@@ -176,7 +188,8 @@ def write_synthetic(directory, *, h=576, vocab=2048, seqs=48, files=2, min_len=2
     check): a random embedding table (tied output rows), tokens from a random chain (each token
     has a preferred successor, taken 70 % of the time), target final states pointing at the
     preferred successor (so the head has something to learn), features = noisy functions of the
-    embeddings and the final states. Deterministic in `seed`. Returns `directory`."""
+    embeddings and the final states; the Rust dump's metadata (`format`, `feature_layers`
+    "2,15,27", `first_record`, `records`). Deterministic in `seed`. Returns `directory`."""
     rng = np.random.default_rng(seed)
     os.makedirs(directory, exist_ok=True)
     table = (rng.standard_normal((vocab, h)) / np.sqrt(h) * 4).astype(np.float32)
@@ -185,7 +198,8 @@ def write_synthetic(directory, *, h=576, vocab=2048, seqs=48, files=2, min_len=2
     per = -(-seqs // files)
     for fi in range(files):
         toks, starts, answers = [], [0], []
-        for _ in range(min(per, seqs - fi * per)):
+        count = min(per, seqs - fi * per)
+        for _ in range(count):
             n = int(rng.integers(min_len, max_len + 1))
             x = [int(rng.integers(0, vocab))]
             for _ in range(n - 1):
@@ -203,7 +217,9 @@ def write_synthetic(directory, *, h=576, vocab=2048, seqs=48, files=2, min_len=2
             "tokens": toks.astype(np.uint32), "seq_starts": np.asarray(starts, np.uint32),
             "answer_starts": np.asarray(answers, np.uint32),
             "features": feats.astype(np.float16), "final": fin.astype(np.float16),
-            "embeds": emb.astype(np.float16)})
+            "embeds": emb.astype(np.float16)}, {
+            "format": FEATURES_FORMAT, "feature_layers": DEFAULT_LAYERS,
+            "first_record": fi * per, "records": count})
     stio.write(os.path.join(directory, "lm_head.safetensors"),
-               {"output_rows": table.astype(np.float16)})
+               {"output_rows": table.astype(np.float16)}, {"format": "speculative-output-rows-v1"})
     return directory

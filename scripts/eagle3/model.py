@@ -2,7 +2,8 @@
 
 Parameters are a dict keyed by the tensor names of the head file (`speculative_candle::fast::
 head`), every matrix row-major `[out, in]` (`y = x @ W.T`):
-`fc3.weight [h, 3h]`, `fc.weight [h, 2h]` (input `[g; e(x)]`, fused feature first),
+`fc3.weight [h, k h]` (`k` feature layers, 3 by default), `fc.weight [h, 2h]` (input
+`[g; e(x)]`, fused feature first),
 `fc.bias [h]`, `attn_norm.weight [h]`, `attn_q.weight [nh d, h]`, `attn_k.weight [nkv d, h]`,
 `attn_v.weight [nkv d, h]`, `attn_output.weight [h, nh d]`, `ffn_norm.weight [h]`,
 `ffn_gate.weight [f, h]`, `ffn_up.weight [f, h]`, `ffn_down.weight [h, f]`,
@@ -34,9 +35,9 @@ LAYER_FROM_TARGET = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn
 
 
 def shapes(c):
-    """Tensor name -> shape for the config dict `c` (h, nh, nkv, d, ffn)."""
+    """Tensor name -> shape for the config dict `c` (h, nh, nkv, d, ffn, optional k = 3)."""
     h, q, kv, f = c["h"], c["nh"] * c["d"], c["nkv"] * c["d"], c["ffn"]
-    return {"fc3.weight": (h, 3 * h), "fc.weight": (h, 2 * h), "fc.bias": (h,),
+    return {"fc3.weight": (h, c.get("k", 3) * h), "fc.weight": (h, 2 * h), "fc.bias": (h,),
             "attn_norm.weight": (h,), "attn_q.weight": (q, h), "attn_k.weight": (kv, h),
             "attn_v.weight": (kv, h), "attn_output.weight": (h, q), "ffn_norm.weight": (h,),
             "ffn_gate.weight": (f, h), "ffn_up.weight": (f, h), "ffn_down.weight": (h, f),

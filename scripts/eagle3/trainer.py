@@ -24,9 +24,9 @@ import optax
 from . import data, model, stio
 
 HEAD_FORMAT = "speculative-eagle3-head-v1"
-FEATURE_LAYERS = "2,15,27"
 # Settings a checkpoint must agree with to be resumed (they change the computed bits).
-FINGERPRINT = ("seed", "h", "nh", "nkv", "d", "ffn", "eps", "theta", "ttt", "decay", "lr",
+FINGERPRINT = ("seed", "h", "k", "feature_layers", "nh", "nkv", "d", "ffn", "eps", "theta",
+               "ttt", "decay", "lr",
                "warmup", "steps", "clip", "weight_decay", "rows", "length", "subset",
                "val_every", "init_layer", "n_seqs")
 
@@ -57,7 +57,7 @@ def optimiser(s):
 
 
 def model_config(s):
-    return {k: s[k] for k in ("h", "nh", "nkv", "d", "ffn", "eps", "theta")}
+    return dict({k: s[k] for k in ("h", "nh", "nkv", "d", "ffn", "eps", "theta")}, k=s.get("k", 3))
 
 
 def make_step(s):
@@ -169,7 +169,8 @@ def evaluate(params, dump, val_idx, vocab_ids, head_rows, s):
 
 def export(path, params, vocab_ids, settings, extra=None):
     """Writes the head file: f16 tensors named as in `speculative_candle::fast::head` (v1's plus
-    `fc3.weight [h, 3h]`), `vocab_ids [|S|] u32`, metadata `format`, `feature_layers` and the
+    `fc3.weight [h, k h]`), `vocab_ids [|S|] u32`, metadata `format`, `feature_layers` (the
+    dump's, settings key `feature_layers`, default "2,15,27") and the
     training settings. Raises ValueError for a value that is not finite in f16."""
     tensors = {}
     for name, v in jax.device_get(params).items():
@@ -178,7 +179,8 @@ def export(path, params, vocab_ids, settings, extra=None):
             raise ValueError(f"tensor {name} has a value that is not finite in f16")
         tensors[name] = v.astype(np.float16)
     tensors["vocab_ids"] = np.asarray(vocab_ids, np.uint32)
-    meta = {"format": HEAD_FORMAT, "feature_layers": FEATURE_LAYERS,
+    meta = {"format": HEAD_FORMAT,
+            "feature_layers": settings.get("feature_layers", data.DEFAULT_LAYERS),
             "training": json.dumps(settings, sort_keys=True)}
     meta.update({f"train.{k}": v for k, v in settings.items()})
     meta.update(extra or {})
@@ -247,7 +249,7 @@ def ci_check(record_path, record, tmp):
     """Trains 3 steps on a fixed synthetic dump and compares the losses with `record_path`
     (relative tolerance from the file); with `record`, writes it instead. Returns the exit code."""
     dump = data.Dump(data.write_synthetic(os.path.join(tmp, "ci-data"), **CI_DATA))
-    s = dict(CI_SETTINGS, n_seqs=len(dump.seqs))
+    s = dict(CI_SETTINGS, n_seqs=len(dump.seqs), k=dump.k, feature_layers=dump.feature_layers)
     p0 = model.init(model_config(s), s["seed"])
     losses = train(s, dump, p0)[4]
     print(json.dumps({"ci_losses": losses}))
