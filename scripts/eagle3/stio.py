@@ -47,4 +47,5 @@ def write(path, tensors, metadata=None):
     tmp = f"{path}.tmp"
     arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     save_file(arrays, tmp, metadata={str(k): str(v) for k, v in (metadata or {}).items()})
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
