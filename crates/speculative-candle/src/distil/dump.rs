@@ -336,7 +336,7 @@ fn write_safetensors(
         .iter()
         .map(|(k, v)| (k.to_string(), v.clone()))
         .collect::<std::collections::HashMap<_, _>>();
-    let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| bad(e.to_string()))?;
+    let bytes = crate::st::serialize(views, meta).map_err(bad)?;
     let tmp = path.with_extension("safetensors.tmp");
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path)?;

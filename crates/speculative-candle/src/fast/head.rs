@@ -205,7 +205,8 @@ impl HeadTensors {
 
     /// Writes a safetensors file with the tensors stored as f16 (`half`) or f32, the
     /// `vocab_ids` as u32 and the metadata plus `format` = [`HeadTensors::format`]'s name
-    /// ([`HEAD_FORMAT`], or [`HEAD3_FORMAT`] when the tensors hold [`FC3_TENSOR`]).
+    /// ([`HEAD_FORMAT`], or [`HEAD3_FORMAT`] when the tensors hold [`FC3_TENSOR`]). The
+    /// header's keys are sorted, so the file's bytes depend only on its contents.
     ///
     /// # Errors
     /// [`CandleError::Io`] when the file cannot be written; [`CandleError::InvalidArgument`]
@@ -260,7 +261,7 @@ impl HeadTensors {
         let mut meta: std::collections::HashMap<String, String> =
             self.metadata.clone().into_iter().collect();
         meta.insert("format".into(), self.format().name().into());
-        let bytes = safetensors::serialize(views, Some(meta))
+        let bytes = crate::st::serialize(views, meta)
             .map_err(|e| CandleError::InvalidArgument(format!("safetensors: {e}")))?;
         std::fs::write(path.as_ref(), bytes)?;
         Ok(())
