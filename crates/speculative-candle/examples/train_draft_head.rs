@@ -8,6 +8,7 @@
 //! train_draft_head eval --data data.bin --head head.safetensors
 //! train_draft_head bench-step [--steps 5] [--unroll 1] [--seqs 8] [--len 256]
 //! train_draft_head feature-rate --tokens DIR [--limit 40]
+//! train_draft_head dump-features --tokens DIR --out FEATURES [--max-seq-len 1024]
 //! ```
 
 use std::collections::BTreeMap;
@@ -157,6 +158,32 @@ enum Cmd {
         /// Records to prefill.
         #[arg(long, default_value_t = 40)]
         limit: usize,
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+    },
+    /// Write the EAGLE-3 training features of a token store (multi-layer features, final
+    /// hidden states, embeddings; `speculative_candle::distil::dump`) to safetensors files,
+    /// resumably: run it again on the same --out to continue.
+    DumpFeatures {
+        /// A `generate-tokens` output directory.
+        #[arg(long)]
+        tokens: PathBuf,
+        /// Output directory (features-NNNNN.safetensors, lm_head.safetensors, features.json).
+        #[arg(long)]
+        out: PathBuf,
+        /// Tokens kept of each record (its first ones).
+        #[arg(long, default_value_t = 1024)]
+        max_seq_len: usize,
+        /// Records per file.
+        #[arg(long, default_value_t = 64)]
+        seqs_per_file: usize,
+        /// Feature layers (Residual indices, comma-separated; default EAGLE-3's low / middle /
+        /// high layers of the model).
+        #[arg(long)]
+        layers: Option<String>,
+        /// Stop after writing N files in this run.
+        #[arg(long)]
+        limit_files: Option<usize>,
         #[arg(long, default_value_t = 2)]
         threads: usize,
     },
@@ -375,6 +402,59 @@ fn feature_rate(weights: Arc<FastWeights>, cmd: Cmd) -> Result<(), DynError> {
     Ok(())
 }
 
+/// `dump-features`: the training features of a token store (`distil::dump`).
+fn dump_features(
+    path: &std::path::Path,
+    weights: Arc<FastWeights>,
+    cmd: Cmd,
+) -> Result<(), DynError> {
+    let Cmd::DumpFeatures {
+        tokens,
+        out,
+        max_seq_len,
+        seqs_per_file,
+        layers,
+        limit_files,
+        threads,
+    } = cmd
+    else {
+        return Err("not dump-features".into());
+    };
+    let c = weights.config();
+    let layout = match layers {
+        Some(l) => speculative_candle::fast::head::parse_feature_layers(&l, c.hidden_size)?,
+        None => speculative::FeatureLayout::eagle3(c.n_layers, c.hidden_size)?,
+    };
+    let (_, recs) = distil::read_records(&tokens)?;
+    let cfg = distil::DumpConfig {
+        layout,
+        max_seq_len,
+        seqs_per_file,
+        threads,
+        limit_files,
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    eprintln!(
+        "dump-features: {} records into {}",
+        recs.len(),
+        out.display()
+    );
+    let s = distil::dump_features(weights, &name, &recs, &out, &cfg, &mut |l| eprintln!("{l}"))?;
+    println!(
+        "this run: {} files ({} skipped), {} sequences, {} positions in {:.0} s ({:.0} positions/s)",
+        s.files_written,
+        s.files_skipped,
+        s.sequences,
+        s.positions,
+        s.seconds,
+        s.positions as f64 / s.seconds.max(1e-9)
+    );
+    Ok(())
+}
+
 fn run() -> Result<(), DynError> {
     let a = Args::parse();
     let path = a.model.clone().unwrap_or_else(default_model_path);
@@ -383,6 +463,7 @@ fn run() -> Result<(), DynError> {
         c @ Cmd::GenerateTokens { .. } => generate_tokens(&path, weights.clone(), c)?,
         c @ Cmd::BenchStep { .. } => bench_step(weights.clone(), c)?,
         c @ Cmd::FeatureRate { .. } => feature_rate(weights.clone(), c)?,
+        c @ Cmd::DumpFeatures { .. } => dump_features(&path, weights.clone(), c)?,
         Cmd::Generate {
             prompts,
             out,

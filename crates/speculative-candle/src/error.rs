@@ -84,6 +84,16 @@ pub enum CandleError {
     /// The chat template could not be parsed or rendered.
     #[error("chat template error: {0}")]
     Template(String),
+    /// A draft head and its target disagree on the feature rows: the target hands over the
+    /// states of other layers than the head was trained on
+    /// ([`crate::fast::DraftHeadWeights::check_target_layout`]).
+    #[error("the draft head reads feature rows {head}, the target hands over {target}")]
+    FeatureLayoutMismatch {
+        /// The head's layout.
+        head: String,
+        /// The target's layout.
+        target: String,
+    },
     /// A candle tensor operation failed.
     #[error("candle error: {0}")]
     Candle(#[from] candle_core::Error),

@@ -68,6 +68,7 @@ mod engine;
 mod error;
 mod gguf;
 mod model;
+mod st;
 mod tokenizer;
 mod tree;
 mod vocab;

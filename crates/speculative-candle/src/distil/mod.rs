@@ -17,7 +17,11 @@
 //!   because prompt-lookup drafts are point masses (C15), so neither the batch size, the
 //!   proposer ([`Drafting`]) nor the thread count changes a bit of the data, and a killed run
 //!   restarted on the same directory ([`TokenStore::open`]) writes the same files.
+//! - **Features for training** ([`dump`]): a prefill of each stored sequence writes the
+//!   target's multi-layer features, final hidden states and embeddings to safetensors files
+//!   (`train_draft_head dump-features`).
 
+pub mod dump;
 pub mod store;
 
 use std::collections::{BTreeMap, HashMap};
@@ -35,6 +39,10 @@ use speculative::{NoProposer, SamplingConfig};
 
 use crate::fast::{FastBatch, FastWeights};
 use crate::{ChatMessage, GgufTokenizer};
+pub use dump::{
+    DUMP_MANIFEST, DumpConfig, DumpIdentity, DumpSummary, FEATURES_FORMAT, LM_HEAD_FILE,
+    dump_features, feature_file_name, write_output_rows,
+};
 pub use store::{
     DataIdentity, MANIFEST_FILE, Manifest, ShardInfo, TokenStore, TurnRecord, fnv1a64, read_records,
 };

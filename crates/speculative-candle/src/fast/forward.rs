@@ -442,6 +442,49 @@ impl FastWeights {
         self.path.as_deref()
     }
 
+    /// Writes the embedding of `token` (`[h]`, dequantised from the in-memory format; the
+    /// output head's row when the embedding is tied) into `out`.
+    ///
+    /// # Errors
+    /// [`CandleError::TokenOutOfVocab`]; [`CandleError::InvalidArgument`] when `out` is not
+    /// `[h]`.
+    pub fn embedding_row(&self, token: u32, out: &mut [f32]) -> Result<()> {
+        self.check_row(token, out.len())?;
+        self.embed
+            .as_ref()
+            .unwrap_or(&self.head)
+            .row(token as usize, out);
+        Ok(())
+    }
+
+    /// Writes the output-head row of `token` (`[h]`, dequantised; the target's logit of
+    /// `token` is its dot product with the final hidden state) into `out`.
+    ///
+    /// # Errors
+    /// As [`FastWeights::embedding_row`].
+    pub fn output_row(&self, token: u32, out: &mut [f32]) -> Result<()> {
+        self.check_row(token, out.len())?;
+        self.head.row(token as usize, out);
+        Ok(())
+    }
+
+    fn check_row(&self, token: u32, len: usize) -> Result<()> {
+        let c = &self.config;
+        if token as usize >= c.vocab_size {
+            return Err(CandleError::TokenOutOfVocab {
+                token,
+                vocab_size: c.vocab_size,
+            });
+        }
+        if len != c.hidden_size {
+            return Err(CandleError::InvalidArgument(format!(
+                "a row of {len} floats for hidden size {}",
+                c.hidden_size
+            )));
+        }
+        Ok(())
+    }
+
     /// Bytes of matrix weights held in memory (norms and RoPE tables not counted).
     pub fn memory_bytes(&self) -> usize {
         let layers: usize = self

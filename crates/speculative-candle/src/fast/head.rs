@@ -44,6 +44,26 @@
 //! `ffn_down.weight [h, f]`, `output_norm.weight [h]`, and `vocab_ids [|S|]` (u32, distinct
 //! ids of the target vocabulary). Every other metadata key is kept as
 //! [`DraftHeadWeights::metadata`] (training settings, seed, data size).
+//!
+//! # EAGLE-3 heads
+//!
+//! A file with `format` = [`HEAD3_FORMAT`] (EAGLE-3, Li et al. 2025, section 3.2) holds the
+//! same tensors plus `fc3.weight [h, k h]` (no bias) and the metadata `feature_layers`
+//! (comma-separated `Residual` indices, `"2,15,27"` for `FeatureLayout::eagle3(30, 576)`).
+//! Its target feature rows are `[k h]`: the target's states of those layers
+//! ([`speculative::FeatureLayout`], as `FastTarget::with_feature_layout` hands them over), and
+//! the row at `p` reads, in place of `f_{p-1}`,
+//!
+//! ```text
+//! g_{p-1} = W_fc3 [a_{p-1}; b_{p-1}; c_{p-1}]     when the target ran p - 1
+//! g_{p-1} = w_{p-1}                              at a drafted position (before the final norm)
+//! g_{-1}  = 0
+//! ```
+//!
+//! and the rest of the model is the one above ([`super::head_fusion`]). The head reports the
+//! file's layout ([`speculative::TargetFeatures::feature_layout`],
+//! [`DraftHeadWeights::check_target_layout`]), so a pairing with a target that hands over
+//! other layers is refused where it is built.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -51,8 +71,15 @@ use std::sync::Arc;
 
 use speculative::DraftBlock;
 
+use speculative::FeatureLayout;
+
 use super::forward::{
     Exec, FastWeights, FfnBufs, Layer, Matrix, attention, ffn_residual, rms_norm, rope,
+};
+use super::head_fusion::Fusion;
+pub use super::head_fusion::{
+    FC3_TENSOR, FEATURE_LAYERS_KEY, HEAD3_FORMAT, HeadFormat, format_feature_layers,
+    parse_feature_layers,
 };
 use super::ops::{self, KvCache};
 use crate::engine::{Engine, check_append, target_glue};
@@ -60,7 +87,8 @@ use crate::error::{CandleError, Result};
 use crate::gguf::LlamaConfig;
 use crate::tree::{PendingTree, Rows, take_for_commit, tree_tokens};
 
-/// The value of the `format` metadata key of a draft-head file.
+/// The value of the `format` metadata key of an EAGLE-1 draft-head file (see
+/// [`HEAD3_FORMAT`] for EAGLE-3).
 pub const HEAD_FORMAT: &str = "speculative-eagle-head-v1";
 
 /// Default of [`DraftHead::with_max_tree_nodes`].
@@ -95,7 +123,8 @@ pub struct HeadTensors {
     pub metadata: BTreeMap<String, String>,
 }
 
-/// Names of the f32 tensors of a head file, in file order.
+/// Names of the f32 tensors of an EAGLE-1 head file, in file order (an EAGLE-3 file adds
+/// [`FC3_TENSOR`]).
 pub const HEAD_TENSORS: [&str; 12] = [
     "fc.weight",
     "fc.bias",
@@ -175,7 +204,9 @@ impl HeadTensors {
     }
 
     /// Writes a safetensors file with the tensors stored as f16 (`half`) or f32, the
-    /// `vocab_ids` as u32 and the metadata plus `format` = [`HEAD_FORMAT`].
+    /// `vocab_ids` as u32 and the metadata plus `format` = [`HeadTensors::format`]'s name
+    /// ([`HEAD_FORMAT`], or [`HEAD3_FORMAT`] when the tensors hold [`FC3_TENSOR`]). The
+    /// header's keys are sorted, so the file's bytes depend only on its contents.
     ///
     /// # Errors
     /// [`CandleError::Io`] when the file cannot be written; [`CandleError::InvalidArgument`]
@@ -229,8 +260,8 @@ impl HeadTensors {
         }
         let mut meta: std::collections::HashMap<String, String> =
             self.metadata.clone().into_iter().collect();
-        meta.insert("format".into(), HEAD_FORMAT.into());
-        let bytes = safetensors::serialize(views, Some(meta))
+        meta.insert("format".into(), self.format().name().into());
+        let bytes = crate::st::serialize(views, meta)
             .map_err(|e| CandleError::InvalidArgument(format!("safetensors: {e}")))?;
         std::fs::write(path.as_ref(), bytes)?;
         Ok(())
@@ -240,8 +271,9 @@ impl HeadTensors {
     ///
     /// # Errors
     /// [`CandleError::ModelNotFound`] when the file does not exist;
-    /// [`CandleError::CorruptModel`] when it is not a safetensors file, its `format` is not
-    /// [`HEAD_FORMAT`], or a tensor has an unexpected dtype.
+    /// [`CandleError::CorruptModel`] when it is not a safetensors file, its `format` is
+    /// neither [`HEAD_FORMAT`] nor [`HEAD3_FORMAT`], the format does not match the presence of
+    /// [`FC3_TENSOR`], or a tensor has an unexpected dtype.
     pub fn read(path: impl AsRef<Path>) -> Result<Self> {
         use safetensors::tensor::Dtype;
         let path = path.as_ref();
@@ -261,15 +293,15 @@ impl HeadTensors {
             .unwrap_or_default()
             .into_iter()
             .collect();
-        match metadata.remove("format") {
-            Some(f) if f == HEAD_FORMAT => {}
-            other => {
-                return Err(bad(
-                    path,
-                    format!("metadata `format` is {other:?}, expected {HEAD_FORMAT:?}"),
-                ));
-            }
-        }
+        let format = metadata.remove("format");
+        let Some(format) = format.as_deref().and_then(HeadFormat::parse) else {
+            return Err(bad(
+                path,
+                format!(
+                    "metadata `format` is {format:?}, expected {HEAD_FORMAT:?} or {HEAD3_FORMAT:?}"
+                ),
+            ));
+        };
         let mut out = HeadTensors {
             metadata,
             ..HeadTensors::default()
@@ -303,6 +335,19 @@ impl HeadTensors {
             };
             out.tensors.insert(name, (view.shape().to_vec(), values));
         }
+        if out.format() != format {
+            return Err(bad(
+                path,
+                format!(
+                    "format {:?} with{} `{FC3_TENSOR}`",
+                    format.name(),
+                    match format {
+                        HeadFormat::Eagle1 => "",
+                        HeadFormat::Eagle3 => "out",
+                    }
+                ),
+            ));
+        }
         Ok(out)
     }
 }
@@ -318,6 +363,8 @@ pub struct DraftHeadWeights {
     fc_bias: Vec<f32>,
     layer: Layer,
     out_norm: Vec<f32>,
+    /// What a row reads as the feature of the previous position.
+    fusion: Fusion,
     /// `[|S|]`, the subset's ids in the file's order.
     ids: Vec<u32>,
     /// The target's output rows of `ids`, `[|S|, h]`.
@@ -340,7 +387,8 @@ impl DraftHeadWeights {
     /// # Errors
     /// [`CandleError::Tensor`] for a missing or mis-shaped tensor (shapes in the module
     /// docs); [`CandleError::InvalidArgument`] when `vocab_ids` is empty, has duplicates or
-    /// ids outside the target vocabulary.
+    /// ids outside the target vocabulary, or (EAGLE-3) `feature_layers` is missing, malformed
+    /// or names a layer past the target's last.
     pub fn from_tensors(t: &HeadTensors, target: Arc<FastWeights>) -> Result<Arc<Self>> {
         let tc = target.config.clone();
         let (h, d) = (tc.hidden_size, tc.head_dim);
@@ -387,7 +435,9 @@ impl DraftHeadWeights {
         }
         // Re-rounding a dequantised Q8 row gives back its blocks; f32 rows are copied.
         let head = m(t.vocab_ids.len(), h, &rows)?;
+        let fusion = Fusion::from_tensors(t, &target)?;
         Ok(Arc::new(DraftHeadWeights {
+            fusion,
             config,
             fc: m(h, 2 * h, t.get("fc.weight", &[h, 2 * h])?)?,
             fc_bias: t.get("fc.bias", &[h])?.to_vec(),
@@ -415,6 +465,37 @@ impl DraftHeadWeights {
         &self.metadata
     }
 
+    /// The file format of the head.
+    pub fn format(&self) -> HeadFormat {
+        match self.fusion {
+            Fusion::Last => HeadFormat::Eagle1,
+            Fusion::Layers { .. } => HeadFormat::Eagle3,
+        }
+    }
+
+    /// The layout of the target feature rows the head reads: `[Final]` of width `h` for an
+    /// EAGLE-1 head, the file's `feature_layers` for an EAGLE-3 head.
+    pub fn feature_layout(&self) -> FeatureLayout {
+        self.fusion.layout(self.config.hidden_size)
+    }
+
+    /// Checks that a target handing over rows of `target` (its
+    /// [`speculative::HiddenStates::feature_layout`]) feeds this head.
+    ///
+    /// # Errors
+    /// [`CandleError::FeatureLayoutMismatch`] when `target` is not
+    /// [`DraftHeadWeights::feature_layout`].
+    pub fn check_target_layout(&self, target: &FeatureLayout) -> Result<()> {
+        let head = self.feature_layout();
+        if &head == target {
+            return Ok(());
+        }
+        Err(CandleError::FeatureLayoutMismatch {
+            head: format!("{head:?}"),
+            target: format!("{target:?}"),
+        })
+    }
+
     /// The target weights the head reads (embedding, output rows, RoPE tables).
     pub fn target(&self) -> &Arc<FastWeights> {
         &self.target
@@ -433,7 +514,8 @@ impl DraftHeadWeights {
         ]
         .iter()
         .map(|m| m.memory_bytes())
-        .sum()
+        .sum::<usize>()
+            + self.fusion.memory_bytes()
     }
 }
 
@@ -460,8 +542,10 @@ struct TreeRows<'a> {
     base: usize,
     /// Roped key then value of every row, `[n + 1, 2 nkv d]`.
     kv: Vec<f32>,
-    /// Predicted feature of every row, `[n + 1, h]`.
+    /// The feature every row feeds to its children, `[n + 1, h]` (`f^` or `w`, module docs).
     pred: Vec<f32>,
+    /// Normed output (`f^`) of every row, `[n + 1, h]`, for the logits.
+    out: Vec<f32>,
 }
 
 /// Reusable buffers of one forward.
@@ -477,7 +561,19 @@ struct Scratch {
     act: Vec<f32>,
     scores: Vec<f32>,
     out: Vec<f32>,
+    /// EAGLE-3: the pre-norm outputs `w` of the rows of `out`.
+    fed: Vec<f32>,
+    /// EAGLE-3: the fc3 product of handed-over feature rows.
+    fused: Vec<f32>,
     sub: Vec<f32>,
+}
+
+impl Scratch {
+    /// The rows a forward feeds forward, row-aligned with `out`: `out` itself when `normed`
+    /// (EAGLE-1) or the pre-norm rows `fed` (EAGLE-3).
+    fn fed_rows(&self, normed: bool) -> &[f32] {
+        if normed { &self.out } else { &self.fed }
+    }
 }
 
 /// An EAGLE draft head instance with its own KV cache (module docs), driven as a draft model:
@@ -493,17 +589,19 @@ struct Scratch {
 /// those of a chain forward of its path.
 ///
 /// **Memory.** Per position: one layer's key and value (`2 nkv d` floats) and the predicted
-/// feature (`h` floats), plus `h` floats per target feature held; 3.1 KB per position for the
-/// shipped SmolLM2 head.
+/// feature (`h` floats), plus `h` floats per target feature held (after the `fc3` projection
+/// for an EAGLE-3 head); 3.1 KB per position for the shipped SmolLM2 head.
 #[derive(Debug)]
 pub struct DraftHead {
     w: Arc<DraftHeadWeights>,
     exec: Exec,
     cache: KvCache,
     seq_len: usize,
-    /// Target features of positions `0 .. feats.len() / h`.
+    /// Input features (`f` or `g = fc3 · F`, `[h]` each) from the target rows of positions
+    /// `0 .. feats.len() / h`.
     feats: Vec<f32>,
-    /// The head's predicted feature of every cached position, `[seq_len, h]` (prefix valid).
+    /// The feature every cached position feeds to the next (`f^`, or `w` for EAGLE-3),
+    /// `[seq_len, h]` (prefix valid).
     pred: Vec<f32>,
     max_tree_nodes: usize,
     pending: Option<HeadPending>,
@@ -539,8 +637,8 @@ impl DraftHead {
         &self.w
     }
 
-    /// The predicted features (`[n, h]`) of the rows of the last forward, prefill or tree
-    /// forward, in row order.
+    /// The predicted features `f^` (`[n, h]`, after the final norm: what the logits score)
+    /// of the rows of the last forward, prefill or tree forward, in row order.
     pub fn last_predicted(&self) -> &[f32] {
         &self.s.out
     }
@@ -617,7 +715,7 @@ impl DraftHead {
     }
 
     /// The rest of the layer after attention wrote `s.o`: output projection, residual, MLP,
-    /// output norm into `s.out` (appended).
+    /// output norm into `s.out` (appended; EAGLE-3: the pre-norm rows into `s.fed`).
     fn finish_rows(&mut self) -> Result<()> {
         let eps = self.w.target.config.rms_eps as f32;
         let s = &mut self.s;
@@ -630,6 +728,9 @@ impl DraftHead {
             proj: &mut s.proj,
         };
         ffn_residual(&self.w.layer, &mut s.x, eps, &mut bufs, &mut self.exec)?;
+        if !self.w.fusion.feeds_normed() {
+            s.fed.extend_from_slice(&s.x);
+        }
         let mut normed = Vec::new();
         rms_norm(&s.x, &self.w.out_norm, eps, &mut normed);
         s.out.extend_from_slice(&normed);
@@ -681,11 +782,19 @@ impl DraftHead {
         );
         let before = self.s.out.len();
         self.finish_rows()?;
-        // Predicted features by position.
+        // Fed features by position.
         self.pred.truncate(p * h);
-        self.pred.extend_from_slice(&self.s.out[before..]);
+        let normed = self.w.fusion.feeds_normed();
+        self.pred
+            .extend_from_slice(&self.s.fed_rows(normed)[before..]);
         self.seq_len = p + m;
         Ok(())
+    }
+
+    /// Clears the output rows of a forward (`s.out`, `s.fed`).
+    fn clear_out(&mut self) {
+        self.s.out.clear();
+        self.s.fed.clear();
     }
 
     /// Appends `tokens` at positions `seq_len ..`, computing their predicted features (kept
@@ -695,7 +804,7 @@ impl DraftHead {
         let p0 = self.seq_len;
         let known = self.feats.len() / h;
         self.cache.reserve(p0 + tokens.len(), p0);
-        self.s.out.clear();
+        self.clear_out();
         // Rows run in segments: a row whose previous position has a target feature (or is
         // the first row of the call) joins the segment; else it waits for its predecessor.
         let mut i = 0;
@@ -793,13 +902,14 @@ impl DraftHead {
             base,
             kv: vec![0f32; n * 2 * kvd],
             pred: vec![0f32; n * h],
+            out: vec![0f32; n * h],
         };
         for level in 0..=max_depth {
             self.tree_level(&mut t, level)?;
         }
         // Rows in order for the logits and `last_predicted`.
-        self.s.out.clear();
-        self.s.out.extend_from_slice(&t.pred);
+        self.clear_out();
+        self.s.out.extend_from_slice(&t.out);
         self.subset_logits(logits)?;
         // The root's entries are final (slot `base`); the sequence now holds the whole tree
         // until it is committed.
@@ -845,10 +955,12 @@ impl DraftHead {
         let positions = vec![t.base + level; members.len()];
         self.rope_rows(&positions);
         self.tree_attend(t, level, &members);
-        self.s.out.clear();
+        self.clear_out();
         self.finish_rows()?;
+        let fed = self.s.fed_rows(self.w.fusion.feeds_normed());
         for (mi, &r) in members.iter().enumerate() {
-            t.pred[r * h..(r + 1) * h].copy_from_slice(&self.s.out[mi * h..(mi + 1) * h]);
+            t.out[r * h..(r + 1) * h].copy_from_slice(&self.s.out[mi * h..(mi + 1) * h]);
+            t.pred[r * h..(r + 1) * h].copy_from_slice(&fed[mi * h..(mi + 1) * h]);
         }
         Ok(())
     }
@@ -944,24 +1056,37 @@ impl DraftHead {
         Ok(())
     }
 
-    /// Replaces the held target features of positions `>= start` by `rows` (`[n, h]`) and
-    /// truncates the sequence to at most `start + 1` positions (module docs).
+    /// Floats per target feature row: `h` (EAGLE-1) or `k h` (EAGLE-3, `k` feature layers).
+    pub fn feature_row_width(&self) -> usize {
+        match &self.w.fusion {
+            Fusion::Last => self.h(),
+            Fusion::Layers { layout, .. } => layout.row_width(),
+        }
+    }
+
+    /// Replaces the held target features of positions `>= start` by `rows`
+    /// (`[n, feature_row_width]`: `[n, h]` for EAGLE-1, `[n, k h]` for EAGLE-3, projected by
+    /// `fc3` here) and truncates the sequence to at most `start + 1` positions (module docs).
     ///
     /// # Errors
     /// [`CandleError::InvalidArgument`] when `start` exceeds the features held or `rows` is
-    /// not a whole number of `[h]` rows.
+    /// not a whole number of rows.
     pub fn set_features(&mut self, start: usize, rows: &[f32]) -> Result<()> {
-        let h = self.h();
+        let (h, rw) = (self.h(), self.feature_row_width());
         let held = self.feats.len() / h;
-        if start > held || !rows.len().is_multiple_of(h) {
+        if start > held || !rows.len().is_multiple_of(rw) {
             return Err(CandleError::InvalidArgument(format!(
                 "target features from position {start} ({} floats) do not extend the {held} \
-                 positions held ([n, {h}] rows)",
+                 positions held ([n, {rw}] rows)",
                 rows.len()
             )));
         }
+        let fused = self
+            .w
+            .fusion
+            .project(rows, &mut self.s.fused, &mut self.exec)?;
         self.feats.truncate(start * h);
-        self.feats.extend_from_slice(rows);
+        self.feats.extend_from_slice(fused);
         let limit = start + 1;
         if let Some(t) = &self.pending {
             // A pending tree's rows read features that may change: drop it.
@@ -1026,8 +1151,9 @@ impl Engine for DraftHead {
 target_glue!(DraftHead, target_features);
 
 impl speculative::TargetFeatures for DraftHead {
+    /// The feature row width, [`DraftHead::feature_row_width`] (`h`, or `k h` for EAGLE-3).
     fn hidden_size(&self) -> usize {
-        self.h()
+        self.feature_row_width()
     }
 
     fn target_hidden_len(&self) -> usize {
@@ -1036,9 +1162,9 @@ impl speculative::TargetFeatures for DraftHead {
 
     /// # Errors
     /// [`speculative::Error::ShapeMismatch`] when `start` exceeds the features held or `rows`
-    /// is not a whole number of `[h]` rows (nothing changes then).
+    /// is not a whole number of `[feature_row_width]` rows (nothing changes then).
     fn set_target_hidden(&mut self, start: usize, rows: &[f32]) -> speculative::Result<()> {
-        let (h, held) = (self.h(), self.feats.len() / self.h());
+        let (h, held) = (self.feature_row_width(), self.feats.len() / self.h());
         if start > held {
             return Err(speculative::Error::ShapeMismatch {
                 what: "target features start (at most the positions held)",
@@ -1054,6 +1180,11 @@ impl speculative::TargetFeatures for DraftHead {
             });
         }
         Ok(self.set_features(start, rows)?)
+    }
+
+    /// [`DraftHeadWeights::feature_layout`].
+    fn feature_layout(&self) -> FeatureLayout {
+        self.w.feature_layout()
     }
 }
 
