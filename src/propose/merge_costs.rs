@@ -234,18 +234,27 @@ impl Line {
     }
 
     /// The line at `x` (slope at least 0; flat while one `x` was seen), `None` before a sample.
+    #[cfg(test)]
     fn at(&self, x: f64) -> Option<f64> {
         if self.w <= 0.0 {
             return None;
         }
         let (mx, my) = (self.x / self.w, self.y / self.w);
+        Some((my + self.slope() * (x - mx)).max(1e-12))
+    }
+
+    /// The slope (at least 0; 0 while fewer than two `x` were seen).
+    fn slope(&self) -> f64 {
+        if self.w <= 0.0 {
+            return 0.0;
+        }
+        let (mx, my) = (self.x / self.w, self.y / self.w);
         let sxx = self.xx / self.w - mx * mx;
-        let slope = if sxx > 1e-9 {
+        if sxx > 1e-9 {
             ((self.xy / self.w - mx * my) / sxx).max(0.0)
         } else {
             0.0
-        };
-        Some((my + slope * (x - mx)).max(1e-12))
+        }
     }
 }
 
@@ -258,14 +267,13 @@ const STEP_SAMPLES: usize = 7;
 const MAX_ROW_SLOT: usize = 64;
 
 /// The rest of a step's seconds by verify rows: per row count the median of its last
-/// [`STEP_SAMPLES`] times, and the least-squares line through those medians weighted by their
-/// sample counts (slope at least 0, flat while one row count was seen).
+/// [`STEP_SAMPLES`] times, read through [`Curve`].
 #[derive(Debug, Clone, Default)]
 struct StepCurve {
     /// Per row count: the last times (a ring) and how many were recorded.
     samples: Vec<([f64; STEP_SAMPLES], usize)>,
-    /// The line through the medians.
-    fit: Line,
+    /// The curve through the medians.
+    fit: Curve,
 }
 
 impl StepCurve {
@@ -277,7 +285,7 @@ impl StepCurve {
         let (ring, n) = &mut self.samples[r];
         ring[*n % STEP_SAMPLES] = secs;
         *n += 1;
-        let mut fit = Line::default();
+        let mut fit = Curve::default();
         for (x, (ring, n)) in self.samples.iter().enumerate() {
             let k = (*n).min(STEP_SAMPLES);
             if k == 0 {
@@ -297,18 +305,57 @@ impl StepCurve {
     }
 }
 
-/// A step's learned seconds by verify rows (a copy of the line, so that it can be read while
-/// the trie is written).
-#[derive(Debug, Clone, Copy)]
-pub(super) struct StepTime {
+/// A step's seconds by verify rows from the medians of the row counts measured: at a measured
+/// count its median, raised to the largest median of the fewer-row counts (a step of more rows
+/// never costs less); between two measured counts the straight line between them; beyond the
+/// measured ones the nearest one's value moved along the least-squares [`Line`] through all
+/// the medians (weighted by their sample counts, slope at least 0). A line alone misprices a
+/// curved cost: llama.cpp's CPU verify of Gemma 3 270M costs `c(2) = 2.1` single steps and
+/// `c(5) = 3.9`, and the line through those underprices one- and two-token drafts, whose rows
+/// then look as if they paid (the merge's sampled chains at `k = 4`, issue 31).
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Curve {
+    /// `(rows, median)` by rows, medians raised to be non-decreasing.
+    points: Vec<(f64, f64)>,
     line: Line,
-    extra: f64,
+}
+
+impl Curve {
+    /// Adds the median `y` of `w` samples at row count `x` (larger than every `x` before).
+    fn add(&mut self, x: f64, y: f64, w: f64) {
+        let y = self.points.last().map_or(y, |&(_, last)| y.max(last));
+        self.points.push((x, y));
+        self.line.add(x, y, w);
+    }
+
+    /// The seconds at `x` rows (`None` before a sample).
+    fn at(&self, x: f64) -> Option<f64> {
+        let (&(x0, y0), &(x1, y1)) = (self.points.first()?, self.points.last()?);
+        let slope = self.line.slope();
+        let y = if x <= x0 {
+            y0 - slope * (x0 - x)
+        } else if x >= x1 {
+            y1 + slope * (x - x1)
+        } else {
+            let i = self.points.partition_point(|&(px, _)| px < x);
+            let ((xa, ya), (xb, yb)) = (self.points[i - 1], self.points[i]);
+            ya + (yb - ya) * (x - xa) / (xb - xa)
+        };
+        Some(y.max(1e-12))
+    }
+}
+
+/// A step's learned seconds by verify rows (a copy of the curve, so that it can be read while
+/// the trie is written).
+#[derive(Debug, Clone)]
+pub(super) struct StepTime {
+    curve: Curve,
 }
 
 impl StepTime {
-    /// Seconds of a step over `rows` verify rows.
+    /// Seconds of the rest of a step over `rows` verify rows.
     pub(super) fn secs(&self, rows: usize) -> f64 {
-        self.line.at(rows as f64).unwrap_or(1.0) + self.extra
+        self.curve.at(rows as f64).unwrap_or(1.0)
     }
 }
 
@@ -404,12 +451,11 @@ impl Ledger {
         self.step.fit.at(rows as f64)
     }
 
-    /// The learned seconds of a step by verify rows, plus `extra` seconds (`None` before a
-    /// step was timed).
-    pub(super) fn step_time(&self, extra: f64) -> Option<StepTime> {
+    /// The learned seconds of the rest of a step by verify rows (`None` before a step was
+    /// timed).
+    pub(super) fn step_time(&self) -> Option<StepTime> {
         self.step.fit.at(1.0).map(|_| StepTime {
-            line: self.step.fit,
-            extra,
+            curve: self.step.fit.clone(),
         })
     }
 
@@ -521,6 +567,39 @@ mod tests {
         down.add(1.0, 2.0, 1.0);
         down.add(3.0, 1.0, 1.0);
         assert!((down.at(10.0).unwrap() - 1.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_step_curve_is_read_as_measured_where_it_was_measured() {
+        // llama.cpp's curve on a CPU: T(2) = 2.1, T(5) = 3.9 (in T(1)); a line through the
+        // three medians says T(2) = 1.6, and a two-row draft right on 3 steps of 4 (1.75
+        // tokens) would look paying.
+        let mut c = StepCurve::default();
+        for _ in 0..7 {
+            c.push(1, 1.0);
+            c.push(2, 2.1);
+            c.push(5, 3.9);
+        }
+        let at = |x: f64| c.fit.at(x).unwrap();
+        assert!((at(1.0) - 1.0).abs() < 1e-12);
+        assert!((at(2.0) - 2.1).abs() < 1e-12);
+        assert!((at(5.0) - 3.9).abs() < 1e-12);
+        assert!(
+            (at(3.0) - 2.7).abs() < 1e-12,
+            "between two measured counts: a straight line"
+        );
+        let line = c.fit.line.slope();
+        assert!(
+            (at(7.0) - (3.9 + 2.0 * line)).abs() < 1e-12,
+            "beyond: the fitted slope"
+        );
+        assert!(line > 0.5 && line < 1.0, "{line}");
+        // A noisy cheaper median at more rows does not make more rows cheaper.
+        for _ in 0..7 {
+            c.push(3, 1.5);
+        }
+        assert!((c.fit.at(3.0).unwrap() - 2.1).abs() < 1e-12);
+        assert!(c.fit.at(4.0).unwrap() >= 2.1);
     }
 
     #[test]

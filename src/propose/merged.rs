@@ -105,8 +105,11 @@ impl Counts {
 ///   next; a step without a proposal, from one [`Proposer::observe`] to the next, as one row;
 ///   never a step whose forward also feeds prompt tokens, [`ProposeRequest::fused_prompt`],
 ///   nor a request's first step without a proposal: per row count the median of its last 7 times, so
-///   that a slow outlier on a shared machine does not count, and the least-squares line
-///   through those medians weighted by their sample counts, slope at least 0), from
+///   that a slow outlier on a shared machine does not count, read as measured: at a row count
+///   seen, its median (never below a fewer-row count's); between two seen, the straight line
+///   between them; beyond them, the least-squares slope through the medians, at least 0: a
+///   line alone underprices the short drafts of an engine whose verify cost is curved, as
+///   llama.cpp's on a CPU, `T(2) = 2.1 T(1)`, `T(5) = 3.9 T(1)`), from
 ///   the clock through the cost source ([`MergedProposer::with_costs`]: [`MeasuredMergeCosts`],
 ///   the default, or [`super::FixedMergeCosts`], with which every choice depends only on the
 ///   emitted tokens: deterministic);
@@ -145,10 +148,14 @@ impl Counts {
 /// rule" (each rate planned with its posterior mean plus half its posterior standard
 /// deviation, `sqrt(r (1 - r) / (t + 3))`, at most 1: a depth tested on few steps, as the deep
 /// positions of a copy are, is drafted again rather than cut for good), and only the leading
-/// ones that maximise the step's expected tokens per second,
-/// `(1 + sum of their reach) / (T(n + 1) + spent)`, are kept (for a chain step: the path and
-/// length that maximise it; the empty draft when no node pays). While the step time was seen
-/// at one row count only, `T` is flat and no node is cut by cost. Every member is still told
+/// ones that maximise the step's expected tokens per second of the time still to spend,
+/// `(1 + sum of their reach) / T(n + 1)`, are kept (for a chain step: the path and length that
+/// maximise it; the empty draft when no node pays: `1 / T(1)`). The members' time of the step
+/// is left out of that ratio: it is spent whatever is kept, and counting it in both sides made
+/// a dear member's own short drafts look paying (`(1 + r) / (T(2) + spent) > 1 / (T(1) +
+/// spent)` for any `r` once `spent` is large: a SmolLM2 draft for Gemma 3 270M, whose
+/// sampled one- and two-token drafts each cost more verify time than they saved, issue 31).
+/// While the step time was seen at one row count only, `T` is flat and no node is cut by cost. Every member is still told
 /// every step ([`Proposer::observe`], with 0 accepted when it was not asked), so its state
 /// follows the context. Costs: `O(P log P)` per step more for `P` members.
 ///
@@ -625,14 +632,14 @@ impl MergedProposer {
         }
     }
 
-    /// The learned seconds of a step by verify rows (the rest of the step plus the members'
-    /// calls of this one), for the cost-aware cut; `None` under [`MergePolicy::Reach`] or
-    /// before a step was timed.
+    /// The learned seconds of the rest of a step by verify rows, for the cost-aware cut; `None`
+    /// under [`MergePolicy::Reach`] or before a step was timed. The members' calls of this step
+    /// are not in it: at the cut they are spent whatever is kept (see "Cost-aware merging").
     fn step_time(&self) -> Option<StepTime> {
         if self.policy == MergePolicy::Reach {
             return None;
         }
-        self.ledger.step_time(self.spent)
+        self.ledger.step_time()
     }
 
     /// Merges proposer `s`'s draft into the trie (nodes deeper than `max_depth` left out).
@@ -1811,7 +1818,7 @@ mod tests {
         r.begin(&CTX).unwrap();
         r.observe(0, &[5]).unwrap();
         r.observe(0, &[5]).unwrap();
-        assert!(r.ledger.step_time(0.0).is_none());
+        assert!(r.ledger.step_time().is_none());
     }
 
     #[test]
@@ -1902,6 +1909,55 @@ mod tests {
         // from 50/50 draws: the rule then sits at its threshold.)
         let free = half_right_member(0.0, 750);
         assert!(free >= 180, "asked {free} of 200 steps");
+    }
+
+    /// Chain steps (bounds 1 and 2 alternating) of a merge of an empty member and `[1, 9]`
+    /// (member 1: 2 ms + 1 ms per token) under `costs`, against a target whose next token is
+    /// 1 on 3 steps of 4 (a fixed pseudo-random draw). Returns the steps at which member 1
+    /// was asked and those, after the first 8, at which its token was kept.
+    fn sunk_cost_member(costs: super::super::FixedMergeCosts) -> (usize, usize) {
+        let mut m = MergedProposer::new(vec![chain(&[]), chain(&[1, 9])])
+            .unwrap()
+            .with_costs(costs.with_member(1, 0.002, 0.001).unwrap());
+        let cfg = SamplingConfig::greedy();
+        let mut d = Draft::default();
+        let (mut asked, mut kept) = (0, 0);
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for i in 0..200 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let truth: &[u32] = if x % 1000 < 750 {
+                &[1, 2, 3]
+            } else {
+                &[4, 5, 6]
+            };
+            let req = ProposeRequest::new(&CTX, &cfg, 1 + (i / 2) % 2);
+            m.propose(&req, &mut d).unwrap();
+            asked += usize::from(m.was_asked(1));
+            // The first steps learn the curve (flat while one row count was timed).
+            kept += usize::from(i >= 8 && !d.is_empty());
+            let accepted = own_accepted(&d, truth, truth.len() - 1);
+            m.observe(accepted, &truth[..accepted + 1]).unwrap();
+        }
+        (asked, kept)
+    }
+
+    #[test]
+    fn a_members_spent_time_does_not_make_its_own_nodes_pay() {
+        // Each verify row costs a whole step (10 ms, none shared: llama.cpp's CPU verify of
+        // Gemma 3 270M is about that), so a node right on 3 steps of 4 gives 1.75 tokens in
+        // 20 ms against 1 in 10 ms: it never pays. The member's 3-4 ms are spent before the cut
+        // whatever it keeps; counted in both sides (1.75 / 24 ms > 1 / 14 ms) they kept it.
+        let (asked, kept) =
+            sunk_cost_member(super::super::FixedMergeCosts::new(0.0, 0.010).unwrap());
+        assert!(asked >= 3, "asked {asked} times");
+        assert_eq!(kept, 0, "kept on {kept} of {asked} asked steps");
+        // Control: rows of 1 ms on a 10 ms step, where the node pays (1.75 in 12 ms against 1
+        // in 11 ms): kept on most steps.
+        let (asked, kept) =
+            sunk_cost_member(super::super::FixedMergeCosts::new(0.010, 0.001).unwrap());
+        assert!((150..=asked).contains(&kept), "kept {kept}, asked {asked}");
     }
 
     #[test]
