@@ -196,7 +196,9 @@ fn bpe_tokenizer(tokens: &[String], merges: &[String], special: &[bool]) -> Resu
         .filter(|&(_, &s)| s)
         .map(|(t, _)| AddedToken::from(t.clone(), true))
         .collect();
-    tokenizer.add_special_tokens(&added);
+    tokenizer
+        .add_special_tokens(added)
+        .map_err(|e| CandleError::Tokenizer(e.to_string()))?;
     Ok(tokenizer)
 }
 
