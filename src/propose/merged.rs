@@ -155,9 +155,10 @@ impl Counts {
 /// a dear member's own short drafts look paying (`(1 + r) / (T(2) + spent) > 1 / (T(1) +
 /// spent)` for any `r` once `spent` is large: a SmolLM2 draft for Gemma 3 270M, whose
 /// sampled one- and two-token drafts each cost more verify time than they saved, issue 31).
-/// While the step time was seen at one row count only, `T` is flat and no node is cut by cost. Every member is still told
-/// every step ([`Proposer::observe`], with 0 accepted when it was not asked), so its state
-/// follows the context. Costs: `O(P log P)` per step more for `P` members.
+/// While the step time was seen at one row count only, `T` is flat and no node is cut by cost.
+/// Every member is still told every step ([`Proposer::observe`], with 0 accepted when it was
+/// not asked), so its state follows the context. Costs: `O(P log P)` per step more for `P`
+/// members.
 ///
 /// # Losslessness: the merged draft is a point mass
 ///
