@@ -345,14 +345,13 @@ impl Curve {
     }
 }
 
-/// A step's learned seconds by verify rows (a copy of the curve, so that it can be read while
-/// the trie is written).
-#[derive(Debug, Clone)]
-pub(super) struct StepTime {
-    curve: Curve,
+/// A step's learned seconds by verify rows (a view of the ledger's curve).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StepTime<'a> {
+    curve: &'a Curve,
 }
 
-impl StepTime {
+impl StepTime<'_> {
     /// Seconds of the rest of a step over `rows` verify rows.
     pub(super) fn secs(&self, rows: usize) -> f64 {
         self.curve.at(rows as f64).unwrap_or(1.0)
@@ -453,9 +452,9 @@ impl Ledger {
 
     /// The learned seconds of the rest of a step by verify rows (`None` before a step was
     /// timed).
-    pub(super) fn step_time(&self) -> Option<StepTime> {
+    pub(super) fn step_time(&self) -> Option<StepTime<'_>> {
         self.step.fit.at(1.0).map(|_| StepTime {
-            curve: self.step.fit.clone(),
+            curve: &self.step.fit,
         })
     }
 

@@ -534,7 +534,7 @@ impl MergedProposer {
             }
             expected = self.rescore();
             if !tree {
-                let time = self.step_time();
+                let time = Self::step_time(self.policy, &self.ledger);
                 let secs = time.map(|t| move |rows: usize| t.secs(rows));
                 let secs = secs.as_ref().map(|f| f as &dyn Fn(usize) -> f64);
                 self.chain_ends[s] = self.trie.best_chain_end(secs);
@@ -636,11 +636,13 @@ impl MergedProposer {
     /// The learned seconds of the rest of a step by verify rows, for the cost-aware cut; `None`
     /// under [`MergePolicy::Reach`] or before a step was timed. The members' calls of this step
     /// are not in it: at the cut they are spent whatever is kept (see "Cost-aware merging").
-    fn step_time(&self) -> Option<StepTime> {
-        if self.policy == MergePolicy::Reach {
+    /// An associated function of the two fields, so that the trie can be written while it is
+    /// read.
+    fn step_time(policy: MergePolicy, ledger: &Ledger) -> Option<StepTime<'_>> {
+        if policy == MergePolicy::Reach {
             return None;
         }
-        self.ledger.step_time()
+        ledger.step_time()
     }
 
     /// Merges proposer `s`'s draft into the trie (nodes deeper than `max_depth` left out).
@@ -907,7 +909,7 @@ impl Proposer for MergedProposer {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
         self.gather(req, false)?;
-        let time = self.step_time();
+        let time = Self::step_time(self.policy, &self.ledger);
         let secs = time.map(|t| move |rows: usize| t.secs(rows));
         self.trie
             .write_chain(secs.as_ref().map(|f| f as &dyn Fn(usize) -> f64), draft);
@@ -925,7 +927,7 @@ impl Proposer for MergedProposer {
     fn propose_tree(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
         self.gather(req, true)?;
-        let time = self.step_time();
+        let time = Self::step_time(self.policy, &self.ledger);
         let secs = time.map(|t| move |rows: usize| t.secs(rows));
         let secs = secs.as_ref().map(|f| f as &dyn Fn(usize) -> f64);
         self.trie
@@ -1866,18 +1868,18 @@ mod tests {
         );
     }
 
-    /// Chain steps of a merge of an empty member and `[1, 9]` (member 1: 2 ms + 1 ms per
-    /// token) against a target whose next token is 1 on `right_per_mille` of the steps (a
-    /// fixed pseudo-random draw), rows costing `per_row` each on top of 10 ms; draft bounds 1
-    /// and 2 alternate so that the row cost is seen.
-    /// Returns the number of steps at which member 1 was asked.
-    fn half_right_member(per_row: f64, right_per_mille: u64) -> usize {
-        let mut m = costed(vec![chain(&[]), chain(&[1, 9])], per_row, Some(1));
+    /// 200 chain steps of `m` (draft bounds 1 and 2 alternating, so that the row cost is seen)
+    /// against a target whose next token is 1 on `right_per_mille` of the steps, by a fixed
+    /// pseudo-random draw (an alternation would line up with the probe schedule, and every
+    /// probe would land on a right or on a wrong step); `each(step, m, draft)` sees each
+    /// proposal before it is observed.
+    fn against_draw(
+        m: &mut MergedProposer,
+        right_per_mille: u64,
+        mut each: impl FnMut(usize, &MergedProposer, &Draft),
+    ) {
         let cfg = SamplingConfig::greedy();
         let mut d = Draft::default();
-        let mut asked = 0;
-        // Right or wrong by a fixed pseudo-random draw (an alternation would line up with the
-        // probe schedule, and every probe would land on a right or on a wrong step).
         let mut x = 0x2545_f491_4f6c_dd1du64;
         for i in 0..200 {
             x ^= x << 13;
@@ -1887,14 +1889,25 @@ mod tests {
             let truth: &[u32] = if right { &[1, 2, 3] } else { &[4, 5, 6] };
             let req = ProposeRequest::new(&CTX, &cfg, 1 + (i / 2) % 2);
             m.propose(&req, &mut d).unwrap();
+            each(i, m, &d);
+            let accepted = own_accepted(&d, truth, truth.len() - 1);
+            m.observe(accepted, &truth[..accepted + 1]).unwrap();
+        }
+    }
+
+    /// [`against_draw`] for a merge of an empty member and `[1, 9]` (member 1: 2 ms + 1 ms per
+    /// token), rows costing `per_row` each on top of 10 ms. Returns the number of steps at
+    /// which member 1 was asked.
+    fn half_right_member(per_row: f64, right_per_mille: u64) -> usize {
+        let mut m = costed(vec![chain(&[]), chain(&[1, 9])], per_row, Some(1));
+        let mut asked = 0;
+        against_draw(&mut m, right_per_mille, |_, m, d| {
             if m.was_asked(1) {
                 asked += 1;
             } else {
                 assert!(d.is_empty(), "an unasked member has no nodes");
             }
-            let accepted = own_accepted(&d, truth, truth.len() - 1);
-            m.observe(accepted, &truth[..accepted + 1]).unwrap();
-        }
+        });
         asked
     }
 
@@ -1912,35 +1925,19 @@ mod tests {
         assert!(free >= 180, "asked {free} of 200 steps");
     }
 
-    /// Chain steps (bounds 1 and 2 alternating) of a merge of an empty member and `[1, 9]`
-    /// (member 1: 2 ms + 1 ms per token) under `costs`, against a target whose next token is
-    /// 1 on 3 steps of 4 (a fixed pseudo-random draw). Returns the steps at which member 1
+    /// [`against_draw`], right on 3 steps of 4, for a merge of an empty member and `[1, 9]`
+    /// (member 1: 2 ms + 1 ms per token) under `costs`. Returns the steps at which member 1
     /// was asked and those, after the first 8, at which its token was kept.
     fn sunk_cost_member(costs: super::super::FixedMergeCosts) -> (usize, usize) {
         let mut m = MergedProposer::new(vec![chain(&[]), chain(&[1, 9])])
             .unwrap()
             .with_costs(costs.with_member(1, 0.002, 0.001).unwrap());
-        let cfg = SamplingConfig::greedy();
-        let mut d = Draft::default();
         let (mut asked, mut kept) = (0, 0);
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        for i in 0..200 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let truth: &[u32] = if x % 1000 < 750 {
-                &[1, 2, 3]
-            } else {
-                &[4, 5, 6]
-            };
-            let req = ProposeRequest::new(&CTX, &cfg, 1 + (i / 2) % 2);
-            m.propose(&req, &mut d).unwrap();
+        against_draw(&mut m, 750, |i, m, d| {
             asked += usize::from(m.was_asked(1));
             // The first steps learn the curve (flat while one row count was timed).
             kept += usize::from(i >= 8 && !d.is_empty());
-            let accepted = own_accepted(&d, truth, truth.len() - 1);
-            m.observe(accepted, &truth[..accepted + 1]).unwrap();
-        }
+        });
         (asked, kept)
     }
 
