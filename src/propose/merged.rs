@@ -1895,6 +1895,77 @@ mod tests {
         }
     }
 
+    /// Step seconds by verify rows from a table (ms; the last entry for more rows), members
+    /// free.
+    struct TableCosts(&'static [f64]);
+
+    impl super::super::MergeCosts for TableCosts {
+        fn member_secs(&self, _: usize, _: usize, _: std::time::Duration) -> f64 {
+            0.0
+        }
+        fn step_secs(&self, rows: usize, _: std::time::Duration) -> f64 {
+            self.0[(rows - 1).min(self.0.len() - 1)] / 1000.0
+        }
+    }
+
+    /// Drafts the next three tokens of the sequence `100, 101, ...` (the context's length is
+    /// the position) on 55 % of the positions, by a fixed hash, and `[7, 7, 7]` on the others.
+    struct RightAtSomePositions;
+
+    impl Proposer for RightAtSomePositions {
+        fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
+            draft.clear();
+            let p = req.context.len() as u32;
+            let right = p.wrapping_mul(2_654_435_761) % 1000 < 550;
+            let next = |j: u32| if right { 100 + p + j } else { 7 };
+            draft.tokens.extend((0..3).map(next).take(req.max_draft));
+            Ok(())
+        }
+    }
+
+    /// The lengths of the drafts written on the steps of bound 3 (after the first 40) by a
+    /// merge of [`RightAtSomePositions`] decoding the sequence `100, 101, ...` greedily over
+    /// 200 steps (bounds 3 down to 0 in turn: the first four steps, drafting the full bound
+    /// while the step is not yet timed, time every row count), under the step costs `ms`.
+    fn three_token_drafts(ms: &'static [f64]) -> Vec<usize> {
+        let mut m = MergedProposer::new(vec![Box::new(RightAtSomePositions)])
+            .unwrap()
+            .with_costs(TableCosts(ms));
+        let cfg = SamplingConfig::greedy();
+        let (mut d, mut context, mut lens) = (Draft::default(), vec![100u32], Vec::new());
+        for i in 0..200 {
+            m.propose(&ProposeRequest::new(&context, &cfg, 3 - i % 4), &mut d)
+                .unwrap();
+            if i >= 40 && i % 4 == 0 {
+                lens.push(d.len());
+            }
+            let p = context.len() as u32;
+            let accepted = d
+                .tokens
+                .iter()
+                .zip(p..)
+                .take_while(|&(&t, q)| t == 100 + q)
+                .count();
+            let emitted: Vec<u32> = (p..=p + accepted as u32).map(|q| 100 + q).collect();
+            m.observe(accepted, &emitted).unwrap();
+            context.extend(&emitted);
+        }
+        lens
+    }
+
+    #[test]
+    fn a_draft_is_priced_at_its_row_count_even_where_more_rows_cost_less() {
+        // 4 verify rows cost less than 3 (a CPU's matrix products in tiles of 4 rows). The
+        // three-token draft, right on 55 % of the steps, gives about 2.7 tokens in 24 ms
+        // (0.11 per ms) against 1 in 10 ms: it pays. At 30 ms (4 rows priced as 3) it would
+        // not (0.09 per ms), nor would one or two of its tokens at 20 or 30 ms.
+        let tiled = three_token_drafts(&[10.0, 20.0, 30.0, 24.0, 40.0]);
+        assert!(tiled.iter().all(|&n| n == 3), "{tiled:?}");
+        // Control: 4 rows at 30 ms, the draft is cut.
+        let flat = three_token_drafts(&[10.0, 20.0, 30.0, 30.0, 40.0]);
+        assert!(flat.iter().all(|&n| n == 0), "{flat:?}");
+    }
+
     /// [`against_draw`] for a merge of an empty member and `[1, 9]` (member 1: 2 ms + 1 ms per
     /// token), rows costing `per_row` each on top of 10 ms. Returns the number of steps at
     /// which member 1 was asked.
