@@ -850,14 +850,23 @@ impl Sequence {
         }
         // Accepted drafts plus the bonus token must fit the budget and the context.
         let cap = remaining.min(room) - 1;
-        let mut ask = self.draft_shape(cap, room, k_override);
+        let self_sized = proposer.sizes_own_drafts(&self.params.sampling);
+        let mut ask = self.draft_shape(cap, room, k_override, self_sized);
         ask.suppress_rows = self.params.min_tokens.saturating_sub(generated);
         Some(ask)
     }
 
     /// The draft length (or tree shape) of a step with at most `cap` drafts and `room`
-    /// positions left in the context.
-    fn draft_shape(&mut self, cap: usize, room: usize, k_override: Option<usize>) -> Ask {
+    /// positions left in the context; `self_sized`: the proposer cuts its own drafts by cost
+    /// ([`Proposer::sizes_own_drafts`]), so an adaptive request asks it for `max_draft` as a
+    /// fixed one would.
+    fn draft_shape(
+        &mut self,
+        cap: usize,
+        room: usize,
+        k_override: Option<usize>,
+        self_sized: bool,
+    ) -> Ask {
         let params = &self.params;
         // Tree drafts: every node holds a KV slot until the commit, so the node budget is also
         // capped by the context room (the depth, like a chain's k, by `cap`).
@@ -876,15 +885,17 @@ impl Sequence {
             0 => usize::MAX,
             b => b,
         };
+        let fixed = |k: usize| {
+            let k = k.min(cap);
+            (k, if k > 0 { tree_room } else { 0 }, user_branch, false)
+        };
         let (k, nodes, branch, shaped) = match &params.draft {
             DraftLength::Off => (0, 0, user_branch, false),
             DraftLength::Adaptive(_) if k_override.is_some() => {
                 (k_override.unwrap_or(0).min(cap), 0, user_branch, false)
             }
-            DraftLength::Fixed(k) => {
-                let k = (*k).min(cap);
-                (k, if k > 0 { tree_room } else { 0 }, user_branch, false)
-            }
+            DraftLength::Fixed(k) => fixed(*k),
+            DraftLength::Adaptive(a) if self_sized => fixed(a.max_draft),
             // The cost-aware tree-shape policy: node budget, depth and branching per step.
             DraftLength::Adaptive(a) if tree_room > 0 => {
                 let limits = TreeShape {

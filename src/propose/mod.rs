@@ -543,6 +543,29 @@ pub trait Proposer {
         false
     }
 
+    /// `true` when the proposer cuts its own drafts, for requests sampled with `config`, to
+    /// the length (or tree) that pays on the costs it measures, so that a draft length chosen
+    /// for it from outside can only cut a draft it found paying: a [`MergedProposer`] under its
+    /// default [`MergePolicy::CostAware`] for greedy requests, where it prices every node
+    /// against the verify rows it costs (learned per member and per depth, from the merge's
+    /// own clock). The default is `false`.
+    ///
+    /// Under [`DraftLength::Adaptive`](crate::decode::DraftLength::Adaptive) the
+    /// single-sequence loop ([`crate::decode::Generator`]) then asks such a proposer for the
+    /// longest draft the request allows (`max_draft`, capped by the token budget and the
+    /// context room; the node budget with trees) instead of the adaptive policy's choice, as
+    /// for [`DraftLength::Fixed`](crate::decode::DraftLength::Fixed) of `max_draft`: the policy's
+    /// estimates are per draft position over all of the proposer's drafts and its cost curve a
+    /// line between measured row counts, so stacked on the merge's cut it kept most steps
+    /// plain where the merge's drafts paid (issue 31: prompt lookup + suffix on llama.cpp's CPU
+    /// verify of Gemma 3 270M, 1.00x adaptive against 1.21x at `k = 4`). The batch loop's
+    /// goodput policy, which prices the batch's shared forward, still sizes every sequence's
+    /// draft. Read at every step.
+    fn sizes_own_drafts(&self, config: &SamplingConfig) -> bool {
+        let _ = config;
+        false
+    }
+
     /// What this proposer learned online that outlives a request ([`Learned`]: a
     /// [`MergedProposer`]'s acceptance rates, marginal gains and measured costs), to start a new
     /// proposer of the same configuration from ([`Proposer::start_from_learned`]): a server
@@ -608,6 +631,9 @@ impl<P: Proposer + ?Sized> Proposer for Box<P> {
     fn drafts_from_tokens(&self) -> bool {
         (**self).drafts_from_tokens()
     }
+    fn sizes_own_drafts(&self, config: &SamplingConfig) -> bool {
+        (**self).sizes_own_drafts(config)
+    }
     fn learned(&self) -> Option<Learned> {
         (**self).learned()
     }
@@ -646,6 +672,9 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
     }
     fn drafts_from_tokens(&self) -> bool {
         (**self).drafts_from_tokens()
+    }
+    fn sizes_own_drafts(&self, config: &SamplingConfig) -> bool {
+        (**self).sizes_own_drafts(config)
     }
     fn learned(&self) -> Option<Learned> {
         (**self).learned()

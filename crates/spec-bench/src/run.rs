@@ -220,6 +220,12 @@ impl Proposer for Recording<'_> {
         self.inner.drafts_from_tokens()
     }
 
+    /// The inner proposer's (a cost-aware merge under the adaptive draft length is asked for
+    /// the longest draft, as without the recording).
+    fn sizes_own_drafts(&self, config: &speculative::SamplingConfig) -> bool {
+        self.inner.sizes_own_drafts(config)
+    }
+
     /// The inner proposer's.
     fn learned(&self) -> Option<speculative::propose::Learned> {
         self.inner.learned()
@@ -526,4 +532,28 @@ pub fn token_hash(tokens: &[u32]) -> u64 {
         }
     }
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_recording_keeps_what_the_loop_asks_of_its_proposer() {
+        // A cost-aware merge sizes its own drafts: under the adaptive draft length the loop
+        // asks it for the longest draft, recorded or not.
+        let mut merge = speculative::propose::MergedProposer::new(vec![Box::new(
+            speculative::propose::PromptLookup::new(1, 3).unwrap(),
+        )])
+        .unwrap();
+        let rec = Recording {
+            inner: &mut merge,
+            pending_k: None,
+            pending_depth: None,
+            position: 0,
+            steps: Vec::new(),
+        };
+        assert!(rec.sizes_own_drafts(&speculative::SamplingConfig::greedy()));
+        assert!(rec.drafts_from_tokens());
+    }
 }

@@ -276,6 +276,12 @@ impl<P: Proposer> Proposer for ForcedDrafts<P> {
         self.inner.drafts_from_tokens()
     }
 
+    /// The inner proposer's: forced tokens are always accepted, so a draft that the inner
+    /// proposer cuts by cost is cut where it would be without them.
+    fn sizes_own_drafts(&self, config: &speculative::SamplingConfig) -> bool {
+        self.inner.sizes_own_drafts(config)
+    }
+
     /// The inner proposer's.
     fn learned(&self) -> Option<speculative::propose::Learned> {
         self.inner.learned()
@@ -449,6 +455,19 @@ mod tests {
             .unwrap();
         assert_eq!(d.tokens, vec![3]);
         assert!(d.parents.is_empty());
+    }
+
+    #[test]
+    fn a_merge_inside_still_sizes_its_own_drafts() {
+        // The adaptive loop asks a cost-aware merge for its longest draft
+        // (`Proposer::sizes_own_drafts`); forced tokens in front must not hide that.
+        let merge =
+            speculative::propose::MergedProposer::new(vec![Box::new(Fixed(Draft::default()))])
+                .unwrap();
+        let greedy = SamplingConfig::greedy();
+        assert!(ForcedDrafts::new(mask(0), merge).sizes_own_drafts(&greedy));
+        let fixed = ForcedDrafts::new(mask(0), Fixed(Draft::default()));
+        assert!(!fixed.sizes_own_drafts(&greedy));
     }
 
     #[test]
