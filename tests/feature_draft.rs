@@ -223,7 +223,8 @@ fn the_head_holds_the_targets_true_features_at_every_proposal() {
             .with_probe_interval(2)
             // Probes as often as the interval says (the fixed costs make a probe dear, and the
             // default budget would space them out): every hand-over path gets exercised.
-            .with_probe_budget(1.0),
+            .with_probe_budget(1.0)
+            .with_request_probe_budget(1.0),
     );
     let mut total = (0, 0, 0, 0);
     for seed in 1..=3u64 {

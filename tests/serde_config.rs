@@ -542,6 +542,8 @@ fn invalid_adaptive_draft() {
     invalid_load::<AdaptiveConfig>(r#"{"max_draft": -1}"#, "max_draft");
     invalid_load::<AdaptiveConfig>(r#"{"probe_draft": "2"}"#, "probe_draft");
     invalid_load::<AdaptiveConfig>(r#"{"max_probe_interval": 0.5}"#, "max_probe_interval");
+    invalid_load::<AdaptiveConfig>(r#"{"probe_budget": 0}"#, "probe_budget");
+    invalid_load::<AdaptiveConfig>(r#"{"request_probe_budget": 1.5}"#, "request_probe_budget");
     // AdaptiveConfig validates while loading, so the typed error comes from a RequestConfig
     // built in code: AdaptiveConfig::validate's.
     let req = RequestConfig {
@@ -690,7 +692,8 @@ fn generation_params_round_trip() {
                 .with_time_smoothing(0.5)
                 .with_probe_interval(8)
                 .with_max_probe_interval(64)
-                .with_probe_draft(1),
+                .with_probe_draft(1)
+                .with_request_probe_budget(0.05),
         ),
     ] {
         p = p.with_draft(draft.clone());

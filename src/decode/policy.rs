@@ -68,7 +68,12 @@ impl Default for DraftLength {
 /// warm-up step is not a probe: a merged proposer has learned nothing there and asks every
 /// member), so that a draft model whose probe pays a catch-up with the whole
 /// prompt and every token since costs at most that share of a server's time, however short its
-/// requests. Start a request from an earlier one's cost estimates
+/// requests. It also waits until it fits `request_probe_budget` of the request's own decoding
+/// time (2 % by default): the steps of this generation since its start or its last probe must
+/// have taken at least the probe's extra cost divided by that share, so that no request pays
+/// more than that share for probes (a SmolLM2 draft's probe on llama.cpp's CPU verify of Gemma
+/// 3 270M costs about 0.13 s, 15 % of a 64-token request: with this budget such a request is
+/// not probed, a 512-token one once). Start a request from an earlier one's cost estimates
 /// with [`Generator::with_adaptive_state`](crate::decode::Generator::with_adaptive_state) and
 /// [`AdaptiveState::costs_only`].
 ///
@@ -118,6 +123,7 @@ impl Default for DraftLength {
 /// | `max_probe_interval` | 256 | any (below `probe_interval`: a fixed interval) |
 /// | `probe_draft` | 2 | any (capped by `max_draft`) |
 /// | `probe_budget` | 0.02 | `(0, 1]` |
+/// | `request_probe_budget` | 0.02 | `(0, 1]` |
 ///
 /// `#[non_exhaustive]`: build it from [`AdaptiveConfig::default`] and the `with_` setters (checked
 /// by [`AdaptiveConfig::validate`], which
@@ -152,12 +158,18 @@ pub struct AdaptiveConfig {
     /// with every token since it was last asked (a new request's whole prompt included), which
     /// on a CPU engine is several target steps; 1 leaves the intervals alone.
     pub probe_budget: f64,
+    /// The most share of one request's decoding time that probes may cost, in `(0, 1]`: a
+    /// probe also waits until the steps of this generation since its start (or its last probe)
+    /// took at least the probe's extra cost (as for `probe_budget`) divided by this share, so
+    /// that a dear probe never lands in a request too short to carry it. The first probe, with
+    /// no earlier probe to be priced from, is not held back. 1 leaves the intervals alone.
+    pub request_probe_budget: f64,
 }
 
 impl Default for AdaptiveConfig {
     /// `max_draft` 8, `decay` 0.98, `time_smoothing` 0.2, `probe_interval` 16,
-    /// `max_probe_interval` 256, `probe_draft` 2, `probe_budget` 0.02 (the table of
-    /// [`AdaptiveConfig`]).
+    /// `max_probe_interval` 256, `probe_draft` 2, `probe_budget` 0.02, `request_probe_budget`
+    /// 0.02 (the table of [`AdaptiveConfig`]).
     fn default() -> Self {
         AdaptiveConfig {
             max_draft: 8,
@@ -167,6 +179,7 @@ impl Default for AdaptiveConfig {
             max_probe_interval: 256,
             probe_draft: 2,
             probe_budget: 0.02,
+            request_probe_budget: 0.02,
         }
     }
 }
@@ -214,11 +227,17 @@ impl AdaptiveConfig {
         self
     }
 
+    /// Sets [`AdaptiveConfig::request_probe_budget`] (checked by [`AdaptiveConfig::validate`]).
+    pub fn with_request_probe_budget(mut self, request_probe_budget: f64) -> Self {
+        self.request_probe_budget = request_probe_budget;
+        self
+    }
+
     /// Checks the ranges documented on each field.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for `decay`, `time_smoothing` or `probe_budget` outside
-    /// `(0, 1]` or `probe_interval == 0`.
+    /// [`Error::InvalidConfig`] for `decay`, `time_smoothing`, `probe_budget` or
+    /// `request_probe_budget` outside `(0, 1]` or `probe_interval == 0`.
     pub fn validate(&self) -> Result<()> {
         if !(self.decay > 0.0 && self.decay <= 1.0) {
             return Err(Error::config("decay", self.decay, "must be in (0, 1]"));
@@ -233,12 +252,13 @@ impl AdaptiveConfig {
         if self.probe_interval == 0 {
             return Err(Error::config("probe_interval", 0, "must be >= 1"));
         }
-        if !(self.probe_budget > 0.0 && self.probe_budget <= 1.0) {
-            return Err(Error::config(
-                "probe_budget",
-                self.probe_budget,
-                "must be in (0, 1]",
-            ));
+        for (name, share) in [
+            ("probe_budget", self.probe_budget),
+            ("request_probe_budget", self.request_probe_budget),
+        ] {
+            if !(share > 0.0 && share <= 1.0) {
+                return Err(Error::config(name, share, "must be in (0, 1]"));
+            }
         }
         Ok(())
     }
@@ -344,6 +364,8 @@ pub struct AdaptiveState {
     probe_cost: Option<f64>,
     /// Seconds of the steps since the last probe, across generations.
     since_probe: f64,
+    /// Seconds of this generation's steps since its start or its last probe.
+    request_since_probe: f64,
     /// The last choice was a probe: the next recorded step prices it.
     probing: bool,
     /// The step count at the last plain step (or forced re-measure) of the chain policy.
@@ -703,9 +725,11 @@ impl AdaptiveState {
         false
     }
 
-    /// Whether a probe fits [`AdaptiveConfig::probe_budget`]: the steps since the last probe
-    /// took at least a probe's extra cost over the budget share (always, before the first
-    /// probe). A probe's extra cost: the last probe's proposing seconds (a draft model's
+    /// Whether a probe fits [`AdaptiveConfig::probe_budget`] and
+    /// [`AdaptiveConfig::request_probe_budget`]: the steps since the last probe took at least a
+    /// probe's extra cost over the budget share, and this generation's steps since its start
+    /// or its last probe at least that cost over the request's share (always, before the
+    /// first probe). A probe's extra cost: the last probe's proposing seconds (a draft model's
     /// catch-up included) plus the forward of `probe_draft + 1` rows less a plain step's.
     fn probe_affordable(&self, cfg: &AdaptiveConfig) -> bool {
         let Some(propose) = self.probe_cost else {
@@ -716,7 +740,9 @@ impl AdaptiveState {
             (Some(a), Some(b)) => (a - b).max(0.0),
             _ => 0.0,
         };
-        self.since_probe * cfg.probe_budget >= propose + rows
+        let cost = propose + rows;
+        self.since_probe * cfg.probe_budget >= cost
+            && self.request_since_probe * cfg.request_probe_budget >= cost
     }
 
     /// Counts a recorded step's seconds toward the probe budget; a probe step (`k > 0` after a
@@ -725,8 +751,11 @@ impl AdaptiveState {
         if std::mem::take(&mut self.probing) && k > 0 {
             self.probe_cost = Some(propose_secs);
             self.since_probe = 0.0;
+            self.request_since_probe = 0.0;
         } else {
-            self.since_probe += forward_secs.unwrap_or(0.0) + propose_secs;
+            let secs = forward_secs.unwrap_or(0.0) + propose_secs;
+            self.since_probe += secs;
+            self.request_since_probe += secs;
         }
     }
 
@@ -999,9 +1028,11 @@ impl AdaptiveState {
         self.last_shape
     }
 
-    /// Starts a generation: the probe interval and the run of plain steps start over; the
-    /// acceptance and cost estimates are kept. Called by the generator at each new generation.
+    /// Starts a generation: the probe interval, the run of plain steps and the request's probe
+    /// budget start over; the acceptance and cost estimates are kept. Called by the generator
+    /// at each new generation.
     pub fn begin_generation(&mut self) {
+        self.request_since_probe = 0.0;
         self.zero_run = 0;
         self.wait = 0;
         self.pending = None;
@@ -1405,7 +1436,10 @@ mod tests {
             }
         };
         let probes = |budget: f64| {
-            let cfg = AdaptiveConfig::default().with_probe_budget(budget);
+            // The budget across generations alone (the request's budget: the test below).
+            let cfg = AdaptiveConfig::default()
+                .with_probe_budget(budget)
+                .with_request_probe_budget(1.0);
             let mut s = AdaptiveState::default();
             // The probes after the first one, which has no earlier probe to be priced from
             // (nor the warm-up before it, whose proposer ran with nothing learned yet: a
@@ -1450,6 +1484,62 @@ mod tests {
                 .validate()
                 .is_err()
         );
+    }
+
+    /// Probes of a draft model on a CPU engine (as in the test above) in requests of `tokens`
+    /// tokens, costs carried: the probes after the first one, and the largest share of a
+    /// request's time that they cost.
+    fn request_probes(cfg: &AdaptiveConfig, tokens: usize) -> (usize, f64) {
+        let c = |n: usize| 0.01 * if n == 1 { 1.0 } else { 3.8 + (n - 3) as f64 };
+        let mut s = AdaptiveState::default();
+        let (mut probes, mut worst, mut first) = (0, 0.0f64, 2);
+        for _ in 0..40 {
+            let mut g = s.costs_only();
+            g.begin_generation();
+            let (mut secs, mut probe_secs) = (0.0, 0.0);
+            for _ in 0..tokens {
+                let k = g.choose(cfg, 8);
+                let propose = if k > 0 { 0.1 } else { 0.0 };
+                if k > 0 && first > 0 {
+                    first -= 1;
+                } else if k > 0 {
+                    probes += 1;
+                    probe_secs += propose + c(k + 1) - c(1);
+                }
+                secs += propose + c(k + 1);
+                g.observe(cfg, k, 0, c(k + 1), propose);
+            }
+            worst = worst.max(probe_secs / secs);
+            s = g;
+        }
+        (probes, worst)
+    }
+
+    #[test]
+    fn no_request_pays_more_than_the_request_probe_budget() {
+        // A probe costs 0.128 s: 20 % of a 64-token request (0.64 s), 1.3 % of a 1000-token
+        // one.
+        let cfg = AdaptiveConfig::default();
+        let (n, worst) = request_probes(&cfg, 64);
+        assert_eq!(n, 0, "no probe fits a short request ({worst})");
+        let (n, worst) = request_probes(&cfg, 1000);
+        assert!(
+            n >= 2 && worst <= 0.02 + 1e-9,
+            "{n} probes, worst request {worst}"
+        );
+        // Negative control: with the budget across requests alone, a short request that gets
+        // a probe loses a fifth of its time.
+        let loose = cfg.clone().with_request_probe_budget(1.0);
+        let (m, worst) = request_probes(&loose, 64);
+        assert!(m >= 2 && worst > 0.1, "{m} probes, worst request {worst}");
+        for bad in [0.0, 1.5, f64::NAN] {
+            assert!(
+                cfg.clone()
+                    .with_request_probe_budget(bad)
+                    .validate()
+                    .is_err()
+            );
+        }
     }
 
     #[test]
@@ -1626,6 +1716,7 @@ mod tests {
             // The intervals alone (a probe here costs 2 plain steps: the default budget
             // would space them 100 steps apart; see the probe-budget test).
             probe_budget: 1.0,
+            request_probe_budget: 1.0,
             ..Default::default()
         };
         let mut s = AdaptiveState::default();
@@ -1646,6 +1737,7 @@ mod tests {
             // The intervals alone (a probe here costs 2 plain steps: the default budget
             // would space them 100 steps apart; see the probe-budget test).
             probe_budget: 1.0,
+            request_probe_budget: 1.0,
             ..Default::default()
         };
         let mut s = AdaptiveState::default();
@@ -1950,6 +2042,7 @@ mod tests {
             // The intervals alone (a probe here costs 2 plain steps: the default budget
             // would space them 100 steps apart; see the probe-budget test).
             probe_budget: 1.0,
+            request_probe_budget: 1.0,
             ..Default::default()
         };
         let mut s = AdaptiveState::default();
