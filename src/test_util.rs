@@ -105,12 +105,10 @@ impl ToyModel {
         Self::new(vocab, max_context, f)
     }
 
-    /// The model of case C10: next token = `(sum(prefix) * 31 + len(prefix)) mod 7`, vocab 7.
+    /// The model of case C10: next token = `(sum(prefix) * 31 + len(prefix)) mod 7`
+    /// ([`c10_next`]), vocab 7.
     pub fn c10() -> Self {
-        Self::deterministic(7, 4096, |p: &[u32]| {
-            let s: u64 = p.iter().map(|&t| t as u64).sum();
-            ((s * 31 + p.len() as u64) % 7) as u32
-        })
+        Self::deterministic(7, 4096, c10_next)
     }
 
     /// A random Markov model of order `order`: the logits after a prefix are pseudo-random
@@ -1284,4 +1282,21 @@ impl crate::model::RowStates for RecurrentToy {
         self.set_commit();
         Ok(())
     }
+}
+
+/// The next token of case C10's model ([`ToyModel::c10`]) after `prefix`:
+/// `(sum(prefix) * 31 + len(prefix)) mod 7`, the sum in `u64`.
+pub fn c10_next(prefix: &[u32]) -> u32 {
+    let s: u64 = prefix.iter().map(|&t| t as u64).sum();
+    ((s * 31 + prefix.len() as u64) % 7) as u32
+}
+
+/// The `n` tokens that plain greedy decoding of [`ToyModel::c10`] emits after `prompt`
+/// ([`c10_next`] applied `n` times), for checking a loop's greedy output.
+pub fn c10_greedy(prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut ctx = prompt.to_vec();
+    for _ in 0..n {
+        ctx.push(c10_next(&ctx));
+    }
+    ctx[prompt.len()..].to_vec()
 }

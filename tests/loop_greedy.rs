@@ -10,13 +10,10 @@ use speculative::propose::{
     DraftHeads, DraftModelProposer, HeadsInput, HeadsProposer, PromptLookup, SuffixConfig,
     SuffixProposer,
 };
-use speculative::test_util::{CallLog, RandomProposer, ScriptedProposer, ToyModel, WrongProposer};
+use speculative::test_util::{
+    CallLog, RandomProposer, ScriptedProposer, ToyModel, WrongProposer, c10_next,
+};
 use speculative::{NoProposer, Proposer, Result, SamplingConfig, TargetModel};
-
-fn c10_next(p: &[u32]) -> u32 {
-    let s: u64 = p.iter().map(|&t| t as u64).sum();
-    ((s * 31 + p.len() as u64) % 7) as u32
-}
 
 /// Plain greedy decoding written out directly against the model, without the library's loop.
 fn plain_greedy(model: &mut ToyModel, prompt: &[u32], n: usize) -> Vec<u32> {

@@ -6,15 +6,10 @@
 use speculative::decode::{FinishReason, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::error::ProposalFault;
 use speculative::rng::Stream;
-use speculative::test_util::{CallLog, ToyModel};
+use speculative::test_util::{CallLog, ToyModel, c10_next};
 use speculative::{
     Draft, Error, NoProposer, ProposeRequest, Proposer, Result, SamplingConfig, TreeFault,
 };
-
-fn c10_next(p: &[u32]) -> u32 {
-    let s: u64 = p.iter().map(|&t| t as u64).sum();
-    ((s * 31 + p.len() as u64) % 7) as u32
-}
 
 /// A tree proposer for the C10 model: at every depth it offers up to `width` distinct
 /// candidates, one of which (at a pseudo-random sibling rank) is the model's true next token

@@ -8,21 +8,8 @@
 //! function of the tokens alone.
 
 use speculative::decode::{AdaptiveConfig, DraftLength, FixedCosts, GenerationParams, Generator};
-use speculative::test_util::ToyModel;
+use speculative::test_util::{ToyModel, c10_greedy, c10_next};
 use speculative::{Draft, ProposeRequest, Proposer, Result};
-
-fn c10_next(p: &[u32]) -> u32 {
-    let s: u64 = p.iter().map(|&t| t as u64).sum();
-    ((s * 31 + p.len() as u64) % 7) as u32
-}
-
-fn plain_greedy(prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut ctx = prompt.to_vec();
-    for _ in 0..n {
-        ctx.push(c10_next(&ctx));
-    }
-    ctx[prompt.len()..].to_vec()
-}
 
 /// Proposes the target's own greedy continuation: every draft is accepted.
 struct Oracle;
@@ -67,7 +54,7 @@ fn speculative_steps(
     for r in 0..requests {
         let prompt = [3, 1, r as u32 % 7];
         let out = g.generate(&prompt, &params(n)).unwrap();
-        assert_eq!(out.tokens, plain_greedy(&prompt, n), "request {r}");
+        assert_eq!(out.tokens, c10_greedy(&prompt, n), "request {r}");
         let m = &out.metrics;
         steps.push(m.target_calls - m.no_draft_steps);
     }

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use speculative::decode::{AdaptiveConfig, DraftLength, FixedCosts, GenerationParams, Generator};
 use speculative::propose::{MergeCosts, MergedProposer};
-use speculative::test_util::ToyModel;
+use speculative::test_util::{ToyModel, c10_greedy, c10_next};
 use speculative::{Draft, ProposeRequest, Proposer, Result, SamplingConfig};
 
 /// The verify cost by rows, ms (rows past the table: 14 ms more each).
@@ -35,19 +35,6 @@ impl MergeCosts for Tiled {
     fn step_secs(&self, rows: usize, _: Duration) -> f64 {
         tiled_secs(rows)
     }
-}
-
-fn c10_next(p: &[u32]) -> u32 {
-    let s: u64 = p.iter().map(|&t| t as u64).sum();
-    ((s * 31 + p.len() as u64) % 7) as u32
-}
-
-fn plain_greedy(prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut ctx = prompt.to_vec();
-    for _ in 0..n {
-        ctx.push(c10_next(&ctx));
-    }
-    ctx[prompt.len()..].to_vec()
 }
 
 /// Proposes the target's own greedy continuation (every draft is accepted) and logs the draft
@@ -117,7 +104,7 @@ fn run(hide: bool) -> Run {
     for r in 0..5u32 {
         let prompt = [3, 1, r % 7];
         let out = g.generate(&prompt, &params).unwrap();
-        assert_eq!(out.tokens, plain_greedy(&prompt, 48), "request {r}");
+        assert_eq!(out.tokens, c10_greedy(&prompt, 48), "request {r}");
         plain += out.metrics.no_draft_steps;
         speculative += out.metrics.target_calls - out.metrics.no_draft_steps;
     }

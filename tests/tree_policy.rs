@@ -16,13 +16,8 @@ use speculative::decode::{
     AdaptiveConfig, DraftLength, FinishReason, FixedCosts, GenerationParams, Generator, TreeDrafts,
 };
 use speculative::rng::Stream;
-use speculative::test_util::{CallLog, ToyModel, WrongProposer};
+use speculative::test_util::{CallLog, ToyModel, WrongProposer, c10_next};
 use speculative::{Draft, NoProposer, ProposeRequest, Proposer, Result, SamplingConfig};
-
-fn c10_next(p: &[u32]) -> u32 {
-    let s: u64 = p.iter().map(|&t| t as u64).sum();
-    ((s * 31 + p.len() as u64) % 7) as u32
-}
 
 /// The cost curve of these tests: 12 ms a forward plus 2 ms a row.
 fn script() -> FixedCosts {

@@ -1424,47 +1424,51 @@ mod tests {
         assert!(!s.cannot_pay(4, |n| s.forward_cost(n)));
     }
 
+    /// Probes of a draft model on a CPU engine in 40 requests of `tokens` tokens, the costs
+    /// carried from one to the next: verifying 3 rows costs 3.8 plain steps, and a probe's
+    /// proposing pays a catch-up with the prompt and every token since (0.1 s, 10 steps).
+    /// Counts the probes after the first one, which has no earlier probe to be priced from
+    /// (nor the warm-up before it, whose proposer ran with nothing learned yet: a merge then
+    /// asks every member, its costly ones too), and returns their number, their share of all
+    /// the time and the largest share of one request's time.
+    fn simulate_probes(cfg: &AdaptiveConfig, tokens: usize) -> (usize, f64, f64) {
+        let c = |n: usize| 0.01 * if n == 1 { 1.0 } else { 3.8 + (n - 3) as f64 };
+        let mut s = AdaptiveState::default();
+        let (mut probes, mut first, mut worst) = (0, 2, 0.0f64);
+        let (mut all_secs, mut all_probe_secs) = (0.0, 0.0);
+        for _ in 0..40 {
+            let mut g = s.costs_only();
+            g.begin_generation();
+            let (mut secs, mut probe_secs) = (0.0, 0.0);
+            for _ in 0..tokens {
+                let k = g.choose(cfg, 8);
+                let propose = if k > 0 { 0.1 } else { 0.0 };
+                if k > 0 && first > 0 {
+                    first -= 1;
+                } else if k > 0 {
+                    probes += 1;
+                    probe_secs += propose + c(k + 1) - c(1);
+                }
+                secs += propose + c(k + 1);
+                g.observe(cfg, k, 0, c(k + 1), propose);
+            }
+            worst = worst.max(probe_secs / secs);
+            all_secs += secs;
+            all_probe_secs += probe_secs;
+            s = g;
+        }
+        (probes, all_probe_secs / all_secs, worst)
+    }
+
     #[test]
     fn probes_cost_at_most_the_probe_budget_across_generations() {
-        // A draft model on a CPU engine: verifying 3 rows costs 3.8 plain steps, and a probe's
-        // proposing pays a catch-up with the prompt and every token since (0.1 s, 10 steps).
-        let c = |n: usize| {
-            if n == 1 {
-                0.01
-            } else {
-                0.038 + 0.01 * (n - 3) as f64
-            }
-        };
         let probes = |budget: f64| {
             // The budget across generations alone (the request's budget: the test below).
             let cfg = AdaptiveConfig::default()
                 .with_probe_budget(budget)
                 .with_request_probe_budget(1.0);
-            let mut s = AdaptiveState::default();
-            // The probes after the first one, which has no earlier probe to be priced from
-            // (nor the warm-up before it, whose proposer ran with nothing learned yet: a
-            // merge then asks every member, its costly ones too).
-            let (mut probes, mut secs, mut probe_secs) = (0, 0.0, 0.0);
-            let mut first = 2;
-            // 40 requests of 64 tokens, the costs carried from one to the next.
-            for _ in 0..40 {
-                let mut g = s.costs_only();
-                g.begin_generation();
-                for _ in 0..64 {
-                    let k = g.choose(&cfg, 8);
-                    let propose = if k > 0 { 0.1 } else { 0.0 };
-                    if k > 0 && first > 0 {
-                        first -= 1;
-                    } else if k > 0 {
-                        probes += 1;
-                        probe_secs += propose + c(k + 1) - c(1);
-                    }
-                    secs += propose + c(k + 1);
-                    g.observe(&cfg, k, 0, c(k + 1), propose);
-                }
-                s = g;
-            }
-            (probes, probe_secs / secs)
+            let (n, share, _) = simulate_probes(&cfg, 64);
+            (n, share)
         };
         let (n, share) = probes(0.02);
         assert!(share <= 0.02, "{n} probes cost {share}");
@@ -1486,43 +1490,14 @@ mod tests {
         );
     }
 
-    /// Probes of a draft model on a CPU engine (as in the test above) in requests of `tokens`
-    /// tokens, costs carried: the probes after the first one, and the largest share of a
-    /// request's time that they cost.
-    fn request_probes(cfg: &AdaptiveConfig, tokens: usize) -> (usize, f64) {
-        let c = |n: usize| 0.01 * if n == 1 { 1.0 } else { 3.8 + (n - 3) as f64 };
-        let mut s = AdaptiveState::default();
-        let (mut probes, mut worst, mut first) = (0, 0.0f64, 2);
-        for _ in 0..40 {
-            let mut g = s.costs_only();
-            g.begin_generation();
-            let (mut secs, mut probe_secs) = (0.0, 0.0);
-            for _ in 0..tokens {
-                let k = g.choose(cfg, 8);
-                let propose = if k > 0 { 0.1 } else { 0.0 };
-                if k > 0 && first > 0 {
-                    first -= 1;
-                } else if k > 0 {
-                    probes += 1;
-                    probe_secs += propose + c(k + 1) - c(1);
-                }
-                secs += propose + c(k + 1);
-                g.observe(cfg, k, 0, c(k + 1), propose);
-            }
-            worst = worst.max(probe_secs / secs);
-            s = g;
-        }
-        (probes, worst)
-    }
-
     #[test]
     fn no_request_pays_more_than_the_request_probe_budget() {
         // A probe costs 0.128 s: 20 % of a 64-token request (0.64 s), 1.3 % of a 1000-token
         // one.
         let cfg = AdaptiveConfig::default();
-        let (n, worst) = request_probes(&cfg, 64);
+        let (n, _, worst) = simulate_probes(&cfg, 64);
         assert_eq!(n, 0, "no probe fits a short request ({worst})");
-        let (n, worst) = request_probes(&cfg, 1000);
+        let (n, _, worst) = simulate_probes(&cfg, 1000);
         assert!(
             n >= 2 && worst <= 0.02 + 1e-9,
             "{n} probes, worst request {worst}"
@@ -1530,7 +1505,7 @@ mod tests {
         // Negative control: with the budget across requests alone, a short request that gets
         // a probe loses a fifth of its time.
         let loose = cfg.clone().with_request_probe_budget(1.0);
-        let (m, worst) = request_probes(&loose, 64);
+        let (m, _, worst) = simulate_probes(&loose, 64);
         assert!(m >= 2 && worst > 0.1, "{m} probes, worst request {worst}");
         for bad in [0.0, 1.5, f64::NAN] {
             assert!(
