@@ -136,6 +136,7 @@ pub mod rng;
 pub mod sampling;
 #[cfg(feature = "test-util")]
 pub mod test_util;
+pub(crate) mod timing;
 pub mod tree;
 pub mod verify;
 

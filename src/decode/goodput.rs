@@ -24,7 +24,7 @@
 //! steps (`c` linear through the origin) a draft row adds `m < 1` tokens for the cost of one
 //! token, so every `k_i` is 0: speculation turns itself off when the batch is compute-bound.
 
-use super::policy::{RowSamples, robust_cost};
+use crate::timing::{RowSamples, robust_cost};
 use crate::error::{Error, Result};
 
 /// Settings of the goodput policy ([`super::BatchConfig::goodput`]).
@@ -87,7 +87,8 @@ impl GoodputConfig {
 
 /// The batch's step time by rows, learned online (from the times the batch loop's
 /// [`super::StepCosts`] reports: measured by default): per row count the median of its last 7
-/// step times, aged and shrunk toward a least-squares line through all row counts, linear in
+/// step times, aged and shrunk toward a least-squares line through all row counts where above
+/// it, linear in
 /// between (the robust curve of [`super::AdaptiveState::tree_forward_cost`]). Seconds.
 #[derive(Debug, Clone, Default)]
 pub struct BatchCost {
