@@ -24,8 +24,8 @@
 //! steps (`c` linear through the origin) a draft row adds `m < 1` tokens for the cost of one
 //! token, so every `k_i` is 0: speculation turns itself off when the batch is compute-bound.
 
-use crate::timing::{RowSamples, robust_cost};
 use crate::error::{Error, Result};
+use crate::timing::{RowSamples, robust_cost};
 
 /// Settings of the goodput policy ([`super::BatchConfig::goodput`]).
 ///

@@ -10,8 +10,8 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
-use crate::timing::{RowSamples, curve_at, median_curve, propose_curve, robust_cost};
 use crate::error::{Error, Result};
+use crate::timing::{RowSamples, curve_at, median_curve, propose_curve, robust_cost};
 use crate::tree::DraftBlock;
 
 /// How many draft tokens to ask for at each step (the draft length `k`).
@@ -1330,10 +1330,7 @@ mod tests {
             // later ones cost 1 ms a token.
             s.observe(&cfg, 4, 4, c(5), 0.3);
             s.observe(&cfg, 4, 4, c(5), 0.004);
-            assert!(
-                (s.propose_cost(4) - 0.004).abs() < 1e-12,
-                "generation {g}"
-            );
+            assert!((s.propose_cost(4) - 0.004).abs() < 1e-12, "generation {g}");
         }
         assert!(!s.cannot_pay(4, |n| s.forward_cost(n)));
     }
@@ -1480,10 +1477,7 @@ mod tests {
             // ten (0.1 s: its catch-up and forwards).
             let secs = if i % 10 == 9 { 0.1 } else { 0.0004 };
             s.observe(&cfg, 4, 4, c(5), secs);
-            assert!(
-                (s.propose_cost(4) - 0.0004).abs() < 1e-12,
-                "step {i}"
-            );
+            assert!((s.propose_cost(4) - 0.0004).abs() < 1e-12, "step {i}");
             // Fully accepted drafts of 4 at 1.4 ms of verify more than a plain step pay.
             assert_eq!(s.choose(&cfg, 4), 4, "step {i}");
         }

@@ -105,12 +105,16 @@ impl Counts {
 ///   (the target's forward and the loop, from the end of one proposal to the start of the
 ///   next; a step without a proposal, from one [`Proposer::observe`] to the next, as one row;
 ///   never a step whose forward also feeds prompt tokens, [`ProposeRequest::fused_prompt`],
-///   nor a request's first step without a proposal: per row count the median of its last 7 times, so
-///   that a slow outlier on a shared machine does not count, read as measured: at a row count
-///   seen, its median (never below a fewer-row count's); between two seen, the straight line
-///   between them; beyond them, the least-squares slope through the medians, at least 0: a
-///   line alone underprices the short drafts of an engine whose verify cost is curved, as
-///   llama.cpp's on a CPU, `T(2) = 2.1 T(1)`, `T(5) = 3.9 T(1)`), from
+///   nor a request's first step without a proposal: per row count the median of its last 7
+///   times, so that a slow outlier on a shared machine does not count; at a row count seen its
+///   median, where above the least-squares line through all the medians shrunk toward it by
+///   the count's samples aged 0.98 per step, so that a count measured once in a slow moment,
+///   and then no longer chosen, drifts toward the line (not below it: where the line itself
+///   runs through such counts, they stay dear); between two seen, the straight line between them;
+///   beyond them, the line (slope at least 0). Read nearly as measured where measured often and
+///   lately: a line alone underprices the short drafts of an engine whose verify cost is
+///   curved, as llama.cpp's on a CPU, `T(2) = 2.1 T(1)`, `T(5) = 3.9 T(1)`, and a row count
+///   that costs less than fewer rows, as 4 rows against 3 in tiled kernels, stays cheap), from
 ///   the clock through the cost source ([`MergedProposer::with_costs`]: [`MeasuredMergeCosts`],
 ///   the default, or [`super::FixedMergeCosts`], with which every choice depends only on the
 ///   emitted tokens: deterministic);
