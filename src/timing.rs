@@ -9,13 +9,14 @@
 //! "Robust benchmarking in noisy environments", prefer the minimum over the mean for the same
 //! reason).
 
-/// The last [`RowSamples::CAP`] forward times of one row count (a ring).
+/// The last [`RowSamples::CAP`] times (seconds) of one row count, or of one draft length's
+/// proposing (a ring).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct RowSamples {
     buf: [f64; RowSamples::CAP],
     len: u8,
     next: u8,
-    /// The step count ([`AdaptiveState`]'s `steps`) at the last sample.
+    /// The step count of its owner (the policy's or the curve's steps) at the last sample.
     last: usize,
 }
 
@@ -25,6 +26,7 @@ impl RowSamples {
     /// this (a half-life of about 34 steps).
     const AGING: f64 = 0.98;
 
+    /// Adds the time `x` taken at step `step` (the oldest of a full ring is dropped).
     pub(crate) fn push(&mut self, x: f64, step: usize) {
         self.last = step;
         self.buf[self.next as usize] = x;
@@ -32,6 +34,7 @@ impl RowSamples {
         self.len = (self.len as usize + 1).min(Self::CAP) as u8;
     }
 
+    /// The median of the samples (`None` before the first).
     pub(crate) fn median(&self) -> Option<f64> {
         let n = self.len as usize;
         if n == 0 {
@@ -45,6 +48,13 @@ impl RowSamples {
         } else {
             0.5 * (v[n / 2 - 1] + v[n / 2])
         })
+    }
+
+    /// Forgets every sample and keeps `x` alone (a re-measure that found the estimate too
+    /// high).
+    pub(crate) fn reset_to(&mut self, x: f64, step: usize) {
+        *self = RowSamples::default();
+        self.push(x, step);
     }
 }
 
@@ -93,9 +103,9 @@ pub(crate) fn robust_cost(samples: &[RowSamples], steps: usize, rows: usize) -> 
     })
 }
 
-/// A cost curve by row count (index `n`) read at `n`: its value there,
-/// else the least-squares line through the measured row counts (slope at least 0; a single
-/// measured count: its value). `None` when nothing was measured.
+/// A cost curve by row count (index `n`) read at `n`: its value there, else the least-squares
+/// line through the measured row counts (slope at least 0; a single measured count: its
+/// value). `None` when nothing was measured.
 pub(crate) fn curve_at(curve: &[Option<f64>], n: usize) -> Option<f64> {
     if let Some(Some(c)) = curve.get(n) {
         return Some(*c);
@@ -117,15 +127,6 @@ pub(crate) fn curve_at(curve: &[Option<f64>], n: usize) -> Option<f64> {
             let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
             Some((my + slope * (n as f64 - mx)).max(1e-12))
         }
-    }
-}
-
-impl RowSamples {
-    /// Forgets every sample and keeps `x` alone (a re-measure that found the estimate too
-    /// high).
-    pub(crate) fn reset_to(&mut self, x: f64, step: usize) {
-        *self = RowSamples::default();
-        self.push(x, step);
     }
 }
 
