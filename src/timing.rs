@@ -65,42 +65,87 @@ impl RowSamples {
 /// count's samples aged by [`RowSamples::AGING`] per step since its last one; linear between
 /// measured counts, the line outside them.
 pub(crate) fn robust_cost(samples: &[RowSamples], steps: usize, rows: usize) -> Option<f64> {
-    let pts: Vec<(usize, f64, f64)> = samples
-        .iter()
-        .enumerate()
-        .filter_map(|(n, r)| {
-            let age = steps.saturating_sub(r.last).min(100_000) as i32;
-            let w = r.len as f64 * RowSamples::AGING.powi(age);
-            r.median().map(|m| (n, m, w.max(1e-9)))
-        })
-        .collect();
-    if pts.is_empty() {
-        return None;
-    }
-    let w: f64 = pts.iter().map(|p| p.2).sum();
-    let mx = pts.iter().map(|p| p.2 * p.0 as f64).sum::<f64>() / w;
-    let my = pts.iter().map(|p| p.2 * p.1).sum::<f64>() / w;
-    let sxy: f64 = pts
-        .iter()
-        .map(|p| p.2 * (p.0 as f64 - mx) * (p.1 - my))
-        .sum();
-    let sxx: f64 = pts.iter().map(|p| p.2 * (p.0 as f64 - mx).powi(2)).sum();
-    let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
-    let line = |n: usize| (my + slope * (n as f64 - mx)).max(1e-12);
-    // Timing noise only adds time: a median above the line is shrunk toward it by its
-    // evidence, one below it is kept as measured.
-    let est = |&(n, m, c): &(usize, f64, f64)| (n, ((c * m + line(n)) / (c + 1.0)).min(m));
-    let below = pts.iter().rev().find(|p| p.0 <= rows).map(est);
-    let above = pts.iter().find(|p| p.0 >= rows).map(est);
-    Some(match (below, above) {
-        (Some((a, ca)), Some((b, cb))) if b > a => {
-            ca + (cb - ca) * (rows - a) as f64 / (b - a) as f64
+    RobustCurve::fit(samples, steps).at(rows)
+}
+
+/// The curve of [`robust_cost`] fitted once, to be read at many row counts (the cost-aware
+/// merge prices every candidate node of a step on it).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RobustCurve {
+    /// `(rows, estimate)` of each measured row count, by rows.
+    pts: Vec<(usize, f64)>,
+    /// The weighted least-squares line: mean rows, mean seconds, slope (at least 0).
+    mx: f64,
+    my: f64,
+    slope: f64,
+}
+
+impl RobustCurve {
+    /// Fits the curve to `samples` (`samples[n]`: the times of `n` rows) at step `steps`.
+    pub(crate) fn fit(samples: &[RowSamples], steps: usize) -> RobustCurve {
+        let pts: Vec<(usize, f64, f64)> = samples
+            .iter()
+            .enumerate()
+            .filter_map(|(n, r)| {
+                let age = steps.saturating_sub(r.last).min(100_000) as i32;
+                let w = r.len as f64 * RowSamples::AGING.powi(age);
+                r.median().map(|m| (n, m, w.max(1e-9)))
+            })
+            .collect();
+        if pts.is_empty() {
+            return RobustCurve::default();
         }
-        (Some((_, ca)), Some(_)) => ca,
-        (Some((_, ca)), None) => line(rows).max(ca),
-        (None, Some((_, cb))) => line(rows).min(cb),
-        (None, None) => line(rows),
-    })
+        let w: f64 = pts.iter().map(|p| p.2).sum();
+        let mx = pts.iter().map(|p| p.2 * p.0 as f64).sum::<f64>() / w;
+        let my = pts.iter().map(|p| p.2 * p.1).sum::<f64>() / w;
+        let sxy: f64 = pts
+            .iter()
+            .map(|p| p.2 * (p.0 as f64 - mx) * (p.1 - my))
+            .sum();
+        let sxx: f64 = pts.iter().map(|p| p.2 * (p.0 as f64 - mx).powi(2)).sum();
+        let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+        let mut curve = RobustCurve {
+            pts: Vec::with_capacity(pts.len()),
+            mx,
+            my,
+            slope,
+        };
+        // Timing noise only adds time: a median above the line is shrunk toward it by its
+        // evidence, one below it is kept as measured.
+        for &(n, m, c) in &pts {
+            let est = ((c * m + curve.line(n)) / (c + 1.0)).min(m);
+            curve.pts.push((n, est));
+        }
+        curve
+    }
+
+    fn line(&self, n: usize) -> f64 {
+        (self.my + self.slope * (n as f64 - self.mx)).max(1e-12)
+    }
+
+    /// The seconds at `rows` rows: linear between measured counts, the line outside them
+    /// (kept at or above the nearest measured count below, at or below the nearest above);
+    /// `None` before any sample.
+    pub(crate) fn at(&self, rows: usize) -> Option<f64> {
+        if self.pts.is_empty() {
+            return None;
+        }
+        let i = self.pts.partition_point(|p| p.0 < rows);
+        let above = self.pts.get(i).copied();
+        let below = match above {
+            Some(p) if p.0 == rows => Some(p),
+            _ => i.checked_sub(1).map(|j| self.pts[j]),
+        };
+        Some(match (below, above) {
+            (Some((a, ca)), Some((b, cb))) if b > a => {
+                ca + (cb - ca) * (rows - a) as f64 / (b - a) as f64
+            }
+            (Some((_, ca)), Some(_)) => ca,
+            (Some((_, ca)), None) => self.line(rows).max(ca),
+            (None, Some((_, cb))) => self.line(rows).min(cb),
+            (None, None) => self.line(rows),
+        })
+    }
 }
 
 /// A cost curve by row count (index `n`) read at `n`: its value there, else the least-squares

@@ -18,7 +18,7 @@
 use std::time::Duration;
 
 use crate::error::{Result, check_secs};
-use crate::timing::{RowSamples, robust_cost};
+use crate::timing::{RobustCurve, RowSamples};
 
 /// How [`super::MergedProposer`] chooses and ranks its candidates.
 ///
@@ -218,7 +218,8 @@ impl Mean {
 const MAX_ROW_SLOT: usize = 64;
 
 /// The rest of a step's seconds by verify rows: per row count its last 7 times
-/// ([`RowSamples`]), read through [`robust_cost`]. At a measured row count the median, where
+/// ([`RowSamples`]), read through the crate's robust curve (`RobustCurve`, refitted at each
+/// step, as the tree policy reads its forward costs). At a measured row count the median, where
 /// above the least-squares line through the medians of every measured count shrunk toward it
 /// as `(m * median + line) / (m + 1)`, with `m` the count's samples aged by `0.98` per step
 /// since its last one (timing noise only adds time: a median below the line is kept); linear
@@ -243,6 +244,8 @@ struct StepCurve {
     samples: Vec<RowSamples>,
     /// Steps recorded (the age of a count's samples).
     steps: usize,
+    /// The curve fitted after the last step.
+    fit: RobustCurve,
 }
 
 impl StepCurve {
@@ -253,11 +256,12 @@ impl StepCurve {
         }
         self.steps += 1;
         self.samples[r].push(secs, self.steps);
+        self.fit = RobustCurve::fit(&self.samples, self.steps);
     }
 
     /// The seconds at `rows` rows (`None` before a sample).
     fn at(&self, rows: usize) -> Option<f64> {
-        robust_cost(&self.samples, self.steps, rows)
+        self.fit.at(rows)
     }
 }
 
