@@ -232,9 +232,10 @@ const MAX_ROW_SLOT: usize = 64;
 /// and 40 ms at 4 on a 2-core x86 machine: matrix products in tiles of 4 rows), and a curve
 /// raised to be monotone priced three-token drafts a third too dear. A count measured once,
 /// or long ago, drifts toward the line instead: one slow step at a row count the merge then
-/// stops choosing no longer keeps that count above the line for good (seen on 2 threads: the
-/// merge with a SmolLM2 draft stopped drafting three-token chains, and kept to six-token ones
-/// or none, for whole requests; 1.13x against 1.32x without the draft). Where the line itself
+/// stops choosing no longer keeps that count above the line for good (the likely cause, not
+/// traced, of a run on 2 threads in which the merge with a SmolLM2 draft stopped drafting
+/// three-token chains and kept to six-token ones or none for whole requests: 1.13x against
+/// 1.32x without the draft). Where the line itself
 /// runs through such counts (the first slow samples of a request's first steps at 4 and 5
 /// rows, and no fresh count but the plain step's), aging moves them all alike and they stay
 /// dear until a draft of that length is verified again (issue 31, not fixed).
