@@ -6,7 +6,7 @@
 use speculative::decode::{FinishReason, GenerationParams, Generator, StopConditions, TreeDrafts};
 use speculative::error::ProposalFault;
 use speculative::rng::Stream;
-use speculative::test_util::{CallLog, ToyModel, c10_next};
+use speculative::test_util::{CallLog, ToyModel, c10_greedy, c10_next};
 use speculative::{
     Draft, Error, NoProposer, ProposeRequest, Proposer, Result, SamplingConfig, TreeFault,
 };
@@ -244,12 +244,7 @@ fn an_eos_inside_a_tree_prunes_its_subtree_and_ends_there() {
     // no node below an EOS may reach the target, and the output ends at the EOS exactly as
     // plain greedy decoding with the same stop.
     let prompt = [3u32, 1, 4];
-    let mut ctx = prompt.to_vec();
-    for _ in 0..3 {
-        let t = c10_next(&ctx);
-        ctx.push(t);
-    }
-    let eos = ctx[prompt.len() + 2];
+    let eos = c10_greedy(&prompt, 3)[2];
     let params = GenerationParams::greedy(40)
         .with_draft(speculative::decode::DraftLength::Fixed(6))
         .with_tree(TreeDrafts::nodes(20))

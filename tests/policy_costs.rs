@@ -8,7 +8,7 @@
 //! function of the tokens alone.
 
 use speculative::decode::{AdaptiveConfig, DraftLength, FixedCosts, GenerationParams, Generator};
-use speculative::test_util::{ToyModel, c10_greedy, c10_next};
+use speculative::test_util::{ToyModel, c10_greedy};
 use speculative::{Draft, ProposeRequest, Proposer, Result};
 
 /// Proposes the target's own greedy continuation: every draft is accepted.
@@ -17,12 +17,7 @@ struct Oracle;
 impl Proposer for Oracle {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         draft.clear();
-        let mut ctx = req.context.to_vec();
-        for _ in 0..req.max_draft {
-            let t = c10_next(&ctx);
-            draft.tokens.push(t);
-            ctx.push(t);
-        }
+        draft.tokens = c10_greedy(req.context, req.max_draft);
         Ok(())
     }
 }

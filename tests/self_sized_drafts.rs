@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use speculative::decode::{AdaptiveConfig, DraftLength, FixedCosts, GenerationParams, Generator};
 use speculative::propose::{MergeCosts, MergedProposer};
-use speculative::test_util::{ToyModel, c10_greedy, c10_next};
+use speculative::test_util::{ToyModel, c10_greedy};
 use speculative::{Draft, ProposeRequest, Proposer, Result, SamplingConfig};
 
 /// The verify cost by rows, ms (rows past the table: 14 ms more each).
@@ -45,12 +45,7 @@ impl Proposer for Oracle {
     fn propose(&mut self, req: &ProposeRequest<'_>, draft: &mut Draft) -> Result<()> {
         self.0.lock().unwrap().push(req.max_draft);
         draft.clear();
-        let mut ctx = req.context.to_vec();
-        for _ in 0..req.max_draft {
-            let t = c10_next(&ctx);
-            draft.tokens.push(t);
-            ctx.push(t);
-        }
+        draft.tokens = c10_greedy(req.context, req.max_draft);
         Ok(())
     }
 }
