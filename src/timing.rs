@@ -179,6 +179,9 @@ pub(crate) fn curve_at(curve: &[Option<f64>], n: usize) -> Option<f64> {
 /// at `n`: the median there, else the least-squares line through the measured medians as
 /// [`curve_at`] reads it. `None` before any sample.
 pub(crate) fn median_curve(samples: &[RowSamples], n: usize) -> Option<f64> {
+    if let Some(m) = samples.get(n).and_then(RowSamples::median) {
+        return Some(m);
+    }
     let medians: Vec<Option<f64>> = samples.iter().map(RowSamples::median).collect();
     curve_at(&medians, n)
 }
@@ -194,6 +197,13 @@ pub(crate) fn median_curve(samples: &[RowSamples], n: usize) -> Option<f64> {
 /// P(lo)]`; above the longest `hi` the line kept within `[P(hi), P(hi) k / hi]` (the bounds
 /// that hold for any `f, t >= 0`). `0` for `k = 0`; `None` before any sample.
 pub(crate) fn propose_curve(samples: &[RowSamples], k: usize) -> Option<f64> {
+    if let Some(m) = samples
+        .get(k)
+        .filter(|_| k > 0)
+        .and_then(RowSamples::median)
+    {
+        return Some(m);
+    }
     let pts: Vec<(usize, f64)> = samples
         .iter()
         .enumerate()

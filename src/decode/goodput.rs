@@ -25,7 +25,7 @@
 //! token, so every `k_i` is 0: speculation turns itself off when the batch is compute-bound.
 
 use crate::error::{Error, Result};
-use crate::timing::{RowSamples, robust_cost};
+use crate::timing::{RobustCurve, RowSamples};
 
 /// Settings of the goodput policy ([`super::BatchConfig::goodput`]).
 ///
@@ -95,6 +95,8 @@ pub struct BatchCost {
     samples: Vec<RowSamples>,
     steps: usize,
     measured: usize,
+    /// The curve fitted after the last step (read for every sequence and draft length).
+    fit: RobustCurve,
 }
 
 impl BatchCost {
@@ -113,11 +115,12 @@ impl BatchCost {
             self.measured += 1;
         }
         self.samples[rows].push(seconds, self.steps);
+        self.fit = RobustCurve::fit(&self.samples, self.steps);
     }
 
     /// Estimated seconds of a step of `rows >= 1` rows; `None` before any measurement.
     pub fn cost(&self, rows: usize) -> Option<f64> {
-        robust_cost(&self.samples, self.steps, rows)
+        self.fit.at(rows)
     }
 
     /// Number of distinct row counts measured.

@@ -11,7 +11,7 @@ use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
 use crate::error::{Error, Result};
-use crate::timing::{RowSamples, curve_at, median_curve, propose_curve, robust_cost};
+use crate::timing::{RobustCurve, RowSamples, curve_at, median_curve, propose_curve, robust_cost};
 use crate::tree::DraftBlock;
 
 /// How many draft tokens to ask for at each step (the draft length `k`).
@@ -920,8 +920,9 @@ impl AdaptiveState {
         if self.cost_at(1).is_none() {
             return TreeShape::default();
         }
-        let best = self.best_size(&plan);
-        if best == 0 && self.cannot_pay(plan.len(), |n| self.tree_forward_cost(n)) {
+        let curve = RobustCurve::fit(&self.row_samples, self.steps);
+        let best = self.best_size(&plan, &curve);
+        if best == 0 && self.cannot_pay(plan.len(), |n| curve.at(n)) {
             return if self.ceiling_probe(cfg) {
                 shape_of(&plan[..cfg.probe_draft.min(plan.len())])
             } else {
@@ -941,21 +942,22 @@ impl AdaptiveState {
         if self.explore_run >= cfg.probe_interval {
             self.explore_run = 0;
             let plan = self.plan(limits, true);
-            return shape_of(&plan[..self.best_size(&plan)]);
+            return shape_of(&plan[..self.best_size(&plan, &curve)]);
         }
         shape_of(&plan[..best])
     }
 
-    /// The `n` in `0..=plan.len()` that maximises `E(n) / (t(n + 1) + P(n))`, with `P` the
+    /// The `n` in `0..=plan.len()` that maximises `E(n) / (t(n + 1) + P(n))`, with `t` the
+    /// fitted forward cost curve `curve` ([`AdaptiveState::tree_forward_cost`]) and `P` the
     /// proposing time of `n` nodes ([`AdaptiveState::propose_cost`]).
-    fn best_size(&self, plan: &[PlannedNode]) -> usize {
+    fn best_size(&self, plan: &[PlannedNode], curve: &RobustCurve) -> usize {
         let mut best = (0usize, f64::NEG_INFINITY);
         let mut e = 1.0;
         for n in 0..=plan.len() {
             if n > 0 {
                 e += plan[n - 1].reach;
             }
-            let t = self.tree_forward_cost(n + 1).unwrap_or(f64::INFINITY) + self.propose_cost(n);
+            let t = curve.at(n + 1).unwrap_or(f64::INFINITY) + self.propose_cost(n);
             let rate = e / t;
             if rate > best.1 {
                 best = (n, rate);
